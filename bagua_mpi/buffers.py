@@ -1,0 +1,161 @@
+"""How tensors and arrays reach MPI: dtypes, zero-copy views, CUDA staging.
+
+* NumPy arrays and contiguous CPU torch tensors go to MPI as they are (a NumPy view shares the
+  tensor's memory: no copy).
+* bfloat16 has no MPI datatype: data movement (broadcast, gathers, alltoall) sends its bits as
+  2-byte words, exactly. Reductions of float16 and bfloat16 run in float32 (see ``reduce_dtype``).
+* CUDA tensors go to MPI directly only when the MPI is CUDA-aware (see ``cuda.py``); otherwise
+  they are staged through pinned host memory.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import cuda as cuda_support
+
+# Canonical dtype names the collectives accept, with their NumPy storage dtype for MPI.
+_TORCH_DTYPES = {
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+    torch.float64: "float64", torch.int32: "int32", torch.int64: "int64",
+    torch.uint8: "uint8", torch.bool: "bool",
+}
+_NUMPY_DTYPES = {
+    np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
+    np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool",
+}
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+HALF = frozenset({"float16", "bfloat16"})
+
+
+def dtype_name(x) -> str:
+    """The canonical dtype name of a tensor/array; ``TypeError`` for anything unsupported."""
+    if isinstance(x, torch.Tensor):
+        name = _TORCH_DTYPES.get(x.dtype)
+    elif isinstance(x, np.ndarray):
+        name = _NUMPY_DTYPES.get(x.dtype)
+    else:
+        raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    if name is None:
+        raise TypeError(f"unsupported dtype {x.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return name
+
+
+def reduce_dtype(name: str) -> str:
+    """The dtype a reduction runs in. 16-bit floats are reduced in float32.
+
+    Measured with the MPICH wheel on 4 ranks: MPICH's own float16 SUM runs at 0.12 GB/s and a
+    Python user-defined bfloat16 op at 0.08 GB/s, while upcasting to float32 and reducing natively
+    runs at ~1 GB/s of 16-bit input (8x faster despite twice the bytes) and rounds only once.
+    """
+    return "float32" if name in HALF else name
+
+
+def is_cuda(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_cuda
+
+
+def host_view(x) -> np.ndarray:
+    """Zero-copy NumPy view of a contiguous CPU tensor or array (bfloat16 as uint16 bits)."""
+    if isinstance(x, np.ndarray):
+        return x
+    t = x.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def empty_like(x, shape=None, dtype: str | None = None):
+    """A new contiguous buffer of x's kind and device (optionally another shape/dtype)."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if isinstance(x, np.ndarray):
+        return np.empty(shape, dtype=np.dtype(dtype) if dtype else x.dtype)
+    tdtype = getattr(torch, dtype) if dtype else x.dtype
+    return torch.empty(shape, dtype=tdtype, device=x.device)
+
+
+def contiguous(x):
+    if isinstance(x, np.ndarray):
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    return x.detach().contiguous()
+
+
+def to_dtype(x, name: str):
+    """A copy of x in dtype ``name`` (same kind and device)."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.dtype(name))
+    return x.detach().to(getattr(torch, name))
+
+
+def copy_into(dst, src) -> None:
+    """dst[...] = src, converting dtype (bfloat16/float16 round to nearest even)."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src, casting="unsafe")
+    else:
+        dst.copy_(src if isinstance(src, torch.Tensor) else torch.from_numpy(src))
+
+
+def scale_(x, factor: float) -> None:
+    """x *= factor in place (torch uses its threads; NumPy one core)."""
+    if factor == 1.0:
+        return
+    if isinstance(x, np.ndarray):
+        np.multiply(x, x.dtype.type(factor), out=x)
+    else:
+        x.mul_(factor)
+
+
+class MPIBuffer:
+    """A contiguous buffer MPI may read and write, tied to a user tensor or array.
+
+    ``obj`` is what goes to mpi4py (a NumPy array, or a CUDA tensor when MPI is CUDA-aware).
+    For a CUDA tensor without CUDA-aware MPI, ``obj`` is a pinned host copy and ``writeback()``
+    copies MPI's result back to the device. For a non-contiguous input, ``obj`` is a contiguous
+    copy and ``writeback()`` copies it into the original.
+    """
+
+    __slots__ = ("source", "obj", "_back")
+
+    def __init__(self, source, obj, back: Callable[[], None] | None):
+        self.source = source
+        self.obj = obj
+        self._back = back
+
+    def writeback(self) -> None:
+        if self._back is not None:
+            self._back()
+
+
+def mpi_buffer(x, *, load: bool = True) -> MPIBuffer:
+    """Wrap x for MPI. ``load=False`` skips copying x's contents in (pure receive buffers)."""
+    if isinstance(x, np.ndarray):
+        if x.flags.c_contiguous:
+            return MPIBuffer(x, x, None)
+        tmp = np.ascontiguousarray(x) if load else np.empty(x.shape, x.dtype)
+        return MPIBuffer(x, tmp, lambda: np.copyto(x, tmp))
+    if x.is_cuda:
+        return _cuda_buffer(x, load)
+    t = x.detach()
+    if t.is_contiguous():
+        return MPIBuffer(x, host_view(t), None)
+    tmp = t.contiguous() if load else torch.empty(t.shape, dtype=t.dtype)
+    return MPIBuffer(x, host_view(tmp), lambda: t.copy_(tmp))
+
+
+def _cuda_buffer(x: torch.Tensor, load: bool) -> MPIBuffer:
+    t = x.detach()
+    if cuda_support.mpi_is_cuda_aware():
+        dev = t if t.is_contiguous() else (t.contiguous() if load else torch.empty_like(t))
+        # torch exports no __cuda_array_interface__ for bfloat16: pass its bits as int16.
+        obj = dev.view(torch.int16) if dev.dtype == torch.bfloat16 else dev
+        torch.cuda.current_stream(t.device).synchronize()  # MPI reads outside torch's stream
+        back = None if dev is t else (lambda: t.copy_(dev))
+        return MPIBuffer(x, obj, back)
+    host = cuda_support.pinned_empty(t.shape, t.dtype)
+    if load:
+        host.copy_(t)  # blocking D2H copy: MPI may read as soon as this returns
+    return MPIBuffer(x, host_view(host), lambda: t.copy_(host))

@@ -1,0 +1,51 @@
+"""Reduction operations (Horovod's names) and how each maps to MPI for each dtype."""
+from __future__ import annotations
+
+import enum
+
+from mpi4py import MPI
+
+from .buffers import FLOATING
+
+
+class ReduceOp(enum.Enum):
+    Average = "average"
+    Sum = "sum"
+    Min = "min"
+    Max = "max"
+    Product = "product"
+
+    @classmethod
+    def parse(cls, op) -> "ReduceOp":
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str):
+            for member in cls:
+                if op.lower() in (member.value, member.name.lower()):
+                    return member
+        raise ValueError(f"unknown reduction op {op!r}; valid: "
+                         + ", ".join(m.name for m in cls))
+
+
+Average = ReduceOp.Average
+Sum = ReduceOp.Sum
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+_NUMERIC = {ReduceOp.Average: MPI.SUM, ReduceOp.Sum: MPI.SUM, ReduceOp.Min: MPI.MIN,
+            ReduceOp.Max: MPI.MAX, ReduceOp.Product: MPI.PROD}
+# Booleans reduce logically: Min and Product mean "all" (logical and), Max means "any".
+_BOOLEAN = {ReduceOp.Min: MPI.LAND, ReduceOp.Max: MPI.LOR, ReduceOp.Product: MPI.LAND}
+
+
+def mpi_op(op: ReduceOp, dtype: str) -> MPI.Op:
+    """The MPI operation for ``op`` on ``dtype``; ``TypeError`` where it has no meaning."""
+    if dtype == "bool":
+        if op not in _BOOLEAN:
+            raise TypeError(f"{op.name} is not defined for bool tensors; use Min (logical and), "
+                            f"Max (logical or) or Product, or cast to an integer dtype")
+        return _BOOLEAN[op]
+    if op is ReduceOp.Average and dtype not in FLOATING:
+        raise TypeError(f"Average of {dtype} tensors would truncate; use Sum, or a floating dtype")
+    return _NUMERIC[op]

@@ -1,0 +1,68 @@
+"""Stall watchdog: a collective that never completes is reported, then ends the job.
+
+A rank that skips a collective (a bug, or a dead peer that MPI did not notice) leaves the others
+blocked inside MPI forever. The watchdog thread looks at the operation the communication layer
+is running; past ``warn_after`` seconds it logs what it waits for, and past ``abort_after`` it
+prints the same to stderr and calls ``MPI_Abort`` so the launcher tears the whole job down with
+a non-zero exit instead of burning the allocation.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+from mpi4py import MPI
+
+from .worker import CommWorker, describe_text
+
+logger = logging.getLogger(__name__)
+
+STALL_EXIT_CODE = 124
+
+
+class Watchdog:
+    def __init__(self, worker: CommWorker, rank: int, warn_after: float, abort_after: float):
+        if warn_after <= 0:
+            raise ValueError(f"stall warning time must be positive, got {warn_after!r}")
+        if abort_after < 0:
+            raise ValueError(f"stall abort time must be >= 0 (0 = never), got {abort_after!r}")
+        self.worker = worker
+        self.rank = rank
+        self.warn_after = warn_after
+        self.abort_after = abort_after
+        self._stop = threading.Event()
+        self._warned_for: object = None
+        # Check often enough to act within ~10% of the shorter limit, but never spin.
+        limits = [t for t in (warn_after, abort_after) if t > 0]
+        self._interval = max(0.05, min(1.0, min(limits) / 10))
+        self._thread = threading.Thread(target=self._loop, name="bagua_mpi-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._interval + 1)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            current = self.worker.current
+            if current is None:
+                continue
+            describe, started = current
+            waited = time.monotonic() - started
+            if self.abort_after and waited >= self.abort_after:
+                self._abort(describe, waited)
+                return
+            if waited >= self.warn_after and self._warned_for is not current:
+                self._warned_for = current
+                logger.warning("bagua_mpi rank %d: %s has waited %.1f s for the other ranks",
+                               self.rank, describe_text(describe), waited)
+
+    def _abort(self, describe, waited: float) -> None:
+        msg = (f"bagua_mpi rank {self.rank}: {describe_text(describe)} has waited {waited:.1f} s "
+               f"(abort limit {self.abort_after:g} s, BAGUA_MPI_STALL_ABORT_S); another rank "
+               f"never joined it. Aborting the job.")
+        logger.error(msg)
+        print(msg, file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)

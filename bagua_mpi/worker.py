@@ -1,0 +1,153 @@
+"""The communication thread and the handles of asynchronous operations.
+
+Why a thread: an asynchronous allreduce must make progress while Python runs backward. MPICH
+advances nonblocking collectives only inside MPI calls, and its nonblocking algorithms are slower
+than the blocking ones, so instead one daemon thread per process runs ordinary blocking MPI calls
+(mpi4py releases the GIL inside them) taken from a FIFO queue.
+
+Ordering: every rank must issue collectives on a communicator in the same order. All library
+operations therefore run through one serial executor: queued operations run in submission order,
+and a synchronous call runs inline only when nothing is queued or running (otherwise it queues
+behind them and waits), so the per-rank order is always program order.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from .exceptions import BaguaMPIError, CommunicationError
+
+
+class Handle:
+    """A pending asynchronous operation. Owns its buffers until it completes.
+
+    ``poll(handle)`` tells whether it is done; ``synchronize(handle)`` waits and returns the
+    result (the output tensor for collectives) or raises the error the operation hit.
+    """
+
+    __slots__ = ("name", "_done", "_result", "_error", "_owned", "_finish")
+
+    def __init__(self, name: str, owned: tuple = (), finish: Callable[[Any], Any] | None = None):
+        self.name = name
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+        self._owned = owned  # keeps input/output/staging buffers alive while MPI uses them
+        self._finish = finish  # runs in the waiting thread (e.g. copy back to a CUDA tensor)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"operation {self.name!r} did not complete within {timeout} s")
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, BaguaMPIError):
+                raise err
+            raise CommunicationError(f"operation {self.name!r} failed: {err!r}") from err
+        result = self._result
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            result = self._result = finish(result)
+        self._owned = ()
+        return result
+
+    def _complete(self, result=None, error: BaseException | None = None) -> None:
+        self._result = result
+        self._error = error
+        self._done.set()
+
+    def __repr__(self) -> str:
+        return f"Handle({self.name!r}, done={self.done()})"
+
+
+class CommWorker:
+    """Serial executor of MPI operations: a daemon thread plus an inline fast path."""
+
+    def __init__(self, watch: Callable[[Any], None] | None = None):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._exec_lock = threading.Lock()  # held while any operation runs
+        self._count_lock = threading.Lock()
+        self._pending = 0  # queued + running asynchronous operations
+        self._ids = itertools.count()
+        self.current: tuple[Any, float] | None = None  # (description, start) for the watchdog
+        self._thread = threading.Thread(target=self._loop, name="bagua_mpi-comm", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    # -- submission -------------------------------------------------------------------------
+    def submit(self, fn: Callable[[], Any], describe, owned: tuple = (),
+               finish: Callable[[Any], Any] | None = None) -> Handle:
+        """Queue ``fn`` to run on the communication thread; return its handle at once."""
+        if self._closed:
+            raise BaguaMPIError("bagua_mpi has been shut down; call bagua_mpi.init() again")
+        handle = Handle(_name_of(describe), owned, finish)
+        with self._count_lock:
+            self._pending += 1
+        self._queue.put((fn, describe, handle))
+        return handle
+
+    def run(self, fn: Callable[[], Any], describe):
+        """Run ``fn`` now in this thread if the queue is idle, else behind the queued work."""
+        with self._exec_lock:
+            if self._pending == 0:
+                self.current = (describe, time.monotonic())
+                try:
+                    return fn()
+                finally:
+                    self.current = None
+        return self.submit(fn, describe).wait()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far has run. False on timeout."""
+        marker = self.submit(lambda: None, "drain")
+        return marker._done.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, describe, handle = item
+            with self._exec_lock:
+                self.current = (describe, time.monotonic())
+                try:
+                    result = fn()
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                    handle._complete(error=exc)
+                else:
+                    handle._complete(result)
+                finally:
+                    self.current = None
+                    with self._count_lock:
+                        self._pending -= 1
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+
+def _name_of(describe) -> str:
+    if isinstance(describe, tuple) and describe:
+        return str(describe[0])
+    return str(describe)
+
+
+def describe_text(describe) -> str:
+    """Human-readable form of an operation description tuple (built only when reporting)."""
+    if isinstance(describe, tuple):
+        head, *rest = describe
+        return f"{head}(" + ", ".join(str(r) for r in rest) + ")"
+    return str(describe)

@@ -1,0 +1,163 @@
+"""Every collective x dtype x op x size, against a NumPy simulation of all ranks.
+
+Run by every rank under mpiexec (see tests/test_collectives_mpi.py). Prints one summary line.
+"""
+import sys
+import zlib
+
+import numpy as np
+import torch
+
+import bagua_mpi as bm
+from simulate import ALL_DTYPES, FLOATS, TORCH_DTYPES, assert_same, rank_input, reduce_all
+
+SEED = 20261121
+OPS = {"average": bm.Average, "sum": bm.Sum, "min": bm.Min, "max": bm.Max,
+       "product": bm.Product}
+SIZES = {"empty": (0,), "one": (1,), "large": (100_003,), "matrix": (7, 33)}
+
+
+def valid(op: str, dtype: str) -> bool:
+    if dtype == "bool":
+        return op in ("min", "max", "product")
+    return op != "average" or dtype in FLOATS
+
+
+def check_allreduce(rank, size, counts):
+    for dtype in ALL_DTYPES:
+        for op_name, op in OPS.items():
+            if not valid(op_name, dtype):
+                continue
+            for size_name, shape in SIZES.items():
+                seed = SEED + zlib.crc32(f"{dtype}/{op_name}/{size_name}".encode()) % 1000
+                inputs = [rank_input(seed, r, shape, dtype, op_name) for r in range(size)]
+                expected = reduce_all(inputs, op_name)
+                what = f"allreduce {op_name} {dtype} {size_name}"
+                mine = inputs[rank].clone()
+                assert_same(bm.allreduce(mine, op), expected, what)
+                assert torch.equal(mine, inputs[rank]), f"{what}: input modified"
+                assert_same(bm.allreduce_(mine, op), expected, what + " in place")
+                h = bm.allreduce_async(inputs[rank], op)
+                assert_same(bm.synchronize(h), expected, what + " async")
+                mine = inputs[rank].clone()
+                assert bm.synchronize(bm.allreduce_async_(mine, op)) is mine
+                assert_same(mine, expected, what + " async in place")
+                counts["allreduce"] += 4
+
+
+def check_scaling_and_numpy(rank, size, counts):
+    for dtype in FLOATS:
+        inputs = [rank_input(SEED, r, (257,), dtype) for r in range(size)]
+        expected = reduce_all(inputs, "average", prescale=0.5, postscale=3.0)
+        got = bm.allreduce(inputs[rank], bm.Average, prescale_factor=0.5, postscale_factor=3.0)
+        assert_same(got, expected, f"pre/postscale {dtype}")
+        counts["scaling"] += 1
+    # NumPy arrays in, NumPy arrays out (no bfloat16 in NumPy); non-contiguous inputs too.
+    for dtype in ("float16", "float32", "float64", "int32", "int64", "uint8"):
+        inputs = [rank_input(SEED, r, (6, 10), dtype) for r in range(size)]
+        expected = reduce_all(inputs, "sum")
+        arr = inputs[rank].numpy()
+        got = bm.allreduce(arr, bm.Sum)
+        assert isinstance(got, np.ndarray) and got.dtype == arr.dtype
+        assert_same(torch.from_numpy(got), expected, f"numpy allreduce {dtype}")
+        strided = np.ascontiguousarray(arr.T).T  # Fortran order: not C-contiguous
+        bm.allreduce_(strided, bm.Sum)
+        assert_same(torch.from_numpy(np.ascontiguousarray(strided)), expected,
+                    f"numpy non-contiguous {dtype}")
+        tt = inputs[rank].clone().t()  # non-contiguous torch view, in place
+        bm.allreduce_(tt, bm.Sum)
+        assert_same(tt.t(), expected, f"torch non-contiguous {dtype}")
+        counts["numpy"] += 3
+
+
+def check_grouped(rank, size, counts):
+    dtypes = ["float32", "float16", "int64", "float32", "bfloat16"]
+    shapes = [(3, 4), (5,), (2, 2), (0,), (9,)]
+    inputs = [[rank_input(SEED + i, r, s, d) for i, (d, s) in enumerate(zip(dtypes, shapes))]
+              for r in range(size)]
+    expected = [reduce_all([inputs[r][i] for r in range(size)], "sum") for i in range(5)]
+    got = bm.grouped_allreduce(inputs[rank], bm.Sum)
+    for i in range(5):
+        assert_same(got[i], expected[i], f"grouped {i}")
+    mine = [t.clone() for t in inputs[rank]]
+    bm.synchronize(bm.grouped_allreduce_async_(mine, bm.Sum))
+    for i in range(5):
+        assert_same(mine[i], expected[i], f"grouped async in place {i}")
+    counts["grouped"] += 2
+
+
+def check_data_movement(rank, size, counts):
+    for dtype in ALL_DTYPES:
+        # allgather: rank r contributes r+1 rows (dimension 0 differs per rank), and 0 rows too
+        for rows_of in (lambda r: r + 1, lambda r: 0 if r % 2 else 3):
+            inputs = [rank_input(SEED, r, (rows_of(r), 3), dtype) for r in range(size)]
+            got = bm.allgather(inputs[rank])
+            assert_same(got, torch.cat(inputs), f"allgather {dtype}")
+            got = bm.synchronize(bm.allgather_async(inputs[rank]))
+            assert_same(got, torch.cat(inputs), f"allgather async {dtype}")
+        scalar = [rank_input(SEED, r, (), dtype) for r in range(size)]
+        assert_same(bm.allgather(scalar[rank]), torch.stack(scalar), f"allgather 0-d {dtype}")
+        # broadcast from every root (correct at any world size)
+        for root in range(size):
+            inputs = [rank_input(SEED + root, r, (5, 2), dtype) for r in range(size)]
+            assert_same(bm.broadcast(inputs[rank], root), inputs[root], f"broadcast {dtype}")
+            mine = inputs[rank].clone()
+            assert bm.broadcast_(mine, root_rank=root) is mine
+            assert_same(mine, inputs[root], f"broadcast_ {dtype}")
+            mine = inputs[rank].clone()
+            bm.synchronize(bm.broadcast_async_(mine, root))
+            assert_same(mine, inputs[root], f"broadcast async {dtype}")
+        # alltoall, equal parts and uneven splits (rank r sends (r + j) % 3 rows to rank j)
+        inputs = [rank_input(SEED, r, (2 * size, 3), dtype) for r in range(size)]
+        expected = torch.cat([inputs[r][2 * rank:2 * rank + 2] for r in range(size)])
+        assert_same(bm.alltoall(inputs[rank]), expected, f"alltoall {dtype}")
+        splits = [[(r + j) % 3 for j in range(size)] for r in range(size)]
+        inputs = [rank_input(SEED, r, (sum(splits[r]), 2), dtype) for r in range(size)]
+        pieces = []
+        for r in range(size):
+            start = sum(splits[r][:rank])
+            pieces.append(inputs[r][start:start + splits[r][rank]])
+        got, received = bm.alltoall(inputs[rank], splits[rank], return_received_splits=True)
+        assert_same(got, torch.cat(pieces), f"alltoall splits {dtype}")
+        assert received.tolist() == [splits[r][rank] for r in range(size)]
+        counts["data"] += 6 + 3 * size
+    # reducescatter: uneven rows, Sum and Average
+    for dtype in ("float32", "float64", "int32", "float16", "bfloat16"):
+        for op_name in ("sum", "average") if dtype in FLOATS else ("sum", "max"):
+            rows = 2 * size + 1
+            inputs = [rank_input(SEED, r, (rows, 4), dtype) for r in range(size)]
+            full = reduce_all(inputs, op_name)
+            split = bm.collectives.reducescatter_rows(rows, size)
+            start = sum(split[:rank])
+            got = bm.reducescatter(inputs[rank], OPS[op_name])
+            assert_same(got, full[start:start + split[rank]], f"reducescatter {op_name} {dtype}")
+            counts["reducescatter"] += 1
+
+
+def check_objects(rank, size, counts):
+    assert bm.allgather_object({"rank": rank}) == [{"rank": r} for r in range(size)]
+    for root in range(size):
+        assert bm.broadcast_object(("from", rank), root) == ("from", root)
+    bm.barrier()
+    counts["objects"] += 2 + size
+
+
+def main():
+    bm.init()
+    rank, size = bm.rank(), bm.size()
+    counts = {k: 0 for k in ("allreduce", "scaling", "numpy", "grouped", "data",
+                             "reducescatter", "objects")}
+    check_allreduce(rank, size, counts)
+    check_scaling_and_numpy(rank, size, counts)
+    check_grouped(rank, size, counts)
+    check_data_movement(rank, size, counts)
+    check_objects(rank, size, counts)
+    total = sum(counts.values())
+    # Every rank must have run the same checks; a rank that skipped some would differ here.
+    assert bm.allgather_object(counts) == [counts] * size
+    if rank == 0:
+        print(f"collectives suite OK on {size} ranks: {total} checks {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

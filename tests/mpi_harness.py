@@ -1,0 +1,71 @@
+"""Launch a script under a real ``mpiexec`` from pytest and report every rank's output.
+
+The multi-rank suites live in ``tests/mpi/``; each is an ordinary Python program run by all
+ranks. A failing assertion on any rank is an uncaught exception, which bagua_mpi turns into
+``MPI_Abort`` of the whole job, so a wrong answer surfaces as a non-zero exit code here, never as
+a hang; a hang anyway is cut by the timeout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MPI_SUITES = Path(__file__).resolve().parent / "mpi"
+
+
+def mpiexec_path() -> str:
+    """The mpiexec that belongs to this Python's mpi4py (the mpich wheel puts it beside python)."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec found: install the MPI (pip install 'bagua_mpi[mpich]')")
+    return found
+
+
+@dataclass
+class MPIResult:
+    returncode: int
+    output: str
+    timed_out: bool
+
+    def describe(self) -> str:
+        state = "timed out" if self.timed_out else f"exit code {self.returncode}"
+        return f"mpiexec {state}; output of all ranks:\n{self.output}"
+
+
+def run_mpi(script: str, nprocs: int, *args: str, env: dict | None = None,
+            timeout: float = 180.0) -> MPIResult:
+    """Run ``tests/mpi/<script>`` on ``nprocs`` ranks; kill the whole job on timeout."""
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by up to 4 ranks
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(MPI_SUITES)] + [p for p in [full_env.get("PYTHONPATH")] if p])
+    if env:
+        full_env.update(env)
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(MPI_SUITES / script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return MPIResult(proc.returncode, out, False)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return MPIResult(proc.returncode, out, True)
+
+
+def assert_mpi_ok(result: MPIResult, expect_line: str | None = None) -> None:
+    assert not result.timed_out and result.returncode == 0, result.describe()
+    if expect_line is not None:
+        assert expect_line in result.output, result.describe()
