@@ -20,8 +20,9 @@ import torch
 from mpi4py import MPI
 
 from . import consistency, runtime
-from .buffers import (FLOATING, HALF, contiguous, copy_into, dtype_name, empty_like, is_cuda,
-                      mpi_buffer, reduce_dtype, scale_, to_dtype)
+from .buffers import (FLOATING, HALF, contiguous, copy_into, dtype_name, empty_like,
+                      fast_cpu_view, is_cuda, mpi_buffer, reduce_dtype, scale_, scaled_copy,
+                      to_dtype)
 from .exceptions import BaguaMPIError
 from .ops import Average, ReduceOp, mpi_op
 from .worker import Handle
@@ -65,8 +66,8 @@ def _copy(dst, src) -> None:
         dst.copy_(src)
 
 
-def _allreduce_buffers(topo, src, dst, mop, hierarchical: bool) -> None:
-    """MPI allreduce of ``src`` into ``dst`` (``src is dst`` means in place)."""
+def _allreduce_mpi(topo, src, dst, mop, hierarchical: bool) -> None:
+    """MPI allreduce of MPI-ready buffer ``src`` into ``dst`` (``src is dst``: in place)."""
     if not hierarchical:
         topo.comm.Allreduce(MPI.IN_PLACE if src is dst else src, dst, op=mop)
         return
@@ -94,46 +95,63 @@ def hierarchical_allreduce_(topo, buf, mop) -> None:
 
 def _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hierarchical):
     dt = dtype_name(tensor)
-    op = ReduceOp.parse(op)
+    if type(op) is not ReduceOp:
+        op = ReduceOp.parse(op)
     mop = mpi_op(op, dt)
-    pre = _check_factor("prescale_factor", prescale_factor, dt)
-    post = _check_factor("postscale_factor", postscale_factor, dt)
+    pre = 1.0 if prescale_factor == 1.0 else _check_factor("prescale_factor", prescale_factor, dt)
+    post = (1.0 if postscale_factor == 1.0
+            else _check_factor("postscale_factor", postscale_factor, dt))
     topo = rt.topo
     if op is Average:
-        post /= topo.size
+        # Average divides *before* the sum, fused into the copy into the output that an
+        # out-of-place allreduce makes anyway (MPICH copies send to receive buffer first).
+        pre /= topo.size
     hier = rt.hierarchical if hierarchical is None else bool(hierarchical)
-    signature = ("allreduce", ("op", op.name), ("dtype", dt), ("shape", tuple(tensor.shape)))
-    numel = math.prod(tensor.shape)
+    shape = tuple(tensor.shape)
+    numel = math.prod(shape)
 
     def run():
         if consistency._enabled:
-            consistency.verify(topo.comm, signature)
+            consistency.verify(topo.comm, ("allreduce", ("op", op.name), ("dtype", dt),
+                                           ("shape", shape)))
         if numel == 0:
             return out
         if dt in HALF:  # reduce in float32, round once at the end
             work = to_dtype(tensor, reduce_dtype(dt))
             scale_(work, pre)
-            buf = mpi_buffer(work)
-            _allreduce_buffers(topo, buf.obj, buf.obj, mop, hier)
-            buf.writeback()
+            _allreduce_buffers(topo, work, work, mop, hier, in_place=True)
             scale_(work, post)
             copy_into(out, work)
             return out
-        if out is tensor or pre != 1.0:
-            if out is not tensor:
-                copy_into(out, tensor)
-            scale_(out, pre)
-            buf = mpi_buffer(out)
-            _allreduce_buffers(topo, buf.obj, buf.obj, mop, hier)
-            buf.writeback()
+        if pre != 1.0:
+            if out is tensor:
+                scale_(out, pre)
+            else:
+                scaled_copy(out, tensor, pre)
+            _allreduce_buffers(topo, out, out, mop, hier, in_place=True)
         else:
-            src, dst = mpi_buffer(tensor), mpi_buffer(out, load=False)
-            _allreduce_buffers(topo, src.obj, dst.obj, mop, hier)
-            dst.writeback()
+            _allreduce_buffers(topo, tensor, out, mop, hier, in_place=out is tensor)
         scale_(out, post)
         return out
 
-    return run, ("allreduce", op.name, dt, tuple(tensor.shape))
+    return run, ("allreduce", op.name, dt, shape)
+
+
+def _allreduce_buffers(topo, src, dst, mop, hierarchical: bool, in_place: bool) -> None:
+    """MPI allreduce of tensor/array ``src`` into ``dst``, staging where needed."""
+    d = fast_cpu_view(dst)
+    if d is not None and not hierarchical:  # the common case: no wrapper objects at all
+        s = d if in_place else fast_cpu_view(src)
+        if s is not None:
+            topo.comm.Allreduce(MPI.IN_PLACE if in_place else s, d, op=mop)
+            return
+    if in_place:
+        buf = mpi_buffer(dst)
+        _allreduce_mpi(topo, buf.obj, buf.obj, mop, hierarchical)
+    else:
+        sbuf, buf = mpi_buffer(src), mpi_buffer(dst, load=False)
+        _allreduce_mpi(topo, sbuf.obj, buf.obj, mop, hierarchical)
+    buf.writeback()
 
 
 def allreduce(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
@@ -208,9 +226,7 @@ def _grouped_run(rt, tensors, outs, op, prescale_factor, postscale_factor, hiera
             if fused.shape[0] == 0:
                 continue
             scale_(fused, pre)
-            buf = mpi_buffer(fused)
-            _allreduce_buffers(topo, buf.obj, buf.obj, mpi_op(op, wire_dt), hier)
-            buf.writeback()
+            _allreduce_buffers(topo, fused, fused, mpi_op(op, wire_dt), hier, in_place=True)
             scale_(fused, post)
             _unflatten(fused, [outs[i] for i in idx])
         return outs

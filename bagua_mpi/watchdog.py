@@ -63,6 +63,7 @@ class Watchdog:
         msg = (f"bagua_mpi rank {self.rank}: {describe_text(describe)} has waited {waited:.1f} s "
                f"(abort limit {self.abort_after:g} s, BAGUA_MPI_STALL_ABORT_S); another rank "
                f"never joined it. Aborting the job.")
-        logger.error(msg)
+        if logger.hasHandlers():  # else logging's last resort would print it a second time
+            logger.error(msg)
         print(msg, file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
