@@ -23,5 +23,9 @@ from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                       mpi_threads_supported, rank, set_hierarchical, shutdown, size)
 from .worker import Handle
+from .compression import Compression
+from .optimizer import (DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
+                        check_models_agree)
+from . import algorithms
 
 __version__ = "0.1.0"

@@ -77,6 +77,7 @@ class CommWorker:
         self.current: tuple[Any, float] | None = None  # (description, start) for the watchdog
         self._thread = threading.Thread(target=self._loop, name="bagua_mpi-comm", daemon=True)
         self._closed = False
+        self.observer: Callable[[Any, float, float], None] | None = None  # timeline hook
         self._thread.start()
 
     # -- submission -------------------------------------------------------------------------
@@ -92,7 +93,13 @@ class CommWorker:
         return handle
 
     def run(self, fn: Callable[[], Any], describe):
-        """Run ``fn`` now in this thread if the queue is idle, else behind the queued work."""
+        """Run ``fn`` now in this thread if the queue is idle, else behind the queued work.
+
+        Called from inside a task on the communication thread (an algorithm composing
+        collectives), it runs ``fn`` at once: that task already holds the executor.
+        """
+        if threading.current_thread() is self._thread:
+            return fn()
         with self._exec_lock:
             if self._pending == 0:
                 self.current = (describe, time.monotonic())
@@ -122,7 +129,8 @@ class CommWorker:
                 return
             fn, describe, handle = item
             with self._exec_lock:
-                self.current = (describe, time.monotonic())
+                started = time.monotonic()
+                self.current = (describe, started)
                 try:
                     result = fn()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
@@ -131,6 +139,8 @@ class CommWorker:
                     handle._complete(result)
                 finally:
                     self.current = None
+                    if self.observer is not None:
+                        self.observer(describe, started, time.monotonic())
                     with self._count_lock:
                         self._pending -= 1
 

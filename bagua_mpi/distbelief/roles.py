@@ -1,0 +1,288 @@
+"""Who does what in a DistBelief job, and how the flattened parameter vector is cut into shards.
+
+Default layout of an N-rank job with ``setup(n_servers=S, coordinator=C)``::
+
+    rank 0 ................ the coordinator (Sandblaster only, C=True)
+    ranks 0 or 1 .. N-S-1 .. workers (model replicas), in rank order; worker 0 is the
+                             warm-start replica of Downpour
+    ranks N-S .. N-1 ....... parameter-server shards 0 .. S-1
+
+``setup(server_ranks=[...])`` places the shards on any ranks instead (for example one per node,
+so that shards do not share a node's memory bandwidth with each other).
+
+The vector of P parameters is cut into S contiguous shards whose sizes differ by at most one
+(``ShardLayout``). A worker that uses only part of the vector (``param_range``) talks only to the
+shards that hold some of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import runtime
+from .protocol import DistBeliefError
+
+SERVER, WORKER, COORDINATOR = "server", "worker", "coordinator"
+_ROLE_CODES = {SERVER: 0, WORKER: 1, COORDINATOR: 2}
+
+
+class ShardLayout:
+    """Balanced contiguous split of ``numel`` parameters over ``n_shards`` shards.
+
+    Shard k holds ``[bounds[k], bounds[k+1])``; the first ``numel % n_shards`` shards hold one
+    element more than the others.
+
+    >>> ShardLayout(10, 3).bounds.tolist()
+    [0, 4, 7, 10]
+    """
+
+    def __init__(self, numel: int, n_shards: int, dtype=np.float32):
+        if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel <= 0:
+            raise ValueError(f"numel must be a positive integer, got {numel!r}")
+        if isinstance(n_shards, bool) or not isinstance(n_shards, (int, np.integer)) \
+                or n_shards <= 0:
+            raise ValueError(f"n_shards must be a positive integer, got {n_shards!r}")
+        if n_shards > numel:
+            raise ValueError(f"{n_shards} shards for {numel} parameters: every shard needs at "
+                             f"least one parameter; use at most {numel} servers")
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"parameters must be float32 or float64, got {self.dtype}")
+        self.numel = int(numel)
+        self.n_shards = int(n_shards)
+        base, extra = divmod(self.numel, self.n_shards)
+        sizes = np.full(self.n_shards, base, dtype=np.int64)
+        sizes[:extra] += 1
+        self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def shard_range(self, k: int) -> tuple[int, int]:
+        return int(self.bounds[k]), int(self.bounds[k + 1])
+
+    def shard_size(self, k: int) -> int:
+        return int(self.bounds[k + 1] - self.bounds[k])
+
+    def overlap(self, k: int, lo: int, hi: int) -> tuple[int, int] | None:
+        """The part of ``[lo, hi)`` that shard k holds, in global indices; None if empty."""
+        a, b = max(lo, int(self.bounds[k])), min(hi, int(self.bounds[k + 1]))
+        return (a, b) if a < b else None
+
+    def shards_overlapping(self, lo: int, hi: int) -> list[int]:
+        """The shards a worker using parameters ``[lo, hi)`` needs to talk to."""
+        return [k for k in range(self.n_shards) if self.overlap(k, lo, hi) is not None]
+
+    def split(self, vector: np.ndarray) -> list[np.ndarray]:
+        """Views of ``vector`` (length ``numel``), one per shard."""
+        if vector.shape != (self.numel,):
+            raise ValueError(f"expected a vector of {self.numel} parameters, got shape "
+                             f"{vector.shape}")
+        return [vector[self.bounds[k]:self.bounds[k + 1]] for k in range(self.n_shards)]
+
+    def check_range(self, param_range) -> tuple[int, int]:
+        if param_range is None:
+            return 0, self.numel
+        lo, hi = (int(v) for v in param_range)
+        if not 0 <= lo < hi <= self.numel:
+            raise ValueError(f"param_range must satisfy 0 <= lo < hi <= {self.numel}, "
+                             f"got {param_range!r}")
+        return lo, hi
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, ShardLayout) and self.numel == other.numel
+                and self.n_shards == other.n_shards and self.dtype == other.dtype)
+
+    def __repr__(self) -> str:
+        return f"ShardLayout(numel={self.numel}, n_shards={self.n_shards}, dtype={self.dtype})"
+
+
+@dataclass(frozen=True)
+class Roles:
+    """This rank's role and everybody's, on a private communicator for parameter-server traffic.
+
+    Made by ``setup`` (collective). ``close()`` frees the communicator (collective too).
+    """
+
+    comm: MPI.Intracomm  # duplicate of the library's communicator: PS traffic only
+    servers: tuple[int, ...]  # ranks of shards 0..S-1
+    workers: tuple[int, ...]  # ranks of workers 0..W-1
+    coordinator: int | None  # Sandblaster's coordinator rank, if any
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    @property
+    def role(self) -> str:
+        if self.rank == self.coordinator:
+            return COORDINATOR
+        return SERVER if self.rank in self.servers else WORKER
+
+    @property
+    def is_server(self) -> bool:
+        return self.role == SERVER
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role == WORKER
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.role == COORDINATOR
+
+    @property
+    def n_servers(self) -> int:
+        return len(self.servers)
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.workers)
+
+    @property
+    def server_index(self) -> int:
+        """This rank's shard number (servers only)."""
+        return self.servers.index(self.rank)
+
+    @property
+    def worker_index(self) -> int:
+        """This rank's worker number (workers only); worker 0 is the warm-start replica."""
+        return self.workers.index(self.rank)
+
+    def gather_vector(self, layout: ShardLayout, my_slice: np.ndarray | None,
+                      root: int = 0) -> np.ndarray | None:
+        """Collective: assemble the full vector from the shards' slices on rank ``root``.
+
+        Servers pass their slice, every other rank ``None``; ``root`` gets the vector (a copy),
+        the others ``None``.
+        """
+        counts = [0] * self.size
+        for k, r in enumerate(self.servers):
+            counts[r] = layout.shard_size(k)
+        displs = [0] * self.size
+        for k, r in enumerate(self.servers):
+            displs[r] = int(layout.bounds[k])
+        mpi_type = MPI.DOUBLE if layout.dtype == np.float64 else MPI.FLOAT
+        send = my_slice if self.is_server else np.empty(0, dtype=layout.dtype)
+        if self.is_server and send.shape != (layout.shard_size(self.server_index),):
+            raise ValueError(f"rank {self.rank}: slice of shape {send.shape} does not fit shard "
+                             f"{self.server_index} of {layout}")
+        out = np.empty(layout.numel, dtype=layout.dtype) if self.rank == root else None
+        self.comm.Gatherv([np.ascontiguousarray(send, dtype=layout.dtype), mpi_type],
+                          [out, (counts, displs), mpi_type] if out is not None else None,
+                          root=root)
+        return out
+
+    def close(self) -> None:
+        """Collective: free the parameter-server communicator."""
+        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
+            self.comm.Free()
+
+
+def setup(n_servers: int = 1, *, coordinator: bool = False,
+          server_ranks=None, comm: MPI.Intracomm | None = None) -> Roles:
+    """Collective: choose roles and duplicate the communicator for parameter-server traffic.
+
+    Args:
+        n_servers: number of parameter-server shards (ignored when ``server_ranks`` is given).
+        coordinator: reserve rank 0 for Sandblaster's coordinator.
+        server_ranks: explicit ranks for shards 0..S-1 (default: the last ``n_servers`` ranks).
+        comm: communicator to duplicate (default: bagua_mpi's own, so ``bagua_mpi.init()`` must
+            have run). The duplicate is never used for collectives of the library, so a server
+            waiting for pushes can never match (or be matched by) an allreduce.
+
+    Raises ``ValueError`` (on every rank alike) for a layout with no worker or no server.
+    """
+    if comm is None:
+        comm = runtime.get().topo.comm
+    size = comm.Get_size()
+    if server_ranks is None:
+        if isinstance(n_servers, bool) or not isinstance(n_servers, int) or n_servers < 1:
+            raise ValueError(f"n_servers must be a positive integer, got {n_servers!r}")
+        servers = tuple(range(size - n_servers, size))
+    else:
+        servers = tuple(int(r) for r in server_ranks)
+        if not servers or len(set(servers)) != len(servers) or \
+                any(not 0 <= r < size for r in servers):
+            raise ValueError(f"server_ranks must be distinct ranks in [0, {size}), "
+                             f"got {server_ranks!r}")
+    coord = None
+    if coordinator:
+        coord = next((r for r in range(size) if r not in servers), None)
+        if coord is None:
+            raise ValueError(f"{size} ranks leave no rank for the coordinator")
+    workers = tuple(r for r in range(size) if r not in servers and r != coord)
+    if not workers:
+        raise ValueError(f"{size} ranks with {len(servers)} server(s)"
+                         f"{' and a coordinator' if coord is not None else ''} leave no worker; "
+                         f"start more ranks or fewer servers")
+    return Roles(comm.Dup(), servers, workers, coord)
+
+
+def handshake(roles: Roles, fields: dict[str, int]) -> list[dict[str, int]]:
+    """Collective: every rank's ``fields`` (same keys everywhere), in rank order.
+
+    Used at the start of a session so each side learns the other's settings (which part of the
+    vector each worker uses, the warm-start length, ...) and checks the ones that must agree.
+    """
+    keys = sorted(fields)
+    mine = np.array([_ROLE_CODES[roles.role]] + [int(fields[k]) for k in keys], dtype=np.int64)
+    table = np.empty((roles.size, len(mine)), dtype=np.int64)
+    roles.comm.Allgather(mine, table)
+    return [dict(zip(["role"] + keys, (int(v) for v in row))) for row in table]
+
+
+def check_agree(rows: list[dict[str, int]], key: str, ranks=None) -> int:
+    """The common value of ``key`` among ``ranks`` (default all); raise on every rank if not."""
+    ranks = range(len(rows)) if ranks is None else ranks
+    values = {r: rows[r][key] for r in ranks}
+    if len(set(values.values())) > 1:
+        raise DistBeliefError(f"ranks disagree on {key}: "
+                              + ", ".join(f"rank {r}: {v}" for r, v in values.items()))
+    return next(iter(values.values()))
+
+
+DOWNPOUR, SANDBLASTER = 1, 2
+
+
+@dataclass(frozen=True)
+class Session:
+    """What every rank learned at the start of a Downpour or Sandblaster session."""
+
+    mode: int  # DOWNPOUR or SANDBLASTER
+    worker_ranges: dict[int, tuple[int, int]]  # worker rank -> the part of the vector it uses
+    warm_start_steps: int  # Downpour: solo steps of worker 0 before the others start
+
+    def workers_of_shard(self, roles: Roles, layout: ShardLayout, k: int) -> list[int]:
+        """Ranks of the workers that use some of shard k (the ones it waits for)."""
+        return [w for w in roles.workers
+                if layout.overlap(k, *self.worker_ranges[w]) is not None]
+
+
+def open_session(roles: Roles, layout: ShardLayout, mode: int, *, param_range=(0, 0),
+                 warm_start_steps: int = 0, optimizer_code: int = 0,
+                 optimizer_lr: float = 0.0) -> Session:
+    """Collective: exchange and check the settings of a session (one handshake allgather).
+
+    Every rank must agree on the mode and the layout; workers on the warm-start length; servers
+    on the update rule. A disagreement raises ``DistBeliefError`` on every rank, naming each
+    rank's value, instead of a protocol that silently misbehaves.
+    """
+    lr_bits = int(np.array([optimizer_lr], dtype=np.float64).view(np.int64)[0])
+    rows = handshake(roles, {
+        "mode": mode, "numel": layout.numel, "n_shards": layout.n_shards,
+        "itemsize": layout.dtype.itemsize, "lo": param_range[0], "hi": param_range[1],
+        "warm": warm_start_steps, "opt": optimizer_code, "lr_bits": lr_bits})
+    for key in ("mode", "numel", "n_shards", "itemsize"):
+        check_agree(rows, key)
+    warm = check_agree(rows, "warm", roles.workers)
+    check_agree(rows, "opt", roles.servers)
+    check_agree(rows, "lr_bits", roles.servers)
+    if layout.n_shards != roles.n_servers:
+        raise DistBeliefError(f"{layout} has {layout.n_shards} shards but the job has "
+                              f"{roles.n_servers} server rank(s)")
+    ranges = {w: (rows[w]["lo"], rows[w]["hi"]) for w in roles.workers}
+    return Session(mode, ranges, warm)

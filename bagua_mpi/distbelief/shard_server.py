@@ -1,0 +1,410 @@
+"""A parameter-server shard: one rank owning one slice of the flattened parameter vector.
+
+The server loop runs on the calling (main) thread -- not on bagua_mpi's communication thread,
+whose queue must stay free for the library's collectives -- and polls the private
+parameter-server communicator with ``MPI_Improbe`` from any source: each message is handled to
+completion as it arrives, in arrival order, independently of every other shard.
+
+Downpour (``optimizer`` given) -- per message from worker w:
+
+* ``FETCH``: reply with w's part of the slice; remember the shard's update count at that moment;
+* ``PUSH``: staleness = updates applied since w's last fetch; apply the update rule; count it;
+* ``BYE``: w is done (or its step function raised); ``WARM_DONE``: release the other workers.
+
+A worker silent for longer than ``worker_timeout_s`` is declared lost and told to stop; the loop
+ends when every worker that uses this shard has left or been lost.
+
+Sandblaster (``optimizer=None``): run the coordinator's programs (``vector_ops``); serve the
+point being evaluated to workers; add each portion's gradient once (the first copy to arrive wins,
+later copies of the same portion -- backup tasks -- and copies from a finished evaluation are
+dropped); stop when the coordinator says so.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .optimizers import SGD, Adagrad
+from .protocol import (POLL_MAX_S, TAG_REPLY, Backoff, Departure, DistBeliefError, Endpoint,
+                       Message, Op, pack)
+from .roles import DOWNPOUR, SANDBLASTER, Roles, ShardLayout, open_session
+from .vector_ops import GACC, X, SlotStore
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+_WAITING, _ACTIVE = "waiting", "active"
+
+
+@dataclass
+class ServerReport:
+    """What one shard saw during a session (returned by ``ShardServer.serve``)."""
+
+    shard: int
+    rank: int
+    updates: int  # pushes applied (Downpour)
+    pushes: dict[int, int]  # worker rank -> pushes applied from it
+    fetches: dict[int, int]  # worker rank -> fetches served
+    dropped: int  # pushes from departed/lost workers, portions already counted or stale
+    staleness_counts: np.ndarray  # [s] = pushes that arrived s updates after their fetch
+    departures: dict[int, str]  # worker rank -> 'DONE' | 'STOPPED' | 'ERROR' | 'LOST'
+    first_fetch_updates: dict[int, int]  # worker rank -> update count at its first fetch
+    pushes_at_departure: dict[int, dict[int, int]]  # worker -> everyone's pushes when it left
+    portions_accepted: int = 0  # Sandblaster
+    programs: int = 0  # Sandblaster
+    elapsed_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def staleness_summary(self) -> dict[str, float]:
+        """Mean, median, 90th percentile and maximum staleness of the applied pushes."""
+        counts = self.staleness_counts
+        total = int(counts.sum())
+        if total == 0:
+            return {"pushes": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+        values = np.arange(len(counts))
+        cdf = np.cumsum(counts) / total
+        return {"pushes": total, "mean": float((values * counts).sum() / total),
+                "p50": float(values[np.searchsorted(cdf, 0.5)]),
+                "p90": float(values[np.searchsorted(cdf, 0.9)]),
+                "max": float(values[counts > 0].max())}
+
+
+class ShardServer:
+    """Collective constructor (with the workers' and coordinator's); then ``serve()``.
+
+    Args:
+        roles: from ``setup``; this rank must be a server.
+        layout: the split of the parameter vector (same on every rank).
+        optimizer: ``Adagrad(...)`` or ``SGD(...)`` for Downpour; ``None`` for Sandblaster.
+        worker_timeout_s: Downpour only: a worker silent this long (after its release) is
+            declared lost, told to stop, and no longer waited for. ``None``: wait for its BYE.
+
+    The initial parameters arrive from worker 0 during construction; ``load_state_dict`` after
+    construction replaces them (and the optimizer state and counters) from a checkpoint.
+    """
+
+    def __init__(self, roles: Roles, layout: ShardLayout, optimizer: SGD | Adagrad | None = None,
+                 *, worker_timeout_s: float | None = None, poll_max_s: float = POLL_MAX_S):
+        if not roles.is_server:
+            raise ValueError(f"rank {roles.rank} is a {roles.role}, not a server")
+        if optimizer is not None and not isinstance(optimizer, (SGD, Adagrad)):
+            raise TypeError(f"optimizer must be distbelief.Adagrad, distbelief.SGD or None, "
+                            f"got {type(optimizer).__name__}")
+        if worker_timeout_s is not None and not worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be positive or None, got {worker_timeout_s!r}")
+        self.mode = DOWNPOUR if optimizer is not None else SANDBLASTER
+        if (self.mode == SANDBLASTER) != (roles.coordinator is not None):
+            raise ValueError("Sandblaster (optimizer=None) needs setup(coordinator=True); "
+                             "Downpour (an optimizer) needs a job without a coordinator")
+        self.roles, self.layout, self.optimizer = roles, layout, optimizer
+        self.worker_timeout_s = worker_timeout_s
+        self.session = open_session(
+            roles, layout, self.mode, optimizer_code=getattr(optimizer, "code", 0),
+            optimizer_lr=getattr(optimizer, "lr", 0.0))
+        self.shard = roles.server_index
+        self.start, self.stop = layout.shard_range(self.shard)
+        size = self.stop - self.start
+        self.store = SlotStore(size, layout.dtype)
+        self.store.on_begin_eval = self._begin_eval
+        self.store.on_end_eval = self._end_eval
+        self.opt_state = optimizer.init_state(size, layout.dtype) if optimizer else {}
+        self.endpoint = Endpoint(roles.comm, poll_max_s)
+        self.my_workers = self.session.workers_of_shard(roles, layout, self.shard)
+        # worker rank -> its part of this slice, relative to the slice's start
+        self.windows = {}
+        for w in self.my_workers:
+            a, b = layout.overlap(self.shard, *self.session.worker_ranges[w])
+            self.windows[w] = (a - self.start, b - self.start)
+        self._reset_counters()
+        init = self.endpoint.recv(source=roles.workers[0])
+        if init.op != Op.PARAMS or init.payload.nbytes != size * layout.dtype.itemsize:
+            raise DistBeliefError(f"shard {self.shard}: expected the initial {size} parameters "
+                                  f"from worker rank {roles.workers[0]}, got {init.op.name} "
+                                  f"with {init.payload.nbytes} bytes")
+        self.store.slots[X] = init.data(layout.dtype).copy()
+
+    def _reset_counters(self) -> None:
+        self.updates = 0
+        self.dropped = 0
+        self.pushes = {w: 0 for w in self.my_workers}
+        self.fetches = {w: 0 for w in self.my_workers}
+        self.fetched_at: dict[int, int] = {}  # worker -> update count at its last fetch
+        self.first_fetch: dict[int, int] = {}
+        self.staleness = np.zeros(16, dtype=np.int64)
+        self.departures: dict[int, Departure] = {}
+        self.pushes_at_departure: dict[int, dict[int, int]] = {}
+        self.eval_id = -1  # Sandblaster: the evaluation in progress, its point and ledger
+        self.eval_src = X
+        self.ledger: set[int] = set()
+        self.portions_accepted = 0
+        self.programs = 0
+
+    @property
+    def params(self) -> np.ndarray:
+        """This shard's slice of the parameters (live view)."""
+        return self.store.slots[X]
+
+    # -- the loops ----------------------------------------------------------------------------
+    def serve(self) -> ServerReport:
+        """Serve until the session ends, then join the closing barrier; return the report."""
+        t0 = time.perf_counter()
+        if self.mode == DOWNPOUR:
+            self._serve_downpour()
+        else:
+            self._serve_sandblaster()
+        self.endpoint.drain(self._on_late)
+        return self.report(time.perf_counter() - t0)
+
+    def _serve_downpour(self) -> None:
+        warm_rank = self.roles.workers[0]
+        warm = self.session.warm_start_steps > 0
+        self._state = {w: (_WAITING if warm and w != warm_rank else _ACTIVE)
+                       for w in self.my_workers}
+        now = time.monotonic()
+        self._last_heard = {w: now for w in self.my_workers}
+        self._released = not warm
+        if warm and warm_rank not in self._state:
+            self._release()  # the warm-start replica does not use this shard
+        backoff = Backoff(self.endpoint.poll_max_s)
+        next_check = now
+        while any(s in (_WAITING, _ACTIVE) for s in self._state.values()):
+            m = self.endpoint.try_recv()
+            if m is not None:
+                self._on_downpour(m)
+                backoff.reset()
+                continue
+            self.endpoint.progress()
+            if self.worker_timeout_s is not None and time.monotonic() >= next_check:
+                self._check_silence()
+                next_check = time.monotonic() + min(0.05, self.worker_timeout_s / 10)
+            backoff.idle()
+
+    def _on_downpour(self, m: Message) -> None:
+        w = m.source
+        state = self._state.get(w)
+        if state is None:
+            raise DistBeliefError(f"shard {self.shard} (rank {self.roles.rank}): {m.op.name} from "
+                                  f"rank {w}, which is not one of its workers {self.my_workers}")
+        if state == _ACTIVE:
+            self._last_heard[w] = time.monotonic()
+        if m.op == Op.FETCH:
+            if state != _ACTIVE:
+                self._reply(w, Op.STOP)
+                return
+            a, b = self.windows[w]
+            self._reply(w, Op.PARAMS, payload=self.params[a:b])
+            self.fetches[w] += 1
+            self.fetched_at[w] = self.updates
+            self.first_fetch.setdefault(w, self.updates)
+        elif m.op == Op.PUSH:
+            if state != _ACTIVE:
+                self.dropped += 1
+                return
+            self._apply_push(w, m)
+        elif m.op == Op.BYE:
+            if state in (_WAITING, _ACTIVE):
+                self._depart(w, Departure(m.a))
+        elif m.op == Op.WARM_DONE:
+            if w == self.roles.workers[0]:
+                self._release()
+        else:
+            raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank {w} "
+                                  f"in a Downpour session")
+
+    def _apply_push(self, w: int, m: Message) -> None:
+        a, b = self.windows[w]
+        grad = m.data(self.layout.dtype)
+        if grad.shape != (b - a,):
+            raise DistBeliefError(f"shard {self.shard}: push of {grad.size} values from rank {w},"
+                                  f" whose part of this shard has {b - a}")
+        stale = self.updates - self.fetched_at.get(w, 0)
+        if stale >= len(self.staleness):
+            self.staleness = np.concatenate(
+                [self.staleness, np.zeros(max(stale + 1, 2 * len(self.staleness))
+                                          - len(self.staleness), dtype=np.int64)])
+        self.staleness[stale] += 1
+        self.optimizer.apply(self.params, grad, self.opt_state, a, b)
+        self.updates += 1
+        self.pushes[w] += 1
+
+    def _release(self) -> None:
+        """End of the warm start on this shard: let every waiting worker go."""
+        if self._released:
+            return
+        self._released = True
+        now = time.monotonic()
+        for w, s in self._state.items():
+            if s == _WAITING:
+                self._state[w] = _ACTIVE
+                self._last_heard[w] = now
+                self.endpoint.send(w, pack(Op.RELEASE))
+
+    def _depart(self, w: int, reason: Departure) -> None:
+        self._state[w] = reason.name
+        self.departures[w] = reason
+        self.pushes_at_departure[w] = dict(self.pushes)
+        if reason == Departure.ERROR:
+            logger.warning("shard %d: worker rank %d left after an error in its step function",
+                           self.shard, w)
+        if w == self.roles.workers[0]:
+            self._release()  # a warm-start replica that leaves early must not block the others
+
+    def _check_silence(self) -> None:
+        now = time.monotonic()
+        for w, s in self._state.items():
+            if s == _ACTIVE and now - self._last_heard[w] > self.worker_timeout_s:
+                logger.warning("shard %d: worker rank %d silent for %.1f s (worker_timeout_s=%g): "
+                               "declared lost", self.shard, w, now - self._last_heard[w],
+                               self.worker_timeout_s)
+                self._depart(w, Departure.LOST)
+                self.endpoint.send(w, pack(Op.STOP))  # read whenever it wakes up
+
+    def _serve_sandblaster(self) -> None:
+        backoff = Backoff(self.endpoint.poll_max_s)
+        coord = self.roles.coordinator
+        while True:
+            m = self.endpoint.try_recv()
+            if m is None:
+                self.endpoint.progress()
+                backoff.idle()
+                continue
+            backoff.reset()
+            if m.op == Op.PROGRAM and m.source == coord:
+                results = self.store.run(m.data(np.float64).reshape(-1, 6))
+                self.programs += 1
+                self._reply(coord, Op.RESULTS, payload=results)
+            elif m.op == Op.STOP and m.source == coord:
+                return
+            elif m.op == Op.FETCH_EVAL:
+                if m.a == self.eval_id:
+                    self._reply(m.source, Op.PARAMS, payload=self.store.get(self.eval_src))
+                else:
+                    self._reply(m.source, Op.STALE)
+            elif m.op == Op.PUSH_PORTION:
+                self._add_portion(m)
+            else:
+                raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank "
+                                      f"{m.source} in a Sandblaster session")
+
+    def _add_portion(self, m: Message) -> None:
+        if m.a != self.eval_id or m.b in self.ledger:
+            self.dropped += 1  # a backup copy that lost, or work for a finished evaluation
+            return
+        grad = m.data(self.layout.dtype)
+        if grad.shape != (self.stop - self.start,):
+            raise DistBeliefError(f"shard {self.shard}: portion gradient of {grad.size} values "
+                                  f"from rank {m.source}, expected {self.stop - self.start}")
+        self.store.out(GACC)[:] += grad
+        self.ledger.add(m.b)
+        self.portions_accepted += 1
+
+    def _begin_eval(self, eval_id: int, src: int) -> None:
+        self.eval_id, self.eval_src = eval_id, src
+        self.store.out(GACC)[:] = 0
+        self.ledger.clear()
+
+    def _end_eval(self, dst: int, scale: float, n_portions: int) -> None:
+        if len(self.ledger) != n_portions:
+            missing = sorted(set(range(n_portions)) - self.ledger)[:10]
+            raise DistBeliefError(f"shard {self.shard}: evaluation {self.eval_id} ended with "
+                                  f"{len(self.ledger)} of {n_portions} portions (missing e.g. "
+                                  f"{missing})")
+        np.multiply(self.store.get(GACC), scale, out=self.store.out(dst))
+
+    def _on_late(self, m: Message) -> None:
+        """Messages that arrive after the loop, while the session closes."""
+        if m.op == Op.FETCH:
+            self._reply(m.source, Op.STOP)
+        elif m.op == Op.FETCH_EVAL:
+            self._reply(m.source, Op.STALE)
+        elif m.op in (Op.PUSH, Op.PUSH_PORTION):
+            self.dropped += 1
+        elif m.op in (Op.BYE, Op.WARM_DONE):
+            pass
+        else:
+            raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank "
+                                  f"{m.source} while closing")
+
+    def _reply(self, dest: int, op: Op, payload: np.ndarray | None = None) -> None:
+        self.endpoint.send(dest, pack(op, payload=payload), tag=TAG_REPLY)
+
+    # -- reporting and checkpoints -------------------------------------------------------------
+    def report(self, elapsed_s: float = 0.0) -> ServerReport:
+        last = np.flatnonzero(self.staleness)
+        counts = self.staleness[:last[-1] + 1].copy() if len(last) else np.zeros(0, np.int64)
+        return ServerReport(
+            shard=self.shard, rank=self.roles.rank, updates=self.updates,
+            pushes=dict(self.pushes), fetches=dict(self.fetches), dropped=self.dropped,
+            staleness_counts=counts,
+            departures={w: r.name for w, r in self.departures.items()},
+            first_fetch_updates=dict(self.first_fetch),
+            pushes_at_departure={w: dict(p) for w, p in self.pushes_at_departure.items()},
+            portions_accepted=self.portions_accepted, programs=self.programs,
+            elapsed_s=elapsed_s)
+
+    def state_dict(self) -> dict:
+        """Plain dict of NumPy arrays and numbers (copies): parameters, optimizer state, counts.
+
+        Keys: ``format``, ``shard``, ``numel``, ``start``, ``stop``, ``updates``, ``dropped``,
+        ``worker_ranks``, ``pushes``, ``fetches`` (aligned with ``worker_ranks``),
+        ``staleness_counts``, ``eval_id``, ``opt_<name>`` for each optimizer array and
+        ``slot_<k>`` for each vector slot (``slot_0`` is the parameters).
+        """
+        ranks = np.array(self.my_workers, dtype=np.int64)
+        state = {
+            "format": STATE_FORMAT, "shard": self.shard, "numel": self.layout.numel,
+            "start": self.start, "stop": self.stop, "updates": self.updates,
+            "dropped": self.dropped, "worker_ranks": ranks,
+            "pushes": np.array([self.pushes[w] for w in self.my_workers], dtype=np.int64),
+            "fetches": np.array([self.fetches[w] for w in self.my_workers], dtype=np.int64),
+            "staleness_counts": self.report().staleness_counts, "eval_id": self.eval_id,
+        }
+        for name, arr in self.opt_state.items():
+            state[f"opt_{name}"] = arr.copy()
+        for k, vec in self.store.slots.items():
+            state[f"slot_{k}"] = vec.copy()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (before ``serve``); checks it fits this shard."""
+        if int(state.get("format", -1)) != STATE_FORMAT:
+            raise DistBeliefError(f"shard state format {state.get('format')!r}, this version "
+                                  f"reads {STATE_FORMAT}")
+        mine = (self.shard, self.layout.numel, self.start, self.stop)
+        theirs = tuple(int(state[k]) for k in ("shard", "numel", "start", "stop"))
+        if mine != theirs:
+            raise DistBeliefError(f"shard state for (shard, numel, start, stop) = {theirs} "
+                                  f"loaded into {mine}")
+        size = self.stop - self.start
+        slots = {}
+        for key, value in state.items():
+            if key.startswith("slot_"):
+                arr = np.asarray(value)
+                if arr.shape != (size,):
+                    raise DistBeliefError(f"shard state {key} has shape {arr.shape}, "
+                                          f"expected ({size},)")
+                slots[int(key[5:])] = arr.astype(self.layout.dtype, copy=True)
+        if X not in slots:
+            raise DistBeliefError("shard state has no parameters (slot_0)")
+        opt_state = {}
+        for name in self.opt_state:
+            arr = np.asarray(state.get(f"opt_{name}", np.empty(0)))
+            if arr.shape != (size,):
+                raise DistBeliefError(f"shard state opt_{name} has shape {arr.shape}, "
+                                      f"expected ({size},)")
+            opt_state[name] = arr.astype(self.layout.dtype, copy=True)
+        self.store.slots = slots
+        self.opt_state = opt_state
+        self.updates = int(state["updates"])
+        self.dropped = int(state["dropped"])
+        self.eval_id = int(state["eval_id"])
+        counts = np.asarray(state["staleness_counts"], dtype=np.int64)
+        self.staleness = np.zeros(max(16, len(counts)), dtype=np.int64)
+        self.staleness[:len(counts)] = counts
+        ranks = [int(r) for r in np.asarray(state["worker_ranks"])]
+        if ranks == self.my_workers:  # per-worker counts only mean something for the same ranks
+            self.pushes = dict(zip(ranks, (int(v) for v in state["pushes"])))
+            self.fetches = dict(zip(ranks, (int(v) for v in state["fetches"])))

@@ -1,0 +1,5 @@
+"""The execution engine: buckets in profiled order, flattening, overlap with backward."""
+from .buckets import Bucket, plan_buckets
+from .engine import Engine
+
+__all__ = ["Bucket", "Engine", "plan_buckets"]

@@ -1,0 +1,142 @@
+"""Buckets: groups of parameters communicated together, optionally flattened.
+
+``plan_buckets`` groups parameters in a given order (the profiled order of gradient readiness)
+by a byte budget, starting a new bucket when the budget is exceeded or the dtype/device changes.
+
+A ``Bucket`` with flattening owns one contiguous gradient buffer; each parameter's ``.grad`` is a
+view into it, so autograd accumulates straight into the buffer and the algorithm communicates
+one tensor per bucket. ``flatten_params()`` does the same for the parameters themselves
+(``p.data`` becomes a view of one flat buffer) for algorithms that update the model.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Partition parameter indices, taken in ``order``, into buckets of about ``bucket_bytes``."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    kind = None
+    for i in order:
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        this_kind = (p.dtype, p.device)
+        if current and (used + nbytes > bucket_bytes or this_kind != kind):
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += nbytes
+        kind = this_kind
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Bucket:
+    """Parameters ``indices`` (into the wrapper's parameter list) communicated as one unit."""
+
+    def __init__(self, index: int, indices: list[int], params: list[torch.Tensor],
+                 names: list[str], flatten: bool):
+        self.index = index
+        self.indices = indices
+        self.params = [params[i] for i in indices]
+        self.names = [names[i] for i in indices]
+        self.numel = sum(p.numel() for p in self.params)
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.offsets = []
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.flat_grad: torch.Tensor | None = None
+        self.flat_param: torch.Tensor | None = None
+        if flatten:
+            self.flat_grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            for k, p in enumerate(self.params):
+                if p.grad is not None:
+                    self._view(self.flat_grad, k).copy_(p.grad)
+                p.grad = self._view(self.flat_grad, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.params[0].element_size()
+
+    def _view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        p = self.params[k]
+        return flat[self.offsets[k]:self.offsets[k] + p.numel()].view_as(p)
+
+    def absorb_grad(self, k: int) -> None:
+        """Make parameter k's ``.grad`` the view into the flat buffer again, if it is not.
+
+        ``zero_grad(set_to_none=True)`` (PyTorch's default) drops the view; autograd then hands
+        the parameter a fresh gradient tensor, which is copied into the bucket here.
+        """
+        if self.flat_grad is None:
+            return
+        p = self.params[k]
+        view = self._view(self.flat_grad, k)
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        else:
+            return
+        p.grad = view
+
+    def fill_missing_grads(self) -> list[int]:
+        """Give parameters that got no gradient a zero gradient; return their positions."""
+        missing = []
+        for k, p in enumerate(self.params):
+            if p.grad is None:
+                missing.append(k)
+                if self.flat_grad is not None:
+                    view = self._view(self.flat_grad, k)
+                    view.zero_()
+                    p.grad = view
+                else:
+                    p.grad = torch.zeros_like(p)
+            else:
+                self.absorb_grad(k)
+        return missing
+
+    def communication_tensors(self) -> list[torch.Tensor]:
+        """What the algorithm communicates: the flat buffer, or each gradient (no flattening)."""
+        if self.flat_grad is not None:
+            return [self.flat_grad]
+        return [p.grad for p in self.params]
+
+    def zero_grads(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+            for k, p in enumerate(self.params):
+                if p.grad is None or p.grad.data_ptr() != self._view(self.flat_grad, k).data_ptr():
+                    p.grad = self._view(self.flat_grad, k)
+        else:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def flatten_params(self) -> torch.Tensor:
+        """Move the parameters into one contiguous buffer; ``p.data`` become views of it."""
+        if self.flat_param is None:
+            flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            for k, p in enumerate(self.params):
+                view = self._view(flat, k)
+                view.copy_(p.data)
+                p.data = view
+            self.flat_param = flat
+        return self.flat_param
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameters as the algorithm sees them: the flat buffer, or each tensor."""
+        if self.flat_param is not None:
+            return [self.flat_param]
+        return [p.data for p in self.params]
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.index}, {len(self.params)} tensors, {self.nbytes} bytes)"

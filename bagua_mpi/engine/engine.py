@@ -1,0 +1,199 @@
+"""The execution engine (SPEC §4): profiling, bucketing, flattening, overlap, hierarchy.
+
+Life of an iteration, after the first one:
+
+1. backward runs; each parameter's post-accumulate-grad hook counts it. When every parameter of
+   a bucket has been accumulated ``backward_passes_per_step`` times, the bucket is *ready*;
+2. (**O**verlap on) ready buckets are launched strictly in bucket order: bucket i+1 waits for
+   bucket i to be launched, so all ranks issue the same sequence of collectives even if autograd
+   finishes gradients in a different order on different ranks. The algorithm's
+   ``reduce_bucket`` runs on the communication thread while backward continues;
+3. ``synchronize()`` (called by ``step()``) launches whatever is left (all of it with overlap
+   off), giving parameters that got no gradient this iteration a zero gradient so no rank
+   waits for a bucket that never completes, and waits for the outstanding handles only.
+
+The first iteration is the **profiling** phase: hooks only record the order in which gradients
+become ready, and ``synchronize()`` builds the buckets from rank 0's observed order (broadcast, so
+every rank buckets alike; parameters never seen go last, in reverse declaration order), by a
+byte budget. **F**lattening: each bucket then owns one contiguous gradient buffer of which the
+parameters' ``.grad`` are views. **H**ierarchical: the algorithm context's flag (two-level
+primitives over the node-local and cross-node communicators).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .. import collectives, runtime
+from ..ops import Max
+from ..timeline import Timeline
+from .buckets import Bucket, plan_buckets
+
+
+class Engine:
+    def __init__(self, params: list[torch.Tensor], names: list[str], impl, *, bucket_bytes: int,
+                 overlap: bool, flatten: bool, profile_order: bool, backward_passes_per_step: int,
+                 find_unused_parameters: bool, timeline: Timeline | None):
+        self.params = params
+        self.names = names
+        self.impl = impl
+        self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
+        self.flatten = flatten
+        self.profile_order = profile_order
+        self.passes = backward_passes_per_step
+        self.find_unused = find_unused_parameters
+        self.timeline = timeline
+        self.worker = runtime.get().worker
+        if timeline is not None:
+            self.worker.observer = self._observe
+        self.buckets: list[Bucket] | None = None  # None until the profiling iteration ends
+        self.profiled_order: list[int] = []  # first-ready order seen on this rank
+        self._bucket_of: dict[int, tuple[Bucket, int]] = {}
+        self._counts = [0] * len(params)  # hook calls since the last synchronize
+        self._remaining: list[int] = []  # per bucket: parameters not yet ready
+        self._launched = 0  # buckets [0, _launched) have been handed to the comm thread
+        self._handles: list = []
+        self._ready_buckets = 0
+        self.communicating = True  # False inside DistributedOptimizer.no_sync()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+                       for i, p in enumerate(params)]
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _hook_for(self, i: int):
+        def hook(_param):
+            self._on_grad_ready(i)
+        return hook
+
+    def _on_grad_ready(self, i: int) -> None:
+        if not self.communicating:
+            return
+        count = self._counts[i] = self._counts[i] + 1
+        if self.buckets is None:
+            if count == 1:
+                self.profiled_order.append(i)
+            return
+        bucket, k = self._bucket_of[i]
+        bucket.absorb_grad(k)
+        if count == self.passes and self.impl.communicates_gradients:
+            self._remaining[bucket.index] -= 1
+            if self._remaining[bucket.index] == 0:
+                self._bucket_ready(bucket)
+
+    def _bucket_ready(self, bucket: Bucket) -> None:
+        self._note_ready(bucket)
+        if self.overlap:
+            self._launch_in_order()
+
+    def _note_ready(self, bucket: Bucket) -> None:
+        self._ready_buckets += 1
+        if self.timeline is not None:
+            self.timeline.instant("ready", bucket=bucket.index)
+            if self._ready_buckets == len(self.buckets):
+                self.timeline.instant("backward end")
+
+    def _launch_in_order(self) -> None:
+        buckets = self.buckets
+        while self._launched < len(buckets) and self._remaining[self._launched] == 0:
+            self._launch(buckets[self._launched])
+            self._launched += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        event = None
+        if bucket.device.type == "cuda":  # the comm thread must see backward's kernels done
+            event = torch.cuda.Event()
+            event.record()
+
+        def task():
+            if event is not None:
+                event.synchronize()
+            self.impl.reduce_bucket(bucket)
+
+        if self.timeline is not None:
+            self.timeline.instant("launch", bucket=bucket.index)
+        self._handles.append(self.worker.submit(task, ("bucket", bucket.index, bucket.nbytes)))
+
+    def _observe(self, describe, start: float, end: float) -> None:
+        if isinstance(describe, tuple) and describe and describe[0] == "bucket":
+            self.timeline.span(f"comm bucket {describe[1]}", start, end, tid=Timeline.COMM_TID,
+                               bucket=describe[1], bytes=describe[2])
+
+    # -- buckets ----------------------------------------------------------------------------------
+    def _build_buckets(self) -> None:
+        seen = set(self.profiled_order)
+        unseen = [i for i in reversed(range(len(self.params))) if i not in seen]
+        if self.profile_order:
+            order = collectives.broadcast_object(self.profiled_order + unseen, root_rank=0)
+        else:  # what DDP and Horovod assume: gradients arrive in reverse declaration order
+            order = list(reversed(range(len(self.params))))
+        groups = plan_buckets(self.params, order, self.bucket_bytes)
+        self.buckets = [Bucket(b, idx, self.params, self.names, self.flatten)
+                        for b, idx in enumerate(groups)]
+        for bucket in self.buckets:
+            for k, i in enumerate(bucket.indices):
+                self._bucket_of[i] = (bucket, k)
+            if self.impl.wants_flat_params:
+                bucket.flatten_params()
+        self.impl.init_buckets(self.buckets)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._counts = [0] * len(self.params)
+        self._remaining = [len(b.indices) for b in self.buckets]
+        self._launched = 0
+        self._handles = []
+        self._ready_buckets = 0
+
+    # -- synchronize ------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish this iteration's gradient communication (launch the rest, wait for all)."""
+        if self.buckets is None:
+            counts = self._counts
+            self._build_buckets()
+            self._counts = counts
+        if not self.impl.communicates_gradients:
+            self._reset()
+            return
+        for b in range(self._launched, len(self.buckets)):
+            if self._remaining[b]:
+                self.buckets[b].fill_missing_grads()
+                self._remaining[b] = 0
+                self._note_ready(self.buckets[b])
+        self._launch_in_order()
+        started = time.monotonic()
+        try:
+            for handle in self._handles:
+                handle.wait()
+        finally:
+            if self.timeline is not None:
+                self.timeline.span("wait", started, time.monotonic(), handles=len(self._handles))
+        if self.find_unused:
+            self._drop_globally_unused_grads()
+        self._reset()
+
+    def _drop_globally_unused_grads(self) -> None:
+        """Parameters no rank used this iteration get ``grad = None``, as without wrapping."""
+        used = torch.from_numpy((np.asarray(self._counts) > 0).astype(np.uint8))
+        collectives.allreduce_(used, Max)
+        for i in np.flatnonzero(used.numpy() == 0):
+            self.params[i].grad = None
+
+    def zero_grads(self) -> None:
+        if self.buckets is None:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+            return
+        for bucket in self.buckets:
+            bucket.zero_grads()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.timeline is not None:
+            if self.worker.observer == self._observe:
+                self.worker.observer = None
+            self.timeline.close()

@@ -1,0 +1,283 @@
+"""``DistributedOptimizer``: wrap any torch optimizer for data-parallel training.
+
+    opt = bagua_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    bagua_mpi.broadcast_parameters(model.state_dict(), root_rank=0)
+    bagua_mpi.broadcast_optimizer_state(opt, root_rank=0)
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # gradient communication overlaps with this
+        opt.step()                        # waits for outstanding buckets, then updates
+
+The wrapper owns the optimizer (composition; no dynamic subclassing of the user's class) and
+forwards ``param_groups``, ``state``, ``state_dict`` and ``load_state_dict``. It derives from
+``torch.optim.Optimizer`` only so that ``isinstance`` checks (LR schedulers) accept it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from . import collectives, runtime
+from .algorithms import AlgorithmContext, create
+from .compression import Compression
+from .engine import Engine
+from .exceptions import MismatchError
+from .ops import Average, ReduceOp, Sum
+from .timeline import Timeline
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Data-parallel wrapper around ``optimizer``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
+        named_parameters: ``model.named_parameters()``, for readable errors and timelines.
+        algorithm: a registered name (``bagua_mpi.algorithms.names()``) or an ``Algorithm``.
+        compression: ``Compression.none`` / ``fp16`` / ``bf16`` (Horovod's objects work too).
+        backward_passes_per_step: gradients are communicated every this many backward passes
+            (local accumulation in between); call ``step()`` after the last one.
+        op: ``Average`` (default) or ``Sum`` of the gradients over ranks.
+        gradient_predivide_factor: divide gradients by this before the sum and by
+            ``size / factor`` after it (Average only), to keep float16 sums in range.
+        bucket_size_mb: byte budget of a bucket.
+        overlap / flatten / hierarchical: the execution optimizer's O, F, H switches
+            (hierarchical=None takes ``bagua_mpi``'s global default).
+        profile_order: bucket in the profiled order of gradient readiness (else in reverse
+            declaration order, as DDP and Horovod assume).
+        find_unused_parameters: after each step, parameters that no rank used in the iteration
+            get ``grad = None`` (as in single-process training); costs one tiny allreduce per
+            step. Without it, an unused parameter is averaged as a zero gradient from the ranks
+            that did not use it. Either way no rank hangs.
+        timeline: path prefix for a Chrome-trace timeline (default ``BAGUA_MPI_TIMELINE``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
+                 algorithm="gradient_allreduce", compression=Compression.none,
+                 backward_passes_per_step: int = 1, op=Average,
+                 gradient_predivide_factor: float = 1.0, *, bucket_size_mb: float = 4.0,
+                 overlap: bool = True, flatten: bool = True, hierarchical: bool | None = None,
+                 profile_order: bool = True, find_unused_parameters: bool = False,
+                 timeline: str | None = None):
+        # Deliberately no super().__init__: the wrapped optimizer holds the real state.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer")
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1):
+            raise ValueError("backward_passes_per_step must be a positive integer, got "
+                             f"{backward_passes_per_step!r}")
+        op = ReduceOp.parse(op)
+        if op not in (Average, Sum):
+            raise ValueError(f"op must be Average or Sum for gradients, got {op.name}")
+        if not gradient_predivide_factor > 0:
+            raise ValueError("gradient_predivide_factor must be positive, got "
+                             f"{gradient_predivide_factor!r}")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ValueError("gradient_predivide_factor only applies with op=Average")
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        rt = runtime.get()
+        self.optimizer = optimizer
+        self.compression = Compression.parse(compression)
+        self.algorithm = create(algorithm)
+        params, names = _trainable_parameters(optimizer, named_parameters)
+        check_models_agree(names, params)
+        size = rt.topo.size
+        ctx = AlgorithmContext(
+            topo=rt.topo, average=op is Average,
+            prescale=1.0 / gradient_predivide_factor,
+            postscale=(gradient_predivide_factor / size) if op is Average else 1.0,
+            hierarchical=rt.hierarchical if hierarchical is None else bool(hierarchical),
+            compression=self.compression)
+        self.impl = self.algorithm.reify(ctx)
+        prefix = timeline if timeline is not None else os.environ.get("BAGUA_MPI_TIMELINE")
+        self.timeline = Timeline(prefix, rt.topo.rank) if prefix else None
+        self._engine = Engine(params, names, self.impl,
+                              bucket_bytes=int(bucket_size_mb * 1024 * 1024), overlap=overlap,
+                              flatten=flatten, profile_order=profile_order,
+                              backward_passes_per_step=backward_passes_per_step,
+                              find_unused_parameters=find_unused_parameters,
+                              timeline=self.timeline)
+        self._synchronized = False  # set by an explicit synchronize() before step()
+        self._skip_sync = False
+        self.steps = 0
+
+    # -- what torch.optim.Optimizer users touch ---------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        raise NotImplementedError("parameters cannot be added after wrapping: build the "
+                                  "optimizer with all groups, then wrap it")
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Zero the gradients, keeping them views of the flat buckets (cheapest)."""
+        if set_to_none:
+            self.optimizer.zero_grad(set_to_none=True)  # the engine re-absorbs them later
+        else:
+            self._engine.zero_grads()
+
+    def synchronize(self) -> None:
+        """Wait for (and finish) this iteration's gradient communication."""
+        self._engine.synchronize()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside skips synchronization (call ``synchronize()`` yourself first)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients locally (no communication)."""
+        self._engine.communicating = False
+        try:
+            yield
+        finally:
+            self._engine.communicating = True
+
+    def step(self, closure=None):
+        self.impl.on_step_start(self.steps)
+        if not (self._skip_sync or self._synchronized):
+            self._engine.synchronize()
+        self._synchronized = False
+        self.impl.before_step(self.optimizer)
+        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.impl.after_step(self.optimizer)
+        self.steps += 1
+        return loss
+
+    # -- algorithm state, lifecycle -----------------------------------------------------------------
+    def algorithm_state_dict(self) -> dict:
+        """This rank's algorithm state (residuals, peer models, stage...): tensors and numbers."""
+        return {"config": self.algorithm.config(), "steps": self.steps,
+                "state": self.impl.state_dict()}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        if state.get("config", {}).get("name") != self.algorithm.name:
+            raise ValueError(f"algorithm state of {state.get('config', {}).get('name')!r} "
+                             f"cannot be loaded into {self.algorithm.name!r}")
+        self.steps = int(state["steps"])
+        self.impl.load_state_dict(state["state"])
+
+    @property
+    def buckets(self):
+        """The engine's buckets (None before the first step ends the profiling phase)."""
+        return self._engine.buckets
+
+    def close(self) -> None:
+        """Remove the hooks, stop the algorithm's background work and write the timeline."""
+        self.impl.close()
+        self._engine.close()
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, "
+                f"algorithm={self.algorithm.name!r}, compression={self.compression!r})")
+
+
+def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str]]:
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("a parameter appears in more than one param group")
+    if named_parameters is None:
+        return params, [f"param.{i}" for i in range(len(params))]
+    named = list(named_parameters)
+    if any(not isinstance(n, str) for n, _ in named):
+        raise ValueError("named_parameters must yield (name, parameter) pairs")
+    name_of = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in name_of]
+    if missing:
+        raise ValueError(f"{len(missing)} optimizer parameters are not in named_parameters "
+                         f"(first: position {missing[0]}, shape {tuple(params[missing[0]].shape)})")
+    return params, [name_of[id(p)] for p in params]
+
+
+def check_models_agree(names: list[str], params: list) -> None:
+    """Raise ``MismatchError`` on every rank unless all ranks wrap identical models."""
+    mine = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in zip(names, params)]
+    everyone = collectives.allgather_object(mine)
+    reference = everyone[0]
+    problems = []
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        if len(theirs) != len(reference):
+            problems.append(f"rank {r} has {len(theirs)} trainable parameters, "
+                            f"rank 0 has {len(reference)}")
+        for a, b in zip(reference, theirs):
+            if a != b:
+                problems.append(f"rank 0 has {a[0]} {a[1]} {a[2]}, rank {r} has "
+                                f"{b[0]} {b[1]} {b[2]}")
+                break
+    if problems:
+        raise MismatchError("the ranks wrap different models:\n  " + "\n  ".join(problems))
+
+
+def broadcast_parameters(params, root_rank: int = 0) -> None:
+    """Overwrite every rank's parameters/buffers with ``root_rank``'s, in place.
+
+    ``params``: a ``state_dict()`` or an iterable of ``(name, tensor)`` such as
+    ``model.named_parameters()``. Tensors go in sorted-name order so every rank matches.
+    """
+    items = sorted(params.items() if isinstance(params, dict) else list(params),
+                   key=lambda kv: kv[0])
+    handles = [collectives.broadcast_async_(t.data if isinstance(t, torch.nn.Parameter) else t,
+                                            root_rank) for _, t in items]
+    for h in handles:
+        h.wait()
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
+    """Give every rank ``root_rank``'s optimizer state (tensors broadcast, scalars pickled in
+    transit only); ranks whose optimizer has no state yet get it created."""
+    opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    state = opt.state_dict()
+    is_root = runtime.get().topo.rank == root_rank
+    layout = None
+    if is_root:
+        layout = {pid: {k: (("tensor", tuple(v.shape), str(v.dtype)) if torch.is_tensor(v)
+                            else ("value", v)) for k, v in s.items()}
+                  for pid, s in state["state"].items()}
+    layout, groups = collectives.broadcast_object((layout, state["param_groups"]), root_rank)
+    new_state = {}
+    for pid in sorted(layout):
+        entry = {}
+        for key in sorted(layout[pid]):
+            kind, *info = layout[pid][key]
+            if kind == "value":
+                entry[key] = info[0]
+                continue
+            shape, dtype = info
+            t = (state["state"][pid][key] if is_root else
+                 torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", ""))))
+            entry[key] = collectives.broadcast_(t, root_rank)
+        new_state[pid] = entry
+    if not is_root:
+        opt.load_state_dict({"state": new_state, "param_groups": groups})

@@ -1,0 +1,95 @@
+"""Centralized primitives: allreduce of a flat tensor with a narrower wire dtype.
+
+``cast_allreduce_`` is C_LP_S with Q = a cast to float16/bfloat16 and no error feedback:
+
+1. pad the flat float tensor to n equal partitions and cast it to the wire dtype;
+2. alltoall: partition k of every rank goes to rank k (the "server" of partition k);
+3. rank k sums the n received partitions in float32 (and scales, e.g. 1/n for averaging);
+4. rank k casts its merged partition to the wire dtype; allgather the merged partitions;
+5. every rank casts the result back into the original tensor.
+
+Wire bytes per rank: 2 x (n-1)/n x L x 2 bytes, the same as a ring allreduce of 16-bit data,
+while all additions run in float32 (MPICH's own float16 reduction is ~8x slower here).
+With ``hierarchical``: float32 reduce inside each node, the cast scheme among node leaders, and
+a float32 broadcast inside each node.
+"""
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from .. import cuda as cuda_support
+from ..buffers import host_view
+
+
+def partition_bounds(length: int, parts: int) -> int:
+    """Size of each of ``parts`` equal partitions covering ``length`` elements (padded)."""
+    return -(-length // parts) if length else 0
+
+
+def _mpi(t: torch.Tensor):
+    return host_view(t) if not t.is_cuda else (t.view(torch.int16) if t.dtype == torch.bfloat16
+                                                 else t)
+
+
+def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.dtype,
+                    scale: float = 1.0) -> torch.Tensor:
+    """In place: ``flat <- scale * sum over ranks of flat``, sending ``wire_dtype`` words."""
+    n = comm.Get_size()
+    length = flat.numel()
+    if length == 0:
+        return flat
+    if flat.is_cuda and not cuda_support.mpi_is_cuda_aware():
+        host = flat.cpu()  # stage through host memory: the MPI cannot read device pointers
+        cast_allreduce_(host, comm, wire_dtype, scale)
+        flat.copy_(host)
+        return flat
+    if n == 1:
+        flat.copy_(flat.to(wire_dtype))  # same rounding as with more ranks
+        if scale != 1.0:
+            flat.mul_(scale)
+        return flat
+    part = partition_bounds(length, n)
+    send = torch.zeros(n * part, dtype=wire_dtype, device=flat.device)
+    send[:length].copy_(flat)
+    recv = torch.empty_like(send)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    comm.Alltoall(_mpi(send), _mpi(recv))
+    merged = recv.view(n, part).to(torch.float32).sum(0)
+    if scale != 1.0:
+        merged.mul_(scale)
+    merged_wire = merged.to(wire_dtype)
+    gathered = torch.empty_like(send)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    comm.Allgather(_mpi(merged_wire), _mpi(gathered))
+    flat.copy_(gathered[:length])
+    return flat
+
+
+def hierarchical_cast_allreduce_(flat: torch.Tensor, topo, wire_dtype: torch.dtype,
+                                 scale: float = 1.0) -> torch.Tensor:
+    """Two-level variant: full-precision inside nodes, 16-bit wire among node leaders."""
+    buf = host_view(flat) if not flat.is_cuda else flat
+    intra = topo.intra
+    if intra.Get_size() > 1:
+        if intra.Get_rank() == 0:
+            intra.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=0)
+        else:
+            intra.Reduce(buf, None, op=MPI.SUM, root=0)
+    if topo.leaders is not None:
+        cast_allreduce_(flat, topo.leaders, wire_dtype, scale)
+    if intra.Get_size() > 1:
+        intra.Bcast(buf, root=0)
+    return flat
+
+
+def wire_bytes_cast_allreduce(length: int, n: int, wire_itemsize: int) -> int:
+    """Bytes this rank sends in ``cast_allreduce_`` (alltoall + allgather, excluding self)."""
+    part = partition_bounds(length, n)
+    return 2 * (n - 1) * part * wire_itemsize
+
+
+__all__ = ["cast_allreduce_", "hierarchical_cast_allreduce_", "partition_bounds",
+           "wire_bytes_cast_allreduce"]

@@ -1,0 +1,129 @@
+"""Device kernels against their CPU twins, shared by the simulator and real-GPU tests.
+
+Each check compresses the same data on the host (CPU twin) and on the device
+(CUDA kernel) and requires bitwise-equal payloads, residuals and decoded
+outputs: every kernel is deterministic by construction (fixed summation
+order, explicit FMAs, counter-based RNG, order-preserving selection).
+"""
+import numpy as np
+from numba import cuda
+
+import numba_kernels as nk
+from numba_kernels import topk as host_topk
+from numba_kernels.wire import Payload
+
+
+def _data(seed, n, dtype, kind="normal"):
+    rng = np.random.default_rng(seed)
+    if kind == "ties":
+        return rng.integers(-3, 4, n).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _same(host, dev, what):
+    got = dev.copy_to_host() if hasattr(dev, "copy_to_host") else np.asarray(dev)
+    np.testing.assert_array_equal(got, host, err_msg=what)
+
+
+def _both(compress, x, with_residual, seed=1):
+    """Run ``compress`` on host and device copies; compare payloads, residuals, decodes."""
+    e = _data(seed + 1000, x.size, x.dtype) * x.dtype.type(0.1) if with_residual else None
+    eh = None if e is None else e.copy()
+    ed = None if e is None else cuda.to_device(e)
+    ph = compress(x, eh)
+    pd = compress(cuda.to_device(x), ed)
+    assert pd.format == ph.format and pd.on_device and not ph.on_device
+    _same(ph.buffer, pd.buffer, f"payload {ph.format}")
+    if e is not None:
+        _same(eh, ed, f"residual {ph.format}")
+    _same(nk.decompress(ph), nk.decompress(pd), f"decode {ph.format}")
+    return ph, pd
+
+
+def check_decode_many(ph, rows=3):
+    """decompress_many of a stack on the device equals the host, with and without accumulate."""
+    stack = np.stack([ph.buffer] * rows)
+    n = ph.format.n
+    _same(nk.decompress_many(stack, ph.format), nk.decompress_many(cuda.to_device(stack), ph.format),
+          "decompress_many")
+    base = _data(5, n, np.float64)
+    host = base.copy()
+    nk.decompress_many(stack, ph.format, out=host, accumulate=True)
+    dev = cuda.to_device(base)
+    nk.decompress_many(cuda.to_device(stack), ph.format, out=dev, accumulate=True)
+    _same(host, dev, "decompress_many accumulate")
+
+
+def check_casts(cases):
+    for n, kind, dtype in cases:
+        ph, _ = _both(lambda x, e: nk.compress_cast(x, kind, residual=e), _data(n, n, dtype) * 300,
+                      True)
+        check_decode_many(ph)
+
+
+def check_minmax(cases):
+    for n, bits, chunk, dtype, res in cases:
+        ph, _ = _both(lambda x, e: nk.compress_minmax(x, bits, chunk, residual=e),
+                      _data(n, n, dtype), res)
+        check_decode_many(ph)
+
+
+def check_qsgd(cases):
+    for n, levels, chunk, dtype, res in cases:
+        ph, _ = _both(lambda x, e: nk.compress_qsgd(x, levels, chunk, seed=7, residual=e),
+                      _data(n, n, dtype), res)
+        check_decode_many(ph)
+
+
+def check_onebit(cases):
+    for n, chunk, scale, dtype, res in cases:
+        ph, _ = _both(lambda x, e: nk.compress_onebit(x, chunk, scale, residual=e),
+                      _data(n, n, dtype), res)
+        check_decode_many(ph)
+
+
+def check_topk(cases, approx_min_n=None):
+    """(n, k, kind, dtype, method) cases; method 'exact', 'approx' or 'randk'."""
+    from numba_kernels._cuda import topk as dev_topk
+    saved = host_topk.APPROX_MIN_N, dev_topk.APPROX_MIN_N
+    if approx_min_n is not None:
+        host_topk.APPROX_MIN_N = dev_topk.APPROX_MIN_N = approx_min_n
+    try:
+        for n, k, kind, dtype, method in cases:
+            x = _data(n + k, n, dtype, kind)
+            if method == "randk":
+                fn = lambda x, e: nk.compress_randk(x, k, seed=3, residual=e)   # noqa: E731
+            else:
+                fn = lambda x, e: nk.compress_topk(x, k, method=method, residual=e)  # noqa: E731
+            for res in (False, True):
+                ph, _ = _both(fn, x, res)
+            check_decode_many(ph)
+    finally:
+        host_topk.APPROX_MIN_N, dev_topk.APPROX_MIN_N = saved
+
+
+def check_approx_path(n, k, kind="normal"):
+    """The device's sampled-threshold path succeeds (no fallback) and equals the host."""
+    from numba_kernels._cuda import topk as dev_topk
+    x = _data(11, n, np.float32, kind)
+    idx = cuda.device_array(k, np.int32)
+    val = cuda.device_array(k, np.float32)
+    assert dev_topk._approx(cuda.to_device(x), n, k, idx, val, None, 0)
+    ph = nk.compress_topk(x, k, method="exact")
+    _same(ph.views()["indices"], idx, "approx indices")
+    _same(ph.views()["values"], val, "approx values")
+
+
+def check_merge(cases):
+    for n, k, kind in cases:
+        xa, xb = _data(1, n, np.float32, kind), _data(2, n, np.float32, kind)
+        pa, pb = nk.compress_topk(xa, k), nk.compress_topk(xb, k)
+        da = Payload(pa.format, cuda.to_device(pa.buffer))
+        db = Payload(pb.format, cuda.to_device(pb.buffer))
+        mh, md = nk.merge_topk(pa, pb), nk.merge_topk(da, db)
+        _same(mh.buffer, md.buffer, "merge_topk")
+        rh = np.zeros(n, np.float32)
+        rd = cuda.to_device(rh)
+        nk.restore_unselected(rh, pa, mh)
+        nk.restore_unselected(rd, da, md)
+        _same(rh, rd, "restore_unselected")

@@ -1,0 +1,102 @@
+"""CUDA kernels under Numba's simulator against the CPU twins (small sizes).
+
+Not collected by the normal run (the simulator must be enabled before
+numba.cuda is imported): ``test_simulator.py`` runs this file in a subprocess
+with NUMBA_ENABLE_CUDASIM=1.  With NUMBA_KERNELS_RECORD=<path> the argument
+types of every kernel launch are written there, so that the launches can be
+compiled to PTX for a real GPU (see ``ptx_compile.py``).
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+from numba import config
+
+if not config.ENABLE_CUDASIM:
+    pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (see test_simulator.py)", allow_module_level=True)
+
+import device_checks as dc  # noqa: E402
+
+F32, F64 = np.float32, np.float64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record_launches():
+    path = os.environ.get("NUMBA_KERNELS_RECORD")
+    if not path:
+        yield
+        return
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+    seen = set()
+    original = FakeCUDAKernel.__call__
+
+    def spec(arg):
+        arr = getattr(arg, "_ary", arg)
+        if isinstance(arr, np.ndarray):
+            return ["array", arr.dtype.str, arr.ndim, bool(arr.flags.c_contiguous)]
+        if isinstance(arr, (bool, np.bool_)):
+            return ["bool"]
+        if isinstance(arr, np.generic):
+            return ["scalar", arr.dtype.str]
+        return ["int" if isinstance(arr, int) else "float"]
+
+    def recording(self, *args):
+        if not self._device:
+            seen.add(json.dumps([self.fn.__module__, self.fn.__name__, [spec(a) for a in args]]))
+        return original(self, *args)
+
+    FakeCUDAKernel.__call__ = recording
+    yield
+    FakeCUDAKernel.__call__ = original
+    with open(path, "w") as fh:
+        json.dump(sorted(json.loads(s) for s in seen), fh)
+
+
+def test_casts():
+    dc.check_casts([(0, "fp16", F32), (1, "fp16", F32), (33, "bf16", F32), (1025, "fp16", F64),
+                    (300, "bf16", F64)])
+
+
+def test_minmax():
+    dc.check_minmax([(0, 8, 32, F32, True), (1, 8, 32, F32, True), (33, 3, 32, F32, True),
+                     (1025, 8, 256, F32, True), (1023, 5, 256, F64, False),
+                     (700, 1, 96, F32, True)])
+
+
+def test_minmax_long_chunks():
+    dc.check_minmax([(4200, 7, 4160, F32, True)])
+
+
+def test_qsgd():
+    dc.check_qsgd([(1, 127, 32, F32, True), (33, 127, 32, F32, False), (1025, 127, 256, F32, True),
+                   (300, 5, 100, F64, True)])
+
+
+def test_qsgd_long_chunks():
+    dc.check_qsgd([(4200, 31, 4100, F32, True)])
+
+
+def test_onebit():
+    dc.check_onebit([(1, 32, "l2", F32, True), (33, 32, "mean_abs", F32, True),
+                     (1025, 256, "l2", F32, True), (300, 96, "mean_abs", F64, False)])
+
+
+def test_onebit_long_chunks():
+    dc.check_onebit([(4200, 4128, "l2", F32, True)])
+
+
+def test_topk_exact_and_randk():
+    dc.check_topk([(1, 1, "normal", F32, "exact"), (33, 5, "ties", F32, "exact"),
+                   (1025, 10, "normal", F64, "exact"), (1025, 1025, "ties", F32, "exact"),
+                   (33, 7, "normal", F32, "randk"), (1025, 100, "normal", F64, "randk")])
+
+
+def test_topk_approx():
+    dc.check_topk([(1500, 15, "normal", F32, "approx"), (1500, 300, "ties", F64, "approx")],
+                  approx_min_n=1000)
+    dc.check_approx_path(3000, 30)
+
+
+def test_merge_and_restore():
+    dc.check_merge([(1, 1, "normal"), (200, 20, "ties"), (1025, 40, "normal")])

@@ -1,0 +1,71 @@
+"""fp16/bf16 casts: CPU twin against NumPy (and torch for bf16), error feedback."""
+import numpy as np
+import pytest
+
+import numba_kernels as nk
+from conftest import assert_ef_identity, data
+from kernel_refs import DTYPES, SIZES, bf16_bits, fp16_bits, pad8
+
+REFS = {"fp16": fp16_bits, "bf16": bf16_bits}
+
+
+def special_values():
+    vals = [0.0, -0.0, 1.0, 65504.0, 65519.996, 65520.0, 65536.0, 2.0**-14, 2.0**-24, 2.0**-25,
+            2.0**-25 * (1 + 2**-20), 3 * 2.0**-26, 1e-30, 3.4e38, np.inf, -np.inf, np.nan,
+            1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, 2.0**-126, 2.0**-149]
+    v = np.array(vals, np.float32)
+    return np.concatenate([v, -v])
+
+
+def random_bit_patterns(n, seed=7):
+    bits = np.random.default_rng(seed).integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_numpy(kind, dtype, n, rng):
+    x = data(rng, n, dtype, scale=300.0)
+    p = nk.compress_cast(x, kind)
+    ref = REFS[kind](x)
+    np.testing.assert_array_equal(p.buffer, pad8(ref.view(np.uint8)))
+    back = nk.decompress(p)
+    expect = ref.view(np.float16).astype(np.float32) if kind == "fp16" else \
+        (ref.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(back, expect)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_special_values_and_all_exponents(kind):
+    x = np.concatenate([special_values(), random_bit_patterns(1 << 18)])
+    got = nk.compress_cast(x, kind).views()["half"]
+    ref = REFS[kind](x)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], ref[~nan])
+    halves = got[nan]
+    if kind == "fp16":
+        assert ((halves & 0x7C00) == 0x7C00).all() and ((halves & 0x0200) != 0).all()
+    else:
+        assert ((halves & 0x7F80) == 0x7F80).all() and ((halves & 0x0040) != 0).all()
+
+
+def test_bf16_matches_torch():
+    torch = pytest.importorskip("torch")
+    x = np.concatenate([special_values(), random_bit_patterns(1 << 16, seed=3)])
+    x = x[~np.isnan(x)]
+    ours = nk.compress_cast(x, "bf16").views()["half"]
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 1025, 10**6])
+def test_error_feedback_identity(kind, dtype, n, rng):
+    x = data(rng, n, dtype, scale=10.0)
+    e_old = data(rng, n, dtype, scale=0.01)
+    e = e_old.copy()
+    xhat = nk.decompress(nk.compress_cast(x, kind, residual=e))
+    assert_ef_identity(x, e_old, xhat, e)
+    assert not np.array_equal(e, e_old)

@@ -1,0 +1,89 @@
+"""The public entry points: where data lives, torch views, stacks of payloads, errors."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import numba_kernels as nk
+from conftest import data
+
+COMPRESSORS = {
+    "cast": lambda x, **kw: nk.compress_cast(x, "bf16", **kw),
+    "minmax": lambda x, **kw: nk.compress_minmax(x, bits=4, chunk=64, **kw),
+    "qsgd": lambda x, **kw: nk.compress_qsgd(x, levels=15, chunk=100, seed=3, **kw),
+    "onebit": lambda x, **kw: nk.compress_onebit(x, chunk=64, **kw),
+    "topk": lambda x, **kw: nk.compress_topk(x, 17, **kw),
+}
+
+
+def test_import_does_not_load_numba_cuda():
+    code = "import sys, numba_kernels; sys.exit('numba.cuda' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_decompress_many_sums_rows_in_order(name, rng):
+    n, rows = 1000, 4
+    compress = COMPRESSORS[name]
+    payloads = [compress(data(rng, n, np.float32)) for _ in range(rows)]
+    stack = np.stack([p.buffer for p in payloads])
+    expect = np.zeros(n, np.float32)
+    for p in payloads:
+        expect = expect + nk.decompress(p)
+    np.testing.assert_array_equal(nk.decompress_many(stack, payloads[0].format), expect)
+    # a flat receive buffer works too, and accumulate adds on top of out
+    out = np.full(n, 2.0, np.float32)
+    nk.decompress_many(stack.reshape(-1), payloads[0].format, out=out, accumulate=True)
+    acc = np.full(n, 2.0, np.float32)
+    for p in payloads:
+        acc = acc + nk.decompress(p)
+    np.testing.assert_array_equal(out, acc)
+    # no rows: zero, or out untouched when accumulating
+    empty = np.empty((0, payloads[0].nbytes), np.uint8)
+    assert (nk.decompress_many(empty, payloads[0].format) == 0).all()
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_torch_cpu_tensors_are_viewed_not_copied(name, rng):
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(data(rng, 1000, np.float32))
+    e = torch.zeros(1000)
+    out_bytes = torch.zeros(COMPRESSORS[name](x.numpy()).nbytes, dtype=torch.uint8)
+    p = COMPRESSORS[name](x, residual=e, out=out_bytes)
+    assert np.shares_memory(p.buffer, out_bytes.numpy())
+    assert float(e.abs().sum()) > 0          # the residual was updated in place
+    target = torch.empty(1000, dtype=torch.float64)
+    nk.decompress(p, out=target)
+    np.testing.assert_allclose(target.numpy() + e.numpy(), x.numpy(), rtol=0, atol=1e-5)
+
+
+def test_input_errors_name_the_problem(rng):
+    x = data(rng, 100, np.float32)
+    with pytest.raises(nk.KernelTypeError, match="int64"):
+        nk.compress_minmax(np.arange(100))
+    with pytest.raises(nk.LayoutError, match="contiguous"):
+        nk.compress_minmax(np.ones((10, 20), np.float32)[:, ::2])
+    with pytest.raises(nk.LayoutError, match="residual must match"):
+        nk.compress_minmax(x, residual=np.zeros(99, np.float32))
+    with pytest.raises(nk.LayoutError, match="residual must match"):
+        nk.compress_minmax(x, residual=np.zeros(100, np.float64))
+    with pytest.raises(nk.KernelTypeError, match="list"):
+        nk.compress_minmax([1.0, 2.0])
+    p = nk.compress_minmax(x)
+    with pytest.raises(nk.LayoutError, match="99"):
+        nk.decompress(p, out=np.zeros(99, np.float32))
+    with pytest.raises(nk.LayoutError, match="accumulate"):
+        nk.decompress(p, accumulate=True)
+    with pytest.raises(nk.PayloadError, match="Payload"):
+        nk.decompress(p.buffer)
+    with pytest.raises(nk.PayloadError, match="shape"):
+        nk.decompress_many(np.zeros(p.nbytes + 1, np.uint8), p.format)
+    assert issubclass(nk.LayoutError, nk.KernelError) and issubclass(nk.KernelError, RuntimeError)
+
+
+def test_multidimensional_inputs_are_flattened(rng):
+    x = data(rng, 600, np.float32).reshape(20, 30)
+    p = nk.compress_minmax(x, chunk=64)
+    assert p.format.n == 600
+    np.testing.assert_array_equal(p.buffer, nk.compress_minmax(x.reshape(-1), chunk=64).buffer)

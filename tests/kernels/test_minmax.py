@@ -1,0 +1,78 @@
+"""Min-max quantization: CPU twin against the NumPy reference, error bounds, feedback."""
+import numpy as np
+import pytest
+
+import numba_kernels as nk
+from conftest import assert_ef_identity, data
+from kernel_refs import DTYPES, SIZES, minmax_decode, minmax_payload
+
+
+def check_against_reference(x, bits, chunk):
+    p = nk.compress_minmax(x, bits=bits, chunk=chunk)
+    ref, _ = minmax_payload(x, bits, chunk)
+    np.testing.assert_array_equal(p.buffer, ref)
+    np.testing.assert_array_equal(nk.decompress(p), minmax_decode(ref, x.size, bits, chunk))
+    return p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_8bit_matches_numpy(n, dtype, rng):
+    check_against_reference(data(rng, n, dtype), 8, 1024)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n, chunk", [(1, 32), (33, 32), (1025, 96), (1023, 1024)])
+def test_all_widths_match_numpy(bits, n, chunk, rng):
+    check_against_reference(data(rng, n, np.float32), bits, chunk)
+
+
+def test_long_chunks_match_numpy(rng):
+    # chunks longer than one 4096-element segment take the multi-kernel path on a GPU
+    check_against_reference(data(rng, 20000, np.float32), 5, 8192)
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_error_at_most_half_a_step(bits, dtype, rng):
+    x = data(rng, 10**5 + 7, dtype, scale=50.0)
+    p = nk.compress_minmax(x, bits=bits, chunk=256)
+    _, scale = minmax_payload(x, bits, 256)
+    err = np.abs(x.astype(np.float32).astype(np.float64) - nk.decompress(p))
+    # half a step, plus float32 rounding of the reconstruction
+    bound = scale / 2 + 4 * np.finfo(np.float32).eps * np.abs(x).max()
+    assert (err <= bound).all()
+    # the bound is tight: some element of a 2**b-level grid lands near half a step
+    assert (err > 0.4 * scale).any()
+
+
+def test_constant_chunk_is_exact():
+    x = np.full(100, -2.5, np.float32)
+    p = nk.compress_minmax(x, bits=3, chunk=64)
+    assert (p.views()["params"][1::2] == 0).all()
+    np.testing.assert_array_equal(nk.decompress(p), x)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 33, 1025, 10**6])
+def test_error_feedback_identity(bits, dtype, n, rng):
+    x = data(rng, n, dtype)
+    e_old = data(rng, n, dtype, scale=0.1)
+    e = e_old.copy()
+    p = nk.compress_minmax(x, bits=bits, chunk=512, residual=e)
+    assert_ef_identity(x, e_old, nk.decompress(p), e)
+    # the payload is that of c = x + e_old
+    ref, _ = minmax_payload(x + e_old, bits, 512)
+    np.testing.assert_array_equal(p.buffer, ref)
+
+
+def test_out_buffer_is_used_and_padding_zeroed(rng):
+    x = data(rng, 1001, np.float32)
+    fmt = nk.MinMaxFormat(1001, 8, 64)
+    out = np.full(fmt.nbytes, 0xAB, np.uint8)
+    p = nk.compress_minmax(x, bits=8, chunk=64, out=out)
+    assert p.buffer is out
+    assert (out[fmt.used_nbytes:] == 0).all()
+    with pytest.raises(nk.PayloadError, match="shape"):
+        nk.compress_minmax(x, bits=8, chunk=64, out=np.zeros(fmt.nbytes - 8, np.uint8))

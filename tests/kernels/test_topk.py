@@ -1,0 +1,130 @@
+"""Top-k and random-k: exact selection, ties, the approximate method, feedback, decoding."""
+import numpy as np
+import pytest
+
+import numba_kernels as nk
+from numba_kernels import topk
+from conftest import data
+from kernel_refs import DTYPES, SIZES, randk_indices, topk_indices
+
+
+def check_payload(p, c, idx):
+    v = p.views()
+    np.testing.assert_array_equal(v["indices"], idx)
+    np.testing.assert_array_equal(v["values"], c[idx].astype(np.float32))
+    np.testing.assert_array_equal(p.buffer[p.format.used_nbytes:], 0)
+
+
+@pytest.mark.parametrize("method", ["exact", "approx"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_topk_matches_numpy(method, dtype, n, rng):
+    x = data(rng, n, dtype)
+    k = max(1, n // 100) if n else 0
+    p = nk.compress_topk(x, k, method=method)
+    check_payload(p, x, topk_indices(x, k))
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("k", [0, 1, 31, 32, 33, 500, 1000])
+def test_every_k(index_dtype, k, rng):
+    x = data(rng, 1000, np.float32)
+    p = nk.compress_topk(x, k, index_dtype=index_dtype, method="exact")
+    assert p.views()["indices"].dtype == np.dtype(index_dtype)
+    check_payload(p, x, topk_indices(x, k))
+
+
+def test_ties_go_to_lower_index():
+    # magnitudes 3 at 2, 5, 7 (either sign), 1 elsewhere: k = 2 keeps 2 and 5
+    x = np.ones(10, np.float32)
+    x[[2, 5, 7]] = [-3.0, 3.0, -3.0]
+    assert nk.compress_topk(x, 2).views()["indices"].tolist() == [2, 5]
+    # all equal: the first k indices
+    assert nk.compress_topk(np.full(50, -2.0, np.float32), 5).views()["indices"].tolist() == \
+        [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse", "constant"])
+def test_approx_equals_exact_on_large_inputs(kind, rng):
+    n, k = 10**6, 1000
+    x = {"normal": lambda: data(rng, n, np.float32),
+         "ties": lambda: rng.integers(-4, 5, n).astype(np.float32),
+         "sparse": lambda: np.where(rng.random(n) < 1e-4, 1.0, 0.0).astype(np.float32),
+         "constant": lambda: np.full(n, 0.5, np.float32)}[kind]()
+    p = nk.compress_topk(x, k, method="approx")
+    check_payload(p, x, topk_indices(x, k))
+    np.testing.assert_array_equal(p.buffer, nk.compress_topk(x, k, method="exact").buffer)
+
+
+def run_approx(x, k):
+    m, ks, cap = topk.sample_plan(x.size, k)
+    idx = np.empty(k, np.int64)
+    val = np.empty(k, np.float32)
+    attempts = topk.select_approx(x, x.size, k, m, ks, cap, topk.rng_key(1), idx, val, x, False)
+    return attempts, idx
+
+
+def test_approx_refinement_paths(rng):
+    x = data(rng, 10**6, np.float32)
+    attempts, idx = run_approx(x, 1000)
+    assert attempts == 1                       # the sampled threshold suffices
+    np.testing.assert_array_equal(idx, topk_indices(x, 1000))
+    # far more ties at the threshold than the candidate buffer holds: every
+    # refinement overflows, then the exact fallback runs
+    sparse = np.where(rng.random(10**6) < 1e-3, 2.0, 1.0).astype(np.float32)
+    attempts, idx = run_approx(sparse, 5000)
+    assert attempts == topk.REFINEMENTS + 2
+    np.testing.assert_array_equal(idx, topk_indices(sparse, 5000))
+
+
+@pytest.mark.parametrize("method", ["exact", "approx"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_keeps_unselected(method, dtype, rng):
+    n, k = 10**6, 1000
+    x = data(rng, n, dtype)
+    e_old = data(rng, n, dtype, scale=0.3)
+    e = e_old.copy()
+    p = nk.compress_topk(x, k, method=method, residual=e)
+    c = x + e_old
+    idx = topk_indices(c, k)
+    check_payload(p, c, idx)
+    expect = c.copy()
+    expect[idx] = c[idx] - c[idx].astype(np.float32)   # zero for float32
+    np.testing.assert_array_equal(e, expect)
+    np.testing.assert_array_equal(nk.decompress(p, out=np.zeros(n, dtype)) + e, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_randk_matches_numpy(dtype, n, rng):
+    x = data(rng, n, dtype)
+    k = n // 3
+    p = nk.compress_randk(x, k, seed=42)
+    check_payload(p, x, randk_indices(n, k, 42))
+
+
+def test_randk_is_uniform_and_seeded():
+    """Each index is kept with probability k/n: over 3000 seeds the count per
+    index is Binomial(3000, 1/8), sd about 18; all 64 stay within 5 sd."""
+    n, k, seeds = 64, 8, 3000
+    x = np.arange(1, n + 1, dtype=np.float32)
+    counts = np.zeros(n)
+    for s in range(seeds):
+        counts[nk.compress_randk(x, k, seed=s).views()["indices"]] += 1
+    expected = seeds * k / n
+    sd = np.sqrt(seeds * (k / n) * (1 - k / n))
+    assert np.abs(counts - expected).max() < 5 * sd
+    a = nk.compress_randk(x, k, seed=1).buffer
+    np.testing.assert_array_equal(a, nk.compress_randk(x, k, seed=1).buffer)
+
+
+def test_decode_scatter_and_accumulate(rng):
+    x = data(rng, 1000, np.float32)
+    p = nk.compress_topk(x, 10)
+    idx = p.views()["indices"]
+    dense = nk.decompress(p)
+    assert (dense[np.setdiff1d(np.arange(1000), idx)] == 0).all()
+    np.testing.assert_array_equal(dense[idx], x[idx])
+    out = np.ones(1000, np.float64)
+    nk.decompress(p, out=out, accumulate=True)
+    np.testing.assert_array_equal(out, 1.0 + dense.astype(np.float64))

@@ -1,0 +1,104 @@
+"""Single-process tests of bucketing, flattening and the algorithm registry."""
+import pytest
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi.algorithms import create, names
+from bagua_mpi.compression import Compression
+from bagua_mpi.engine import Bucket, plan_buckets
+
+
+@pytest.fixture
+def initialized():
+    bm.init(abort_on_exception=False)
+    yield
+    bm.shutdown()
+
+
+def test_plan_buckets_follows_order_and_budget():
+    params = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64),
+              torch.zeros(1)]
+    # 40-byte float32 tensors, budget 100 bytes: [1,0] fit (80), 2 (120 bytes) alone, dtype splits
+    assert plan_buckets(params, [1, 0, 2, 3, 4], 100) == [[1, 0], [2], [3], [4]]
+    assert plan_buckets(params, [4, 0, 1], 10_000) == [[4, 0, 1]]
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets(params, [0], 0)
+
+
+def test_bucket_flattening_makes_grads_views_and_reabsorbs():
+    a = torch.nn.Parameter(torch.ones(2, 3))
+    b = torch.nn.Parameter(torch.ones(4))
+    a.grad = torch.full((2, 3), 2.0)
+    bucket = Bucket(0, [0, 1], [a, b], ["a", "b"], flatten=True)
+    assert bucket.flat_grad.tolist()[:6] == [2.0] * 6  # existing gradient copied in
+    assert a.grad.data_ptr() == bucket.flat_grad.data_ptr()
+    assert b.grad.data_ptr() == bucket.flat_grad.data_ptr() + 6 * 4  # every grad is a view
+    b.grad = None  # as after zero_grad(set_to_none=True) when b then gets no gradient
+    assert bucket.fill_missing_grads() == [1]  # b: zero gradient, a view again
+    assert b.grad.data_ptr() == bucket.flat_grad.data_ptr() + 6 * 4
+    a.grad = torch.full((2, 3), 5.0)  # what autograd does after zero_grad(set_to_none=True)
+    bucket.absorb_grad(0)
+    assert a.grad.data_ptr() == bucket.flat_grad.data_ptr()
+    assert bucket.flat_grad[:6].tolist() == [5.0] * 6
+    flat = bucket.flatten_params()
+    a.data.mul_(3)
+    assert flat[:6].tolist() == [3.0] * 6 and flat.numel() == 10
+
+
+def test_registry_lists_valid_names_on_typo():
+    assert "gradient_allreduce" in names()
+    with pytest.raises(ValueError, match="valid names: .*gradient_allreduce"):
+        create("gradient_allreduc")
+    with pytest.raises(TypeError):
+        create(42)
+    algo = create("gradient_allreduce")
+    assert create(algo) is algo and algo.config() == {"name": "gradient_allreduce"}
+
+
+def test_compression_parsing():
+    assert Compression.parse(None) is Compression.none
+    assert Compression.parse("fp16").wire_dtype == torch.float16
+
+    class FP16Compressor:  # Horovod's class, by name
+        pass
+    assert Compression.parse(FP16Compressor) is Compression.fp16
+    with pytest.raises(ValueError, match="fp16, bf16"):
+        Compression.parse("int8")
+    t, ctx = Compression.bf16.compress(torch.ones(2))
+    assert t.dtype == torch.bfloat16 and Compression.bf16.decompress(t, ctx).dtype == torch.float32
+
+
+def test_wrapper_validates_arguments(initialized):
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        bm.DistributedOptimizer(model)
+    with pytest.raises(ValueError, match="backward_passes_per_step .* got 0"):
+        bm.DistributedOptimizer(sgd, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="Average or Sum"):
+        bm.DistributedOptimizer(sgd, op=bm.Max)
+    with pytest.raises(ValueError, match="only applies with op=Average"):
+        bm.DistributedOptimizer(sgd, op=bm.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="not in named_parameters"):
+        bm.DistributedOptimizer(sgd, named_parameters=[("w", model.weight)])
+    with pytest.raises(ValueError, match="valid names"):
+        bm.DistributedOptimizer(sgd, algorithm="nope")
+
+
+def test_wrapper_forwards_and_works_with_lr_scheduler(initialized):
+    model = torch.nn.Linear(3, 2)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5),
+                                  named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is opt.optimizer.param_groups
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.125
+    assert set(opt.state_dict()) == {"state", "param_groups"}
+    state = opt.algorithm_state_dict()
+    assert state["steps"] == 3 and state["config"]["name"] == "gradient_allreduce"
+    opt.load_algorithm_state_dict(state)
+    opt.close()
