@@ -2,9 +2,10 @@
 
     mpiexec -n 4 python examples/train_mlp.py [--steps 50] [--hidden 1024] [--batch 64]
 
-Each rank generates its own shard of a fixed synthetic regression problem (no downloads), runs
-forward/backward, averages gradients over all ranks with bagua_mpi, and steps its optimizer.
-Rank 0 prints the loss and the throughput.
+Each rank generates its own shard of a fixed synthetic regression problem (no downloads); the
+optimizer is wrapped in ``bagua_mpi.DistributedOptimizer``, whose communication algorithm is
+chosen with ``--algorithm`` (``--list-algorithms`` shows the registered ones). Rank 0 prints the
+loss and the throughput.
 """
 from __future__ import annotations
 
@@ -42,17 +43,25 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--algorithm", default="gradient_allreduce")
+    parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    parser.add_argument("--list-algorithms", action="store_true")
     args = parser.parse_args()
+    if args.list_algorithms:
+        print("\n".join(bm.algorithms.names()))
+        return
 
     bm.init()
     torch.manual_seed(0)  # same initial model everywhere; broadcast keeps it so regardless
     model = make_model(args.inputs, args.hidden, args.layers, 1)
     teacher = make_model(args.inputs, 64, 1, 1)
-    for p in list(model.parameters()) + list(teacher.parameters()):
-        bm.broadcast_(p.data, root_rank=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    params = [p for p in model.parameters() if p.requires_grad]
-    n_params = sum(p.numel() for p in params)
+    bm.broadcast_parameters(model.state_dict(), root_rank=0)
+    bm.broadcast_parameters(teacher.state_dict(), root_rank=0)
+    optimizer = bm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        named_parameters=model.named_parameters(), algorithm=args.algorithm,
+        compression=args.compression)
+    n_params = sum(p.numel() for p in model.parameters())
     if bm.rank() == 0:
         print(f"{bm.size()} ranks, MLP with {n_params / 1e6:.2f}M parameters, "
               f"{args.batch} samples per rank per step", flush=True)
@@ -62,8 +71,7 @@ def main() -> None:
         x, y = synthetic_batch(step, bm.rank(), args.batch, args.inputs, teacher)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        bm.grouped_allreduce_([p.grad for p in params])  # one fused message per step
+        loss.backward()  # gradient buckets are communicated while backward runs
         optimizer.step()
         if step % 10 == 0 or step == args.steps - 1:
             mean_loss = bm.allreduce(loss.detach()).item()
@@ -71,6 +79,7 @@ def main() -> None:
                 elapsed = time.perf_counter() - start
                 rate = (step + 1) * args.batch * bm.size() / elapsed
                 print(f"step {step:4d}  loss {mean_loss:.5f}  {rate:9.1f} samples/s", flush=True)
+    optimizer.close()
     bm.shutdown()
 
 
