@@ -1,0 +1,39 @@
+"""The foundation under a real ``srun --mpi=pmi2`` (the repository's single-node Slurm)."""
+import re
+
+import pytest
+
+from mpi_harness import assert_mpi_ok
+from slurm_harness import run_srun, start_local_slurm
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    return start_local_slurm()
+
+
+@pytest.mark.parametrize("ntasks", [2, 4])
+def test_collectives_under_srun(slurm, ntasks):
+    result = run_srun(slurm, "collectives_suite.py", ntasks)
+    assert_mpi_ok(result, f"collectives suite OK on {ntasks} ranks")
+    assert "Slurm and MPI disagree" not in result.output, result.describe()
+
+
+def test_uncaught_exception_aborts_the_srun_job(slurm):
+    result = run_srun(slurm, "faults_suite.py", 3, "raise", timeout=90)
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    assert "bagua_mpi rank 2: uncaught exception" in result.output, result.describe()
+    assert "RuntimeError: deliberate failure on rank 2" in result.output
+
+
+def test_stalled_collective_aborts_the_srun_job(slurm):
+    result = run_srun(slurm, "faults_suite.py", 3, "stall", timeout=90,
+                      env={"BAGUA_MPI_STALL_WARNING_S": "0.5", "BAGUA_MPI_STALL_ABORT_S": "3"})
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    assert re.search(r"rank [12]: allreduce\(Sum, float32, \(7,\)\) has waited 3\.\d s",
+                     result.output), result.describe()
+
+
+def test_mismatch_under_srun(slurm):
+    assert_mpi_ok(run_srun(slurm, "faults_suite.py", 3, "mismatch", timeout=90),
+                  "mismatch OK on 3 ranks")
