@@ -93,7 +93,8 @@ def hierarchical_allreduce_(topo, buf, mop) -> None:
 
 # -- allreduce ---------------------------------------------------------------------------------
 
-def _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hierarchical):
+def _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
+                   check=None):
     dt = dtype_name(tensor)
     if type(op) is not ReduceOp:
         op = ReduceOp.parse(op)
@@ -111,7 +112,7 @@ def _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hiera
     numel = math.prod(shape)
 
     def run():
-        if consistency._enabled:
+        if consistency._enabled if check is None else check:
             consistency.verify(topo.comm, ("allreduce", ("op", op.name), ("dtype", dt),
                                            ("shape", shape)))
         if numel == 0:
@@ -155,43 +156,45 @@ def _allreduce_buffers(topo, src, dst, mop, hierarchical: bool, in_place: bool) 
 
 
 def allreduce(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
-              hierarchical=None):
+              hierarchical=None, check=None):
     """Reduce ``tensor`` over all ranks; return the result as a new tensor/array.
 
     ``op`` is one of Average (default), Sum, Min, Max, Product; the result is
     ``postscale * op(prescale * x_i)``. ``hierarchical=True`` uses the two-level algorithm;
-    ``None`` takes the global default.
+    ``None`` takes the global default. ``check`` overrides the agreement check for this call
+    (``None``: the global setting); every rank must pass the same.
     """
     rt = runtime.get()
     run, d = _allreduce_run(rt, tensor, empty_like(tensor), op, prescale_factor,
-                            postscale_factor, hierarchical)
+                            postscale_factor, hierarchical, check)
     return _dispatch(rt, run, d, False)
 
 
 def allreduce_(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
-               hierarchical=None):
+               hierarchical=None, check=None):
     """In-place ``allreduce``: the result overwrites ``tensor``, which is returned."""
     rt = runtime.get()
     run, d = _allreduce_run(rt, tensor, tensor, op, prescale_factor, postscale_factor,
-                            hierarchical)
+                            hierarchical, check)
     return _dispatch(rt, run, d, False)
 
 
 def allreduce_async(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
-                    hierarchical=None) -> Handle:
+                    hierarchical=None, check=None) -> Handle:
     """Start an ``allreduce``; ``synchronize(handle)`` returns the new tensor."""
     rt = runtime.get()
     out = empty_like(tensor)
-    run, d = _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hierarchical)
+    run, d = _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
+                            check)
     return _dispatch(rt, run, d, True, (tensor, out))
 
 
 def allreduce_async_(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
-                     hierarchical=None) -> Handle:
+                     hierarchical=None, check=None) -> Handle:
     """Start an in-place ``allreduce``; do not touch ``tensor`` until it completes."""
     rt = runtime.get()
     run, d = _allreduce_run(rt, tensor, tensor, op, prescale_factor, postscale_factor,
-                            hierarchical)
+                            hierarchical, check)
     return _dispatch(rt, run, d, True, (tensor,))
 
 

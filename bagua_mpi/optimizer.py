@@ -94,6 +94,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             hierarchical=rt.hierarchical if hierarchical is None else bool(hierarchical),
             compression=self.compression)
         self.impl = self.algorithm.reify(ctx)
+        self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else os.environ.get("BAGUA_MPI_TIMELINE")
         self.timeline = Timeline(prefix, rt.topo.rank) if prefix else None
         self._engine = Engine(params, names, self.impl,
@@ -169,7 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.synchronize()
         self._synchronized = False
         self.impl.before_step(self.optimizer)
-        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        loss = self.impl.optimizer_step(self.optimizer, closure)
         self.impl.after_step(self.optimizer)
         self.steps += 1
         return loss
@@ -186,6 +187,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"cannot be loaded into {self.algorithm.name!r}")
         self.steps = int(state["steps"])
         self.impl.load_state_dict(state["state"])
+
+    def communication_stats(self) -> dict:
+        """Bytes this rank sent to others (counted from MPI message sizes) and per step."""
+        steps = max(1, self.steps)
+        return {"bytes_sent": self.impl.wire.bytes_sent, "steps": self.steps,
+                "bytes_per_step": self.impl.wire.bytes_sent / steps}
 
     @property
     def buckets(self):

@@ -31,6 +31,15 @@ class Runtime:
 
 _runtime: Runtime | None = None
 _atexit_registered = False
+_shutdown_callbacks: list = []
+
+
+def on_shutdown(callback) -> None:
+    """Run ``callback()`` at ``shutdown()`` (and so at exit), before the comm thread stops.
+
+    Algorithms with background threads register their ``close`` here so that a job that
+    forgets to close its optimizer still stops cleanly on every rank."""
+    _shutdown_callbacks.append(callback)
 
 
 def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None,
@@ -79,6 +88,12 @@ def shutdown(timeout: float = 60.0) -> None:
     rt = _runtime
     if rt is None:
         return
+    while _shutdown_callbacks:
+        callback = _shutdown_callbacks.pop()
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - one failing callback must not stop the others
+            logger.exception("bagua_mpi: a shutdown callback failed")
     _runtime = None
     topology.set_current(None)
     if not rt.worker.drain(timeout):

@@ -71,6 +71,7 @@ class CommWorker:
     def __init__(self, watch: Callable[[Any], None] | None = None):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._exec_lock = threading.Lock()  # held while any operation runs
+        self._inside = threading.local()  # .active: this thread is running an operation
         self._count_lock = threading.Lock()
         self._pending = 0  # queued + running asynchronous operations
         self._ids = itertools.count()
@@ -95,17 +96,20 @@ class CommWorker:
     def run(self, fn: Callable[[], Any], describe):
         """Run ``fn`` now in this thread if the queue is idle, else behind the queued work.
 
-        Called from inside a task on the communication thread (an algorithm composing
-        collectives), it runs ``fn`` at once: that task already holds the executor.
+        Called from inside a running operation (an algorithm composing collectives, on the
+        communication thread or inline), it runs ``fn`` at once: that operation already holds
+        the executor.
         """
-        if threading.current_thread() is self._thread:
-            return fn()
+        if getattr(self._inside, "active", False):
+            return fn()  # nested in an operation that already holds the executor
         with self._exec_lock:
             if self._pending == 0:
                 self.current = (describe, time.monotonic())
+                self._inside.active = True
                 try:
                     return fn()
                 finally:
+                    self._inside.active = False
                     self.current = None
         return self.submit(fn, describe).wait()
 
@@ -131,6 +135,7 @@ class CommWorker:
             with self._exec_lock:
                 started = time.monotonic()
                 self.current = (describe, started)
+                self._inside.active = True
                 try:
                     result = fn()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
@@ -138,6 +143,7 @@ class CommWorker:
                 else:
                     handle._complete(result)
                 finally:
+                    self._inside.active = False
                     self.current = None
                     if self.observer is not None:
                         self.observer(describe, started, time.monotonic())

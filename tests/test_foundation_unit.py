@@ -224,3 +224,22 @@ def test_cuda_tensors_staged_or_direct(initialized, aware):
             assert bm.allgather(x).is_cuda
     finally:
         cuda.set_cuda_aware(None)
+
+
+def test_nested_operations_run_inline_even_with_work_queued():
+    """An operation that itself calls the executor (an algorithm composing collectives) must
+    not deadlock, inline or on the comm thread, even while asynchronous work is queued."""
+    worker = CommWorker()
+    log = []
+
+    def outer():
+        h = worker.submit(lambda: log.append("queued"), ("queued",))
+        log.append(worker.run(lambda: "nested", ("nested",)))
+        return h
+
+    h = worker.run(outer, ("outer",))
+    h.wait(5)
+    h2 = worker.submit(lambda: worker.run(lambda: "in thread", ("nested",)), ("outer-async",))
+    assert h2.wait(5) == "in thread"
+    assert log == ["nested", "queued"]
+    worker.close(5)

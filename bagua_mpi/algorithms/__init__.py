@@ -1,7 +1,26 @@
-"""Communication algorithms, registered by name (see ``base.py`` for the interface)."""
+"""Communication algorithms, registered by name (see ``base.py`` for the interface).
+
+=============================  ===============================================  ==========
+name                           what                                             primitive
+=============================  ===============================================  ==========
+gradient_allreduce             average gradients (fp16/bf16 wire optional)      C_FP_S
+qsgd                           8-bit stochastic quantization, no EF             C_LP_S
+bytegrad                       8-bit per-chunk min-max, no EF                   C_LP_S
+onebit_adam                    Adam warm-up, then 1-bit momentum with EF        C_LP_S+EF
+decentralized                  model averaging with random/ring peers           D_FP_S
+low_precision_decentralized    8-bit ring exchange of model differences         D_LP_S
+async                          background model averaging, never waits          C_FP_S
+local_sgd                      average models every ``period`` steps            C_FP_S
+=============================  ===============================================  ==========
+"""
+from .async_average import AsyncModelAverage
 from .base import Algorithm, AlgorithmContext, AlgorithmImpl
+from .compressed import QSGD, ByteGrad
 from .gradient_allreduce import GradientAllReduce
+from .model_averaging import Decentralized, LocalSGD, LowPrecisionDecentralized
+from .onebit_adam import OneBitAdam
 from .registry import create, names, register
 
-__all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "GradientAllReduce", "create",
-           "names", "register"]
+__all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "AsyncModelAverage", "ByteGrad",
+           "Decentralized", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
+           "OneBitAdam", "QSGD", "create", "names", "register"]

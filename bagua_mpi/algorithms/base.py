@@ -11,6 +11,9 @@ hook                   runs on                          used for
 ``reduce_bucket``      communication thread             a bucket's gradients are all ready: make
                                                         them the synchronized gradients
 ``before_step``        main thread, in ``step()``       model-side ops before the optimizer update
+``optimizer_step``     main thread, in ``step()``       the update itself (default: the wrapped
+                                                        optimizer's ``step``; 1-bit Adam's
+                                                        compressed stage replaces it)
 ``after_step``         main thread, in ``step()``       model-side ops after it (decentralized
                                                         averaging, local SGD, async)
 ``on_step_start``      main thread, start of ``step``   stage switches (e.g. warm-up over)
@@ -27,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..primitives.codecs import WireStats
 
 if TYPE_CHECKING:
     from ..engine.buckets import Bucket
@@ -52,6 +57,10 @@ class AlgorithmImpl:
         self.algorithm = algorithm
         self.ctx = ctx
         self.buckets: list[Bucket] = []
+        self.wire = WireStats()  # bytes this rank sent, for communication_stats()
+
+    def bind_optimizer(self, optimizer) -> None:
+        """Called once by the wrapper with the wrapped optimizer."""
 
     def init_buckets(self, buckets: "list[Bucket]") -> None:
         self.buckets = buckets
@@ -64,6 +73,9 @@ class AlgorithmImpl:
 
     def before_step(self, optimizer) -> None:
         pass
+
+    def optimizer_step(self, optimizer, closure=None):
+        return optimizer.step(closure) if closure is not None else optimizer.step()
 
     def after_step(self, optimizer) -> None:
         pass

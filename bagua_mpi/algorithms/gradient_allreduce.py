@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .. import collectives
 from ..ops import Sum
-from ..primitives.centralized import cast_allreduce_, hierarchical_cast_allreduce_
+from ..primitives.centralized import (cast_allreduce_, hierarchical_cast_allreduce_,
+                                     wire_bytes_cast_allreduce)
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 
@@ -27,10 +28,12 @@ class GradientAllReduceImpl(AlgorithmImpl):
                     hierarchical_cast_allreduce_(grad, ctx.topo, wire, scale)
                 else:
                     cast_allreduce_(grad, ctx.topo.comm, wire, scale)
+                self.wire.add(wire_bytes_cast_allreduce(grad.numel(), ctx.topo.size, 2))
             else:
                 collectives.allreduce_(grad, Sum, prescale_factor=ctx.prescale,
                                        postscale_factor=ctx.postscale,
-                                       hierarchical=ctx.hierarchical)
+                                       hierarchical=ctx.hierarchical, check=False)
+                self.wire.allreduce(grad.numel() * grad.element_size(), ctx.topo.size)
 
 
 @register

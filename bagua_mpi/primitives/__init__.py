@@ -1,4 +1,26 @@
-"""Communication primitives over flat tensors, used by the algorithms (SPEC §2)."""
-from .centralized import cast_allreduce_, partition_bounds
+"""Communication primitives over flat tensors, used by the algorithms (SPEC §2).
 
-__all__ = ["cast_allreduce_", "partition_bounds"]
+=========  ===================================  ===========================================
+name       semantics                            function
+=========  ===================================  ===========================================
+C_FP_S     sum/average of all ranks             ``bagua_mpi.allreduce_`` (+ hierarchical)
+C_LP_S     compressed sum with error feedback   ``compressed_allreduce_`` (+ hierarchical)
+           16-bit wire, float32 sums            ``cast_allreduce_`` (+ hierarchical)
+D_FP_S     average with ring/random peers       ``decentralized_average_``
+D_LP_S     compressed difference exchange       ``low_precision_decentralized_``
+=========  ===================================  ===========================================
+"""
+from .centralized import cast_allreduce_, hierarchical_cast_allreduce_
+from .codecs import CastCodec, Codec, MinMaxCodec, OneBitCodec, QSGDCodec, WireStats
+from .decentralized import (PeerEstimates, decentralized_average_, low_precision_decentralized_,
+                            peers_for, random_pairing, ring_peers)
+from .lowprec import (compressed_allreduce_, hierarchical_compressed_allreduce_, padded_length,
+                      partition_length)
+
+__all__ = [
+    "cast_allreduce_", "hierarchical_cast_allreduce_", "compressed_allreduce_",
+    "hierarchical_compressed_allreduce_", "padded_length", "partition_length",
+    "decentralized_average_", "low_precision_decentralized_", "PeerEstimates", "peers_for",
+    "random_pairing", "ring_peers", "Codec", "MinMaxCodec", "QSGDCodec", "OneBitCodec",
+    "CastCodec", "WireStats",
+]

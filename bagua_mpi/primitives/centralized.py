@@ -22,7 +22,7 @@ from .. import cuda as cuda_support
 from ..buffers import host_view
 
 
-def partition_bounds(length: int, parts: int) -> int:
+def partition_length(length: int, parts: int) -> int:
     """Size of each of ``parts`` equal partitions covering ``length`` elements (padded)."""
     return -(-length // parts) if length else 0
 
@@ -49,7 +49,7 @@ def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.d
         if scale != 1.0:
             flat.mul_(scale)
         return flat
-    part = partition_bounds(length, n)
+    part = partition_length(length, n)
     send = torch.zeros(n * part, dtype=wire_dtype, device=flat.device)
     send[:length].copy_(flat)
     recv = torch.empty_like(send)
@@ -87,9 +87,9 @@ def hierarchical_cast_allreduce_(flat: torch.Tensor, topo, wire_dtype: torch.dty
 
 def wire_bytes_cast_allreduce(length: int, n: int, wire_itemsize: int) -> int:
     """Bytes this rank sends in ``cast_allreduce_`` (alltoall + allgather, excluding self)."""
-    part = partition_bounds(length, n)
+    part = partition_length(length, n)
     return 2 * (n - 1) * part * wire_itemsize
 
 
-__all__ = ["cast_allreduce_", "hierarchical_cast_allreduce_", "partition_bounds",
+__all__ = ["cast_allreduce_", "hierarchical_cast_allreduce_", "partition_length",
            "wire_bytes_cast_allreduce"]

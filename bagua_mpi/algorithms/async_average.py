@@ -1,0 +1,173 @@
+"""Asynchronous model averaging (``async``): training never waits for communication.
+
+A background thread per rank keeps averaging the models over a private duplicate communicator
+(C_FP_S in a thread, paper §3.2 "Discussion"), while the training thread only does memory
+copies at step boundaries:
+
+1. after a step, if no exchange is in flight and ``sync_interval_ms`` has passed since the last
+   one started, the training thread copies its parameters into the exchange buffer (a
+   snapshot) and wakes the thread;
+2. the thread allreduces [snapshot, continue-flag] and computes delta = average - snapshot;
+3. after a later step, the training thread applies ``params += delta`` (the average of the
+   snapshots, plus whatever local progress was made since).
+
+No torn reads: the background thread never touches the parameters. The training thread reads
+them (snapshot) and writes them (apply) itself, between steps.
+
+Clean stop: every exchange carries a flag, 1 to continue and 0 from a rank that is closing; the
+exchange in which the flags do not all say continue is the last one on *every* rank, so all
+ranks stop after the same number of exchanges and none waits for a peer that has left. ``close()``
+(``DistributedOptimizer.close()``, also run at ``bagua_mpi.shutdown()`` and at exit) keeps
+feeding snapshots until its thread stops, then does a final synchronous average so the ranks
+end with identical models.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .. import collectives, runtime
+from ..buffers import host_view
+from ..ops import Average
+from .base import Algorithm, AlgorithmImpl
+from .registry import register
+
+
+class AsyncAverageImpl(AlgorithmImpl):
+    communicates_gradients = False
+    wants_flat_params = True
+
+    def __init__(self, algorithm, ctx):
+        super().__init__(algorithm, ctx)
+        self.exchanges = 0  # completed exchanges
+        self._comm: MPI.Intracomm | None = None
+        self._buffer: np.ndarray | None = None  # [flat params of every bucket..., flag]
+        self._snapshot: np.ndarray | None = None
+        self._delta: np.ndarray | None = None
+        self._wake = threading.Event()  # a snapshot is ready for the thread
+        self._done = threading.Event()  # the thread finished an exchange; delta is ready
+        self._in_flight = False
+        self._closing = False
+        self._stopped = threading.Event()
+        self._last_start = 0.0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.closed = False
+
+    def init_buckets(self, buckets) -> None:
+        super().init_buckets(buckets)
+        topo = self.ctx.topo
+        self._comm = runtime.get().worker.run(topo.comm.Dup, ("dup", "async"))
+        total = sum(b.numel for b in buckets)
+        self._buffer = np.zeros(total + 1, dtype=np.float64)
+        self._snapshot = np.zeros(total, dtype=np.float64)
+        self._thread = threading.Thread(target=self._loop, name="bagua_mpi-async", daemon=True)
+        self._thread.start()
+        runtime.on_shutdown(self.close)
+
+    # -- training thread --------------------------------------------------------------------------
+    def after_step(self, optimizer) -> None:
+        if self._thread is None or self._stopped.is_set():
+            return
+        self._raise_background_error()
+        if self._in_flight and self._done.is_set():
+            self._apply_delta()
+        interval = self.algorithm.sync_interval_ms / 1000.0
+        if not self._in_flight and time.monotonic() - self._last_start >= interval:
+            self._start_exchange(continue_flag=1.0)
+
+    def _start_exchange(self, continue_flag: float) -> None:
+        offset = 0
+        for b in self.buckets:
+            view = host_view(b.flat_param)
+            self._snapshot[offset:offset + view.size] = view
+            offset += view.size
+        self._buffer[:-1] = self._snapshot
+        self._buffer[-1] = continue_flag
+        self._done.clear()
+        self._in_flight = True
+        self._last_start = time.monotonic()
+        self._wake.set()
+
+    def _apply_delta(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for b in self.buckets:
+                view = host_view(b.flat_param)
+                view += self._delta[offset:offset + view.size].astype(view.dtype)
+                offset += view.size
+        self._in_flight = False
+        self.exchanges += 1
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("async averaging thread failed") from self._error
+
+    # -- background thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        n = self._comm.Get_size()
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                self._comm.Allreduce(MPI.IN_PLACE, self._buffer, op=MPI.SUM)
+                self.wire.allreduce(self._buffer.nbytes, n)
+                everyone_continues = self._buffer[-1] == n
+                self._delta = self._buffer[:-1] / n - self._snapshot
+                self._done.set()
+                if not everyone_continues:
+                    self._stopped.set()
+                    return
+        except BaseException as exc:  # noqa: BLE001 - reported in the training thread
+            self._error = exc
+            self._stopped.set()
+            self._done.set()
+
+    # -- stop ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the thread after an exchange all ranks agree is the last; final average."""
+        if self.closed or self._thread is None:
+            self.closed = True
+            return
+        self.closed = True
+        while not self._stopped.is_set():
+            if self._in_flight:
+                self._done.wait(0.05)
+                if self._done.is_set() and not self._stopped.is_set():
+                    self._apply_delta()
+                continue
+            self._start_exchange(continue_flag=0.0)
+        if self._in_flight and self._done.is_set():
+            self._apply_delta()
+        self._thread.join()
+        self._raise_background_error()
+        for b in self.buckets:  # the final synchronisation: identical models everywhere
+            collectives.allreduce_(b.flat_param, Average, check=False)
+            self.wire.allreduce(b.flat_param.numel() * b.flat_param.element_size(),
+                                self.ctx.topo.size)
+        self._comm.Free()
+
+    def state_dict(self) -> dict:
+        return {"exchanges": self.exchanges}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.exchanges = int(state.get("exchanges", 0))
+
+
+@register
+@dataclass(frozen=True)
+class AsyncModelAverage(Algorithm):
+    """Average models in a background thread every ``sync_interval_ms``; never wait for it."""
+
+    name = "async"
+    impl_class = AsyncAverageImpl
+    sync_interval_ms: float = 50.0
+
+    def __post_init__(self):
+        if not self.sync_interval_ms >= 0:
+            raise ValueError(f"sync_interval_ms must be >= 0, got {self.sync_interval_ms!r}")

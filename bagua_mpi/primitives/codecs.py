@@ -1,0 +1,122 @@
+"""Lossy compressors Q over flat float32 data, as the primitives use them.
+
+A ``Codec`` wraps one ``numba_kernels`` compressor: it knows its wire format for n elements (a
+fixed-size uint8 payload, so receive buffers are sized before data arrives), compresses with
+optional fused error feedback into a caller's buffer, and decodes a stack of payloads with
+summation (the "server" side of a scatter-reduce).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+import numba_kernels as nk
+
+
+class Codec:
+    name = "codec"
+
+    def format(self, n: int):
+        raise NotImplementedError
+
+    def compress(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None = None,
+                 seed: int = 0):
+        """Encode float32 ``x`` into ``out`` (uint8, ``format(len(x)).nbytes``)."""
+        raise NotImplementedError
+
+    def decompress_many(self, stack: np.ndarray, n: int, out: np.ndarray,
+                        accumulate: bool = False) -> np.ndarray:
+        """out (+)= sum of the decoded rows of ``stack`` ((rows, nbytes) uint8)."""
+        return nk.decompress_many(stack, self.format(n), out=out, accumulate=accumulate)
+
+    def ratio(self, n: int) -> float:
+        """Bytes of float32 data per byte of payload."""
+        return 4.0 * n / max(1, self.format(n).nbytes)
+
+
+@dataclass(frozen=True)
+class MinMaxCodec(Codec):
+    """Per-chunk min-max quantization to ``bits`` bits (ByteGrad at 8 bits)."""
+
+    bits: int = 8
+    chunk: int = 1024
+    name = "minmax"
+
+    def format(self, n):
+        return nk.MinMaxFormat(n, self.bits, self.chunk)
+
+    def compress(self, x, out, residual=None, seed=0):
+        return nk.compress_minmax(x, bits=self.bits, chunk=self.chunk, residual=residual, out=out)
+
+
+@dataclass(frozen=True)
+class QSGDCodec(Codec):
+    """QSGD: stochastic rounding to ``levels`` levels of the chunk norm (unbiased)."""
+
+    levels: int = 127
+    chunk: int = 1024
+    name = "qsgd"
+
+    def format(self, n):
+        return nk.QSGDFormat(n, self.levels, self.chunk)
+
+    def compress(self, x, out, residual=None, seed=0):
+        return nk.compress_qsgd(x, levels=self.levels, chunk=self.chunk, seed=seed,
+                                residual=residual, out=out)
+
+
+@dataclass(frozen=True)
+class OneBitCodec(Codec):
+    """Sign bits, 32 to a word, and one scale per chunk (||x||2/sqrt(n) by default)."""
+
+    chunk: int = 4096
+    scale: str = "l2"
+    name = "onebit"
+
+    def format(self, n):
+        return nk.OneBitFormat(n, self.chunk)
+
+    def compress(self, x, out, residual=None, seed=0):
+        return nk.compress_onebit(x, chunk=self.chunk, scale=self.scale, residual=residual,
+                                  out=out)
+
+
+@dataclass(frozen=True)
+class CastCodec(Codec):
+    """float16 / bfloat16 casts (round to nearest even)."""
+
+    kind: str = "fp16"
+    name = "cast"
+
+    def format(self, n):
+        return nk.CastFormat(n, self.kind)
+
+    def compress(self, x, out, residual=None, seed=0):
+        return nk.compress_cast(x, kind=self.kind, residual=residual, out=out)
+
+
+def call_seed(*parts) -> int:
+    """A 31-bit seed that differs per (algorithm seed, step, rank, partition, ...)."""
+    return zlib.crc32(np.asarray(parts, dtype=np.int64).tobytes()) & 0x7FFFFFFF
+
+
+class WireStats:
+    """Bytes this rank handed to MPI for other ranks, by primitive.
+
+    Counted from message sizes: point-to-point, alltoall and allgather payloads exactly
+    (excluding the part a rank keeps); an allreduce of B bytes as the bandwidth-optimal
+    2(n-1)/n x B that a ring sends (MPI picks its own algorithm internally).
+    """
+
+    def __init__(self):
+        self.bytes_sent = 0
+        self.calls = 0
+
+    def add(self, nbytes: int) -> None:
+        self.bytes_sent += int(nbytes)
+        self.calls += 1
+
+    def allreduce(self, nbytes: int, n: int) -> None:
+        self.add(2 * (n - 1) * nbytes // n if n > 1 else 0)

@@ -1,0 +1,187 @@
+"""BAGUA's primitives against a NumPy simulation of every rank (SPEC §2).
+
+Each rank builds every rank's input from a seed, runs the primitive for real, and compares with
+a single-process simulation of the same algorithm that uses the same compressor functions,
+so compressed results must match exactly (same bytes in, same bytes out).
+"""
+import sys
+
+import numpy as np
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi.buffers import host_view
+from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDCodec,
+                                  compressed_allreduce_, decentralized_average_,
+                                  hierarchical_compressed_allreduce_,
+                                  low_precision_decentralized_, padded_length, partition_length,
+                                  peers_for, random_pairing)
+from bagua_mpi.primitives.codecs import call_seed
+
+
+def inputs(seed, size, length, integer=False):
+    rng = np.random.default_rng(seed)
+    if integer:  # exactly representable sums: any summation order gives the same float32
+        return [rng.integers(-8, 9, length).astype(np.float32) for _ in range(size)]
+    return [rng.standard_normal(length).astype(np.float32) for _ in range(size)]
+
+
+def simulate_clps(xs, codec, worker_errors, server_errors, scale, seed):
+    """C_LP_S on all ranks at once; returns (result, new worker errors, new server errors)."""
+    n, length = len(xs), xs[0].size
+    part = partition_length(length, n)
+    fmt = codec.format(part)
+    payloads = np.empty((n, n, fmt.nbytes), np.uint8)  # [sender, partition]
+    for i in range(n):
+        padded = np.zeros(part * n, np.float32)
+        padded[:length] = xs[i]
+        for k in range(n):
+            res = None if worker_errors is None else worker_errors[i][k * part:(k + 1) * part]
+            codec.compress(padded[k * part:(k + 1) * part], payloads[i, k], residual=res,
+                           seed=call_seed(seed, i, k, 1))
+    merged_payloads = np.empty((n, fmt.nbytes), np.uint8)
+    for k in range(n):
+        merged = codec.decompress_many(np.ascontiguousarray(payloads[:, k]), part,
+                                        out=np.empty(part, np.float32))
+        merged *= np.float32(scale)
+        res = None if server_errors is None else server_errors[k]
+        codec.compress(merged, merged_payloads[k], residual=res, seed=call_seed(seed, k, k, 2))
+    out = np.empty(part * n, np.float32)
+    for k in range(n):
+        codec.decompress_many(merged_payloads[k:k + 1], part, out=out[k * part:(k + 1) * part])
+    return out[:length]
+
+
+def check_compressed_allreduce(rank, size):
+    comm = bm.runtime.get().topo.comm
+    checks = 0
+    for codec, ef in ((MinMaxCodec(8, 256), False), (QSGDCodec(127, 256), False),
+                      (OneBitCodec(256), True), (MinMaxCodec(4, 128), True)):
+        for length in (1, 257, 3000):
+            part = partition_length(length, size)
+            w_sim = [np.zeros(part * size, np.float32) for _ in range(size)] if ef else None
+            s_sim = [np.zeros(part, np.float32) for _ in range(size)] if ef else None
+            w = torch.zeros(padded_length(length, size)) if ef else None
+            s = torch.zeros(part) if ef else None
+            running_exact = np.zeros(length)
+            running_got = np.zeros(length)
+            for step in range(4):  # several steps: error feedback carries state across them
+                xs = inputs([length, step, 11], size, length)
+                seed = 99 + step
+                expected = simulate_clps(xs, codec, w_sim, s_sim, 1.0 / size, seed)
+                mine = torch.from_numpy(xs[rank].copy())
+                compressed_allreduce_(mine, comm, codec, worker_error=w, server_error=s,
+                                      scale=1.0 / size, seed=seed)
+                what = f"C_LP_S {codec} ef={ef} n={length} step {step}"
+                assert np.array_equal(mine.numpy(), expected), what
+                if ef:  # this rank's error state equals the simulated one
+                    assert np.array_equal(w.numpy(), w_sim[rank]), what + " worker error"
+                    assert np.array_equal(s.numpy(), s_sim[rank]), what + " server error"
+                exact = np.mean(xs, axis=0)
+                running_exact += exact
+                running_got += mine.numpy()
+                if codec.name == "minmax" and codec.bits == 8 and not ef:
+                    # two quantization phases of at most half a step each, per element
+                    # (plus float32 rounding of the mean itself)
+                    spread = max(float(np.ptp(x)) for x in xs)
+                    rounding = 1e-6 * (1 + max(float(np.abs(x).max()) for x in xs))
+                    assert np.max(np.abs(mine.numpy() - exact)) <= 2 * spread / 255 + rounding, what
+                checks += 1
+            if ef:
+                # error feedback: what was lost is carried, so the running sums stay close
+                # (the gap is bounded by the current errors, it does not grow with the steps)
+                gap = np.abs(running_got - running_exact)
+                carried = np.abs(w_sim[rank]).max() + np.abs(np.concatenate(s_sim)).max()
+                assert gap.max() <= size * (carried + 1e-3) + 1e-3, (codec, gap.max(), carried)
+    return checks
+
+
+def check_hierarchical_compressed(rank, size):
+    topo = bm.runtime.get().topo
+    codec = MinMaxCodec(8, 64)
+    length = 501
+    xs = inputs([5], size, length, integer=True)
+    # simulation: node sums (exact: integers), then C_LP_S among leaders
+    node_of = [r // topo.local_size if topo.simulated_ranks_per_node else 0 for r in range(size)]
+    rpn = topo.simulated_ranks_per_node or size
+    nodes = sorted(set(r // rpn for r in range(size)))
+    sums = [np.sum([xs[r] for r in range(size) if r // rpn == nd], axis=0).astype(np.float32)
+            for nd in nodes]
+    expected = simulate_clps(sums, codec, None, None, 1.0 / size, 7)
+    mine = torch.from_numpy(xs[rank].copy())
+    hierarchical_compressed_allreduce_(mine, topo, codec, scale=1.0 / size, seed=7)
+    assert np.array_equal(mine.numpy(), expected), "hierarchical C_LP_S"
+    del node_of
+    return 1
+
+
+def check_decentralized(rank, size):
+    comm = bm.runtime.get().topo.comm
+    checks = 0
+    for topology in ("ring", "random"):
+        for step in range(3):
+            xs = inputs([step, 3], size, 1001)
+            peers = [peers_for(topology, r, size, step, seed=42) for r in range(size)]
+            for r in range(size):  # i picks j iff j picks i
+                for p in peers[r]:
+                    assert r in peers[p], (topology, peers)
+            total = xs[rank].astype(np.float64)  # float64 accumulation, peers in order
+            for p in peers[rank]:
+                total += xs[p]
+            expected = total / (1 + len(peers[rank]))
+            mine = torch.from_numpy(xs[rank].copy())
+            decentralized_average_(mine, comm, peers[rank])
+            assert np.array_equal(mine.numpy(), expected.astype(np.float32)), (topology, step)
+            checks += 1
+    if size % 2:  # odd world: exactly one rank sits out each random step
+        assert sum(p < 0 for p in random_pairing(size, 0, 42)) == 1
+    return checks
+
+
+def check_low_precision_decentralized(rank, size):
+    comm = bm.runtime.get().topo.comm
+    codec = MinMaxCodec(8, 128)
+    length = 700
+    models = inputs([77], size, length)
+    mine = torch.from_numpy(models[rank].copy())
+    est = PeerEstimates(length)
+    sim_models = [m.copy() for m in models]
+    sim_est = [PeerEstimates(length) for _ in range(size)]
+    spreads = []
+    for step in range(12):
+        # simulation of every rank (same codec, same order of operations)
+        payloads = []
+        for r in range(size):
+            buf = np.empty(codec.format(length).nbytes, np.uint8)
+            codec.compress(sim_models[r] - sim_est[r].own, buf)
+            codec.decompress_many(buf[None], length, out=sim_est[r].own, accumulate=True)
+            payloads.append(buf)
+        for r in range(size):
+            mix = np.zeros(length, np.float32)
+            peers = peers_for("ring", r, size)
+            for p in peers:
+                h = sim_est[r].of(p)
+                codec.decompress_many(payloads[p][None], length, out=h, accumulate=True)
+                mix += h - sim_est[r].own
+            sim_models[r] += np.float32(1.0 / (1 + len(peers))) * mix
+        low_precision_decentralized_(mine, comm, peers_for("ring", rank, size), codec, est)
+        assert np.array_equal(mine.numpy(), sim_models[rank]), f"D_LP_S step {step}"
+        spreads.append(max(np.abs(m - np.mean(sim_models, axis=0)).max() for m in sim_models))
+    if size > 1:
+        assert spreads[-1] < 0.1 * spreads[0], spreads  # the models reach consensus
+    return 12
+
+
+def main():
+    bm.init()
+    rank, size = bm.rank(), bm.size()
+    checks = check_compressed_allreduce(rank, size)
+    checks += check_hierarchical_compressed(rank, size)
+    checks += check_decentralized(rank, size)
+    checks += check_low_precision_decentralized(rank, size)
+    if rank == 0:
+        print(f"primitives suite OK on {size} ranks: {checks} checks", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
