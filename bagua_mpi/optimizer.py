@@ -186,6 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"algorithm state of {state.get('config', {}).get('name')!r} "
                              f"cannot be loaded into {self.algorithm.name!r}")
         self.steps = int(state["steps"])
+        self._engine.iteration = self.steps  # warm-ups and seeds continue, not restart
         self.impl.load_state_dict(state["state"])
 
     def communication_stats(self) -> dict:

@@ -11,6 +11,8 @@ decentralized                  model averaging with random/ring peers           
 low_precision_decentralized    8-bit ring exchange of model differences         D_LP_S
 async                          background model averaging, never waits          C_FP_S
 local_sgd                      average models every ``period`` steps            C_FP_S
+topk                           top-k with residuals, all-gathered (O(kP))       sparse
+gtopk                          top-k with residuals, gTopKAllReduce tree        sparse
 =============================  ===============================================  ==========
 """
 from .async_average import AsyncModelAverage
@@ -20,7 +22,8 @@ from .gradient_allreduce import GradientAllReduce
 from .model_averaging import Decentralized, LocalSGD, LowPrecisionDecentralized
 from .onebit_adam import OneBitAdam
 from .registry import create, names, register
+from .sparse import GTopK, TopK
 
 __all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "AsyncModelAverage", "ByteGrad",
            "Decentralized", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
-           "OneBitAdam", "QSGD", "create", "names", "register"]
+           "OneBitAdam", "QSGD", "TopK", "GTopK", "create", "names", "register"]

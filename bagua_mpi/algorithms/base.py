@@ -9,7 +9,9 @@ hook                   runs on                          used for
 =====================  ==============================  ============================================
 ``init_buckets``       main thread, once buckets exist  allocate per-bucket state
 ``reduce_bucket``      communication thread             a bucket's gradients are all ready: make
-                                                        them the synchronized gradients
+                                                        them the synchronized gradients (gets the
+                                                        step index; never read main-thread state
+                                                        that changes between steps)
 ``before_step``        main thread, in ``step()``       model-side ops before the optimizer update
 ``optimizer_step``     main thread, in ``step()``       the update itself (default: the wrapped
                                                         optimizer's ``step``; 1-bit Adam's
@@ -65,7 +67,7 @@ class AlgorithmImpl:
     def init_buckets(self, buckets: "list[Bucket]") -> None:
         self.buckets = buckets
 
-    def reduce_bucket(self, bucket: "Bucket") -> None:
+    def reduce_bucket(self, bucket: "Bucket", step: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not reduce gradients")
 
     def on_step_start(self, step: int) -> None:

@@ -53,17 +53,17 @@ class CompressedAllReduceImpl(AlgorithmImpl):
     def on_step_start(self, step: int) -> None:
         self.step = step
 
-    def reduce_bucket(self, bucket) -> None:
+    def reduce_bucket(self, bucket, step: int) -> None:
         for j, grad in enumerate(bucket.communication_tensors()):
-            self.reduce_tensor(grad, bucket.index, j)
+            self.reduce_tensor(grad, bucket.index, j, step)
 
-    def reduce_tensor(self, t: torch.Tensor, bucket_index: int, j: int,
+    def reduce_tensor(self, t: torch.Tensor, bucket_index: int, j: int, step: int,
                       scale: float | None = None) -> None:
         ctx = self.ctx
         if scale is None:
             scale = ctx.prescale * ctx.postscale
         worker_error, server_error = self.errors.get((bucket_index, j), (None, None))
-        seed = call_seed(getattr(self.algorithm, "seed", 0), self.step, bucket_index, j)
+        seed = call_seed(getattr(self.algorithm, "seed", 0), step, bucket_index, j)
         if ctx.hierarchical:
             hierarchical_compressed_allreduce_(t, ctx.topo, self.codec, worker_error=worker_error,
                                                server_error=server_error, scale=scale, seed=seed,

@@ -18,7 +18,7 @@ from .registry import register
 
 
 class GradientAllReduceImpl(AlgorithmImpl):
-    def reduce_bucket(self, bucket) -> None:
+    def reduce_bucket(self, bucket, step: int) -> None:
         ctx = self.ctx
         wire = ctx.compression.wire_dtype
         for grad in bucket.communication_tensors():

@@ -47,7 +47,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         self.betas: tuple[float, float] | None = None
         self.decoupled = False
 
-    def reduce_bucket(self, bucket) -> None:
+    def reduce_bucket(self, bucket, step: int) -> None:
         if self.stage == "warmup":
             ctx = self.ctx
             for grad in bucket.communication_tensors():
@@ -63,7 +63,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         if self.l2:
             grad = grad + self.l2 * _flat_params(bucket)
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        self.reduce_tensor(m, bucket.index, 0, scale=1.0 / self.ctx.topo.size)
+        self.reduce_tensor(m, bucket.index, 0, step, scale=1.0 / self.ctx.topo.size)
 
     def after_step(self, optimizer) -> None:
         if self.stage == "warmup" and self.step + 1 >= self.algorithm.warmup_steps:

@@ -57,6 +57,7 @@ class Engine:
         self._launched = 0  # buckets [0, _launched) have been handed to the comm thread
         self._handles: list = []
         self._ready_buckets = 0
+        self.iteration = 0  # completed synchronizations; passed to reduce_bucket at launch
         self.communicating = True  # False inside DistributedOptimizer.no_sync()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(params)]
@@ -105,11 +106,14 @@ class Engine:
         if bucket.device.type == "cuda":  # the comm thread must see backward's kernels done
             event = torch.cuda.Event()
             event.record()
+        # Read here, on the main thread: the comm thread may run the task after the main
+        # thread has moved on, and every rank must pass the same step (warm-up, seeds).
+        step = self.iteration
 
         def task():
             if event is not None:
                 event.synchronize()
-            self.impl.reduce_bucket(bucket)
+            self.impl.reduce_bucket(bucket, step)
 
         if self.timeline is not None:
             self.timeline.instant("launch", bucket=bucket.index)
@@ -154,6 +158,7 @@ class Engine:
             self._build_buckets()
             self._counts = counts
         if not self.impl.communicates_gradients:
+            self.iteration += 1
             self._reset()
             return
         for b in range(self._launched, len(self.buckets)):
@@ -171,6 +176,7 @@ class Engine:
                 self.timeline.span("wait", started, time.monotonic(), handles=len(self._handles))
         if self.find_unused:
             self._drop_globally_unused_grads()
+        self.iteration += 1
         self._reset()
 
     def _drop_globally_unused_grads(self) -> None:

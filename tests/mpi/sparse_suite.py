@@ -1,0 +1,124 @@
+"""Top-k and gTop-k against a NumPy simulation of the same tree; residual identity; training."""
+import sys
+
+import numpy as np
+import torch
+
+import bagua_mpi as bm
+import numba_kernels as nk
+from bagua_mpi.primitives.sparse import gtopk_allreduce_, topk_allgather_, topk_count
+
+
+def grads(step, size, n):
+    rng = np.random.default_rng([step, 5])
+    # heavy tails, so the top-k differ between ranks and merges really drop entries
+    return [(rng.standard_t(2, n) * (1 + r)).astype(np.float32) for r in range(size)]
+
+
+def simulate_gtopk(gs, residuals, k):
+    """The binomial tree of gtopk_allreduce_ on all ranks at once (same kernels, same order)."""
+    n = len(gs)
+    sent = [nk.compress_topk(gs[r], k, residual=residuals[r]) for r in range(n)]
+    acc = {r: nk.Payload(sent[r].format, sent[r].buffer.copy()) for r in range(n)}
+    alive = set(range(n))
+    mask = 1
+    while mask < n:
+        for r in sorted(alive):
+            if r & mask:
+                alive.discard(r)
+            elif r + mask < n:  # r + mask leaves this round, sending its pairs to r
+                acc[r] = nk.merge_topk(acc[r], acc[r + mask], k)
+        mask <<= 1
+    glob = acc[0]
+    for r in range(n):
+        nk.restore_unselected(residuals[r], sent[r], glob)
+    return glob, sent
+
+
+def check_gtopk_against_simulation(rank, size):
+    comm = bm.runtime.get().topo.comm
+    n, density = 5000, 0.01
+    k = topk_count(n, density)
+    res = torch.zeros(n)
+    sim_res = [np.zeros(n, np.float32) for _ in range(size)]
+    for step in range(5):
+        gs = grads(step, size, n)
+        before = res.clone()
+        glob, sent = simulate_gtopk(gs, sim_res, k)
+        expected = np.zeros(n, np.float32)
+        nk.decompress(glob, out=expected)
+        expected *= np.float32(1.0 / size)
+        mine = torch.from_numpy(gs[rank].copy())
+        gtopk_allreduce_(mine, comm, k, res, scale=1.0 / size)
+        assert np.array_equal(mine.numpy(), expected), f"gtopk result, step {step}"
+        assert np.array_equal(res.numpy(), sim_res[rank]), f"gtopk residual, step {step}"
+        gidx = glob.views()["indices"]
+        assert len(gidx) == k and np.all(np.diff(gidx) > 0)
+        # residual identity: what the rank holds + what of its own was applied == accumulated
+        mine_sent = sent[rank].views()
+        applied = np.zeros(n, np.float32)
+        keep = np.isin(mine_sent["indices"], gidx)
+        applied[mine_sent["indices"][keep]] = mine_sent["values"][keep]
+        accumulated = before.numpy() + gs[rank]
+        np.testing.assert_array_equal(res.numpy() + applied, accumulated)
+    return 5
+
+
+def check_topk_allgather(rank, size):
+    comm = bm.runtime.get().topo.comm
+    n, k = 3000, 30
+    res = torch.zeros(n)
+    sim_res = [np.zeros(n, np.float32) for _ in range(size)]
+    for step in range(3):
+        gs = grads(step + 10, size, n)
+        payloads = [nk.compress_topk(gs[r], k, residual=sim_res[r]) for r in range(size)]
+        expected = nk.decompress_many(np.stack([p.buffer for p in payloads]), payloads[0].format)
+        mine = torch.from_numpy(gs[rank].copy())
+        topk_allgather_(mine, comm, k, res)
+        assert np.array_equal(mine.numpy(), expected), f"topk step {step}"
+        assert np.array_equal(res.numpy(), sim_res[rank])
+    return 3
+
+
+def check_training(rank, size):
+    """topk and gtopk train a least-squares model to within 10% of dense allreduce's loss."""
+    def run(algorithm):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(200, 1)
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
+                                      algorithm=algorithm)
+        g = torch.Generator().manual_seed(rank)
+        w_true = torch.linspace(-1, 1, 200).reshape(200, 1)
+        for _ in range(150):
+            x = torch.randn(16, 200, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), x @ w_true).backward()
+            opt.step()
+        opt.close()
+        xe = torch.randn(256, 200, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(model(xe), xe @ w_true)), opt
+    dense, _ = run("gradient_allreduce")
+    results = {"dense": dense}
+    for label, algo in (("topk", bm.algorithms.TopK(density=0.1)),
+                        ("gtopk", bm.algorithms.GTopK(density=0.1)),
+                        ("gtopk+warmup", bm.algorithms.GTopK(density=0.1, warmup_steps=5))):
+        loss, opt = run(algo)
+        results[label] = loss
+        assert loss <= 1.1 * dense + 0.02, f"{algo}: {loss} vs dense {dense}"
+        assert opt.communication_stats()["bytes_sent"] > 0 or size == 1
+    return results
+
+
+def main():
+    bm.init()
+    rank, size = bm.rank(), bm.size()
+    checks = check_gtopk_against_simulation(rank, size)
+    checks += check_topk_allgather(rank, size)
+    results = check_training(rank, size)
+    if rank == 0:
+        print(f"sparse suite OK on {size} ranks: {checks} checks; losses {results}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
