@@ -182,13 +182,45 @@ class Roles:
             self.comm.Free()
 
 
+def plan_roles(size: int, n_servers: int = 1, coordinator: bool = False,
+               server_ranks=None) -> tuple[tuple[int, ...], tuple[int, ...], int | None]:
+    """``(servers, workers, coordinator)`` for a job of ``size`` ranks (see the module doc).
+
+    >>> plan_roles(5, n_servers=2, coordinator=True)
+    ((3, 4), (1, 2), 0)
+    """
+    if server_ranks is None:
+        if isinstance(n_servers, bool) or not isinstance(n_servers, int) or n_servers < 1:
+            raise ValueError(f"n_servers must be a positive integer, got {n_servers!r}")
+        servers = tuple(range(size - n_servers, size)) if n_servers < size else ()
+    else:
+        servers = tuple(int(r) for r in server_ranks)
+        if not servers or len(set(servers)) != len(servers) or \
+                any(not 0 <= r < size for r in servers):
+            raise ValueError(f"server_ranks must be distinct ranks in [0, {size}), "
+                             f"got {server_ranks!r}")
+    if not servers:
+        raise ValueError(f"{n_servers} server(s) in a job of {size} rank(s) leave no worker; "
+                         f"start more ranks or fewer servers")
+    coord = None
+    if coordinator:
+        coord = next((r for r in range(size) if r not in servers), None)
+    workers = tuple(r for r in range(size) if r not in servers and r != coord)
+    if not workers:
+        raise ValueError(f"{size} rank(s) with {len(servers)} server(s)"
+                         f"{' and a coordinator' if coordinator else ''} leave no worker; "
+                         f"start more ranks or fewer servers")
+    return servers, workers, coord
+
+
 def setup(n_servers: int = 1, *, coordinator: bool = False,
           server_ranks=None, comm: MPI.Intracomm | None = None) -> Roles:
     """Collective: choose roles and duplicate the communicator for parameter-server traffic.
 
     Args:
         n_servers: number of parameter-server shards (ignored when ``server_ranks`` is given).
-        coordinator: reserve rank 0 for Sandblaster's coordinator.
+        coordinator: reserve the first non-server rank (rank 0 by default) for Sandblaster's
+            coordinator.
         server_ranks: explicit ranks for shards 0..S-1 (default: the last ``n_servers`` ranks).
         comm: communicator to duplicate (default: bagua_mpi's own, so ``bagua_mpi.init()`` must
             have run). The duplicate is never used for collectives of the library, so a server
@@ -198,27 +230,7 @@ def setup(n_servers: int = 1, *, coordinator: bool = False,
     """
     if comm is None:
         comm = runtime.get().topo.comm
-    size = comm.Get_size()
-    if server_ranks is None:
-        if isinstance(n_servers, bool) or not isinstance(n_servers, int) or n_servers < 1:
-            raise ValueError(f"n_servers must be a positive integer, got {n_servers!r}")
-        servers = tuple(range(size - n_servers, size))
-    else:
-        servers = tuple(int(r) for r in server_ranks)
-        if not servers or len(set(servers)) != len(servers) or \
-                any(not 0 <= r < size for r in servers):
-            raise ValueError(f"server_ranks must be distinct ranks in [0, {size}), "
-                             f"got {server_ranks!r}")
-    coord = None
-    if coordinator:
-        coord = next((r for r in range(size) if r not in servers), None)
-        if coord is None:
-            raise ValueError(f"{size} ranks leave no rank for the coordinator")
-    workers = tuple(r for r in range(size) if r not in servers and r != coord)
-    if not workers:
-        raise ValueError(f"{size} ranks with {len(servers)} server(s)"
-                         f"{' and a coordinator' if coord is not None else ''} leave no worker; "
-                         f"start more ranks or fewer servers")
+    servers, workers, coord = plan_roles(comm.Get_size(), n_servers, coordinator, server_ranks)
     return Roles(comm.Dup(), servers, workers, coord)
 
 

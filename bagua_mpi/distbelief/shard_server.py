@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class ServerReport:
     portions_accepted: int = 0  # Sandblaster
     programs: int = 0  # Sandblaster
     elapsed_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    state: dict | None = None  # ``ShardServer.state_dict()`` at the end: for a checkpoint
 
     def staleness_summary(self) -> dict[str, float]:
         """Mean, median, 90th percentile and maximum staleness of the applied pushes."""
@@ -81,6 +81,8 @@ class ShardServer:
         optimizer: ``Adagrad(...)`` or ``SGD(...)`` for Downpour; ``None`` for Sandblaster.
         worker_timeout_s: Downpour only: a worker silent this long (after its release) is
             declared lost, told to stop, and no longer waited for. ``None``: wait for its BYE.
+            It must exceed the longest normal gap between a worker's messages to this shard
+            (about ``min(n_fetch, n_push)`` step times), or slow workers are dropped too.
 
     The initial parameters arrive from worker 0 during construction; ``load_state_dict`` after
     construction replaces them (and the optimizer state and counters) from a checkpoint.
@@ -119,6 +121,7 @@ class ShardServer:
             a, b = layout.overlap(self.shard, *self.session.worker_ranges[w])
             self.windows[w] = (a - self.start, b - self.start)
         self._reset_counters()
+        self._served = False
         init = self.endpoint.recv(source=roles.workers[0])
         if init.op != Op.PARAMS or init.payload.nbytes != size * layout.dtype.itemsize:
             raise DistBeliefError(f"shard {self.shard}: expected the initial {size} parameters "
@@ -149,14 +152,23 @@ class ShardServer:
 
     # -- the loops ----------------------------------------------------------------------------
     def serve(self) -> ServerReport:
-        """Serve until the session ends, then join the closing barrier; return the report."""
+        """Serve until the session ends, then join the closing barrier; return the report.
+
+        Once per server object: a new session needs new (collectively constructed) objects.
+        """
+        if self._served:
+            raise DistBeliefError(f"shard {self.shard}: serve() called twice; construct a new "
+                                  f"ShardServer (on every rank) for a new session")
+        self._served = True
         t0 = time.perf_counter()
         if self.mode == DOWNPOUR:
             self._serve_downpour()
         else:
             self._serve_sandblaster()
         self.endpoint.drain(self._on_late)
-        return self.report(time.perf_counter() - t0)
+        report = self.report(time.perf_counter() - t0)
+        report.state = self.state_dict()
+        return report
 
     def _serve_downpour(self) -> None:
         warm_rank = self.roles.workers[0]
@@ -168,9 +180,10 @@ class ShardServer:
         self._released = not warm
         if warm and warm_rank not in self._state:
             self._release()  # the warm-start replica does not use this shard
+        self._remaining = len(self._state)  # workers not yet departed or lost
         backoff = Backoff(self.endpoint.poll_max_s)
         next_check = now
-        while any(s in (_WAITING, _ACTIVE) for s in self._state.values()):
+        while self._remaining:
             m = self.endpoint.try_recv()
             if m is not None:
                 self._on_downpour(m)
@@ -244,6 +257,7 @@ class ShardServer:
 
     def _depart(self, w: int, reason: Departure) -> None:
         self._state[w] = reason.name
+        self._remaining -= 1
         self.departures[w] = reason
         self.pushes_at_departure[w] = dict(self.pushes)
         if reason == Departure.ERROR:
