@@ -27,5 +27,6 @@ from .compression import Compression
 from .optimizer import (DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
                         check_models_agree)
 from . import algorithms
+from . import lgreco  # registers the 'lgreco' algorithm
 
 __version__ = "0.1.0"

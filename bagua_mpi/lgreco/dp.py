@@ -1,0 +1,87 @@
+"""L-GreCo's dynamic programme (SPEC §6): per-layer compression levels under an error budget.
+
+Given for each layer l and candidate level c an error ``err[l][c]`` and a cost ``cost[l][c]``
+(bytes, or predicted seconds in the time-aware variant), choose one level per layer to
+
+    minimise  sum_l cost[l][c_l]   subject to   sum_l err[l][c_l] <= E_max.
+
+Errors are discretized in steps of E_max / ``steps`` (10000 by default), rounding *up* so that
+a solution that fits the discrete budget also fits the real one. Then a knapsack DP:
+
+    DP[l][e] = min over c of DP[l-1][e - d(l, c)] + cost[l][c]      (e = 0 .. steps)
+
+answer = min over e of DP[L][e], with the choice per layer recovered by backtracking.
+O(steps x L x |C|) time (vectorised over e), O(steps x L) memory for the choices.
+Because rounding up can make the uniform default itself exceed the discrete budget, the
+default is also evaluated and kept whenever the DP finds nothing cheaper: the result never
+costs more than the default and never exceeds E_max.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Solution:
+    choice: tuple[int, ...]  # index into each layer's candidate list
+    cost: float
+    error: float
+    from_dp: bool  # False: the DP found nothing better than the default
+
+
+def solve(err: np.ndarray, cost: np.ndarray, e_max: float, default: list[int] | None = None,
+          steps: int = 10_000) -> Solution:
+    """err, cost: (L, C) arrays (np.inf marks a candidate a layer cannot use)."""
+    err = np.asarray(err, dtype=np.float64)
+    cost = np.asarray(cost, dtype=np.float64)
+    if err.shape != cost.shape or err.ndim != 2:
+        raise ValueError(f"err and cost must be (layers, candidates) arrays of one shape, got "
+                         f"{err.shape} and {cost.shape}")
+    if not e_max >= 0 or steps < 1:
+        raise ValueError(f"need e_max >= 0 and steps >= 1, got {e_max!r}, {steps!r}")
+    layers, _ = err.shape
+    unit = e_max / steps if e_max > 0 else 1.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        units = np.where(np.isfinite(err), np.ceil(err / unit - 1e-9), np.inf)
+    if e_max == 0:
+        units = np.where(err <= 0, 0, np.inf)
+    units = np.where(units > steps, np.inf, units)
+    best = np.full(steps + 1, np.inf)
+    best[0] = 0.0
+    choices = np.zeros((layers, steps + 1), dtype=np.int32)
+    for layer in range(layers):
+        nxt = np.full(steps + 1, np.inf)
+        pick = np.zeros(steps + 1, dtype=np.int32)
+        for c in np.flatnonzero(np.isfinite(units[layer]) & np.isfinite(cost[layer])):
+            d = int(units[layer, c])
+            cand = np.full(steps + 1, np.inf)
+            cand[d:] = best[:steps + 1 - d] + cost[layer, c]
+            better = cand < nxt
+            nxt[better] = cand[better]
+            pick[better] = c
+        best, choices[layer] = nxt, pick
+    solution = None
+    if np.isfinite(best).any():
+        e = int(np.argmin(best))
+        picked = []
+        for layer in reversed(range(layers)):
+            c = int(choices[layer, e])
+            picked.append(c)
+            e -= int(units[layer, c])
+        picked.reverse()
+        solution = _evaluate(picked, err, cost, True)
+    if default is not None:
+        fallback = _evaluate(list(default), err, cost, False)
+        if solution is None or fallback.cost < solution.cost:
+            solution = fallback
+    if solution is None:
+        raise ValueError("no assignment fits the error budget and no default was given")
+    return solution
+
+
+def _evaluate(choice, err, cost, from_dp: bool) -> Solution:
+    rows = np.arange(len(choice))
+    return Solution(tuple(int(c) for c in choice), float(cost[rows, choice].sum()),
+                    float(err[rows, choice].sum()), from_dp)

@@ -1,0 +1,101 @@
+"""L-GreCo under mpiexec: decisions identical on every rank, reacting to layer statistics,
+training within tolerance of uniform compression, and a state round-trip."""
+import sys
+
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi.lgreco import LGreCo
+
+
+class Hetero(torch.nn.Module):
+    """Layers of very different sizes and gradient scales."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = torch.nn.Linear(256, 64)
+        self.mid = torch.nn.Linear(64, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.wide(x)))))
+
+
+BOOST = 1000.0
+
+
+def train(algorithm, steps, rank, boost_after=None, lr=0.05):
+    torch.manual_seed(0)
+    model = Hetero()
+    teacher = torch.nn.Linear(256, 1)
+    head = model.head.weight
+    others = [p for p in model.parameters() if p is not head]
+    sgd = torch.optim.SGD([{"params": others}, {"params": [head]}], lr=lr)
+    names = [n for n, p in model.named_parameters() if p is not head] + ["head.weight"]
+    opt = bm.DistributedOptimizer(sgd, named_parameters=[(n, dict(model.named_parameters())[n])
+                                                         for n in names], algorithm=algorithm)
+    boosted = []
+    head.register_hook(lambda grad: grad * BOOST if boosted else grad)
+    g = torch.Generator().manual_seed(rank)
+    history = []
+    for step in range(steps):
+        x = torch.randn(32, 256, generator=g)
+        if boost_after is not None and step == boost_after and not boosted:
+            # change the layer statistics: the head weight's gradient becomes 1000x larger
+            # (and its learning rate 1000x smaller, so training itself is unchanged)
+            boosted.append(True)
+            sgd.param_groups[1]["lr"] = lr / BOOST
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), teacher(x).detach())
+        loss.backward()
+        opt.step()
+        history.append(dict(opt.impl.assignment) if hasattr(opt.impl, "assignment") else {})
+    xe = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        final = float(torch.nn.functional.mse_loss(model(xe), teacher(xe)))
+    opt.close()
+    return final, history, opt
+
+
+def main():
+    bm.init()
+    rank, size = bm.rank(), bm.size()
+    algo = LGreCo(family="minmax", default=4, warmup_steps=10, period_steps=10)
+    loss, history, opt = train(algo, 60, rank)
+    # every decision is the same on every rank
+    assert bm.allgather_object(history) == [history] * size
+    assert opt.impl.decisions == 6, opt.impl.decisions
+    uniform, _, _ = train(bm.algorithms.ByteGrad(bits=4, error_feedback=True), 60, rank)
+    dense, _, _ = train("gradient_allreduce", 60, rank)
+    assert loss <= 1.25 * uniform + 0.01 and loss <= 1.25 * dense + 0.01, (loss, uniform, dense)
+    # statistics change -> the assignment changes
+    _, history, _ = train(algo, 60, rank, boost_after=30)
+    before, after = history[29], history[-1]
+    head = max(before)  # the head weight is the last parameter (its own param group)
+    assert before != after, (before, after)
+    # its error now dominates the budget: it keeps the most bits, every other layer can drop
+    # to the fewest (2 of the 2..8 searched around the default 4)
+    assert after[head] == 8 and all(after[k] == 2 for k in after if k != head), after
+    assert any(before[k] > 2 for k in before if k != head), before
+    # top-k family and the time-aware variant run and agree across ranks
+    # (each against the uniform setting of its family over the same steps)
+    for variant, uniform_algo in (
+            (LGreCo(family="topk", default=0.05, warmup_steps=5, period_steps=10),
+             bm.algorithms.GTopK(density=0.05)),
+            (LGreCo(family="minmax", default=4, warmup_steps=5, period_steps=10,
+                    time_aware=True), bm.algorithms.ByteGrad(bits=4, error_feedback=True))):
+        loss_v, history, opt = train(variant, 30, rank)
+        assert bm.allgather_object(history) == [history] * size
+        reference, _, _ = train(uniform_algo, 30, rank)
+        assert loss_v <= 1.25 * reference + 0.01, (variant, loss_v, reference)
+    # state round-trip (what checkpoints store)
+    state = opt.algorithm_state_dict()
+    opt.load_algorithm_state_dict(state)
+    assert opt.impl.assignment == history[-1]
+    if rank == 0:
+        print(f"lgreco suite OK on {size} ranks; loss {loss:.5f} uniform {uniform:.5f} "
+              f"dense {dense:.5f}; assignment {before} -> {after}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

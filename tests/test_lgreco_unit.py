@@ -1,0 +1,76 @@
+"""L-GreCo's DP against brute force, and the compressor families' measurements."""
+import itertools
+
+import numpy as np
+import pytest
+
+from bagua_mpi.lgreco import MinMaxBits, TopKDensity, solve
+
+
+def brute_force(err, cost, e_max, steps):
+    """Cheapest assignment whose *discretized* error fits, the DP's exact problem."""
+    unit = e_max / steps
+    units = np.ceil(err / unit - 1e-9)
+    best = None
+    for choice in itertools.product(range(err.shape[1]), repeat=err.shape[0]):
+        rows = np.arange(err.shape[0])
+        if units[rows, choice].sum() <= steps:
+            c = cost[rows, choice].sum()
+            if best is None or c < best[0] - 1e-12:
+                best = (c, choice)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_dp_matches_brute_force_and_respects_budget_and_default(seed):
+    rng = np.random.default_rng(seed)
+    layers, cands = rng.integers(2, 6), rng.integers(2, 5)
+    # more error <-> fewer bytes, as for real compressors; scales differ between layers
+    scale = rng.uniform(0.1, 10, size=(layers, 1))
+    err = np.sort(rng.uniform(0, 1, size=(layers, cands)), axis=1)[:, ::-1] * scale
+    cost = np.sort(rng.integers(1, 1000, size=(layers, cands)), axis=1).astype(float)
+    default = int(rng.integers(0, cands))
+    e_max = float(err[:, default].sum())
+    steps = 200  # small so that brute force over the same discretization is cheap
+    sol = solve(err, cost, e_max, default=[default] * layers, steps=steps)
+    rows = np.arange(layers)
+    assert sol.error <= e_max * (1 + 1e-12)  # never over the uniform default's error
+    assert sol.cost <= cost[rows, default].sum()  # never more bytes than the default
+    bf = brute_force(err, cost, e_max, steps)
+    if sol.from_dp:
+        assert bf is not None and abs(sol.cost - bf[0]) < 1e-9, (sol, bf)
+    else:  # the default won: nothing in the discrete problem is cheaper
+        assert bf is None or bf[0] >= sol.cost - 1e-9
+
+
+def test_dp_uses_the_budget_where_it_is_cheapest():
+    # layer 0 is very sensitive, layer 1 is not: spend precision on layer 0, save on layer 1
+    err = np.array([[100.0, 10.0, 1.0], [1.0, 0.5, 0.1]])
+    cost = np.array([[1.0, 2.0, 4.0], [10.0, 20.0, 40.0]])
+    sol = solve(err, cost, e_max=err[:, 1].sum(), default=[1, 1])
+    assert sol.choice == (2, 0) and sol.cost == 14.0 and sol.from_dp
+
+
+def test_dp_rejects_bad_input():
+    with pytest.raises(ValueError, match="one shape"):
+        solve(np.zeros((2, 3)), np.zeros((3, 2)), 1.0)
+    with pytest.raises(ValueError, match="no assignment"):
+        solve(np.full((1, 2), 5.0), np.ones((1, 2)), e_max=1.0)
+
+
+def test_families_measure_error_and_size():
+    g = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+    mm = MinMaxBits(default=4)
+    assert mm.candidates() == [2, 3, 4, 5, 6, 7, 8]
+    errors = [mm.error(g, b) for b in mm.candidates()]
+    sizes = [mm.size(g.size, b) for b in mm.candidates()]
+    assert all(a > b for a, b in zip(errors, errors[1:]))  # more bits, less error
+    assert all(a < b for a, b in zip(sizes, sizes[1:]))  # more bits, more bytes
+    tk = TopKDensity(default=0.01)
+    cands = tk.candidates()
+    assert cands[0] == pytest.approx(0.001) and cands[-1] == pytest.approx(0.1)
+    assert len(cands) == 100
+    e1, e2 = tk.error(g, 0.01), tk.error(g, 0.05)
+    assert e2 < e1 < float(np.sum(g.astype(np.float64) ** 2))
+    k = 50  # density 0.01 of 5000
+    np.testing.assert_allclose(e1, np.sort(g.astype(np.float64) ** 2)[:-k].sum())
