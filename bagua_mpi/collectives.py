@@ -79,16 +79,10 @@ def _allreduce_mpi(topo, src, dst, mop, hierarchical: bool) -> None:
 def hierarchical_allreduce_(topo, buf, mop) -> None:
     """Two-level allreduce in place: reduce to each node's leader, allreduce among leaders,
     broadcast inside each node. Same result as the flat one up to summation order."""
-    intra = topo.intra
-    if intra.Get_size() > 1:
-        if intra.Get_rank() == 0:
-            intra.Reduce(MPI.IN_PLACE, buf, op=mop, root=0)
-        else:
-            intra.Reduce(buf, None, op=mop, root=0)
+    topo.node_reduce_(buf, mop)
     if topo.leaders is not None and topo.leaders.Get_size() > 1:
         topo.leaders.Allreduce(MPI.IN_PLACE, buf, op=mop)
-    if intra.Get_size() > 1:
-        intra.Bcast(buf, root=0)
+    topo.node_broadcast_(buf)
 
 
 # -- allreduce ---------------------------------------------------------------------------------

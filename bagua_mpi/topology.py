@@ -74,6 +74,20 @@ class Topology:
         sizes = self.comm.allgather(self.local_size)
         return len(set(sizes)) == 1
 
+    def node_reduce_(self, buf, op=MPI.SUM) -> None:
+        """Reduce ``buf`` (an MPI buffer) onto this node's leader, in place there."""
+        if self.intra.Get_size() == 1:
+            return
+        if self.intra.Get_rank() == 0:
+            self.intra.Reduce(MPI.IN_PLACE, buf, op=op, root=0)
+        else:
+            self.intra.Reduce(buf, None, op=op, root=0)
+
+    def node_broadcast_(self, buf) -> None:
+        """Copy the node leader's ``buf`` to every rank of the node."""
+        if self.intra.Get_size() > 1:
+            self.intra.Bcast(buf, root=0)
+
     def free(self) -> None:
         for c in (self.inter, self.intra, self.comm):
             if c != MPI.COMM_NULL:

@@ -54,8 +54,13 @@ def run_mpi(script: str, nprocs: int, *args: str, env: dict | None = None,
     if env:
         full_env.update(env)
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(MPI_SUITES / script), *args]
+    return run_job(cmd, full_env, timeout)
+
+
+def run_job(cmd: list[str], env: dict, timeout: float) -> MPIResult:
+    """Run a launcher command in its own process group; kill the whole group on timeout."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
+                            env=env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return MPIResult(proc.returncode, out, False)

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from mpi_harness import MPI_SUITES, REPO, MPIResult
+from mpi_harness import MPI_SUITES, REPO, MPIResult, run_job
 
 SLURM_DIR = os.environ.get("BAGUA_MPI_SLURM_DIR", "/tmp/bagua_mpi_slurm")
 SLURM_CONF = os.path.join(SLURM_DIR, "slurm.conf")
@@ -42,12 +41,4 @@ def run_srun(base_env: dict, script: str, ntasks: int, *args: str, env: dict | N
              timeout: float = 180.0) -> MPIResult:
     cmd = ["srun", f"--ntasks={ntasks}", "--mpi=pmi2", "--kill-on-bad-exit=1",
            sys.executable, str(MPI_SUITES / script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=slurm_env(base_env, env), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return MPIResult(proc.returncode, out, False)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return MPIResult(proc.returncode, out, True)
+    return run_job(cmd, slurm_env(base_env, env), timeout)

@@ -41,6 +41,12 @@ class ModelAveragingImpl(AlgorithmImpl):
     def on_step_start(self, step: int) -> None:
         self.step = step
 
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state.get("step", 0))
+
     def after_step(self, optimizer) -> None:
         if (self.step + 1) % self.interval() == 0:
             worker = runtime.get().worker  # in order with every other library operation
@@ -73,7 +79,7 @@ class ModelAveragingImpl(AlgorithmImpl):
         buf /= topo.intra.Get_size()
         if topo.leaders is not None:
             exchange(topo.leaders, topo.leaders.Get_rank(), topo.leaders.Get_size())
-        topo.intra.Bcast(buf, root=0)
+        topo.node_broadcast_(buf)
 
 
 class DecentralizedImpl(ModelAveragingImpl):
@@ -88,12 +94,6 @@ class DecentralizedImpl(ModelAveragingImpl):
             decentralized_average_(bucket.flat_param, comm, peers, stats=self.wire)
 
         self.two_level(bucket.flat_param, exchange)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state.get("step", 0))
 
 
 @register
@@ -136,11 +136,11 @@ class LowPrecisionDecentralizedImpl(ModelAveragingImpl):
         self.two_level(bucket.flat_param, exchange)
 
     def state_dict(self) -> dict:
-        return {"step": self.step,
+        return {**super().state_dict(),
                 "estimates": {str(b): e.state_dict() for b, e in self.estimates.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state.get("step", 0))
+        super().load_state_dict(state)
         for b, est_state in state.get("estimates", {}).items():
             est = PeerEstimates(est_state["own"].numel())
             est.load_state_dict(est_state)
@@ -169,12 +169,6 @@ class LocalSGDImpl(ModelAveragingImpl):
                                check=False)
         self.wire.allreduce(bucket.flat_param.numel() * bucket.flat_param.element_size(),
                             self.ctx.topo.size)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state.get("step", 0))
 
 
 @register

@@ -72,16 +72,10 @@ def hierarchical_cast_allreduce_(flat: torch.Tensor, topo, wire_dtype: torch.dty
                                  scale: float = 1.0) -> torch.Tensor:
     """Two-level variant: full-precision inside nodes, 16-bit wire among node leaders."""
     buf = host_view(flat) if not flat.is_cuda else flat
-    intra = topo.intra
-    if intra.Get_size() > 1:
-        if intra.Get_rank() == 0:
-            intra.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=0)
-        else:
-            intra.Reduce(buf, None, op=MPI.SUM, root=0)
+    topo.node_reduce_(buf)
     if topo.leaders is not None:
         cast_allreduce_(flat, topo.leaders, wire_dtype, scale)
-    if intra.Get_size() > 1:
-        intra.Bcast(buf, root=0)
+    topo.node_broadcast_(buf)
     return flat
 
 

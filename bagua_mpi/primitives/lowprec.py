@@ -92,19 +92,11 @@ def hierarchical_compressed_allreduce_(flat: torch.Tensor, topo, codec: Codec, *
                                        seed: int = 0, stats: WireStats | None = None):
     """Full precision inside nodes, C_LP_S among node leaders, broadcast inside nodes."""
     buf = host_view(flat)
-    intra = topo.intra
-    if intra.Get_size() > 1:
-        if intra.Get_rank() == 0:
-            intra.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=0)
-        else:
-            intra.Reduce(buf, None, op=MPI.SUM, root=0)
-        if stats is not None and intra.Get_rank() != 0:
-            stats.add(buf.nbytes)
+    topo.node_reduce_(buf)
     if topo.leaders is not None:
         compressed_allreduce_(flat, topo.leaders, codec, worker_error=worker_error,
                               server_error=server_error, scale=scale, seed=seed, stats=stats)
-    if intra.Get_size() > 1:
-        intra.Bcast(buf, root=0)
-        if stats is not None and intra.Get_rank() == 0:
-            stats.add(buf.nbytes * (intra.Get_size() - 1))
+    topo.node_broadcast_(buf)
+    if stats is not None and topo.local_size > 1:  # node reduce in, node broadcast out
+        stats.add(buf.nbytes * (topo.local_size - 1 if topo.local_rank == 0 else 1))
     return flat
