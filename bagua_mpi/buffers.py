@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -69,14 +70,29 @@ def host_view(x) -> np.ndarray:
     return t.numpy()
 
 
+_NUMPY_ALLOC_BYTES = 1 << 20
+
+
 def empty_like(x, shape=None, dtype: str | None = None):
-    """A new contiguous buffer of x's kind and device (optionally another shape/dtype)."""
-    dtype_name(x)  # TypeError for anything that is not a supported tensor/array
+    """A new contiguous buffer of x's kind and device (optionally another shape/dtype).
+
+    Large CPU tensors are allocated by NumPy and wrapped (``torch.from_numpy``): NumPy asks the
+    kernel for transparent huge pages, torch's allocator does not, and an allreduce into a fresh
+    64 MiB torch.empty buffer took 157 ms against 84 ms into a NumPy-allocated one (first-touch
+    page faults inside MPI), on 4 ranks here.
+    """
+    name = dtype_name(x)  # TypeError for anything that is not a supported tensor/array
     shape = tuple(x.shape) if shape is None else tuple(shape)
     if isinstance(x, np.ndarray):
         return np.empty(shape, dtype=np.dtype(dtype) if dtype else x.dtype)
     tdtype = getattr(torch, dtype) if dtype else x.dtype
-    return torch.empty(shape, dtype=tdtype, device=x.device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=tdtype).element_size()
+    if x.is_cuda or nbytes < _NUMPY_ALLOC_BYTES:
+        return torch.empty(shape, dtype=tdtype, device=x.device)
+    name = dtype or name
+    if name == "bfloat16":
+        return torch.from_numpy(np.empty(shape, dtype=np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.empty(shape, dtype=np.dtype("bool" if name == "bool" else name)))
 
 
 def contiguous(x):

@@ -70,6 +70,19 @@ def check_scaling_and_numpy(rank, size, counts):
         counts["numpy"] += 3
 
 
+def check_large_outputs(rank, size, counts):
+    """Outputs of >= 1 MiB are allocated through NumPy (huge pages): same results."""
+    for dtype, op in (("float32", "average"), ("bfloat16", "sum"), ("bool", "max"),
+                      ("uint8", "max")):
+        inputs = [rank_input(SEED, r, (600_000,), dtype, op) for r in range(size)]
+        got = bm.allreduce(inputs[rank], OPS[op])
+        assert got.dtype == inputs[rank].dtype and got.is_contiguous()
+        assert_same(got, reduce_all(inputs, op), f"large {op} {dtype}")
+        gathered = bm.allgather(inputs[rank])
+        assert_same(gathered, torch.cat(inputs), f"large allgather {dtype}")
+        counts["large"] += 2
+
+
 def check_grouped(rank, size, counts):
     dtypes = ["float32", "float16", "int64", "float32", "bfloat16"]
     shapes = [(3, 4), (5,), (2, 2), (0,), (9,)]
@@ -145,10 +158,11 @@ def check_objects(rank, size, counts):
 def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
-    counts = {k: 0 for k in ("allreduce", "scaling", "numpy", "grouped", "data",
+    counts = {k: 0 for k in ("allreduce", "scaling", "numpy", "large", "grouped", "data",
                              "reducescatter", "objects")}
     check_allreduce(rank, size, counts)
     check_scaling_and_numpy(rank, size, counts)
+    check_large_outputs(rank, size, counts)
     check_grouped(rank, size, counts)
     check_data_movement(rank, size, counts)
     check_objects(rank, size, counts)
