@@ -1,0 +1,41 @@
+"""numba_kernels: compression kernels for bagua_mpi, in Numba CUDA with CPU twins.
+
+Every compressor has a CUDA kernel (``numba.cuda.jit``) and a CPU twin
+(``numba.njit``, ``nogil``) that write the same bytes, so CPU and GPU ranks can
+exchange payloads.  The public functions pick the implementation from where
+the input lives: NumPy arrays and torch CPU tensors run on the host; objects
+with ``__cuda_array_interface__`` (torch CUDA tensors, Numba device arrays)
+run on the device, on ``stream`` if given.  ``numba.cuda`` is imported only
+when device data arrives, so the package imports on machines without a GPU.
+
+A payload is one flat uint8 buffer whose size follows from ``(n, params)``
+(see ``wire``).  Compressors take ``residual=`` for fused error feedback and
+``out=`` for a preallocated payload buffer.
+
+>>> import numpy as np, numba_kernels as nk
+>>> g = np.linspace(-1, 1, 4096, dtype=np.float32); e = np.zeros_like(g)
+>>> p = nk.compress_minmax(g, bits=8, chunk=1024, residual=e)
+>>> p.nbytes == nk.MinMaxFormat(4096, 8, 1024).nbytes
+True
+>>> bool(np.allclose(nk.decompress(p) + e, g, atol=1e-6))
+True
+"""
+from .casts import compress_cast
+from .dispatch import decompress, decompress_many
+from .errors import (CudaUnavailableError, DeviceMismatchError, KernelError,
+                     KernelParameterError, KernelTypeError, LayoutError, PayloadError)
+from .merge import merge_topk, restore_unselected
+from .minmax import compress_minmax
+from .onebit import compress_onebit
+from .qsgd import compress_qsgd
+from .topk import compress_randk, compress_topk
+from .wire import (ALIGN, CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDFormat,
+                   TopKFormat)
+
+__all__ = [
+    "compress_cast", "compress_minmax", "compress_qsgd", "compress_onebit", "compress_topk",
+    "compress_randk", "decompress", "decompress_many", "merge_topk", "restore_unselected",
+    "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
+    "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",
+    "DeviceMismatchError", "CudaUnavailableError",
+]

@@ -50,8 +50,10 @@ def bf16_bits(x):
     x32 = x.astype(np.float32)
     u = x32.view(np.uint32).astype(np.uint64)
     lo_bits = u >> np.uint64(16)
-    mag = np.abs(x32.astype(np.float64))
-    lo = np.abs((lo_bits << np.uint64(16)).astype(np.uint32).view(np.float32).astype(np.float64))
+    with np.errstate(invalid="ignore"):
+        mag = np.abs(x32.astype(np.float64))
+        lo_f32 = (lo_bits << np.uint64(16)).astype(np.uint32).view(np.float32)
+        lo = np.abs(lo_f32.astype(np.float64))
     exp = ((u >> np.uint64(23)) & np.uint64(0xFF)).astype(np.int64)
     ulp = np.ldexp(1.0, np.maximum(exp, 1) - 127 - 7)
     with np.errstate(invalid="ignore"):
@@ -71,7 +73,7 @@ def minmax_payload(c, bits, chunk):
     levels = (1 << bits) - 1
     params, codes, scale_of = [], np.zeros(v.size, np.uint32), np.zeros(v.size, np.float32)
     for s, t in chunks(v.size, chunk):
-        mn, mx = v[s:t].min(), v[s:t].max()
+        mn, mx = v[s:t].min() + np.float32(0), v[s:t].max() + np.float32(0)
         scale = np.float32((mx - mn) / np.float32(levels))
         inv = np.float32(1) / scale if scale > 0 else np.float32(0)
         d = (v[s:t] - mn).astype(np.float64)
@@ -109,7 +111,8 @@ def mix_stream(key, idx):
 
 
 def uniform24(seed, idx):
-    return (mix_stream(rng_key(seed), idx) >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    top24 = mix_stream(rng_key(seed), idx) >> np.uint64(40)
+    return top24.astype(np.float32) * np.float32(2.0 ** -24)
 
 
 def qsgd_codes(c, norms, levels, chunk, seed):
@@ -157,7 +160,8 @@ def topk_indices(c, k):
 
 
 def randk_indices(n, k, seed):
-    """Random-k = the k largest per-index hashes (ties to the lower index)."""
-    key = (mix_stream(rng_key(seed), np.arange(n)) >> np.uint64(32)).astype(np.int64)
-    order = np.lexsort((np.arange(n), -key))[:k]
-    return np.sort(order)
+    """Stratified random-k: stratum j = [j n // k, (j + 1) n // k) keeps lo + (h * size >> 32)."""
+    j = np.arange(k, dtype=np.int64)
+    lo, hi = j * n // k, (j + 1) * n // k
+    h = mix_stream(rng_key(seed), j) >> np.uint64(32)
+    return lo + ((h * (hi - lo).astype(np.uint64)) >> np.uint64(32)).astype(np.int64)

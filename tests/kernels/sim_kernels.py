@@ -53,49 +53,59 @@ def record_launches():
         json.dump(sorted(json.loads(s) for s in seen), fh)
 
 
+# decompress_many (a few launches per case) runs on one case per format only,
+# to keep the simulator run short.
+
 def test_casts():
-    dc.check_casts([(0, "fp16", F32), (1, "fp16", F32), (33, "bf16", F32), (1025, "fp16", F64),
-                    (300, "bf16", F64)])
+    dc.check_casts([(0, "fp16", F32), (1, "fp16", F32), (1025, "fp16", F64), (300, "bf16", F64)],
+                   many=False)
+    dc.check_casts([(33, "bf16", F32)])
 
 
 def test_minmax():
-    dc.check_minmax([(0, 8, 32, F32, True), (1, 8, 32, F32, True), (33, 3, 32, F32, True),
-                     (1025, 8, 256, F32, True), (1023, 5, 256, F64, False),
-                     (700, 1, 96, F32, True)])
+    dc.check_minmax([(0, 8, 32, F32, True), (1, 8, 32, F32, True), (1025, 8, 256, F32, True),
+                     (1023, 5, 256, F64, False), (700, 1, 96, F32, True)], many=False)
+    dc.check_minmax([(100, 3, 32, F32, True)])
+    dc.check_signed_zero_minimum()
 
 
 def test_minmax_long_chunks():
-    dc.check_minmax([(4200, 7, 4160, F32, True)])
+    dc.check_minmax([(4200, 7, 4160, F32, True)], many=False)
 
 
 def test_qsgd():
-    dc.check_qsgd([(1, 127, 32, F32, True), (33, 127, 32, F32, False), (1025, 127, 256, F32, True),
-                   (300, 5, 100, F64, True)])
+    dc.check_qsgd([(1, 127, 32, F32, True), (33, 127, 32, F32, False), (1025, 127, 256, F32, True)],
+                  many=False)
+    dc.check_qsgd([(300, 5, 100, F64, True)])
 
 
 def test_qsgd_long_chunks():
-    dc.check_qsgd([(4200, 31, 4100, F32, True)])
+    dc.check_qsgd([(4200, 31, 4100, F32, True)], many=False)
 
 
 def test_onebit():
     dc.check_onebit([(1, 32, "l2", F32, True), (33, 32, "mean_abs", F32, True),
-                     (1025, 256, "l2", F32, True), (300, 96, "mean_abs", F64, False)])
+                     (1025, 256, "l2", F32, True)], many=False)
+    dc.check_onebit([(300, 96, "mean_abs", F64, False)])
 
 
 def test_onebit_long_chunks():
-    dc.check_onebit([(4200, 4128, "l2", F32, True)])
+    dc.check_onebit([(4200, 4128, "l2", F32, True)], many=False)
 
 
 def test_topk_exact_and_randk():
-    dc.check_topk([(1, 1, "normal", F32, "exact"), (33, 5, "ties", F32, "exact"),
-                   (1025, 10, "normal", F64, "exact"), (1025, 1025, "ties", F32, "exact"),
-                   (33, 7, "normal", F32, "randk"), (1025, 100, "normal", F64, "randk")])
+    dc.check_topk([(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exact", True),
+                   (1025, 10, "normal", F64, "exact", True),
+                   (200, 200, "ties", F32, "exact", True)], many=False)
+    dc.check_topk([(33, 5, "ties", F32, "exact", False)])
+    dc.check_topk([(33, 7, "normal", F32, "randk", True),
+                   (300, 100, "normal", F64, "randk", False)], many=False)
 
 
 def test_topk_approx():
-    dc.check_topk([(1500, 15, "normal", F32, "approx"), (1500, 300, "ties", F64, "approx")],
-                  approx_min_n=1000)
-    dc.check_approx_path(3000, 30)
+    dc.check_topk([(1200, 12, "normal", F32, "approx", True),
+                   (1200, 300, "ties", F64, "approx", True)], approx_min_n=1000, many=False)
+    dc.check_approx_path(2000, 20)
 
 
 def test_merge_and_restore():

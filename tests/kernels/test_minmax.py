@@ -46,6 +46,12 @@ def test_error_at_most_half_a_step(bits, dtype, rng):
     assert (err > 0.4 * scale).any()
 
 
+def test_zero_minimum_is_positive_zero():
+    # -0.0 and +0.0 compare equal; the chunk minimum is stored as +0.0 on every target
+    p = nk.compress_minmax(np.array([-0.0, 0.0, 1.0], np.float32), bits=8, chunk=32)
+    assert p.views()["params"].view(np.uint32)[0] == 0
+
+
 def test_constant_chunk_is_exact():
     x = np.full(100, -2.5, np.float32)
     p = nk.compress_minmax(x, bits=3, chunk=64)

@@ -103,14 +103,17 @@ def test_randk_matches_numpy(dtype, n, rng):
     check_payload(p, x, randk_indices(n, k, 42))
 
 
-def test_randk_is_uniform_and_seeded():
-    """Each index is kept with probability k/n: over 3000 seeds the count per
-    index is Binomial(3000, 1/8), sd about 18; all 64 stay within 5 sd."""
+def test_randk_is_uniform_stratified_and_seeded():
+    """One index per stratum of n/k = 8, each kept with probability k/n: over
+    3000 seeds the count per index is Binomial(3000, 1/8), sd about 18; all 64
+    stay within 5 sd."""
     n, k, seeds = 64, 8, 3000
     x = np.arange(1, n + 1, dtype=np.float32)
     counts = np.zeros(n)
     for s in range(seeds):
-        counts[nk.compress_randk(x, k, seed=s).views()["indices"]] += 1
+        idx = nk.compress_randk(x, k, seed=s).views()["indices"]
+        np.testing.assert_array_equal(idx // 8, np.arange(k))
+        counts[idx] += 1
     expected = seeds * k / n
     sd = np.sqrt(seeds * (k / n) * (1 - k / n))
     assert np.abs(counts - expected).max() < 5 * sd

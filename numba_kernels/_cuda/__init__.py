@@ -1,0 +1,6 @@
+"""CUDA kernels of numba_kernels.
+
+These modules import ``numba.cuda`` at module level (the CUDA simulator finds
+the ``cuda`` name in a kernel's globals to run it), so nothing outside this
+package imports them until device data arrives.
+"""

@@ -1,0 +1,71 @@
+"""CUDA kernels for the fp16/bf16 casts (same bit arithmetic as the CPU twin)."""
+import numpy as np
+from numba import cuda
+
+from ..casts import bf16_from_f32bits_py, half_fields_py, half_from_f32bits_py
+from .common import THREADS, bits_f32, blocks_for, f32_bits, load_c, zero_tail
+
+half_from_f32bits = cuda.jit(device=True)(half_from_f32bits_py)
+half_fields = cuda.jit(device=True)(half_fields_py)
+
+
+@cuda.jit(device=True)
+def f32_from_half(h):
+    bits, is_sub, sub = half_fields(h)
+    if is_sub:
+        return sub
+    return bits_f32(bits)
+bf16_from_f32bits = cuda.jit(device=True)(bf16_from_f32bits_py)
+_U16 = np.uint32(16)
+
+
+@cuda.jit
+def _encode(x, e, has_res, bf16, half, buf8, used, nbytes):
+    zero_tail(buf8, used, nbytes)
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < x.size:
+        c = load_c(x, e, has_res, i)
+        u = f32_bits(np.float32(c))
+        if bf16:
+            h = bf16_from_f32bits(u)
+            back = bits_f32(h << _U16)
+        else:
+            h = half_from_f32bits(u)
+            back = f32_from_half(h)
+        half[i] = np.uint16(h)
+        if has_res:
+            e[i] = c - back
+        i += stride
+
+
+@cuda.jit
+def _decode(halves, col, bf16, out, accumulate):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        acc = out[i]
+        for p in range(halves.shape[0]):
+            h = np.uint32(halves[p, col + i])
+            if bf16:
+                v = bits_f32(h << _U16)
+            else:
+                v = f32_from_half(h)
+            if accumulate or p > 0:
+                acc = acc + v
+            else:
+                acc = v
+        out[i] = acc
+        i += stride
+
+
+def encode(x, e, bf16, half, buf, fmt, stream):
+    grid = min(blocks_for(x.size, THREADS), 65536)
+    _encode[grid, THREADS, stream](x, x if e is None else e, e is not None, bf16, half,
+                                   buf, fmt.used_nbytes, fmt.nbytes)
+
+
+def decode(fmt, stack, out, accumulate, stream):
+    halves, col = fmt.views2d(stack)["half"]
+    grid = min(blocks_for(out.size, THREADS), 65536)
+    _decode[grid, THREADS, stream](halves, col, fmt.kind == "bf16", out, accumulate)

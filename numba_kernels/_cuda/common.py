@@ -1,0 +1,246 @@
+"""Device building blocks shared by every CUDA kernel.
+
+Mirrors ``numba_kernels._scalar``: the same FMA, bit casts and RNG, and the
+block-level version of the wire summation order (thread t of a block owns
+lanes t, t + THREADS, ... of the LANES lanes).  Under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``) blocks have 32 threads instead of 256, because the
+simulator runs one Python thread per CUDA thread; the lane count, and hence
+every result, is the same.
+"""
+import math
+
+import numpy as np
+from numba import config, cuda
+
+from .._scalar import LANES, SEGMENT, greater_py, hash32_py, lesser_py, uniform24_py
+
+SIM = bool(config.ENABLE_CUDASIM)
+THREADS = 32 if SIM else 256
+NL = LANES // THREADS          # lanes per thread
+ITEMS = 16                     # elements per thread in tiled (selection) kernels
+TILE = THREADS * ITEMS
+
+uniform24 = cuda.jit(device=True)(uniform24_py)
+# Numba's builtin min/max are generic overloads that the CUDA target of some
+# Numba versions fails to compile; these are plain comparisons.
+lesser = cuda.jit(device=True)(lesser_py)
+greater = cuda.jit(device=True)(greater_py)
+hash32 = cuda.jit(device=True)(hash32_py)
+
+
+if SIM:
+    def _fma_exact(a, b, c):
+        """float32 a*b + c rounded once, computed in float64 with an exact error term."""
+        a, b, c = float(np.float32(a)), float(np.float32(b)), float(np.float32(c))
+        p = a * b                      # exact: 24 + 24 significant bits fit a double
+        s = p + c
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)    # Knuth's TwoSum: s + err == p + c exactly
+        y = np.float32(s)
+        if err != 0.0 and float(y) != s and math.isfinite(s):
+            if float(y) > s:
+                lo, hi = np.nextafter(y, np.float32(-np.inf)), y
+            else:
+                lo, hi = y, np.nextafter(y, np.float32(np.inf))
+            if (float(lo) + float(hi)) * 0.5 == s:   # s sits on a float32 tie
+                y = hi if err > 0.0 else lo
+        return y
+
+    @cuda.jit(device=True)
+    def fma32(a, b, c):
+        return _fma_exact(a, b, c)
+
+    @cuda.jit(device=True)
+    def mul32(a, b):
+        return _fma_exact(a, b, 0.0)
+
+    @cuda.jit(device=True)
+    def f32_bits(x):
+        return np.float32(x).view(np.uint32)
+
+    @cuda.jit(device=True)
+    def bits_f32(u):
+        return np.uint32(u).view(np.float32)
+
+    @cuda.jit(device=True)
+    def ballot32(pred, scratch):
+        """Warp vote without warp intrinsics (the simulator has none): bit j of the
+        result is ``pred`` of lane j of the caller's warp.  Every thread of the
+        block must call it; ``scratch`` is a shared uint32[THREADS]."""
+        t = cuda.threadIdx.x
+        scratch[t] = np.uint32(1) if pred else np.uint32(0)
+        cuda.syncthreads()
+        base = t - (t & 31)
+        word = np.uint32(0)
+        for j in range(32):
+            if base + j < THREADS and scratch[base + j] != 0:
+                word |= np.uint32(1) << np.uint32(j)
+        cuda.syncthreads()
+        return word
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def fma32(a, b, c):
+        return cuda.fma(np.float32(a), np.float32(b), np.float32(c))
+
+    @cuda.jit(device=True)
+    def mul32(a, b):
+        return cuda.fma(np.float32(a), np.float32(b), np.float32(0.0))
+
+    @cuda.jit(device=True)
+    def f32_bits(x):
+        return np.uint32(libdevice.float_as_int(np.float32(x)))
+
+    @cuda.jit(device=True)
+    def bits_f32(u):
+        return libdevice.int_as_float(np.int32(u))
+
+    @cuda.jit(device=True)
+    def ballot32(pred, scratch):
+        """Bit j = ``pred`` of lane j of the caller's warp (every lane must call)."""
+        return np.uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
+
+
+def blocks_for(n, per_block):
+    """Number of blocks that cover n items, at least 1."""
+    return max(1, -(-n // per_block))
+
+
+@cuda.jit(device=True)
+def load_c(x, e, has_res, i):
+    """c_i = x_i + e_i with error feedback, x_i without (in x's dtype)."""
+    if has_res:
+        return x[i] + e[i]
+    return x[i]
+
+
+@cuda.jit(device=True)
+def block_tree_sum(sh):
+    """Pairwise tree over the LANES entries of shared ``sh``; all threads get sh[0]."""
+    t = cuda.threadIdx.x
+    w = LANES // 2
+    while w > 0:
+        for sub in range(NL):
+            lane = t + sub * THREADS
+            if lane < w:
+                sh[lane] = sh[lane] + sh[lane + w]
+        cuda.syncthreads()
+        w //= 2
+    total = sh[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def block_lane_sum(x, e, has_res, start, stop, square, sh):
+    """Sum of float32(c) or float32(c)**2 over [start, stop) in the wire order."""
+    t = cuda.threadIdx.x
+    for sub in range(NL):
+        lane = t + sub * THREADS
+        acc = np.float32(0.0)
+        j = start + lane
+        while j < stop:
+            v = np.float32(load_c(x, e, has_res, j))
+            if square:
+                acc = fma32(v, v, acc)
+            else:
+                acc = acc + abs(v)
+            j += LANES
+        sh[lane] = acc
+    cuda.syncthreads()
+    return block_tree_sum(sh)
+
+
+@cuda.jit(device=True)
+def block_lane_combine(part, first, count, sh):
+    """Sum part[first + s] over s < count: segment s to lane s % LANES, then the tree."""
+    t = cuda.threadIdx.x
+    for sub in range(NL):
+        lane = t + sub * THREADS
+        acc = np.float32(0.0)
+        s = lane
+        while s < count:
+            acc = acc + part[first + s]
+            s += LANES
+        sh[lane] = acc
+    cuda.syncthreads()
+    return block_tree_sum(sh)
+
+
+@cuda.jit(device=True)
+def tree_range(mn, mx, shmin, shmax):
+    """Block-wide (min, max) of every thread's (mn, mx), returned to every thread."""
+    t = cuda.threadIdx.x
+    shmin[t] = mn
+    shmax[t] = mx
+    cuda.syncthreads()
+    w = THREADS // 2
+    while w > 0:
+        if t < w:
+            shmin[t] = lesser(shmin[t], shmin[t + w])
+            shmax[t] = greater(shmax[t], shmax[t + w])
+        cuda.syncthreads()
+        w //= 2
+    mn = shmin[0]
+    mx = shmax[0]
+    cuda.syncthreads()
+    return mn, mx
+
+
+@cuda.jit(device=True)
+def block_range(x, e, has_res, start, stop, shmin, shmax):
+    """(min, max) of float32(c) over [start, stop), returned to every thread."""
+    mn = np.float32(np.inf)
+    mx = np.float32(-np.inf)
+    j = start + cuda.threadIdx.x
+    while j < stop:
+        v = np.float32(load_c(x, e, has_res, j))
+        mn = lesser(mn, v)
+        mx = greater(mx, v)
+        j += THREADS
+    return tree_range(mn, mx, shmin, shmax)
+
+
+@cuda.jit(device=True)
+def zero_tail(buf8, used, nbytes):
+    """Block 0, thread 0 zeroes the payload's padding bytes [used, nbytes)."""
+    if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+        for b in range(used, nbytes):
+            buf8[b] = 0
+
+
+@cuda.jit
+def _fill(arr, value):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < arr.size:
+        arr[i] = value
+        i += stride
+
+
+def fill(arr, value, stream=0):
+    """arr[:] = value for a 1-D device array."""
+    if arr.size:
+        _fill[min(blocks_for(arr.size, THREADS), 1024), THREADS, stream](arr, value)
+
+
+@cuda.jit(device=True)
+def segment(g, spc, chunk, n):
+    """Block g's (chunk index, start, stop) when each chunk has spc SEGMENT-long segments."""
+    ci = g // spc
+    start = ci * chunk + (g % spc) * SEGMENT
+    stop = lesser(start + SEGMENT, lesser(ci * chunk + chunk, n))
+    return ci, start, stop
+
+
+@cuda.jit
+def seg_sums(x, e, has_res, chunk, spc, square, part):
+    """part[g] = wire-order sum over block g's segment (long chunks only)."""
+    sh = cuda.shared.array(LANES, np.float32)
+    g = cuda.blockIdx.x
+    ci, s, t = segment(g, spc, chunk, x.size)
+    if s < t:
+        total = block_lane_sum(x, e, has_res, s, t, square, sh)
+        if cuda.threadIdx.x == 0:
+            part[g] = total

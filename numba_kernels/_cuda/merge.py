@@ -1,0 +1,77 @@
+"""Device merges for gTop-k (see numba_kernels.merge)."""
+import numpy as np
+from numba import cuda
+
+from .. import _device
+from . import select
+from .common import THREADS, blocks_for, fill
+
+
+@cuda.jit(device=True)
+def _lower_bound(arr, value):
+    """First position in ascending arr whose entry is >= value."""
+    lo = 0
+    hi = arr.size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if arr[mid] < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit
+def _union(ia, va, ib, vb, uidx, uval):
+    j = cuda.grid(1)
+    ka = ia.size
+    if j < ka:
+        i = ia[j]
+        at = _lower_bound(ib, i)
+        v = va[j]
+        if at < ib.size and ib[at] == i:
+            v = v + vb[at]
+        uidx[j + at] = i
+        uval[j + at] = v
+    elif j < ka + ib.size:
+        jb = j - ka
+        i = ib[jb]
+        at = _lower_bound(ia, i)
+        if not (at < ka and ia[at] == i):
+            uidx[jb + at] = i
+            uval[jb + at] = vb[jb]
+
+
+@cuda.jit
+def _restore(resid, sidx, sval, gidx):
+    j = cuda.grid(1)
+    if j < sidx.size:
+        i = sidx[j]
+        at = _lower_bound(gidx, i)
+        if not (at < gidx.size and gidx[at] == i):
+            resid[i] = resid[i] + sval[j]
+
+
+def merge(va, vb, fmt, out_idx, out_val, buf, stream):
+    """Union of the two payloads' views va, vb, then exact top-k into ``buf``."""
+    if fmt.nbytes > fmt.used_nbytes:
+        fill(buf[fmt.used_nbytes:], 0, stream)
+    if fmt.k == 0:
+        return
+    m = va["indices"].size + vb["indices"].size
+    c = _device.cuda()
+    uidx = c.device_array(m, np.int64, stream=stream)
+    uval = c.device_array(m, np.float32, stream=stream)
+    # Slots left after removing duplicate indices stay as zero-valued entries
+    # past every real one: they lose all ties, and k <= the union size means
+    # they are never needed.
+    fill(uidx, np.iinfo(np.int64).max, stream)
+    fill(uval, 0, stream)
+    _union[blocks_for(m, THREADS), THREADS, stream](va["indices"], va["values"], vb["indices"],
+                                                    vb["values"], uidx, uval)
+    select.select_exact(uval, m, fmt.k, out_idx, out_val, uidx, None, stream)
+
+
+def restore(resid, sidx, sval, gidx, stream):
+    if sidx.size:
+        _restore[blocks_for(sidx.size, THREADS), THREADS, stream](resid, sidx, sval, gidx)

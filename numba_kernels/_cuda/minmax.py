@@ -1,0 +1,190 @@
+"""CUDA kernels for per-chunk min-max quantization (see numba_kernels.minmax).
+
+A chunk of at most SEGMENT elements is handled by one block in one kernel:
+the block finds the chunk's range, then encodes it (the second read of x and e
+hits the cache, so DRAM sees one read).  Longer chunks take three kernels:
+per-segment ranges, per-chunk parameters, per-segment encoding.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from .._scalar import LANES, SEGMENT
+from .common import (NL, THREADS, block_range, blocks_for, fma32, greater, lesser, load_c, segment,
+                     tree_range, zero_tail)
+
+# Shared words for one row of LANES codes at up to 8 bits each.
+_ROW_WORDS = LANES * 8 // 32
+
+
+@cuda.jit(device=True)
+def _params(mn, mx, levels):
+    """(mn, scale, inv) as in the CPU twin's chunk_params (-0.0 becomes +0.0)."""
+    mn = mn + np.float32(0.0)
+    mx = mx + np.float32(0.0)
+    scale = (mx - mn) / np.float32(levels)
+    inv = np.float32(0.0)
+    if scale > np.float32(0.0):
+        inv = np.float32(1.0) / scale
+    return mn, scale, inv
+
+
+@cuda.jit(device=True)
+def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw):
+    """Encode [s, t) (s at a row boundary of its chunk) one row of LANES at a time."""
+    tid = cuda.threadIdx.x
+    levels = (1 << bits) - 1
+    row = s
+    while row < t:
+        cnt = lesser(t - row, LANES)
+        nw = (cnt * bits + 31) // 32
+        if bits != 8:
+            for w in range(tid, nw, THREADS):
+                sw[w] = np.uint32(0)
+            cuda.syncthreads()
+        for sub in range(NL):
+            lane = tid + sub * THREADS
+            if lane < cnt:
+                i = row + lane
+                c = load_c(x, e, has_res, i)
+                q = math.floor(fma32(np.float32(c) - mn, inv, np.float32(0.5)))
+                q = lesser(greater(q, 0), levels)
+                if has_res:
+                    e[i] = c - fma32(np.float32(q), scale, mn)
+                if bits == 8:
+                    buf[boff + i] = np.uint8(q)
+                else:
+                    bp = lane * bits
+                    w = bp >> 5
+                    off = bp & 31
+                    cuda.atomic.or_(sw, w, np.uint32(q) << np.uint32(off))
+                    if off + bits > 32:
+                        cuda.atomic.or_(sw, w + 1, np.uint32(q) >> np.uint32(32 - off))
+        if bits != 8:
+            cuda.syncthreads()
+            base = (row * bits) >> 5
+            for w in range(tid, nw, THREADS):
+                words[base + w] = sw[w]
+            cuda.syncthreads()
+        row += LANES
+
+
+@cuda.jit
+def _fused(x, e, has_res, chunk, bits, params, words, buf, boff, used, nbytes):
+    zero_tail(buf, used, nbytes)
+    shmin = cuda.shared.array(THREADS, np.float32)
+    shmax = cuda.shared.array(THREADS, np.float32)
+    sw = cuda.shared.array(_ROW_WORDS, np.uint32)
+    ci = cuda.blockIdx.x
+    s = ci * chunk
+    t = lesser(x.size, s + chunk)
+    lo, hi = block_range(x, e, has_res, s, t, shmin, shmax)
+    mn, scale, inv = _params(lo, hi, (1 << bits) - 1)
+    if cuda.threadIdx.x == 0:
+        params[2 * ci] = mn
+        params[2 * ci + 1] = scale
+    _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw)
+
+
+@cuda.jit
+def _seg_range(x, e, has_res, chunk, spc, part):
+    shmin = cuda.shared.array(THREADS, np.float32)
+    shmax = cuda.shared.array(THREADS, np.float32)
+    g = cuda.blockIdx.x
+    ci, s, t = segment(g, spc, chunk, x.size)
+    if s < t:
+        mn, mx = block_range(x, e, has_res, s, t, shmin, shmax)
+        if cuda.threadIdx.x == 0:
+            part[g, 0] = mn
+            part[g, 1] = mx
+
+
+@cuda.jit
+def _chunk_params(part, spc, chunk, n, bits, params):
+    shmin = cuda.shared.array(THREADS, np.float32)
+    shmax = cuda.shared.array(THREADS, np.float32)
+    ci = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nseg = (lesser(n - ci * chunk, chunk) + SEGMENT - 1) // SEGMENT
+    mn = np.float32(np.inf)
+    mx = np.float32(-np.inf)
+    for s in range(tid, nseg, THREADS):
+        mn = lesser(mn, part[ci * spc + s, 0])
+        mx = greater(mx, part[ci * spc + s, 1])
+    mn, mx = tree_range(mn, mx, shmin, shmax)
+    if tid == 0:
+        lo, scale, inv = _params(mn, mx, (1 << bits) - 1)
+        params[2 * ci] = lo
+        params[2 * ci + 1] = scale
+
+
+@cuda.jit
+def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, buf, boff, used, nbytes):
+    zero_tail(buf, used, nbytes)
+    sw = cuda.shared.array(_ROW_WORDS, np.uint32)
+    ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
+    if s < t:
+        mn = params[2 * ci]
+        scale = params[2 * ci + 1]
+        inv = np.float32(0.0)
+        if scale > np.float32(0.0):
+            inv = np.float32(1.0) / scale
+        _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw)
+
+
+@cuda.jit
+def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        ci = i // chunk
+        acc = out[i]
+        for p in range(params.shape[0]):
+            mn = params[p, pcol + 2 * ci]
+            scale = params[p, pcol + 2 * ci + 1]
+            if bits == 8:
+                q = np.uint32(bytes8[p, bcol + i])
+            else:
+                pos = i * bits
+                w = pos >> 5
+                off = pos & 31
+                w1 = np.uint32(0)
+                if off + bits > 32:
+                    w1 = words[p, wcol + w + 1]
+                both = np.uint64(words[p, wcol + w]) | (np.uint64(w1) << np.uint64(32))
+                q = np.uint32((both >> np.uint64(off)) & np.uint64((1 << bits) - 1))
+            xh = fma32(np.float32(q), scale, mn)
+            if accumulate or p > 0:
+                acc = acc + xh
+            else:
+                acc = xh
+        out[i] = acc
+        i += stride
+
+
+def encode(x, e, fmt, params, words, buf, stream):
+    """Launch the encoder for MinMaxFormat ``fmt`` (x, e flat device arrays)."""
+    ee, has_res = (x, False) if e is None else (e, True)
+    boff = fmt.section("codes").offset
+    if fmt.chunk <= SEGMENT:
+        _fused[fmt.nchunks, THREADS, stream](x, ee, has_res, fmt.chunk, fmt.bits, params, words,
+                                             buf, boff, fmt.used_nbytes, fmt.nbytes)
+        return
+    from .. import _device
+    spc = -(-fmt.chunk // SEGMENT)
+    nblk = fmt.nchunks * spc
+    part = _device.cuda().device_array((nblk, 2), np.float32, stream=stream)
+    _seg_range[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, part)
+    _chunk_params[fmt.nchunks, THREADS, stream](part, spc, fmt.chunk, x.size, fmt.bits, params)
+    _seg_encode[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, fmt.bits, params, words,
+                                       buf, boff, fmt.used_nbytes, fmt.nbytes)
+
+
+def decode(fmt, stack, out, accumulate, stream):
+    v = fmt.views2d(stack)
+    params, pcol = v["params"]
+    words, wcol = v["codes"]
+    grid = min(blocks_for(out.size, THREADS), 65536)
+    _decode[grid, THREADS, stream](params, pcol, words, wcol, stack, fmt.section("codes").offset,
+                                   fmt.bits, fmt.chunk, out, accumulate)

@@ -1,0 +1,193 @@
+"""Scalar building blocks of the CPU twins, and the rules they share with the GPU.
+
+The payloads are specified bit for bit, so a CPU rank and a GPU rank that
+compress the same tensor send the same bytes.  Three things make that possible;
+``_cuda/common.py`` holds their device versions:
+
+* ``fma32(a, b, c)`` -- multiply-add rounded once.  CUDA compilers contract
+  ``a * b + c`` into an FMA by themselves and CPU compilers do not; writing the
+  FMA explicitly on both sides removes the difference.  ``mul32(a, b)`` is
+  ``fma32(a, b, 0)``: a product the device compiler cannot fuse with a
+  following addition.
+* ``f32_bits`` / ``bits_f32`` reinterpret float32 <-> uint32.
+* A counter-based RNG: element ``i`` draws ``mix64(key + (i + 1) * golden)``
+  (SplitMix64's finaliser), the same number wherever and in whatever order it
+  is processed.
+
+Functions named ``*_py`` here and in the compressor modules are plain
+integer/float code without target-specific calls: the very same Python source
+is compiled by ``njit`` for the CPU and by ``cuda.jit(device=True)`` for the GPU.
+
+``segment_sum`` / ``chunk_sum`` define the summation order of every per-chunk
+sum (QSGD norm, 1-bit scale).
+"""
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+
+# Every per-chunk sum runs over this many lanes (one per thread of a 256-thread block).
+LANES = 256
+# A chunk longer than SEGMENT is summed per segment first (one thread block each).
+SEGMENT = 4096
+
+U64 = np.uint64
+GOLDEN = U64(0x9E3779B97F4A7C15)
+MIX1 = U64(0xBF58476D1CE4E5B9)
+MIX2 = U64(0x94D049BB133111EB)
+S27, S30, S31, S32, S40 = U64(27), U64(30), U64(31), U64(32), U64(40)
+ONE64 = U64(1)
+INV24 = np.float32(1.0 / (1 << 24))
+
+
+def rng_key(seed):
+    """Host side: the 64-bit stream key of a user seed (any Python int)."""
+    z = (int(seed) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return U64(z ^ (z >> 31))
+
+
+def uniform24_py(key, i):
+    """Element ``i``'s uniform draw in [0, 1), a multiple of 2**-24."""
+    z = key + (U64(i) + ONE64) * GOLDEN
+    z = (z ^ (z >> S30)) * MIX1
+    z = (z ^ (z >> S27)) * MIX2
+    z = z ^ (z >> S31)
+    return np.float32(z >> S40) * INV24
+
+
+def hash32_py(key, i):
+    """Element ``i``'s 32 random bits (random-k keys, sample positions)."""
+    z = key + (U64(i) + ONE64) * GOLDEN
+    z = (z ^ (z >> S30)) * MIX1
+    z = (z ^ (z >> S27)) * MIX2
+    z = z ^ (z >> S31)
+    return np.uint32(z >> S32)
+
+
+def lesser_py(a, b):
+    """min(a, b) as one comparison, the same on both targets (returns b on ties)."""
+    return a if a < b else b
+
+
+def greater_py(a, b):
+    """max(a, b) as one comparison, the same on both targets (returns b on ties)."""
+    return a if a > b else b
+
+
+lesser = njit(nogil=True, inline="always")(lesser_py)
+greater = njit(nogil=True, inline="always")(greater_py)
+uniform24 = njit(nogil=True, inline="always")(uniform24_py)
+hash32 = njit(nogil=True, inline="always")(hash32_py)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """LLVM's ``llvm.fma``: a*b + c rounded once (a hardware FMA where present)."""
+    if not (isinstance(a, types.Float) and a == b and b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def _bitcast_f32_u32(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bitcast_u32_f32(typingctx, x):
+    if x != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return types.float32(types.uint32), codegen
+
+
+@njit(nogil=True, inline="always")
+def fma32(a, b, c):
+    return _fma(np.float32(a), np.float32(b), np.float32(c))
+
+
+@njit(nogil=True, inline="always")
+def mul32(a, b):
+    return _fma(np.float32(a), np.float32(b), np.float32(0.0))
+
+
+@njit(nogil=True, inline="always")
+def f32_bits(x):
+    return _bitcast_f32_u32(np.float32(x))
+
+
+@njit(nogil=True, inline="always")
+def bits_f32(u):
+    return _bitcast_u32_f32(np.uint32(u))
+
+
+@njit(nogil=True)
+def lane_tree(acc):
+    """Pairwise tree over LANES partial sums: acc[l] += acc[l + w] for w = 128, 64, .., 1."""
+    w = LANES // 2
+    while w > 0:
+        for lane in range(w):
+            acc[lane] = acc[lane] + acc[lane + w]
+        w //= 2
+    return acc[0]
+
+
+@njit(nogil=True)
+def segment_sum(c, square, acc):
+    """Sum of float32(c) (of squares if ``square``) over a segment view, in the wire order.
+
+    Steps, for one segment of at most SEGMENT elements:
+      1. lane l accumulates elements l, l + LANES, l + 2 LANES, ... in order,
+         from 0: ``acc = fma(v, v, acc)`` for squares, ``acc + |v|`` otherwise;
+      2. ``lane_tree`` combines the LANES partial sums.
+    A 256-thread block does exactly this with thread t owning lane t.
+    (Loops index views from 0 so that Numba can drop its negative-index
+    checks and vectorise.)
+    """
+    acc[:] = 0.0
+    rows = c.size // LANES
+    for r in range(rows + 1):
+        row = c[r * LANES:(r + 1) * LANES]
+        for lane in range(row.size):
+            v = np.float32(row[lane])
+            if square:
+                acc[lane] = fma32(v, v, acc[lane])
+            else:
+                acc[lane] = acc[lane] + abs(v)
+    return lane_tree(acc)
+
+
+@njit(nogil=True)
+def chunk_sum(c, square):
+    """Sum over one chunk view in the wire order.
+
+    A chunk of at most SEGMENT elements is one segment.  A longer chunk is cut
+    into segments of SEGMENT elements whose sums are combined like elements
+    are (segment s to lane s % LANES, then ``lane_tree``); with a single
+    segment this gives the segment's sum unchanged.
+    """
+    acc = np.empty(LANES, np.float32)
+    if c.size <= SEGMENT:
+        return segment_sum(c, square, acc)
+    nseg = (c.size + SEGMENT - 1) // SEGMENT
+    segs = np.empty(nseg, np.float32)
+    for s in range(nseg):
+        segs[s] = segment_sum(c[s * SEGMENT:(s + 1) * SEGMENT], square, acc)
+    acc[:] = 0.0
+    for s in range(nseg):
+        acc[s % LANES] = acc[s % LANES] + segs[s]
+    return lane_tree(acc)

@@ -1,0 +1,140 @@
+"""fp16 and bf16 casts: float32 (or float64) -> 16-bit payload -> float32.
+
+Both conversions are done on the bit patterns with integer arithmetic, so the
+CPU twin and the CUDA kernel run literally the same code (``*_py`` functions
+below are compiled for both targets) and agree bit for bit.
+
+fp16 (IEEE binary16), from the float32 bits ``u`` with ``a = u & 0x7fffffff``:
+  1. NaN -> quiet NaN keeping the top mantissa bits; ``a >= 0x477ff000``
+     (|x| >= 65520, which rounds past 65504) -> infinity;
+  2. normal range (|x| >= 2**-14): rebias the exponent and round the 13
+     dropped mantissa bits to nearest, ties to even;
+  3. subnormal range: shift the full significand right by ``126 - exponent``
+     and round to nearest even; |x| <= 2**-25 becomes zero.
+  Decoding rebiases the exponent and widens the mantissa (a subnormal is
+  computed as mantissa * 2**-24), which is exact.
+bf16: the top 16 bits of the float32 after adding ``0x7fff + lsb`` (round to
+nearest, ties to even); NaN -> quiet NaN.  float64 input is first rounded to
+float32.  With error feedback, ``e <- c - decode(encode(c))`` in c's dtype.
+"""
+import numpy as np
+from numba import njit, prange
+
+from ._api import prepare
+from ._scalar import bits_f32, f32_bits
+from .wire import CastFormat, Payload
+
+U = np.uint32
+_ABS, _INF32 = U(0x7FFFFFFF), U(0x7F800000)
+_U1, _U10, _U13, _U16, _U23 = U(1), U(10), U(13), U(16), U(23)
+_TWO_M24 = np.float32(2.0 ** -24)
+
+
+def half_from_f32bits_py(u):
+    """IEEE binary16 bits (in a uint32) of the float32 with bits u, round to nearest even.
+
+    Every case is computed and the right one selected, so that the CPU loop
+    vectorises; intermediate values of the cases not taken may wrap around.
+    """
+    sign = (u >> _U16) & U(0x8000)
+    a = u & _ABS
+    normal = (a + U(0x0FFF) + ((a >> _U13) & _U1) - U(0x38000000)) >> _U13
+    e = a >> _U23
+    shift = U(126) - (e if e > U(102) else U(102))       # 14..24 in the subnormal range
+    shift = shift if shift > U(14) else U(14)
+    m = (a & U(0x7FFFFF)) | U(0x800000)
+    q = m >> shift
+    rem = m & ((_U1 << shift) - _U1)
+    half = _U1 << (shift - _U1)
+    up = _U1 if (rem > half or (rem == half and (q & _U1) == _U1)) else U(0)
+    h = q + up if a > U(0x33000000) else U(0)
+    h = normal if a >= U(0x38800000) else h
+    h = U(0x7C00) if a >= U(0x477FF000) else h
+    h = (U(0x7E00) | ((a >> _U13) & U(0x3FF))) if a > _INF32 else h
+    return h | sign
+
+
+def half_fields_py(h):
+    """(float32 bits, subnormal?, subnormal value) of the binary16 bits h.
+
+    Normal numbers, infinities and NaNs get their float32 bit pattern (rebias
+    the exponent, widen the mantissa); a subnormal m * 2**-24 is computed as a
+    float, exactly.  The caller picks one with its own bit cast.
+    """
+    sign = (h & U(0x8000)) << _U16
+    e = (h >> _U10) & U(0x1F)
+    m = h & U(0x3FF)
+    exp = U(0xFF) if e == U(0x1F) else e + U(112)
+    bits = sign | (exp << _U23) | (m << _U13)
+    sub = np.float32(m) * _TWO_M24
+    return bits, e == U(0), -sub if sign != U(0) else sub
+
+
+def bf16_from_f32bits_py(u):
+    """bfloat16 bits (in a uint32) of the float32 with bits u, round to nearest even."""
+    if (u & _ABS) > _INF32:
+        return (u >> _U16) | U(0x40)
+    return (u + U(0x7FFF) + ((u >> _U16) & _U1)) >> _U16
+
+
+half_from_f32bits = njit(nogil=True, inline="always")(half_from_f32bits_py)
+half_fields = njit(nogil=True, inline="always")(half_fields_py)
+bf16_from_f32bits = njit(nogil=True, inline="always")(bf16_from_f32bits_py)
+
+
+@njit(nogil=True, inline="always")
+def f32_from_half(h):
+    """float32 value of the binary16 bits h (exact)."""
+    bits, is_sub, sub = half_fields(h)
+    return sub if is_sub else bits_f32(bits)
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def encode_cpu(x, e, has_res, bf16, half):
+    """CPU twin: half[i] = cast(c_i); with has_res, e[i] = c_i - decoded."""
+    for i in prange(x.size):
+        c = x[i] + e[i] if has_res else x[i]
+        u = f32_bits(np.float32(c))
+        if bf16:
+            h = bf16_from_f32bits(u)
+            back = bits_f32(h << _U16)
+        else:
+            h = half_from_f32bits(u)
+            back = f32_from_half(h)
+        half[i] = np.uint16(h)
+        if has_res:
+            e[i] = c - back
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def decode_cpu_kernel(halves, col, bf16, out, accumulate):
+    """out[i] (+)= sum over rows p of decode(halves[p, col + i]), rows in order."""
+    for p in range(halves.shape[0]):
+        add = accumulate or p > 0
+        for i in prange(out.size):
+            h = U(halves[p, col + i])
+            v = bits_f32(h << _U16) if bf16 else f32_from_half(h)
+            out[i] = out[i] + v if add else v
+
+
+def compress_cast(x, kind="fp16", residual=None, out=None, stream=None):
+    """Cast x to fp16 or bf16 (``kind``) into a CastFormat payload.
+
+    Example: ``p = compress_cast(grad, "bf16"); decompress(p, out=grad)``.
+    """
+    xa, ea, dev, fmt, buf, st = prepare(x, residual, out, lambda n: CastFormat(n, kind), stream)
+    if fmt.n:
+        half = fmt.views(buf)["half"]
+        if dev:
+            from ._cuda import casts as kern
+            kern.encode(xa, ea, kind == "bf16", half, buf, fmt, st)
+        else:
+            encode_cpu(xa, xa if ea is None else ea, ea is not None, kind == "bf16", half)
+    if not dev:
+        buf[fmt.used_nbytes:] = 0
+    return Payload(fmt, buf)
+
+
+def decode_cpu(fmt, stack, out, accumulate):
+    halves, col = fmt.views2d(stack)["half"]
+    decode_cpu_kernel(halves, col, fmt.kind == "bf16", out, accumulate)

@@ -1,0 +1,207 @@
+"""Per-chunk min-max quantization to b bits (b = 1..8), densely bit-packed.
+
+For each chunk of ``chunk`` elements (the last may be shorter), with
+c = x + e under error feedback, v = float32(c):
+  1. mn = min v, mx = max v over the chunk (a zero minimum is +0.0);
+  2. scale = (mx - mn) / (2**bits - 1) in float32; inv = 1 / scale (0 if scale is 0);
+  3. code = clamp(floor(fma(v - mn, inv, 0.5)), 0, 2**bits - 1) -- nearest level;
+  4. x_hat = fma(code, scale, mn) -- so |v - x_hat| <= scale / 2 up to rounding;
+  5. with error feedback, e <- c - x_hat (in c's dtype), in the same pass.
+Payload: ``MinMaxFormat`` (per-chunk (mn, scale) float32 pairs, then the
+codes packed LSB-first).  ``chunk`` must be a multiple of 32 so each chunk's
+codes fill whole words.  Inputs must be finite.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from ._api import prepare
+from ._bits import read_code
+from ._scalar import fma32, greater, lesser
+from .wire import MinMaxFormat, Payload
+
+_U64 = np.uint64
+_MASK32 = _U64(0xFFFFFFFF)
+_S32 = _U64(32)
+
+
+@njit(nogil=True, fastmath={"nnan", "nsz"})
+def value_range(a):
+    """(min, max) of float32(a) for a chunk view.  The fast-math flags let the
+    reductions vectorise; they only matter for NaN (not accepted) and for the
+    sign of a zero result, which ``chunk_params`` canonicalises."""
+    mn = np.float32(np.inf)
+    mx = np.float32(-np.inf)
+    for i in range(a.size):
+        v = np.float32(a[i])
+        mn = min(mn, v)
+        mx = max(mx, v)
+    return mn, mx
+
+
+@njit(nogil=True, inline="always")
+def chunk_params(mn, mx, levels):
+    """(mn, scale, inv) of a chunk whose float32 range is [mn, mx]; -0.0 becomes +0.0."""
+    mn = mn + np.float32(0.0)
+    mx = mx + np.float32(0.0)
+    scale = (mx - mn) / np.float32(levels)
+    inv = np.float32(1.0) / scale if scale > np.float32(0.0) else np.float32(0.0)
+    return mn, scale, inv
+
+
+@njit(nogil=True, inline="always")
+def quantize(v, mn, inv, levels):
+    """Nearest level of v as a float32 integer in [0, levels]."""
+    q = np.floor(fma32(v - mn, inv, np.float32(0.5)))
+    return lesser(greater(q, np.float32(0.0)), np.float32(levels))
+
+
+@njit(nogil=True)
+def encode_codes(src, has_res, mn, scale, inv, levels, codes):
+    """codes[i] = code of src[i] for chunk views.  With has_res, src holds c and
+    becomes the residual c - x_hat (one array read and written, so the loop
+    vectorises without aliasing checks)."""
+    if has_res:
+        for i in range(src.size):
+            c = src[i]
+            q = quantize(np.float32(c), mn, inv, levels)
+            codes[i] = np.uint8(np.int32(q))
+            src[i] = c - fma32(q, scale, mn)
+    else:
+        for i in range(src.size):
+            codes[i] = np.uint8(np.int32(quantize(np.float32(src[i]), mn, inv, levels)))
+
+
+@njit(nogil=True)
+def pack_codes(codes, bits, words):
+    """Pack codes LSB-first into the words view (each 32 codes fill ``bits`` words)."""
+    count = codes.size
+    if 32 % bits == 0:
+        # widths 1, 2, 4 (8 never packs): a word holds exactly 32 / bits codes
+        per = 32 // bits
+        full = count // per
+        for w in range(full):
+            group = codes[w * per:(w + 1) * per]
+            word = np.uint32(0)
+            for j in range(per):
+                word |= np.uint32(group[j]) << np.uint32(j * bits)
+            words[w] = word
+        if full < words.size:
+            word = np.uint32(0)
+            for j in range(count - full * per):
+                word |= np.uint32(codes[full * per + j]) << np.uint32(j * bits)
+            words[full] = word
+        return
+    for g in range((count + 31) // 32):
+        acc = _U64(0)
+        nbits = 0
+        w = g * bits
+        for j in range(32):
+            i = g * 32 + j
+            code = _U64(codes[i]) if i < count else _U64(0)
+            acc |= code << _U64(nbits)
+            nbits += bits
+            if nbits >= 32:
+                if w < words.size:
+                    words[w] = np.uint32(acc & _MASK32)
+                w += 1
+                acc >>= _S32
+                nbits -= 32
+
+
+@njit(nogil=True)
+def add_into(e, x):
+    """e += x for views (c = x + e, kept in e until the residual is written)."""
+    for i in range(x.size):
+        e[i] = x[i] + e[i]
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def encode_cpu(x, e, has_res, chunk, bits, params, words):
+    """CPU twin.  One chunk per parallel iteration: form c (kept in e), find its
+    range, then write codes (through a scratch row when packing) and the new
+    residual."""
+    n = x.size
+    levels = (1 << bits) - 1
+    bytes8 = words.view(np.uint8)
+    for ci in prange((n + chunk - 1) // chunk):
+        s = ci * chunk
+        t = min(n, s + chunk)
+        xs = x[s:t]
+        es = e[s:t]
+        if has_res:
+            add_into(es, xs)
+        src = es if has_res else xs
+        lo, hi = value_range(src)
+        mn, scale, inv = chunk_params(lo, hi, levels)
+        params[2 * ci] = mn
+        params[2 * ci + 1] = scale
+        if bits == 8:
+            encode_codes(src, has_res, mn, scale, inv, levels, bytes8[s:t])
+        else:
+            scratch = np.empty(t - s, np.uint8)
+            encode_codes(src, has_res, mn, scale, inv, levels, scratch)
+            w0 = (s * bits) >> 5
+            pack_codes(scratch, bits, words[w0:min(words.size, w0 + chunk * bits // 32)])
+
+
+@njit(nogil=True)
+def decode_row(codes8, words, bits, mn, scale, out, add, first):
+    """out (+)= x_hat for one chunk (views) of one payload row; ``first`` is the
+    chunk's first element index (the bit position of packed codes)."""
+    if bits == 8:
+        if add:
+            for i in range(out.size):
+                out[i] = out[i] + fma32(np.float32(codes8[i]), scale, mn)
+        else:
+            for i in range(out.size):
+                out[i] = fma32(np.float32(codes8[i]), scale, mn)
+    else:
+        for i in range(out.size):
+            xh = fma32(np.float32(read_code(words, first + i, bits)), scale, mn)
+            out[i] = out[i] + xh if add else xh
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def decode_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate):
+    """out[i] (+)= sum over rows p of fma(code, scale, mn), rows in order."""
+    n = out.size
+    for ci in prange((n + chunk - 1) // chunk):
+        s = ci * chunk
+        t = min(n, s + chunk)
+        for p in range(params.shape[0]):
+            decode_row(bytes8[p, bcol + s:bcol + t], words[p, wcol:], bits,
+                       params[p, pcol + 2 * ci], params[p, pcol + 2 * ci + 1], out[s:t],
+                       accumulate or p > 0, s)
+
+
+def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None):
+    """Min-max quantize x per chunk to ``bits`` (1..8); fused error feedback via ``residual``.
+
+    Returns a Payload of ``MinMaxFormat(x.size, bits, chunk)``.  With
+    ``residual`` (same dtype and size as x, updated in place) the payload
+    encodes c = x + residual and residual becomes c - decompress(payload).
+    Example: ``p = compress_minmax(g, bits=4, residual=e); decompress(p, out=g)``.
+    """
+    xa, ea, dev, fmt, buf, st = prepare(x, residual, out,
+                                        lambda n: MinMaxFormat(n, bits, chunk), stream)
+    if fmt.n:
+        v = fmt.views(buf)
+        if dev:
+            from ._cuda import minmax as kern
+            kern.encode(xa, ea, fmt, v["params"], v["codes"], buf, st)
+        else:
+            encode_cpu(xa, xa if ea is None else ea, ea is not None, fmt.chunk, fmt.bits,
+                       v["params"], v["codes"])
+    if not dev:
+        buf[fmt.used_nbytes:] = 0
+    return Payload(fmt, buf)
+
+
+def decode_cpu(fmt, stack, out, accumulate):
+    v = fmt.views2d(stack)
+    params, pcol = v["params"]
+    words, wcol = v["codes"]
+    bytes8 = stack
+    decode_cpu_kernel(params, pcol, words, wcol, bytes8, fmt.section("codes").offset, fmt.bits,
+                      fmt.chunk, out, accumulate)

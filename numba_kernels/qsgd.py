@@ -1,0 +1,119 @@
+"""QSGD: stochastic rounding to ``levels`` (s) levels per sign, scaled by the chunk norm.
+
+For each chunk (c = x + e under error feedback, v = float32(c)):
+  1. norm = sqrt(sum v**2) in the wire summation order (``_scalar.chunk_sum``);
+  2. ratio = s / norm (0 when norm is 0); step = norm / s;
+  3. r = |v| * ratio; lo = floor(r); level = lo + 1 with probability r - lo,
+     else lo, drawing u = uniform24(key, i) for element i (level <= s);
+  4. code = sign(v) * level stored as int8; x_hat = code * step;
+  5. with error feedback, e <- c - x_hat.
+E[level] = r (u is uniform on a 2**-24 grid, so up to 2**-24), hence
+E[x_hat] = v: the quantizer is unbiased.  The same ``seed`` gives the same
+payload on every run and on host and device.  Payload: ``QSGDFormat``.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._api import prepare
+from ._scalar import chunk_sum, mul32, rng_key, uniform24
+from .minmax import add_into
+from .wire import Payload, QSGDFormat
+
+
+@njit(nogil=True, inline="always")
+def qsgd_code(v, ratio, levels, key, i):
+    """Signed stochastic level of v (see module docstring, step 3)."""
+    r = mul32(abs(v), ratio)
+    lo = math.floor(r)
+    level = lo + 1 if uniform24(key, i) < r - np.float32(lo) else lo
+    level = min(level, levels)
+    return -level if v < np.float32(0.0) else level
+
+
+@njit(nogil=True)
+def encode_chunk(src, has_res, first, ratio, step, levels, key, codes):
+    """Codes of one chunk view; with has_res, src holds c and becomes the
+    residual.  ``first`` is the chunk's global index, the RNG counter of its
+    first element."""
+    if has_res:
+        for i in range(src.size):
+            c = src[i]
+            code = qsgd_code(np.float32(c), ratio, levels, key, first + i)
+            codes[i] = np.int8(code)
+            src[i] = c - mul32(np.float32(code), step)
+    else:
+        for i in range(src.size):
+            codes[i] = np.int8(qsgd_code(np.float32(src[i]), ratio, levels, key, first + i))
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def encode_cpu(x, e, has_res, chunk, levels, key, norms, codes):
+    """CPU twin: per chunk, form c (kept in e), its norm, then codes and residual."""
+    n = x.size
+    for ci in prange((n + chunk - 1) // chunk):
+        s = ci * chunk
+        t = min(n, s + chunk)
+        xs = x[s:t]
+        es = e[s:t]
+        if has_res:
+            add_into(es, xs)
+        src = es if has_res else xs
+        norm = np.float32(math.sqrt(chunk_sum(src, True)))
+        ratio = np.float32(levels) / norm if norm > np.float32(0.0) else np.float32(0.0)
+        norms[ci] = norm
+        encode_chunk(src, has_res, s, ratio, norm / np.float32(levels), levels, key, codes[s:t])
+
+
+@njit(nogil=True)
+def decode_row(codes, step, out, add):
+    """out (+)= code * step for one chunk (views) of one payload row."""
+    if add:
+        for i in range(out.size):
+            out[i] = out[i] + mul32(np.float32(codes[i]), step)
+    else:
+        for i in range(out.size):
+            out[i] = mul32(np.float32(codes[i]), step)
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def decode_cpu_kernel(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
+    """out[i] (+)= sum over rows p of code * (norm / levels), rows in order."""
+    n = out.size
+    for ci in prange((n + chunk - 1) // chunk):
+        s = ci * chunk
+        t = min(n, s + chunk)
+        for p in range(norms.shape[0]):
+            step = norms[p, ncol + ci] / np.float32(levels)
+            decode_row(codes[p, ccol + s:ccol + t], step, out[s:t], accumulate or p > 0)
+
+
+def compress_qsgd(x, levels=127, chunk=1024, seed=0, residual=None, out=None, stream=None):
+    """QSGD-quantize x with ``levels`` (1..127) per sign and per-chunk norms.
+
+    ``seed`` makes the stochastic rounding reproducible (derive it from the
+    step and rank).  Returns a Payload of ``QSGDFormat(x.size, levels, chunk)``.
+    Example: ``p = compress_qsgd(g, seed=step); decompress(p, out=g)``.
+    """
+    xa, ea, dev, fmt, buf, st = prepare(x, residual, out,
+                                        lambda n: QSGDFormat(n, levels, chunk), stream)
+    key = rng_key(seed)
+    if fmt.n:
+        v = fmt.views(buf)
+        if dev:
+            from ._cuda import qsgd as kern
+            kern.encode(xa, ea, fmt, key, v["norms"], v["codes"], buf, st)
+        else:
+            encode_cpu(xa, xa if ea is None else ea, ea is not None, fmt.chunk, fmt.levels, key,
+                       v["norms"], v["codes"])
+    if not dev:
+        buf[fmt.used_nbytes:] = 0
+    return Payload(fmt, buf)
+
+
+def decode_cpu(fmt, stack, out, accumulate):
+    v = fmt.views2d(stack)
+    norms, ncol = v["norms"]
+    codes, ccol = v["codes"]
+    decode_cpu_kernel(norms, ncol, codes, ccol, fmt.levels, fmt.chunk, out, accumulate)

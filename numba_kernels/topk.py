@@ -1,0 +1,187 @@
+"""Top-k and random-k sparsification with fused error feedback.
+
+``compress_topk(x, k)`` keeps the k entries of c = x + e with the largest
+float32 magnitude (ties: lower index first).  ``compress_randk(x, k, seed)``
+keeps k random entries by stratified sampling: stratum j = [floor(j n / k),
+floor((j + 1) n / k)) contributes one index drawn with ``hash32(key, j)``, so
+the indices are distinct and ascending, each index is kept with probability
+1 / (its stratum's size) -- k / n when k divides n -- and the cost is O(k).
+The payload (``TopKFormat``) lists the kept indices in ascending order with
+their float32 values; decompression scatters (or scatter-adds) them.  With
+``residual`` the call first forms c in place (e <- x + e), then removes what
+was sent: the residual keeps every unselected entry and, at selected ones,
+c - float32(c) (zero for float32 input).
+
+Two methods, one result:
+* ``method="exact"``: radix select over all of c (``_select.select_exact``);
+* ``method="approx"``, O(n) in one pass for large tensors:
+    1. draw a stratified sample of m keys (one at a jittered position in each
+       of m equal strata) and take its ks-th largest key as threshold, with
+       ks = mu + 3 sqrt(mu) + 2 for mu = k m / n expected sample hits, so that
+       the threshold falls below the true k-th key with high probability;
+    2. one pass collects the candidates with key >= threshold, up to a
+       capacity of a few times the expected count;
+    3. if the count is in [k, capacity], the exact selection among the
+       candidates is the exact top-k (every true top-k key is >= threshold);
+       if too few, quadruple ks; if too many, halve it; after
+       ``REFINEMENTS`` failed refinements fall back to the exact method.
+  So "approx" is approximate in its threshold, never in its result.
+"""
+import logging
+import math
+
+import numpy as np
+from numba import njit
+
+from ._api import prepare
+from ._scalar import hash32, rng_key
+from ._select import key_of, select_exact
+from .errors import KernelParameterError
+from .wire import Payload, TopKFormat
+
+log = logging.getLogger(__name__)
+REFINEMENTS = 3
+# Below this size the approximate method is not worth its sampling: use exact.
+APPROX_MIN_N = 1 << 15
+_SAMPLE_SEED = 0x5EED
+
+
+def stratum_offset_py(h, size):
+    """Offset in [0, size) for 32 random bits h: the high word of h * size (no division)."""
+    return np.int64((np.uint64(h) * np.uint64(size)) >> np.uint64(32))
+
+
+stratum_offset = njit(nogil=True, inline="always")(stratum_offset_py)
+
+
+def sample_plan(n, k):
+    """(m, ks, cap) of the approximate method for n elements and k kept."""
+    m = int(min(n // 8, max(4096, min(1 << 16, 32 * n // max(k, 1)))))
+    mu = k * m / n
+    ks = int(min(m, math.ceil(mu + 3.0 * math.sqrt(mu) + 2.0)))
+    cap = int(min(n, 3 * ks * (n // m + 1) + 1024))
+    return m, ks, cap
+
+
+@njit(nogil=True, cache=True)
+def select_approx(arr, n, k, m, ks, cap, skey, out_idx, out_val, resid, has_res):
+    """Approximate-threshold top-k of arr (magnitudes); returns the attempts used
+    (REFINEMENTS + 2 means the exact fallback ran)."""
+    sample = np.empty(m, np.uint32)
+    for j in range(m):
+        lo = (j * n) // m
+        hi = ((j + 1) * n) // m
+        sample[j] = key_of(arr, lo + stratum_offset(hash32(skey, j), hi - lo))
+    sample = np.sort(sample)
+    cidx = np.empty(cap, np.int64)
+    cval = np.empty(cap, np.float32)
+    for attempt in range(REFINEMENTS + 1):
+        thr = sample[m - ks]
+        cnt = 0
+        for i in range(n):
+            key = key_of(arr, i)
+            if key >= thr:
+                if cnt == cap:
+                    cnt += 1
+                    break
+                cidx[cnt] = i
+                cval[cnt] = np.float32(arr[i])
+                cnt += 1
+        if cnt > cap:
+            ks = max(1, ks // 2)
+        elif cnt < k:
+            ks = min(m, 4 * ks)
+        else:
+            select_exact(cval, cnt, k, out_idx, out_val, resid, has_res, cidx, True)
+            return attempt + 1
+    select_exact(arr, n, k, out_idx, out_val, resid, has_res, cidx, False)
+    return REFINEMENTS + 2
+
+
+@njit(nogil=True, cache=True)
+def add_inplace(e, x):
+    for i in range(x.size):
+        e[i] = e[i] + x[i]
+
+
+@njit(nogil=True, cache=True)
+def randk_cpu(arr, n, k, rkey, out_idx, out_val, resid, has_res):
+    """Stratified random-k: one index per stratum, ascending."""
+    for j in range(k):
+        lo = (j * n) // k
+        hi = ((j + 1) * n) // k
+        i = lo + stratum_offset(hash32(rkey, j), hi - lo)
+        v = np.float32(arr[i])
+        out_idx[j] = i
+        out_val[j] = v
+        if has_res:
+            resid[i] = resid[i] - v
+
+
+def _sparsify(x, k, index_dtype, residual, out, stream, seed, method):
+    """Shared body of compress_topk (method 'exact'/'approx') and compress_randk ('random')."""
+    if method not in ("exact", "approx", "random"):
+        raise KernelParameterError(f"method must be 'exact' or 'approx', got {method!r}")
+    xa, ea, dev, fmt, buf, st = prepare(x, residual, out,
+                                        lambda n: TopKFormat(n, k, index_dtype), stream)
+    v = fmt.views(buf)
+    if dev:
+        from ._cuda import topk as kern
+        kern.sparsify(xa, ea, fmt, rng_key(seed), method, v["indices"], v["values"], buf, st)
+        return Payload(fmt, buf)
+    buf[fmt.used_nbytes:] = 0
+    arr = xa
+    if ea is not None:
+        add_inplace(ea, xa)
+        arr = ea
+    if fmt.k == 0:
+        return Payload(fmt, buf)
+    has_res = ea is not None
+    if method == "random":
+        randk_cpu(arr, fmt.n, fmt.k, rng_key(seed), v["indices"], v["values"], arr, has_res)
+    elif method == "approx" and fmt.n >= APPROX_MIN_N:
+        m, ks, cap = sample_plan(fmt.n, fmt.k)
+        attempts = select_approx(arr, fmt.n, fmt.k, m, ks, cap, rng_key(_SAMPLE_SEED),
+                                 v["indices"], v["values"], arr, has_res)
+        if attempts > REFINEMENTS + 1:
+            log.debug("approximate top-k (n=%d, k=%d) fell back to the exact method",
+                      fmt.n, fmt.k)
+    else:
+        select_exact(arr, fmt.n, fmt.k, v["indices"], v["values"], arr, has_res,
+                     np.empty(1, np.int64), False)
+    return Payload(fmt, buf)
+
+
+def compress_topk(x, k, index_dtype="int32", method="approx", residual=None, out=None,
+                  stream=None):
+    """Keep the k largest-magnitude entries of x (+ residual); see the module docstring.
+
+    Returns a Payload of ``TopKFormat(x.size, k, index_dtype)``.
+    Example: ``p = compress_topk(g, k=g.numel() // 1000, residual=r)``.
+    """
+    if method not in ("exact", "approx"):
+        raise KernelParameterError(f"method must be 'exact' or 'approx', got {method!r}")
+    return _sparsify(x, k, index_dtype, residual, out, stream, 0, method)
+
+
+def compress_randk(x, k, seed=0, index_dtype="int32", residual=None, out=None, stream=None):
+    """Keep k random entries of x (+ residual), one per stratum, reproducibly for ``seed``."""
+    return _sparsify(x, k, index_dtype, residual, out, stream, seed, "random")
+
+
+@njit(nogil=True, cache=True)
+def decode_cpu_kernel(idx, icol, vals, vcol, k, out, accumulate):
+    """Scatter (accumulate=False: out = 0 first) then scatter-add every row in order."""
+    if not accumulate:
+        out[:] = 0
+    for p in range(idx.shape[0]):
+        for j in range(k):
+            i = idx[p, icol + j]
+            out[i] = out[i] + vals[p, vcol + j] if (accumulate or p > 0) else vals[p, vcol + j]
+
+
+def decode_cpu(fmt, stack, out, accumulate):
+    v = fmt.views2d(stack)
+    idx, icol = v["indices"]
+    vals, vcol = v["values"]
+    decode_cpu_kernel(idx, icol, vals, vcol, fmt.k, out, accumulate)

@@ -1,0 +1,96 @@
+"""The device checks on a real CUDA GPU (marker ``gpu``), at realistic sizes.
+
+Skipped, with the reason, where no GPU is present: CI has none.  Run on a GPU
+machine with ``python -m pytest tests/kernels -m gpu`` and record the result.
+"""
+import numpy as np
+import pytest
+from numba import config
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_reason():
+    if config.ENABLE_CUDASIM:
+        return "NUMBA_ENABLE_CUDASIM is set: the simulator is not a GPU"
+    try:
+        from numba import cuda
+        if cuda.is_available():
+            return None
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return f"no CUDA GPU present (numba.cuda failed: {exc})"
+    return "no CUDA GPU present (numba.cuda.is_available() is False)"
+
+
+REASON = _gpu_reason()
+needs_gpu = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+F32, F64 = np.float32, np.float64
+BIG = 10**6 + 3
+
+
+@pytest.fixture(scope="module")
+def dc():
+    import device_checks
+    return device_checks
+
+
+@needs_gpu
+def test_casts(dc):
+    dc.check_casts([(n, kind, dt) for n in (0, 1, 33, 1025, BIG) for kind in ("fp16", "bf16")
+                    for dt in (F32, F64)])
+
+
+@needs_gpu
+def test_minmax(dc):
+    dc.check_minmax([(n, bits, chunk, dt, res) for n in (1, 33, 1025, BIG) for bits in (1, 3, 8)
+                     for chunk in (32, 1024) for dt in (F32, F64) for res in (False, True)])
+    dc.check_minmax([(BIG, 8, 1 << 20, F32, True), (BIG, 4, 8192, F64, True)])
+    dc.check_signed_zero_minimum()
+
+
+@needs_gpu
+def test_qsgd(dc):
+    dc.check_qsgd([(n, levels, chunk, dt, True) for n in (1, 1025, BIG) for levels in (1, 127)
+                   for chunk in (100, 1024, 1 << 20) for dt in (F32, F64)])
+
+
+@needs_gpu
+def test_onebit(dc):
+    dc.check_onebit([(n, chunk, scale, dt, True) for n in (1, 1025, BIG)
+                     for chunk in (32, 4096, 1 << 20) for scale in ("l2", "mean_abs")
+                     for dt in (F32, F64)])
+
+
+@needs_gpu
+def test_topk(dc):
+    sizes = ((1, 1), (1025, 10), (BIG, 1000), (BIG, 10**5))
+    cases = [(n, k, kind, dt, method, res) for n, k in sizes
+             for kind in ("normal", "ties") for dt in (F32, F64)
+             for method in ("exact", "approx", "randk") for res in (False, True)]
+    dc.check_topk(cases)
+    dc.check_approx_path(10**7, 10**4)
+
+
+@needs_gpu
+def test_merge(dc):
+    dc.check_merge([(1, 1, "normal"), (1025, 40, "ties"), (BIG, 1000, "normal"),
+                    (BIG, 1000, "ties")])
+
+
+@needs_gpu
+def test_torch_cuda_tensors_and_streams():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    import numba_kernels as nk
+    x = torch.randn(BIG, device="cuda")
+    e = torch.zeros_like(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        p = nk.compress_minmax(x, bits=8, residual=e, stream=stream)
+        out = torch.empty_like(x)
+        nk.decompress(p, out=out, stream=stream)
+    stream.synchronize()
+    host = nk.compress_minmax(x.cpu().numpy(), bits=8)
+    np.testing.assert_array_equal(p.buffer.copy_to_host(), host.buffer)
+    torch.testing.assert_close(out + e, x, rtol=0, atol=1e-5)
