@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ALGORITHMS = ["gradient_allreduce", "gradient_allreduce+fp16", "qsgd", "bytegrad",
@@ -129,10 +130,11 @@ def shaped_run(gbit: float | None, latency_ms: float, args, json_path: str) -> l
 def sweep(args) -> None:
     points = [float(v) for v in args.sweep.split(",")]
     results = {}
-    for gbit in points:
-        print(f"--- {gbit:g} Gbit/s shaped loopback", flush=True)
-        results[gbit] = shaped_run(gbit, args.latency_ms, args,
-                                   os.path.join(args.out, f".sweep_{gbit:g}.json"))
+    with tempfile.TemporaryDirectory() as scratch:
+        for gbit in points:
+            print(f"--- {gbit:g} Gbit/s shaped loopback", flush=True)
+            results[gbit] = shaped_run(gbit, args.latency_ms, args,
+                                       os.path.join(scratch, f"sweep_{gbit:g}.json"))
     names = [r["algorithm"] for r in results[points[0]]]
     params = results[points[0]][0]["params"]
     lines = [f"model: MLP, {params / 1e6:.1f}M parameters; {args.np} ranks, batch {args.batch} "
@@ -183,7 +185,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--np", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps (local_sgd averages "
+                        "every 4, so keep a multiple of 4)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
