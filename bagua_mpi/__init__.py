@@ -28,5 +28,6 @@ from .optimizer import (DistributedOptimizer, broadcast_optimizer_state, broadca
                         check_models_agree)
 from . import algorithms
 from . import lgreco  # registers the 'lgreco' algorithm
+from . import checkpoint, preemption
 
 __version__ = "0.1.0"

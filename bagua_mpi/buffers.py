@@ -136,10 +136,16 @@ def scaled_copy(dst, src, factor: float) -> None:
     """dst[...] = src * factor in one pass (same dtype, contiguous CPU or same device)."""
     if isinstance(dst, torch.Tensor) and (dst.is_cuda or not dst.is_contiguous()
                                           or not src.is_contiguous()):
-        torch.mul(src.detach(), factor, out=dst)
+        if factor == 1.0:
+            dst.copy_(src.detach())
+        else:
+            torch.mul(src.detach(), factor, out=dst)
         return
     d, s_ = host_view(dst), host_view(src)
-    np.multiply(s_, d.dtype.type(factor), out=d)
+    if factor == 1.0:
+        np.copyto(d, s_)
+    else:
+        np.multiply(s_, d.dtype.type(factor), out=d)
 
 
 def fast_cpu_view(x) -> np.ndarray | None:

@@ -118,14 +118,15 @@ def _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hiera
             scale_(work, post)
             copy_into(out, work)
             return out
-        if pre != 1.0:
-            if out is tensor:
-                scale_(out, pre)
-            else:
-                scaled_copy(out, tensor, pre)
-            _allreduce_buffers(topo, out, out, mop, hier, in_place=True)
+        # Out of place = copy (scaled by ``pre``) into the fresh output, then reduce in place.
+        # Touching the new pages here instead of inside MPI matters: measured on 4 ranks, an
+        # allreduce writing into fresh memory took 2.6/7.8/38.6 ms at 1/4/16 MiB against
+        # 1.0/4.1/14.8 ms for copy + in place (MPICH copies send to receive buffer anyway).
+        if out is tensor:
+            scale_(out, pre)
         else:
-            _allreduce_buffers(topo, tensor, out, mop, hier, in_place=out is tensor)
+            scaled_copy(out, tensor, pre)
+        _allreduce_buffers(topo, out, out, mop, hier, in_place=True)
         scale_(out, post)
         return out
 

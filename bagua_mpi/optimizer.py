@@ -129,6 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+        # loading replaces the param_groups dicts: algorithms holding them must see the new ones
+        self.impl.bind_optimizer(self.optimizer)
 
     def add_param_group(self, param_group) -> None:
         raise NotImplementedError("parameters cannot be added after wrapping: build the "

@@ -1,0 +1,287 @@
+"""``load``: verify a checkpoint, read each rank's part, restore it (collective); and the
+MPI-free ``verify`` / ``read_meta`` for inspecting files.
+
+``load`` tries candidates in order (``rotation.candidates``: the file ``latest`` names, then
+older ones when ``fallback``) and for each:
+
+1. rank 0 checks the seal (header, size and, with ``verify``, the SHA-256 of the whole file) and
+   reads ``/meta``; the verdict is broadcast, so all ranks move on together;
+2. compatibility is decided from ``/meta`` alone (identical on all ranks, so all raise alike):
+   a different world size loads the replicated state and refuses per-rank state that has no
+   meaning on the new ranks (see ``load``);
+3. every rank reads what it needs (the replicated trees and ``/ranks/<its rank>``); fletcher32
+   verifies each chunk. A failure on any rank is agreed by an allreduce and the candidate is
+   skipped on all ranks;
+4. only then is anything modified: model, optimizer, algorithm state, RNG states. An error here
+   (a model of another shape) is agreed the same way and raised on every rank.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import h5py
+import torch
+from mpi4py import MPI
+
+from .. import runtime
+from .errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatError,
+                     CheckpointNotFoundError, WorldSizeMismatchError)
+from .format import FORMAT_NAME, FORMAT_VERSION, check_seal, read_all_datasets, read_json, read_tree
+from . import rng as rng_state
+from . import rotation
+from .writer import open_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointInfo:
+    """What ``load`` restored, and from where."""
+
+    path: str  # the file that was loaded
+    step: int
+    epoch: int | None
+    extras: Any  # rank 0's ``extras`` (None if none were saved)
+    rank_extras: Any  # this rank's ``rank_extras`` (None if none, or the world size changed)
+    world_size: int  # ranks of the job that saved it
+    write_scheme: str  # "token" or "mpio"
+    rng_restored: bool
+    algorithm_state: str  # "loaded", "reset" (reset_algorithm_state=True), "none"
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, why) fallen back from
+    meta: dict = field(default_factory=dict, repr=False)  # the file's /meta
+
+
+# -- single-process inspection -------------------------------------------------------------------
+
+def read_meta(path: str, *, verify: bool = True) -> dict:
+    """``/meta`` of a checkpoint file, after checking its seal (no MPI needed)."""
+    check_seal(path, full=verify)
+    try:
+        with open_file(path, "r") as f:
+            meta = read_json(f, "meta")
+    except (OSError, KeyError, ValueError) as exc:
+        raise CheckpointCorruptError(path, f"cannot read /meta: {exc}") from exc
+    _check_format(meta, path)
+    return meta
+
+
+def verify(path: str) -> dict:
+    """Check a checkpoint completely: seal, SHA-256, every dataset's fletcher32 sums, and every
+    tree's structure.
+
+    Returns ``/meta``; raises ``CheckpointCorruptError`` / ``CheckpointFormatError`` naming the
+    file. Needs no MPI: ``python -m bagua_mpi.checkpoint verify ckpt/latest``.
+    """
+    meta = read_meta(path, verify=True)
+    try:
+        with open_file(path, "r") as f:
+            read_all_datasets(f, path)
+            trees = []
+            f.visititems(lambda name, obj: trees.append(obj) if isinstance(obj, h5py.Group)
+                         and "tree" in obj else None)
+            for group in trees:
+                read_tree(group, path)  # structure, sizes, and per-tensor SHA-256 (mpio files)
+    except OSError as exc:
+        raise CheckpointCorruptError(path, str(exc)) from exc
+    return meta
+
+
+def _check_format(meta, path: str) -> None:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CheckpointFormatError(f"{path} is not a bagua_mpi checkpoint")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointFormatError(f"{path} has format version {meta['format_version']}; this "
+                                    f"bagua_mpi reads up to {FORMAT_VERSION}")
+
+
+# -- collective load ------------------------------------------------------------------------------
+
+def _agree_error(comm, rank: int, size: int, error: str | None) -> str | None:
+    """Everyone learns the lowest failing rank's error (None when no rank failed)."""
+    culprit = comm.allreduce(rank if error is not None else size, op=MPI.MIN)
+    if culprit == size:
+        return None
+    return comm.bcast(error, root=culprit)
+
+
+def _plan(meta: dict, path: str, size: int, model, optimizer, reset_algorithm_state: bool):
+    """Which trees this job loads, from ``/meta`` alone; raises on an impossible resume."""
+    from ..optimizer import DistributedOptimizer
+
+    trees = meta["trees"]
+    same_size = meta["world_size"] == size
+    distributed = isinstance(optimizer, DistributedOptimizer)
+    wanted = []
+    if model is not None:
+        if "model" not in trees:
+            raise CheckpointError(f"{path} holds no model state")
+        wanted.append("model")
+    if optimizer is not None:
+        if "optimizer" not in trees:
+            raise CheckpointError(f"{path} holds no optimizer state")
+        wanted.append("optimizer")
+    per_rank = [n for n in wanted if trees[n] == "per_rank"]
+    if per_rank and not same_size:
+        raise WorldSizeMismatchError(
+            f"{path} was saved by {meta['world_size']} ranks whose {' and '.join(per_rank)} "
+            f"state differs from rank to rank (e.g. decentralized training); it cannot be "
+            f"loaded by {size} ranks. Resume with {meta['world_size']} ranks.")
+    algorithm = "none"
+    if distributed and meta.get("algorithm") is not None:
+        saved = meta["algorithm"]["config"].get("name")
+        if saved != optimizer.algorithm.name:
+            raise CheckpointError(f"{path} holds state of algorithm {saved!r}, the optimizer "
+                                  f"runs {optimizer.algorithm.name!r}")
+        if reset_algorithm_state:
+            algorithm = "reset"
+        elif meta["per_rank_algorithm_state"] and not same_size:
+            raise WorldSizeMismatchError(
+                f"{path} was saved by {meta['world_size']} ranks and holds per-rank state of "
+                f"algorithm {saved!r} (error feedback, peer models, ...), which has no meaning "
+                f"on {size} ranks. Resume with {meta['world_size']} ranks, or pass "
+                "reset_algorithm_state=True to start the algorithm's state afresh (training "
+                "continues, but not bit-identically).")
+        else:
+            algorithm = "loaded"
+            wanted.append("algorithm")
+    elif distributed:
+        logger.warning("bagua_mpi checkpoint: %s was saved without a DistributedOptimizer; the "
+                       "algorithm starts afresh", path)
+    if "extras" in trees:
+        wanted.append("extras")
+    if same_size:
+        wanted += [n for n in ("rank_extras", "rng") if n in trees]
+    return wanted, algorithm
+
+
+def _read(path: str, meta: dict, rank: int, size: int, wanted: list[str]) -> dict:
+    """This rank's trees. On another world size only replicated state is wanted, and the
+    algorithm state (then the same on every saving rank) comes from rank 0."""
+    source = rank if meta["world_size"] == size else 0
+    parts = {}
+    try:
+        with open_file(path, "r") as f:
+            for name in wanted:
+                where = name if meta["trees"][name] == "replicated" else f"ranks/{source}/{name}"
+                if where not in f:
+                    raise CheckpointCorruptError(path, f"/{where} is missing")
+                parts[name] = read_tree(f[where], path)
+    except OSError as exc:
+        raise CheckpointCorruptError(path, str(exc)) from exc
+    return parts
+
+
+def _apply(parts: dict, meta: dict, model, optimizer, algorithm: str, restore_rng: bool,
+           strict: bool) -> bool:
+    if model is not None:
+        if isinstance(model, torch.nn.Module):
+            model.load_state_dict(parts["model"], strict=strict)
+        else:
+            for key, value in parts["model"].items():
+                model[key].copy_(value)
+    if optimizer is not None:
+        optimizer.load_state_dict(parts["optimizer"])  # the wrapper's, so it sees the new groups
+        if algorithm == "loaded":
+            optimizer.load_algorithm_state_dict(parts["algorithm"])
+    if restore_rng and "rng" in parts:
+        rng_state.restore(parts["rng"])
+        return True
+    return False
+
+
+def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
+         restore_rng: bool = True, strict: bool = True, reset_algorithm_state: bool = False,
+         verify: bool = True) -> CheckpointInfo:
+    """Restore a checkpoint saved by ``save``; collective over the library's ranks.
+
+    Args:
+        path: a checkpoint directory (its ``latest``) or one ``ckpt-*.h5`` file.
+        model / optimizer: what to restore into (either may be None). A
+            ``DistributedOptimizer`` also gets this rank's algorithm state.
+        fallback: when the chosen file is corrupt, truncated or unfinished, log why and try
+            the previous checkpoints, newest first (``info.skipped`` lists what was skipped).
+        restore_rng: restore each rank's torch/CUDA/NumPy/Python RNG states (same world size).
+        strict: passed to ``model.load_state_dict``.
+        reset_algorithm_state: do not restore the algorithm's per-rank state (the one way to
+            resume an algorithm with per-rank state on a different number of ranks).
+        verify: rank 0 checks the SHA-256 of the whole file before use (fletcher32 sums are
+            always checked while reading).
+
+    Different world size: model, optimizer and extras load, and so does algorithm state that
+    is the same on every saving rank and holds no tensors (configuration, step count, stage:
+    e.g. ``gradient_allreduce``, or 1-bit Adam still in its warm-up); RNG states and
+    ``rank_extras`` are not restored (``info.rng_restored`` is False). Per-rank algorithm state
+    (error-feedback residuals, compressed momenta, anything with tensors) and a model that
+    differs per rank are refused with ``WorldSizeMismatchError``: there is no sound rule to
+    split or merge them.
+
+    Example::
+
+        info = bagua_mpi.checkpoint.load("ckpt", model=model, optimizer=opt)
+        start = info.step                     # the step count that was saved
+    """
+    rt = runtime.get()
+    comm, rank, size = rt.topo.comm, rt.topo.rank, rt.topo.size
+    rt.worker.drain()
+    found = None
+    if rank == 0:
+        try:
+            found = (None, rotation.candidates(path, fallback))
+        except CheckpointNotFoundError as exc:
+            found = (str(exc), None)
+    not_found, candidates = comm.bcast(found, root=0)
+    if not_found:
+        raise CheckpointNotFoundError(not_found)
+
+    skipped: list[tuple[str, str]] = []
+    for candidate in candidates:
+        verdict = None
+        if rank == 0:
+            try:
+                verdict = (None, read_meta(candidate, verify=verify))
+            except CheckpointCorruptError as exc:
+                verdict = (exc.reason, None)
+            except FileNotFoundError as exc:
+                verdict = (f"vanished: {exc}", None)
+            except CheckpointFormatError as exc:
+                verdict = ("format: " + str(exc), None)
+        problem, meta = comm.bcast(verdict, root=0)
+        if problem is not None and problem.startswith("format: "):
+            raise CheckpointFormatError(problem[len("format: "):])
+        if problem is None:
+            wanted, algorithm = _plan(meta, candidate, size, model, optimizer,
+                                      reset_algorithm_state)
+            parts = None
+            try:
+                parts = _read(candidate, meta, rank, size, wanted)
+            except CheckpointCorruptError as exc:
+                problem = f"rank {rank}: {exc.reason}"
+            problem = _agree_error(comm, rank, size, problem)
+        if problem is not None:
+            skipped.append((candidate, problem))
+            if rank == 0:
+                logger.warning("bagua_mpi checkpoint: skipping %s: %s", candidate, problem)
+            if not fallback:
+                raise CheckpointCorruptError(candidate, problem)
+            continue
+        error = None
+        try:
+            rng_restored = _apply(parts, meta, model, optimizer, algorithm, restore_rng, strict)
+        except Exception as exc:  # noqa: BLE001 - agreed, then raised on every rank
+            error = f"rank {rank}: {type(exc).__name__}: {exc}"
+        error = _agree_error(comm, rank, size, error)
+        if error is not None:
+            raise CheckpointError(f"could not restore {candidate}: {error}")
+        if meta["world_size"] != size and rank == 0:
+            logger.warning("bagua_mpi checkpoint: %s was saved by %d ranks, loaded by %d: "
+                           "replicated state restored, RNG states not", candidate,
+                           meta["world_size"], size)
+        return CheckpointInfo(
+            path=candidate, step=meta["step"], epoch=meta["epoch"],
+            extras=parts.get("extras"), rank_extras=parts.get("rank_extras"),
+            world_size=meta["world_size"], write_scheme=meta["write_scheme"],
+            rng_restored=rng_restored, algorithm_state=algorithm, skipped=skipped, meta=meta)
+    reasons = "; ".join(f"{p}: {why}" for p, why in skipped)
+    raise CheckpointCorruptError(path, f"no loadable checkpoint ({reasons})")

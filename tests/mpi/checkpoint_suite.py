@@ -1,0 +1,369 @@
+"""Checkpoints under a real mpiexec (any world size; also as a plain single process).
+
+    python checkpoint_suite.py roundtrip DIR
+    python checkpoint_suite.py train "ALG;ALG..." DIR N M   # reference N+M steps; N steps, save
+    python checkpoint_suite.py resume "ALG;ALG..." DIR M    # new job: load, M more steps
+    python checkpoint_suite.py world DIR_SHARED DIR_PER_RANK  # load on another world size
+    python checkpoint_suite.py crash DIR PHASE[@RANK]       # save, then die inside the next save
+    python checkpoint_suite.py saveloop DIR                 # save until killed
+
+Every rank checks its own results and raises on a mismatch (bagua_mpi then aborts the job);
+``train``/``resume`` print ``REF``/``RES <algorithm> rank <r> <sha256>`` lines that the pytest
+side compares, since the two runs are separate jobs. An algorithm is ``name`` or
+``name:key=value,...`` (hyperparameters); checkpoints go to ``DIR/<algorithm>``.
+
+``ckpt_ef16`` (registered here) is gradient averaging with float16 rounding and per-rank error
+feedback: a small algorithm whose per-rank state changes the trajectory, so a resume that lost
+it would not be bit-identical.
+"""
+import hashlib
+import os
+import random
+import signal
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import bagua_mpi as bm
+import bagua_mpi.checkpoint as ckpt
+from bagua_mpi import collectives, preemption
+from bagua_mpi.algorithms import Algorithm, AlgorithmImpl, register
+from bagua_mpi.ops import Sum
+
+
+class EF16Impl(AlgorithmImpl):
+    def __init__(self, algorithm, ctx):
+        super().__init__(algorithm, ctx)
+        self.residual = {}  # (bucket, tensor) -> what float16 rounding dropped on this rank
+
+    def reduce_bucket(self, bucket, step: int) -> None:
+        for k, grad in enumerate(bucket.communication_tensors()):
+            key = (bucket.index, k)
+            x = grad + self.residual[key] if key in self.residual else grad.clone()
+            q = x.half().float()
+            self.residual[key] = x - q
+            grad.copy_(q)
+            collectives.allreduce_(grad, Sum, prescale_factor=self.ctx.prescale,
+                                   postscale_factor=self.ctx.postscale)
+
+    def state_dict(self) -> dict:
+        return {"residual": dict(self.residual)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual = {tuple(k): v.clone() for k, v in state["residual"].items()}
+
+
+@register
+@dataclass(frozen=True)
+class EF16(Algorithm):
+    name = "ckpt_ef16"
+    impl_class = EF16Impl
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 24)
+        self.drop = torch.nn.Dropout(0.2)
+        self.b = torch.nn.Linear(24, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def seed_everything(rank: int) -> None:
+    torch.manual_seed(100 + rank)
+    np.random.seed(200 + rank)
+    random.seed(300 + rank)
+
+
+def parse_algorithm(spec: str):
+    """``name`` or ``name:key=value,...`` (ints, floats or strings) -> an Algorithm."""
+    name, _, args = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, args.split(",")):
+        key, _, value = item.partition("=")
+        for cast in (int, float, str):
+            try:
+                kwargs[key] = cast(value)
+                break
+            except ValueError:
+                continue
+    return bm.algorithms.create(name, **kwargs)
+
+
+def build(algorithm: str, init_seed: int = 0):
+    torch.manual_seed(init_seed)
+    model = Net()
+    opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(),
+                                  algorithm=parse_algorithm(algorithm))
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=3, gamma=0.5)
+    bm.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, opt, sched
+
+
+def train(model, opt, sched, steps: int) -> None:
+    """Steps that draw from all three global RNGs (dropout, data, noise, subsampling)."""
+    for _ in range(steps):
+        x = torch.randn(16, 12)
+        y = torch.from_numpy(np.random.standard_normal((16, 3)).astype(np.float32))
+        keep = sorted(random.sample(range(16), 12))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[keep]), y[keep])
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def digest(model, opt) -> str:
+    h = hashlib.sha256()
+    for _, t in sorted(model.state_dict().items()):
+        h.update(t.numpy().tobytes())
+    for _, s in sorted(opt.optimizer.state_dict()["state"].items()):
+        for key in sorted(s):
+            h.update(torch.as_tensor(s[key]).numpy().tobytes())
+    hash_tree(h, opt.algorithm_state_dict())
+    return h.hexdigest()
+
+
+def hash_tree(h, x) -> None:
+    """Feed nested state into ``h`` in a fixed order (tensors by their bytes)."""
+    if torch.is_tensor(x):
+        h.update(str(x.dtype).encode() + x.detach().cpu().contiguous().view(-1)
+                 .view(torch.uint8).numpy().tobytes())
+    elif isinstance(x, dict):
+        for key in sorted(x, key=repr):
+            h.update(repr(key).encode())
+            hash_tree(h, x[key])
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            hash_tree(h, v)
+    else:
+        h.update(repr(x).encode())
+
+
+def clone(x):
+    if torch.is_tensor(x):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(clone(v) for v in x)
+    return x
+
+
+def snapshot(model, opt):
+    return (clone(model.state_dict()), clone(opt.optimizer.state_dict()),
+            clone(opt.algorithm_state_dict()))
+
+
+def assert_same(a, b, where: str) -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                           b.view(-1).view(torch.uint8) if b.numel() else b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def roundtrip(directory: str) -> None:
+    rank, size = bm.rank(), bm.size()
+    seed_everything(rank)
+    model, opt, sched = build("ckpt_ef16")
+    train(model, opt, sched, 3)
+    rank_extras = {"rank": rank, "t": torch.full((rank + 1,), float(rank), dtype=torch.bfloat16)}
+    path = ckpt.save(directory, model=model, optimizer=opt, step=3, epoch=1,
+                     extras={"scheduler": sched.state_dict()}, rank_extras=rank_extras)
+    expected = snapshot(model, opt)
+    draws = (torch.rand(4), np.random.rand(3), random.random())
+    meta = ckpt.read_meta(path)
+    assert meta["world_size"] == size and meta["trees"]["model"] == "replicated", meta
+    assert meta["per_rank_algorithm_state"] is True and meta["write_scheme"] == ckpt.scheme()
+    if rank == 0:
+        import h5py
+        with h5py.File(path, "r") as f:
+            assert sorted(f["ranks"], key=int) == [str(r) for r in range(size)]
+            assert "model" in f and "model" not in f["ranks/0"]
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    train(model, opt, sched, 1)
+    info = ckpt.load(directory, model=model, optimizer=opt)
+    assert (info.step, info.epoch, info.world_size) == (3, 1, size), info
+    assert info.rng_restored and info.algorithm_state == "loaded" and not info.skipped
+    assert_same(info.rank_extras, rank_extras, "rank_extras")
+    actual = snapshot(model, opt)
+    for name, a, b in zip(("model", "optimizer", "algorithm"), expected, actual):
+        assert_same(a, b, name)
+    assert torch.equal(torch.rand(4), draws[0]) and np.array_equal(np.random.rand(3), draws[1])
+    assert random.random() == draws[2]
+
+    # Ranks whose models differ (decentralized training): each rank's copy is kept.
+    with torch.no_grad():
+        model.a.bias[0] = float(rank)
+    path = ckpt.save(directory, model=model, optimizer=opt, step=4)
+    meta = ckpt.read_meta(path)
+    want = "per_rank" if size > 1 else "replicated"
+    assert meta["trees"]["model"] == want, meta["trees"]
+    mine = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.a.bias.zero_()
+    ckpt.load(path, model=model, optimizer=opt)
+    assert_same(mine, model.state_dict(), "per-rank model")
+    assert ckpt.latest(directory) == path
+    opt.close()
+    preemption_agreement()
+    print(f"roundtrip OK on {size} ranks", flush=True)
+
+
+def preemption_agreement() -> None:
+    """SIGUSR1 reaches only the last rank, mid-loop: every rank stops at the same step."""
+    rank, size = bm.rank(), bm.size()
+    with preemption.install() as guard:
+        stopped_at = None
+        for step in range(6):
+            if step == 2 and rank == size - 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if guard.should_stop():
+                stopped_at = step
+                break
+        assert guard.requested_here == (rank == size - 1)
+    assert bm.allgather_object(stopped_at) == [2] * size
+
+
+def directory_of(base: str, algorithm: str) -> str:
+    return os.path.join(base, "".join(c if c.isalnum() else "_" for c in algorithm))
+
+
+def train_then_save(algorithms: str, base: str, n: int, m: int) -> None:
+    """For each algorithm: the N+M-step reference, then N steps saved to base/<algorithm>."""
+    rank = bm.rank()
+    for algorithm in algorithms.split(";"):
+        seed_everything(rank)
+        model, opt, sched = build(algorithm)
+        train(model, opt, sched, n + m)
+        print(f"REF {algorithm} rank {rank} {digest(model, opt)}", flush=True)
+        opt.close()
+
+        seed_everything(rank)
+        model, opt, sched = build(algorithm)
+        train(model, opt, sched, n)
+        ckpt.save(directory_of(base, algorithm), model=model, optimizer=opt, step=n,
+                  extras={"scheduler": sched.state_dict()})
+        opt.close()
+
+
+def resume(algorithms: str, base: str, m: int) -> None:
+    """For each algorithm: fresh objects and RNGs, load base/<algorithm>, M more steps."""
+    rank = bm.rank()
+    for algorithm in algorithms.split(";"):
+        seed_everything(rank + 17)  # deliberately different: the checkpoint restores the RNGs
+        model, opt, sched = build(algorithm, init_seed=5)
+        info = ckpt.load(directory_of(base, algorithm), model=model, optimizer=opt)
+        sched.load_state_dict(info.extras["scheduler"])
+        assert info.rng_restored and info.algorithm_state == "loaded", info
+        assert opt.steps == info.step, (opt.steps, info.step)
+        if rank == 0:
+            print(f"META {algorithm} per_rank_algorithm_state="
+                  f"{info.meta['per_rank_algorithm_state']} model={info.meta['trees']['model']}",
+                  flush=True)
+        train(model, opt, sched, m)
+        print(f"RES {algorithm} rank {rank} {digest(model, opt)}", flush=True)
+        opt.close()
+
+
+def world(shared_dir: str, per_rank_dir: str) -> None:
+    """Load checkpoints written by a different number of ranks."""
+    size = bm.size()
+    model, opt, sched = build("gradient_allreduce", init_seed=9)
+    info = ckpt.load(shared_dir, model=model, optimizer=opt)
+    assert info.world_size != size and not info.rng_restored and info.rank_extras is None
+    assert info.algorithm_state == "loaded" and opt.steps == info.step
+    sched.load_state_dict(info.extras["scheduler"])
+    mine = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                   for p in model.parameters())).hexdigest()
+    assert len(set(bm.allgather_object(mine))) == 1
+    train(model, opt, sched, 2)  # and training goes on
+    opt.close()
+
+    model, opt, sched = build("ckpt_ef16", init_seed=9)
+    try:
+        ckpt.load(per_rank_dir, model=model, optimizer=opt)
+    except ckpt.WorldSizeMismatchError as exc:
+        assert "per-rank state of algorithm 'ckpt_ef16'" in str(exc), exc
+        assert "reset_algorithm_state=True" in str(exc), exc
+    else:
+        raise AssertionError("per-rank algorithm state was loaded on another world size")
+    info = ckpt.load(per_rank_dir, model=model, optimizer=opt, reset_algorithm_state=True)
+    assert info.algorithm_state == "reset" and opt.algorithm_state_dict()["state"] == {
+        "residual": {}}
+    train(model, opt, sched, 2)
+    opt.close()
+    print(f"world OK on {size} ranks", flush=True)
+
+
+def crash(directory: str, fault: str) -> None:
+    seed_everything(bm.rank())
+    model, opt, sched = build("ckpt_ef16")
+    train(model, opt, sched, 2)
+    ckpt.save(directory, model=model, optimizer=opt, step=1)
+    train(model, opt, sched, 1)
+    os.environ[ckpt.writer.FAULT_ENV] = fault
+    ckpt.save(directory, model=model, optimizer=opt, step=2)
+    print("NOT KILLED", flush=True)
+    sys.exit(3)
+
+
+def saveloop(directory: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                  named_parameters=model.named_parameters(),
+                                  algorithm="ckpt_ef16")
+    step = 0
+    while True:
+        opt.zero_grad()
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        step += 1
+        ckpt.save(directory, model=model, optimizer=opt, step=step, keep=2)
+        if bm.rank() == 0:
+            print(f"saved {step}", flush=True)
+
+
+def main() -> None:
+    bm.init()
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "roundtrip":
+        roundtrip(args[0])
+    elif mode == "train":
+        train_then_save(args[0], args[1], int(args[2]), int(args[3]))
+    elif mode == "resume":
+        resume(args[0], args[1], int(args[2]))
+    elif mode == "world":
+        world(args[0], args[1])
+    elif mode == "crash":
+        crash(args[0], args[1])
+    elif mode == "saveloop":
+        saveloop(args[0])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    bm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

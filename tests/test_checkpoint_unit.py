@@ -1,0 +1,475 @@
+"""Single-process tests of bagua_mpi.checkpoint (MPI as a singleton; crash tests in
+subprocesses that SIGKILL themselves inside a save)."""
+import os
+import random
+import re
+import signal
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import bagua_mpi as bm
+import bagua_mpi.checkpoint as ckpt
+from bagua_mpi.checkpoint import format as fmt
+from bagua_mpi.checkpoint import rng as rng_state
+from bagua_mpi.checkpoint import rotation
+from bagua_mpi import preemption
+from bagua_mpi.checkpoint.writer import PHASES, SCHEME_ENV
+from mpi_harness import run_mpi
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    bm.init(abort_on_exception=False)
+    yield
+    bm.shutdown()
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def assert_identical(a, b, where="root"):
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert bits(a) == bits(b), where
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes(), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and np.isnan(a):
+        assert np.isnan(b), where
+    else:
+        assert a == b, where
+
+
+def tree_round_trip(tmp_path, obj):
+    skeleton, leaves = fmt.encode_tree(obj, "t")
+    path = str(tmp_path / "tree.h5")
+    with h5py.File(path, "w") as f:
+        fmt.write_tree(f, "t", skeleton, leaves)
+    with h5py.File(path, "r") as f:
+        for name, dset in f["t"].items():
+            assert dset.fletcher32 and dset.chunks is not None, name
+        return fmt.read_tree(f["t"], path)
+
+
+# -- format ------------------------------------------------------------------------------------
+
+def every_dtype():
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                  torch.complex128):
+        out[str(dtype)] = torch.randn(3, 5, generator=g).to(dtype)
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        out[str(dtype)] = torch.randint(-100 if dtype != torch.uint8 else 0, 100, (7,),
+                                        generator=g, dtype=dtype)
+    out["bool"] = torch.rand(9, generator=g) > 0.5
+    for name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32"):
+        if hasattr(torch, name):
+            out[name] = torch.arange(6, dtype=torch.uint8).view(getattr(torch, name)
+                                                                ) if "float8" in name else \
+                torch.arange(6, dtype=torch.int64).to(getattr(torch, name))
+    return out
+
+
+def test_tensors_round_trip_bit_exactly(tmp_path):
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, 3.0])
+    special_bits = special.view(torch.int32)
+    special_bits[5] = 0x7FC0_1234  # a NaN with a payload
+    obj = {
+        **every_dtype(),
+        "special": special,
+        "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4, dtype=torch.float16),
+        "transposed": torch.arange(12.0).reshape(3, 4).t(),
+        "param": torch.nn.Parameter(torch.ones(2)),
+    }
+    back = tree_round_trip(tmp_path, obj)
+    obj["transposed"] = obj["transposed"].contiguous()
+    obj["param"] = obj["param"].detach()
+    assert_identical(obj, back)
+
+
+def test_nested_structures_round_trip(tmp_path):
+    obj = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)},
+                  7: {"momentum_buffer": None}},
+        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 7], "foreach": None,
+                          "name": "x", "nan": float("nan")}],
+        (1, "a"): "tuple key", "__dunder": b"\x00\xff", "dtype": torch.float16,
+        "np": np.arange(5, dtype=np.uint32), "np0": np.zeros((0, 2)),
+        "scalars": [np.float32(1.5), np.int64(-3), True, 2 ** 70, -0.0],
+    }
+    assert_identical(obj, tree_round_trip(tmp_path, obj))
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"a": [1, object()]}, "t.a[1]"),
+    ({"m": torch.nn.Linear(2, 2)}, "t.m"),
+    ({"s": torch.eye(3).to_sparse()}, "t.s"),
+    ({"o": np.array(["x"], dtype=object)}, "t.o"),
+    ({frozenset(): 1}, "t"),
+])
+def test_unstorable_values_are_refused_with_their_path(bad, where):
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(where)):
+        fmt.encode_tree(bad, "t")
+
+
+def test_rng_states_round_trip(tmp_path):
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    np.random.standard_normal()  # leaves a cached Gaussian in the legacy state
+    random.gauss(0, 1)
+    state = tree_round_trip(tmp_path, rng_state.capture())
+    want = (torch.rand(5), np.random.standard_normal(5), random.gauss(0, 1), random.random())
+    torch.manual_seed(9)
+    np.random.seed(9)
+    random.seed(9)
+    rng_state.restore(state)
+    got = (torch.rand(5), np.random.standard_normal(5), random.gauss(0, 1), random.random())
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1])
+    assert want[2:] == got[2:]
+
+
+# -- save / load in one process ----------------------------------------------------------------
+
+def make(seed=0, algorithm="gradient_allreduce"):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.3),
+                                torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = bm.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), algorithm=algorithm)
+    return model, opt
+
+
+def train(model, opt, steps):
+    for _ in range(steps):
+        x = torch.randn(10, 6) + torch.from_numpy(np.random.rand(10, 6).astype(np.float32))
+        opt.zero_grad()
+        (model(x).square().mean() * random.uniform(0.5, 1.5)).backward()
+        opt.step()
+
+
+def params(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_save_load_restores_everything(tmp_path):
+    model, opt = make()
+    train(model, opt, 3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt.optimizer, T_max=10)
+    train(model, opt, 1)
+    sched.step()
+    path = ckpt.save(str(tmp_path), model=model, optimizer=opt, step=4, epoch=0,
+                     extras={"scheduler": sched.state_dict(), "note": "hi"},
+                     rank_extras={"samples": torch.tensor([30])})
+    assert path == str(tmp_path / "ckpt-0000000004.h5") and ckpt.latest(str(tmp_path)) == path
+    want_model, want_opt = params(model), opt.state_dict()
+    model2, opt2 = make(seed=1)
+    info = ckpt.load(str(tmp_path), model=model2, optimizer=opt2)
+    assert (info.step, info.epoch, info.world_size, info.write_scheme) == (4, 0, 1, "token")
+    assert info.extras["note"] == "hi" and info.rng_restored and info.skipped == []
+    assert_identical(info.rank_extras, {"samples": torch.tensor([30])})
+    assert_identical(want_model, params(model2))
+    assert_identical(want_opt, opt2.state_dict())
+    assert opt2.steps == 4 and info.algorithm_state == "loaded"
+    sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2.optimizer, T_max=10)
+    sched2.load_state_dict(info.extras["scheduler"])
+    assert sched2.state_dict() == sched.state_dict()
+    opt.close()
+    opt2.close()
+
+
+@pytest.mark.parametrize("restore_rng", [True, False])
+def test_exact_resume_in_one_process(tmp_path, restore_rng):
+    """N+M steps == N steps, save, fresh objects, load, M steps (bitwise; RNGs matter)."""
+    def seed():
+        torch.manual_seed(11)
+        np.random.seed(12)
+        random.seed(13)
+
+    seed()
+    model, opt = make()
+    train(model, opt, 7)
+    reference = params(model)
+    opt.close()
+    seed()
+    model, opt = make()
+    train(model, opt, 4)
+    ckpt.save(str(tmp_path), model=model, optimizer=opt, step=4)
+    opt.close()
+    torch.manual_seed(99)
+    model, opt = make(seed=5)
+    ckpt.load(str(tmp_path), model=model, optimizer=opt, restore_rng=restore_rng)
+    train(model, opt, 3)
+    same = all(torch.equal(reference[k], v) for k, v in params(model).items())
+    assert same == restore_rng
+    opt.close()
+
+
+def test_file_layout(tmp_path):
+    model, opt = make()
+    train(model, opt, 1)
+    path = ckpt.save(str(tmp_path), model=model, optimizer=opt, step=1, extras={"a": 1})
+    with open(path, "rb") as f:
+        head = f.read(fmt.USERBLOCK_SIZE)
+    assert head.startswith(b"BAGUA_MPI_CHECKPOINT\nformat_version 1\nsha256 ")
+    with h5py.File(path, "r") as f:
+        assert f.userblock_size == fmt.USERBLOCK_SIZE
+        assert {k: f.attrs[k] for k in ("format", "format_version", "step", "world_size",
+                                        "write_scheme")} == {
+            "format": "bagua_mpi.checkpoint", "format_version": 1, "step": 1,
+            "world_size": 1, "write_scheme": "token"}
+        assert sorted(f) == ["extras", "meta", "model", "optimizer", "ranks"]
+        assert sorted(f["ranks/0"]) == ["algorithm", "meta", "rng"]
+        datasets = []
+        f.visititems(lambda n, o: datasets.append(o) if isinstance(o, h5py.Dataset) else None)
+        assert datasets and all(d.fletcher32 and d.chunks for d in datasets)
+        weight = f["model/000000"]
+        assert weight.attrs["path"] == "model.0.weight" and weight.shape == (8, 6)
+    meta = ckpt.read_meta(path)
+    assert meta["trees"] == {"model": "replicated", "optimizer": "replicated",
+                             "extras": "replicated", "algorithm": "per_rank", "rng": "per_rank"}
+    assert meta["algorithm"]["config"]["name"] == "gradient_allreduce"
+    assert not meta["per_rank_algorithm_state"]
+    opt.close()
+
+
+def test_keep_last_n_latest_pointer_and_stale_temporaries(tmp_path):
+    d = str(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    stale = tmp_path / ".ckpt-0000000009.h5.tmp-0123abcd"
+    stale.write_bytes(b"junk of a killed save")
+    for step in (10, 20, 30, 40):
+        ckpt.save(d, model=model, step=step, keep=2)
+    assert not stale.exists()
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == [
+        "ckpt-0000000040.h5", "ckpt-0000000030.h5"]
+    assert (tmp_path / "latest").read_text() == "ckpt-0000000040.h5\n"
+    # Resuming from 30 and saving 35 abandons the 40 of the old timeline.
+    ckpt.save(d, model=model, step=35, keep=2)
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == [
+        "ckpt-0000000035.h5", "ckpt-0000000030.h5"]
+    assert not [n for n in os.listdir(d) if ".tmp-" in n]
+
+
+def test_bad_arguments_raise_before_any_communication(tmp_path):
+    with pytest.raises(ValueError, match="step"):
+        ckpt.save(str(tmp_path), step=-1)
+    with pytest.raises(ValueError, match="keep"):
+        ckpt.save(str(tmp_path), step=1, keep=0)
+    with pytest.raises(ckpt.CheckpointError, match=r"t\.x: cannot store"):
+        ckpt.save(str(tmp_path), step=1, extras={"t": {"x": object()}})
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+        ckpt.load(str(tmp_path / "nothing"))
+    assert ckpt.latest(str(tmp_path)) is None
+
+
+def test_load_refuses_another_model_and_another_algorithm(tmp_path):
+    from bagua_mpi.algorithms import Algorithm, register
+    from bagua_mpi.algorithms.base import AlgorithmImpl
+    from dataclasses import dataclass
+
+    @register
+    @dataclass(frozen=True)
+    class Other(Algorithm):
+        name = "ckpt_unit_other"
+        impl_class = AlgorithmImpl
+
+    model, opt = make()
+    train(model, opt, 1)
+    ckpt.save(str(tmp_path), model=model, optimizer=opt, step=1)
+    wider = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Dropout(0.3),
+                                torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 2))
+    with pytest.raises(ckpt.CheckpointError, match="size mismatch for 0.weight"):
+        ckpt.load(str(tmp_path), model=wider)
+    _, other = make(algorithm="ckpt_unit_other")
+    with pytest.raises(ckpt.CheckpointError, match="'gradient_allreduce', the optimizer runs "
+                                                   "'ckpt_unit_other'"):
+        ckpt.load(str(tmp_path), optimizer=other)
+    opt.close()
+    other.close()
+
+
+# -- corruption --------------------------------------------------------------------------------
+
+@pytest.fixture
+def three_checkpoints(tmp_path):
+    model, opt = make()
+    paths = []
+    for step in (1, 2, 3):
+        train(model, opt, 1)
+        paths.append(ckpt.save(str(tmp_path), model=model, optimizer=opt, step=step))
+    yield str(tmp_path), paths
+    opt.close()
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_flipped_byte_anywhere_is_detected(three_checkpoints, tmp_path):
+    _, paths = three_checkpoints
+    original = open(paths[2], "rb").read()
+    size = len(original)
+    offsets = sorted({0, 30, 100, 200, 511, 512, 600, size - 1}
+                     | set(range(700, size - 1, max(1, size // 60))))
+    victim = str(tmp_path / "victim.h5")
+    for offset in offsets:
+        with open(victim, "wb") as f:
+            f.write(original)
+        flip(victim, offset)
+        with pytest.raises(ckpt.CheckpointCorruptError, match=re.escape(victim)):
+            ckpt.verify(victim)
+
+
+def test_fletcher32_locates_damage_without_the_seal(three_checkpoints):
+    _, paths = three_checkpoints
+    with h5py.File(paths[2], "r") as f:
+        chunk = f["model/000000"].id.get_chunk_info(0)
+    flip(paths[2], chunk.byte_offset + 3)
+    with pytest.raises(ckpt.CheckpointCorruptError, match="/model"):
+        ckpt.load(paths[2], model=make()[0], fallback=False, verify=False)
+
+
+def test_sha256_placeholders_catch_damage_in_unfiltered_datasets(tmp_path):
+    """The layout of the mpio scheme: contiguous datasets, digests in the tree's JSON."""
+    skeleton, leaves = fmt.encode_tree({"w": torch.arange(1000.0)}, "t")
+    arrays = [leaf.array() for leaf in leaves]
+    path = str(tmp_path / "unfiltered.h5")
+    with h5py.File(path, "w") as f:
+        group = f.create_group("t")
+        for i, arr in enumerate(arrays):
+            group.create_dataset(fmt.leaf_name(i), data=arr)
+        fmt.write_json(group, "tree", fmt.with_digests(skeleton, arrays))
+        offset = group["000000"].id.get_offset()
+    with h5py.File(path, "r") as f:
+        assert torch.equal(fmt.read_tree(f["t"], path)["w"], torch.arange(1000.0))
+    flip(path, offset + 10)
+    with h5py.File(path, "r") as f:
+        with pytest.raises(ckpt.CheckpointCorruptError, match="SHA-256 mismatch in /t/000000"):
+            fmt.read_tree(f["t"], path)
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 100, 512, 4000, -1])
+def test_truncated_files_are_detected(three_checkpoints, keep_bytes):
+    _, paths = three_checkpoints
+    size = os.path.getsize(paths[2])
+    os.truncate(paths[2], keep_bytes if keep_bytes >= 0 else size - 1)
+    with pytest.raises(ckpt.CheckpointCorruptError, match=re.escape(paths[2])):
+        ckpt.verify(paths[2])
+
+
+def test_load_falls_back_to_the_previous_checkpoint(three_checkpoints, caplog):
+    directory, paths = three_checkpoints
+    model, _ = make()
+    os.truncate(paths[2], os.path.getsize(paths[2]) // 2)
+    flip(paths[1], os.path.getsize(paths[1]) - 10)
+    with pytest.raises(ckpt.CheckpointCorruptError, match=re.escape(paths[2]) + ".*truncated"):
+        ckpt.load(directory, model=model, fallback=False)
+    info = ckpt.load(directory, model=model)
+    assert info.step == 1 and [p for p, _ in info.skipped] == paths[:0:-1]
+    assert "SHA-256 mismatch" in info.skipped[1][1]
+    assert "skipping" in caplog.text
+    flip(paths[0], 700)
+    with pytest.raises(ckpt.CheckpointCorruptError, match="no loadable checkpoint"):
+        ckpt.load(directory, model=model)
+
+
+def test_unfinished_and_newer_files(three_checkpoints, tmp_path):
+    _, paths = three_checkpoints
+    raw = open(paths[2], "rb").read()
+    unfinished = tmp_path / "unfinished.h5"
+    unfinished.write_bytes(b"\0" * fmt.USERBLOCK_SIZE + raw[fmt.USERBLOCK_SIZE:])
+    with pytest.raises(ckpt.CheckpointCorruptError, match="never finished"):
+        ckpt.verify(str(unfinished))
+    newer = tmp_path / "newer.h5"
+    header = raw[:fmt.USERBLOCK_SIZE].replace(b"format_version 1", b"format_version 2")
+    newer.write_bytes(header + raw[fmt.USERBLOCK_SIZE:])
+    with pytest.raises(ckpt.CheckpointFormatError, match="format version 2"):
+        ckpt.verify(str(newer))
+
+
+def test_cli(three_checkpoints, capsys):
+    from bagua_mpi.checkpoint.__main__ import main
+    directory, paths = three_checkpoints
+    assert main(["verify", directory]) == 0
+    assert "OK " + paths[2] in capsys.readouterr().out
+    flip(paths[2], 1000)
+    assert main(["verify", paths[2]]) == 1
+    assert "CheckpointCorruptError" in capsys.readouterr().err
+
+
+# -- kill -9 inside a save ---------------------------------------------------------------------
+
+EXPECTED_LATEST = {"before_prune": 2}  # every earlier phase leaves `latest` at step 1
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_sigkill_at_each_phase_leaves_a_loadable_checkpoint(tmp_path, phase):
+    d = str(tmp_path)
+    result = run_mpi("checkpoint_suite.py", 1, "crash", d, phase, timeout=120)
+    assert result.returncode != 0 and "NOT KILLED" not in result.output, result.describe()
+    assert f"SIGKILL at {phase.split('@')[0]} on rank 0" in result.output, result.describe()
+    want = EXPECTED_LATEST.get(phase, 1)
+    assert rotation.step_of(ckpt.latest(d)) == want
+    for path in ckpt.list_checkpoints(d):
+        ckpt.verify(path)  # every published file is complete
+    published = {rotation.step_of(p) for p in ckpt.list_checkpoints(d)}
+    assert published == ({1} if phase not in ("before_latest", "before_prune") else {1, 2})
+    info = ckpt.load(d)  # the state itself is the suite's; integrity is what counts here
+    assert info.step == want and not info.skipped
+
+
+# -- write scheme, pre-emption ---------------------------------------------------------------------
+
+def test_write_scheme_choice(monkeypatch):
+    parallel = h5py.get_config().mpi
+    assert ckpt.scheme() == ("mpio" if parallel else "token")
+    monkeypatch.setenv(SCHEME_ENV, "token")
+    assert ckpt.scheme() == "token"
+    monkeypatch.setenv(SCHEME_ENV, "mpio")
+    if not parallel:
+        with pytest.raises(ckpt.CheckpointError, match="no MPI support"):
+            ckpt.scheme()
+    monkeypatch.setenv(SCHEME_ENV, "fast")
+    with pytest.raises(ckpt.CheckpointError, match="auto, mpio or token"):
+        ckpt.scheme()
+
+
+def test_preemption_guard(monkeypatch):
+    before = signal.getsignal(signal.SIGUSR1)
+    guard = preemption.install(check_every=2)
+    try:
+        assert not guard.should_stop() and not guard.should_stop()
+        os.kill(os.getpid(), signal.SIGUSR1)  # would terminate the process without the guard
+        assert guard.requested_here and guard.received == signal.SIGUSR1
+        assert not guard.should_stop()  # not a checking call
+        assert guard.should_stop() and guard.should_stop()  # agreed, and it stays so
+        monkeypatch.setattr(bm.runtime, "shutdown", lambda: None)
+        with pytest.raises(SystemExit) as exited:
+            guard.exit()
+        assert exited.value.code == preemption.REQUEUE_EXIT_CODE == 75
+    finally:
+        guard.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == before
+    with pytest.raises(ValueError, match="check_every"):
+        preemption.install(check_every=0)
+    with pytest.raises(ValueError, match="unknown signal"):
+        preemption.install(signals=("SIGNOPE",))
