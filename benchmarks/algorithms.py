@@ -164,8 +164,10 @@ def sweep(args) -> None:
         print("matplotlib not installed (pip install 'bagua_mpi[bench]'): no plot")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab20").colors  # more algorithms than the default 10-colour cycle
     for i, name in enumerate(names):
-        ax.plot(points, [results[g][i]["step_s"] for g in points], marker="o", label=name)
+        ax.plot(points, [results[g][i]["step_s"] for g in points], marker="o", label=name,
+                color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20])
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bandwidth of the shaped link (Gbit/s)")
