@@ -42,7 +42,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op: ``Average`` (default) or ``Sum`` of the gradients over ranks.
         gradient_predivide_factor: divide gradients by this before the sum and by
             ``size / factor`` after it (Average only), to keep float16 sums in range.
-        bucket_size_mb: byte budget of a bucket.
+        bucket_size_mb: byte budget of a bucket (25 MB, as DDP: on a 1 Gbit link the compressed
+            algorithms ran 1.6x faster than allreduce with 4 MB buckets and 2.7-3.1x with
+            25 MB, since each bucket costs a few collectives of fixed latency).
         overlap / flatten / hierarchical: the execution optimizer's O, F, H switches
             (hierarchical=None takes ``bagua_mpi``'s global default).
         profile_order: bucket in the profiled order of gradient readiness (else in reverse
@@ -57,7 +59,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  algorithm="gradient_allreduce", compression=Compression.none,
                  backward_passes_per_step: int = 1, op=Average,
-                 gradient_predivide_factor: float = 1.0, *, bucket_size_mb: float = 4.0,
+                 gradient_predivide_factor: float = 1.0, *, bucket_size_mb: float = 25.0,
                  overlap: bool = True, flatten: bool = True, hierarchical: bool | None = None,
                  profile_order: bool = True, find_unused_parameters: bool = False,
                  timeline: str | None = None):

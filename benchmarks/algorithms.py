@@ -67,7 +67,8 @@ def inner(args) -> None:
         base = (torch.optim.Adam(model.parameters(), lr=1e-4) if name == "onebit_adam"
                 else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                      algorithm=algo, compression=compression)
+                                      algorithm=algo, compression=compression,
+                                      bucket_size_mb=args.bucket_mb)
 
         def step():
             opt.zero_grad()
@@ -119,7 +120,8 @@ def shaped_run(gbit: float | None, latency_ms: float, args, json_path: str) -> l
             "mpiexec", "-n", str(args.np), sys.executable, __file__, "--inner",
             "--json", json_path, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--batch", str(args.batch), "--algorithms", args.algorithms]
+            "--batch", str(args.batch), "--algorithms", args.algorithms,
+            "--bucket-mb", str(args.bucket_mb)]
         subprocess.run(cmd, check=True)
         with open(json_path) as fh:
             return json.load(fh)
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     args = parser.parse_args()
     if args.sweep:
