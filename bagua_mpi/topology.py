@@ -68,12 +68,6 @@ class Topology:
     def cross_size(self) -> int:
         return self.inter.Get_size()
 
-    @property
-    def homogeneous(self) -> bool:
-        """Every node holds the same number of ranks (needed by some two-level schemes)."""
-        sizes = self.comm.allgather(self.local_size)
-        return len(set(sizes)) == 1
-
     def node_reduce_(self, buf, op=MPI.SUM) -> None:
         """Reduce ``buf`` (an MPI buffer) onto this node's leader, in place there."""
         if self.intra.Get_size() == 1:

@@ -104,7 +104,7 @@ def main() -> None:
     # out-of-place variants are compared with raw-fresh, in-place ones with raw
     base_of = {k: ("raw-fresh" if k in ("bm-sum", "bm-sum-nock", "bm-avg") else "raw")
                for k in names}
-    header = (f"| bytes | " + " | ".join(f"{k} µs" for k in names) + " | raw busbw GB/s | "
+    header = ("| bytes | " + " | ".join(f"{k} µs" for k in names) + " | raw busbw GB/s | "
               + " | ".join(f"{k}/{base_of[k]}" for k in names[2:]) + " | check cost µs |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for nbytes, med in rows:

@@ -225,7 +225,7 @@ def report(args, records, baselines) -> str:
         "MPI jobs run with `OMP_NUM_THREADS=1`; MPICH (mpich wheel), CPU torch. Load average "
         f"(1 min) when the sweep started / ended: {args.load[0]:.1f} / {args.load[1]:.1f} "
         "(other jobs share the machine).", "",
-        f"## Downpour SGD vs synchronous gradient allreduce", "",
+        "## Downpour SGD vs synchronous gradient allreduce", "",
         f"MLP {args.inputs}-{args.hidden}-{args.hidden}-1 "
         f"({records[0]['params'] if records else '?'} parameters), batch {args.batch}, "
         f"{args.steps} steps per worker. Downpour: 1 shard + N-1 workers (Adagrad on the shard); "

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mpi_harness import REPO, assert_mpi_ok, mpiexec_path
+from mpi_harness import REPO, mpiexec_path
 from slurm_harness import slurm_env, start_local_slurm
 
 SLURM = REPO / "slurm"

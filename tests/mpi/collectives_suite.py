@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
-from simulate import ALL_DTYPES, FLOATS, TORCH_DTYPES, assert_same, rank_input, reduce_all
+from simulate import ALL_DTYPES, FLOATS, assert_same, rank_input, reduce_all
 
 SEED = 20261121
 OPS = {"average": bm.Average, "sum": bm.Sum, "min": bm.Min, "max": bm.Max,

@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 
-import numpy as np
 import torch
 
 import bagua_mpi as bm

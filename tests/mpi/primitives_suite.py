@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
-from bagua_mpi.buffers import host_view
 from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDCodec,
                                   compressed_allreduce_, decentralized_average_,
                                   hierarchical_compressed_allreduce_,
@@ -102,7 +101,6 @@ def check_hierarchical_compressed(rank, size):
     length = 501
     xs = inputs([5], size, length, integer=True)
     # simulation: node sums (exact: integers), then C_LP_S among leaders
-    node_of = [r // topo.local_size if topo.simulated_ranks_per_node else 0 for r in range(size)]
     rpn = topo.simulated_ranks_per_node or size
     nodes = sorted(set(r // rpn for r in range(size)))
     sums = [np.sum([xs[r] for r in range(size) if r // rpn == nd], axis=0).astype(np.float32)
@@ -111,7 +109,6 @@ def check_hierarchical_compressed(rank, size):
     mine = torch.from_numpy(xs[rank].copy())
     hierarchical_compressed_allreduce_(mine, topo, codec, scale=1.0 / size, seed=7)
     assert np.array_equal(mine.numpy(), expected), "hierarchical C_LP_S"
-    del node_of
     return 1
 
 
