@@ -8,19 +8,27 @@ C_LP_S     compressed sum with error feedback   ``compressed_allreduce_`` (+ hie
            16-bit wire, float32 sums            ``cast_allreduce_`` (+ hierarchical)
 D_FP_S     average with ring/random peers       ``decentralized_average_``
 D_LP_S     compressed difference exchange       ``low_precision_decentralized_``
+sparse     top-k pairs, all-gathered            ``topk_allgather_``
+sparse     gTopKAllReduce tree                  ``gtopk_allreduce_``
 =========  ===================================  ===========================================
+
+``packed_compressed_allreduce_`` and ``packed_gtopk_allreduce_`` run C_LP_S and gTop-k over
+several tensors with per-tensor codecs / k in one exchange (L-GreCo's per-layer levels).
 """
 from .centralized import cast_allreduce_, hierarchical_cast_allreduce_
 from .codecs import CastCodec, Codec, MinMaxCodec, OneBitCodec, QSGDCodec, WireStats
 from .decentralized import (PeerEstimates, decentralized_average_, low_precision_decentralized_,
                             peers_for, random_pairing, ring_peers)
-from .lowprec import (compressed_allreduce_, hierarchical_compressed_allreduce_, padded_length,
-                      partition_length)
+from .lowprec import (Segment, compressed_allreduce_, hierarchical_compressed_allreduce_,
+                      packed_compressed_allreduce_, padded_length, partition_length)
+from .sparse import (SparseSegment, gtopk_allreduce_, packed_gtopk_allreduce_, topk_allgather_,
+                     topk_count)
 
 __all__ = [
     "cast_allreduce_", "hierarchical_cast_allreduce_", "compressed_allreduce_",
     "hierarchical_compressed_allreduce_", "padded_length", "partition_length",
     "decentralized_average_", "low_precision_decentralized_", "PeerEstimates", "peers_for",
     "random_pairing", "ring_peers", "Codec", "MinMaxCodec", "QSGDCodec", "OneBitCodec",
-    "CastCodec", "WireStats",
+    "CastCodec", "WireStats", "Segment", "packed_compressed_allreduce_", "SparseSegment",
+    "packed_gtopk_allreduce_", "gtopk_allreduce_", "topk_allgather_", "topk_count",
 ]

@@ -18,6 +18,8 @@ Hierarchical: float32 reduce inside each node, C_LP_S among the node leaders, no
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -31,53 +33,104 @@ def padded_length(length: int, n: int) -> int:
     return partition_length(length, n) * n
 
 
+@dataclass
+class Segment:
+    """One tensor of a packed C_LP_S exchange, with its own codec and error-feedback state.
+
+    ``flat`` is a contiguous CPU float32 vector; ``worker_error`` (``padded_length``) and
+    ``server_error`` (``partition_length``) are None to switch error feedback off; ``seed``
+    seeds stochastic codecs for this segment.
+    """
+
+    flat: torch.Tensor
+    codec: Codec
+    worker_error: torch.Tensor | None = None
+    server_error: torch.Tensor | None = None
+    seed: int = 0
+
+
 def compressed_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, codec: Codec, *,
                           worker_error: torch.Tensor | None = None,
                           server_error: torch.Tensor | None = None, scale: float = 1.0,
                           seed: int = 0, stats: WireStats | None = None) -> torch.Tensor:
-    """In place: ``flat`` <- scale x C_LP_S(flat) over ``comm``. CPU float32 tensors."""
-    if flat.dtype != torch.float32 or flat.is_cuda:
+    """In place: ``flat`` <- scale x C_LP_S(flat) over ``comm`` (float32 math, host memory)."""
+    if flat.dtype != torch.float32 or flat.is_cuda or not flat.is_contiguous():
         work = flat.detach().to(device="cpu", dtype=torch.float32).contiguous()
         compressed_allreduce_(work, comm, codec, worker_error=worker_error,
                               server_error=server_error, scale=scale, seed=seed, stats=stats)
-        flat.copy_(work)
+        flat.copy_(work.view_as(flat))
         return flat
-    n, rank = comm.Get_size(), comm.Get_rank()
-    length = flat.numel()
-    if length == 0:
-        return flat
-    part = partition_length(length, n)
-    x = host_view(flat)
-    if part * n != length:
-        padded = np.zeros(part * n, dtype=np.float32)
-        padded[:length] = x
-    else:
-        padded = x
-    fmt = codec.format(part)
-    we = None if worker_error is None else _check_error(worker_error, part * n, "worker")
-    se = None if server_error is None else _check_error(server_error, part, "server")
+    packed_compressed_allreduce_([Segment(flat.view(-1), codec, worker_error, server_error,
+                                          seed)], comm, scale=scale, stats=stats)
+    return flat
 
-    send = np.empty((n, fmt.nbytes), dtype=np.uint8)
-    for k in range(n):  # phase 1
-        codec.compress(padded[k * part:(k + 1) * part], send[k],
-                       residual=None if we is None else we[k * part:(k + 1) * part],
-                       seed=call_seed(seed, rank, k, 1))
+
+def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *,
+                                 scale: float = 1.0, stats: WireStats | None = None) -> None:
+    """C_LP_S of several tensors, each with its own codec, in one alltoall and one allgather.
+
+    Every segment is partitioned over the n ranks on its own (so it decodes exactly as a
+    separate ``compressed_allreduce_`` would); the message to rank k is the concatenation of
+    every segment's partition-k payload, so a bucket of layers with different compression
+    levels (L-GreCo) costs two collectives rather than two per layer. The segment list (sizes
+    and codecs) must be the same on every rank.
+    """
+    n, rank = comm.Get_size(), comm.Get_rank()
+    plans = []
+    row = 0
+    for seg in segments:
+        length = seg.flat.numel()
+        if seg.flat.dtype != torch.float32 or seg.flat.is_cuda or not seg.flat.is_contiguous():
+            raise ValueError(f"packed C_LP_S takes contiguous CPU float32 tensors, got "
+                             f"{seg.flat.dtype} on {seg.flat.device}")
+        if length == 0:
+            continue
+        part = partition_length(length, n)
+        x = host_view(seg.flat)
+        padded = x if part * n == length else np.concatenate(
+            [x, np.zeros(part * n - length, dtype=np.float32)])
+        nbytes = seg.codec.format(part).nbytes
+        we = None if seg.worker_error is None else _check_error(seg.worker_error, part * n,
+                                                               "worker")
+        se = None if seg.server_error is None else _check_error(seg.server_error, part,
+                                                               "server")
+        plans.append((seg, x, padded, part, slice(row, row + nbytes), we, se))
+        row += nbytes
+    if not plans:
+        return
+
+    send = np.empty((n, row), dtype=np.uint8)
+    for seg, _, padded, part, cols, we, _ in plans:  # phase 1
+        for k in range(n):
+            seg.codec.compress(padded[k * part:(k + 1) * part], send[k, cols],
+                               residual=None if we is None else we[k * part:(k + 1) * part],
+                               seed=call_seed(seg.seed, rank, k, 1))
     recv = np.empty_like(send)
     comm.Alltoall(send, recv)
-    merged = codec.decompress_many(recv, part, out=np.empty(part, dtype=np.float32))
-    if scale != 1.0:
-        merged *= np.float32(scale)
-    mine = np.empty(fmt.nbytes, dtype=np.uint8)
-    codec.compress(merged, mine, residual=se, seed=call_seed(seed, rank, rank, 2))  # phase 2
-    gathered = np.empty_like(send)
+    mine = np.empty(row, dtype=np.uint8)
+    for seg, _, _, part, cols, _, se in plans:  # server: sum, scale, phase 2
+        merged = seg.codec.decompress_many(_columns(recv, cols), part,
+                                           out=np.empty(part, dtype=np.float32))
+        if scale != 1.0:
+            merged *= np.float32(scale)
+        seg.codec.compress(merged, mine[cols], residual=se, seed=call_seed(seg.seed, rank, rank, 2))
+    gathered = send  # phase-1 payloads are no longer needed
     comm.Allgather(mine, gathered)
-    for k in range(n):
-        codec.decompress_many(gathered[k:k + 1], part, out=padded[k * part:(k + 1) * part])
-    if padded is not x:
-        x[:] = padded[:length]
+    for seg, x, padded, part, cols, _, _ in plans:
+        for k in range(n):
+            seg.codec.decompress_many(_columns(gathered[k:k + 1], cols), part,
+                                      out=padded[k * part:(k + 1) * part])
+        if padded is not x:
+            x[:] = padded[:x.size]
     if stats is not None:
-        stats.add(2 * (n - 1) * fmt.nbytes)
-    return flat
+        stats.add(2 * (n - 1) * row)
+
+
+def _columns(stack: np.ndarray, cols: slice) -> np.ndarray:
+    """Rows of ``stack`` restricted to ``cols``, contiguous (a copy unless it spans the rows)."""
+    if cols.start == 0 and cols.stop == stack.shape[1]:
+        return stack
+    return np.ascontiguousarray(stack[:, cols])
 
 
 def _check_error(err: torch.Tensor, length: int, which: str) -> np.ndarray:

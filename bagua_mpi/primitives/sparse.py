@@ -18,6 +18,8 @@ The result (``flat``) is the scatter of the global pairs, times ``scale`` (1/P t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -35,7 +37,17 @@ def topk_count(numel: int, density: float) -> int:
     return min(numel, max(1, int(round(density * numel)))) if numel else 0
 
 
-def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: str):
+@dataclass
+class SparseSegment:
+    """One tensor of a packed gTop-k exchange: contiguous CPU float32 ``flat``, its own k and
+    its residual (float32, ``flat.numel()`` elements)."""
+
+    flat: torch.Tensor
+    k: int
+    residual: torch.Tensor
+
+
+def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: str, out=None):
     if flat.dtype != torch.float32 or flat.is_cuda or not flat.is_contiguous():
         raise ValueError("sparse allreduces take contiguous CPU float32 tensors, got "
                          f"{flat.dtype} on {flat.device}")
@@ -44,7 +56,7 @@ def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: s
                          f"{residual.dtype} {tuple(residual.shape)}")
     fit_kernel_threads()
     return nk.compress_topk(host_view(flat), k, index_dtype=index_dtype,
-                            residual=host_view(residual))
+                            residual=host_view(residual), out=out)
 
 
 def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: torch.Tensor, *,
@@ -78,14 +90,16 @@ def binomial_children(rank: int, size: int) -> list[int]:
     return children
 
 
-def gtopk_tree_reduce(mine, comm: MPI.Intracomm, k: int, stats: WireStats | None = None):
-    """Reduce top-k payloads up a binomial tree; rank 0 returns the global top-k payload."""
+def _packed_tree_reduce(message: np.ndarray, layout, comm: MPI.Intracomm,
+                        stats: WireStats | None):
+    """The gTop-k tree on a message of concatenated top-k payloads (``layout``: one
+    (format, byte slice, k) per segment); rank 0 returns the merged message, others None."""
     rank, n = comm.Get_rank(), comm.Get_size()
-    acc = mine
+    acc = message
     mask = 1
     while mask < n:
         if rank & mask:
-            comm.Send(acc.buffer, dest=rank - mask, tag=_TAG)
+            comm.Send(acc, dest=rank - mask, tag=_TAG)
             if stats is not None:
                 stats.add(acc.nbytes)
             return None
@@ -93,7 +107,11 @@ def gtopk_tree_reduce(mine, comm: MPI.Intracomm, k: int, stats: WireStats | None
         if partner < n:
             received = np.empty(acc.nbytes, dtype=np.uint8)
             comm.Recv(received, source=partner, tag=_TAG)
-            acc = nk.merge_topk(acc, nk.Payload(acc.format, received), k)
+            merged = np.empty_like(acc)
+            for fmt, cols, k in layout:
+                nk.merge_topk(nk.Payload(fmt, acc[cols]), nk.Payload(fmt, received[cols]), k,
+                              out=merged[cols])
+            acc = merged
         mask <<= 1
     return acc
 
@@ -102,18 +120,40 @@ def gtopk_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: 
                      scale: float = 1.0, index_dtype: str = "int32",
                      stats: WireStats | None = None) -> torch.Tensor:
     """gTopKAllReduce in place (see the module docstring)."""
-    mine = _compress(flat, k, residual, index_dtype)
-    sent = nk.Payload(mine.format, mine.buffer.copy())
+    packed_gtopk_allreduce_([SparseSegment(flat, k, residual)], comm, scale=scale,
+                            index_dtype=index_dtype, stats=stats)
+    return flat
+
+
+def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, *,
+                            scale: float = 1.0, index_dtype: str = "int32",
+                            stats: WireStats | None = None) -> None:
+    """gTopKAllReduce of several tensors, each with its own k, in one message per tree edge.
+
+    Each segment is selected, merged and restored exactly as a separate ``gtopk_allreduce_``
+    would do; the payloads travel concatenated, so a bucket of layers with different densities
+    (L-GreCo) costs one tree and one broadcast. The segment list (sizes and k) must be the
+    same on every rank.
+    """
+    layout, row = [], 0
+    for seg in segments:
+        fmt = nk.TopKFormat(seg.flat.numel(), seg.k, index_dtype)
+        layout.append((fmt, slice(row, row + fmt.nbytes), seg.k))
+        row += fmt.nbytes
+    message = np.empty(row, dtype=np.uint8)
+    for seg, (_, cols, k) in zip(segments, layout):
+        _compress(seg.flat, k, seg.residual, index_dtype, out=message[cols])
+    sent = message.copy()
     rank, n = comm.Get_rank(), comm.Get_size()
-    root = gtopk_tree_reduce(mine, comm, k, stats)
-    glob = root.buffer if rank == 0 else np.empty(mine.nbytes, dtype=np.uint8)
+    root = _packed_tree_reduce(message, layout, comm, stats)
+    glob = root if rank == 0 else np.empty(row, dtype=np.uint8)
     comm.Bcast(glob, root=0)
     if stats is not None:
-        stats.add(len(binomial_children(rank, n)) * mine.nbytes)
-    selected = nk.Payload(mine.format, glob)
-    nk.restore_unselected(host_view(residual), sent, selected)
-    out = host_view(flat)
-    nk.decompress(selected, out=out)
-    if scale != 1.0:
-        out *= np.float32(scale)
-    return flat
+        stats.add(len(binomial_children(rank, n)) * row)
+    for seg, (fmt, cols, _) in zip(segments, layout):
+        selected = nk.Payload(fmt, glob[cols])
+        nk.restore_unselected(host_view(seg.residual), nk.Payload(fmt, sent[cols]), selected)
+        out = host_view(seg.flat)
+        nk.decompress(selected, out=out)
+        if scale != 1.0:
+            out *= np.float32(scale)

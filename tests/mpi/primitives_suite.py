@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
-from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDCodec,
+from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDCodec, Segment,
                                   compressed_allreduce_, decentralized_average_,
                                   hierarchical_compressed_allreduce_,
-                                  low_precision_decentralized_, padded_length, partition_length,
+                                  low_precision_decentralized_, packed_compressed_allreduce_,
+                                  padded_length, partition_length,
                                   peers_for, random_pairing)
 from bagua_mpi.primitives.codecs import call_seed
 
@@ -169,10 +170,40 @@ def check_low_precision_decentralized(rank, size):
     return 12
 
 
+def check_packed_compressed_allreduce(rank, size):
+    """One packed exchange of layers at different levels == C_LP_S of each layer on its own."""
+    comm = bm.runtime.get().topo.comm
+    layers = [(1000, MinMaxCodec(2, 128), True), (1, MinMaxCodec(8, 128), True),
+              (0, MinMaxCodec(4, 128), False), (777, MinMaxCodec(5, 128), False),
+              (300, QSGDCodec(15, 128), True)]
+    state, sim = [], []
+    for length, _, ef in layers:
+        part = partition_length(length, size)
+        state.append((torch.zeros(part * size), torch.zeros(part)) if ef else (None, None))
+        sim.append(([np.zeros(part * size, np.float32) for _ in range(size)],
+                    [np.zeros(part, np.float32) for _ in range(size)]) if ef else (None, None))
+    for step in range(3):
+        xs = [inputs([length, step, 23], size, length) for length, _, _ in layers]
+        mine = [torch.from_numpy(x[rank].copy()) for x in xs]
+        packed_compressed_allreduce_(
+            [Segment(m, codec, *state[j], seed=call_seed(step, j))
+             for j, (m, (_, codec, _)) in enumerate(zip(mine, layers))],
+            comm, scale=1.0 / size)
+        for j, (length, codec, ef) in enumerate(layers):
+            expected = simulate_clps(xs[j], codec, *sim[j], 1.0 / size, call_seed(step, j))
+            what = f"packed C_LP_S layer {j} ({codec}, n={length}) step {step}"
+            assert np.array_equal(mine[j].numpy(), expected), what
+            if ef:
+                assert np.array_equal(state[j][0].numpy(), sim[j][0][rank]), what + " worker"
+                assert np.array_equal(state[j][1].numpy(), sim[j][1][rank]), what + " server"
+    return 3 * len(layers)
+
+
 def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
     checks = check_compressed_allreduce(rank, size)
+    checks += check_packed_compressed_allreduce(rank, size)
     checks += check_hierarchical_compressed(rank, size)
     checks += check_decentralized(rank, size)
     checks += check_low_precision_decentralized(rank, size)

@@ -6,7 +6,8 @@ import torch
 
 import bagua_mpi as bm
 import numba_kernels as nk
-from bagua_mpi.primitives.sparse import gtopk_allreduce_, topk_allgather_, topk_count
+from bagua_mpi.primitives.sparse import (SparseSegment, gtopk_allreduce_,
+                                         packed_gtopk_allreduce_, topk_allgather_, topk_count)
 
 
 def grads(step, size, n):
@@ -110,10 +111,33 @@ def check_training(rank, size):
     return results
 
 
+def check_packed_gtopk(rank, size):
+    """One packed tree for layers of different sizes and k == gTop-k of each layer alone."""
+    comm = bm.runtime.get().topo.comm
+    layers = [(5000, 50), (300, 1), (64, 64), (2000, 7)]
+    res = [torch.zeros(n) for n, _ in layers]
+    sim_res = [[np.zeros(n, np.float32) for _ in range(size)] for n, _ in layers]
+    for step in range(3):
+        gs = [grads(step + 10 * j, size, n) for j, (n, _) in enumerate(layers)]
+        mine = [torch.from_numpy(g[rank].copy()) for g in gs]
+        packed_gtopk_allreduce_([SparseSegment(m, k, r) for m, (_, k), r in
+                                 zip(mine, layers, res)], comm, scale=1.0 / size)
+        for j, (n, k) in enumerate(layers):
+            glob, _ = simulate_gtopk(gs[j], sim_res[j], k)
+            expected = np.zeros(n, np.float32)
+            nk.decompress(glob, out=expected)
+            expected *= np.float32(1.0 / size)
+            what = f"packed gtopk layer {j} (n={n}, k={k}) step {step}"
+            assert np.array_equal(mine[j].numpy(), expected), what
+            assert np.array_equal(res[j].numpy(), sim_res[j][rank]), what + " residual"
+    return 3 * len(layers)
+
+
 def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
     checks = check_gtopk_against_simulation(rank, size)
+    checks += check_packed_gtopk(rank, size)
     checks += check_topk_allgather(rank, size)
     results = check_training(rank, size)
     if rank == 0:
