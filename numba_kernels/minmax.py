@@ -18,6 +18,7 @@ from numba import njit, prange
 from ._api import prepare
 from ._bits import read_code
 from ._scalar import fma32, greater, lesser
+from .errors import KernelParameterError
 from .wire import MinMaxFormat, Payload
 
 _U64 = np.uint64
@@ -205,3 +206,42 @@ def decode_cpu(fmt, stack, out, accumulate):
     bytes8 = stack
     decode_cpu_kernel(params, pcol, words, wcol, bytes8, fmt.section("codes").offset, fmt.bits,
                       fmt.chunk, out, accumulate)
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def _minmax_errors_kernel(x, chunk, bits, out):
+    """out[ci, j] = sum over chunk ci of (x - x_hat)^2 at bits[j], as compress + decompress."""
+    n = x.size
+    for ci in prange((n + chunk - 1) // chunk):
+        s = ci * chunk
+        t = min(n, s + chunk)
+        xs = x[s:t]
+        lo, hi = value_range(xs)
+        for j in range(bits.size):
+            levels = (1 << bits[j]) - 1
+            mn, scale, inv = chunk_params(lo, hi, levels)
+            acc = 0.0
+            for i in range(xs.size):
+                v = np.float32(xs[i])
+                d = v - fma32(quantize(v, mn, inv, levels), scale, mn)
+                acc += np.float64(d) * np.float64(d)
+            out[ci, j] = acc
+
+
+def minmax_errors(x, bits, chunk=1024):
+    """||x - Q^-1 Q_b(x)||^2 for every b in ``bits`` in one pass over host float32 ``x``.
+
+    Equal to compressing at each width with ``compress_minmax`` (no residual), decoding, and
+    summing the float32 differences squared in float64 (per chunk, chunks added in order), so
+    L-GreCo's error table costs one read of each layer instead of a round trip per width.
+    """
+    xa = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    widths = np.asarray(list(bits), dtype=np.int64)
+    if widths.size and (widths.min() < 1 or widths.max() > 8):
+        raise KernelParameterError(f"bits must be in 1..8, got {list(bits)}")
+    if chunk <= 0 or chunk % 32:
+        raise KernelParameterError(f"chunk must be a positive multiple of 32, got {chunk}")
+    per_chunk = np.zeros(((xa.size + chunk - 1) // chunk, widths.size), dtype=np.float64)
+    if xa.size:
+        _minmax_errors_kernel(xa, chunk, widths, per_chunk)
+    return per_chunk.sum(axis=0)

@@ -4,7 +4,9 @@ import itertools
 import numpy as np
 import pytest
 
+import numba_kernels as nk
 from bagua_mpi.lgreco import MinMaxBits, TopKDensity, solve
+from bagua_mpi.primitives.sparse import topk_count
 
 
 def brute_force(err, cost, e_max, steps):
@@ -74,3 +76,20 @@ def test_families_measure_error_and_size():
     assert e2 < e1 < float(np.sum(g.astype(np.float64) ** 2))
     k = 50  # density 0.01 of 5000
     np.testing.assert_allclose(e1, np.sort(g.astype(np.float64) ** 2)[:-k].sum())
+
+
+@pytest.mark.parametrize("n", [1, 31, 5000, 70001])
+def test_error_tables_equal_one_level_at_a_time(n):
+    """The one-pass error tables equal compressing/sorting for each candidate on its own."""
+    rng = np.random.default_rng(n)
+    g = (rng.standard_t(2, n) * rng.exponential(1.0, n)).astype(np.float32)
+    mm = MinMaxBits(default=4, chunk=256)
+    for bits, got in zip(mm.candidates(), mm.errors(g, mm.candidates())):
+        payload = nk.compress_minmax(g, bits=bits, chunk=256)
+        want = float(np.sum((g - nk.decompress(payload)).astype(np.float64) ** 2))
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-30), bits
+    tk = TopKDensity(default=0.01)
+    squares = np.sort(g.astype(np.float64) ** 2)
+    for density, got in zip(tk.candidates(), tk.errors(g, tk.candidates())):
+        k = topk_count(n, density)
+        assert got == pytest.approx(squares[:n - k].sum(), rel=1e-12, abs=1e-30), density

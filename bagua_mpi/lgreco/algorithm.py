@@ -14,14 +14,17 @@ Then every ``period_steps``:
 4. rank 0 broadcasts the assignment; every rank applies it from the next step on, and the
    accumulators restart.
 
-Communication per layer: min-max levels through C_LP_S with worker/server error feedback
-(per layer, kept across level changes: the error vectors depend only on the layer's size);
-top-k densities through gTopKAllReduce with per-layer residuals. Assignment, accumulators and
+Communication per bucket, each layer at its own level, in one packed exchange: min-max levels
+through C_LP_S (``packed_compressed_allreduce_``: one alltoall and one allgather) with
+worker/server error feedback per layer (kept across level changes: the error vectors depend
+only on the layer's size); top-k densities through gTopKAllReduce (``packed_gtopk_allreduce_``:
+one tree and one broadcast) with per-layer residuals. Assignment, accumulators and
 error-feedback state are in ``state_dict()`` (checkpointed).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +34,9 @@ from .. import collectives
 from ..algorithms.base import Algorithm, AlgorithmImpl
 from ..algorithms.registry import register
 from ..primitives.codecs import call_seed
-from ..primitives.lowprec import compressed_allreduce_, padded_length, partition_length
-from ..primitives.sparse import gtopk_allreduce_, topk_count
+from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
+                                  partition_length)
+from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_count
 from . import dp
 from .families import FAMILIES
 
@@ -48,7 +52,7 @@ class LGreCoImpl(AlgorithmImpl):
         self.accumulators: dict[int, torch.Tensor] = {}
         self.errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # min-max EF per layer
         self.residuals: dict[int, torch.Tensor] = {}  # top-k residual per layer
-        self.observations: dict[int, list[tuple[int, float]]] = {}  # bucket -> (bytes, s)
+        self.observations: dict[int, deque] = {}  # bucket -> recent (bytes, seconds)
         self.layer_bucket: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.step = 0
@@ -87,23 +91,28 @@ class LGreCoImpl(AlgorithmImpl):
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
+        """One packed exchange for the whole bucket, each layer at its own level."""
         comm = self.ctx.topo.comm
         scale = self.ctx.prescale * self.ctx.postscale
-        for layer, g, original in self._layer_grads(bucket):
+        layers = list(self._layer_grads(bucket))
+        for layer, g, _ in layers:
             self.accumulators[layer] += g
-            level = self.assignment[layer]
-            before, started = self.wire.bytes_sent, time.perf_counter()
-            if self.family.name == "minmax":
-                w, s = self.errors.get(layer, (None, None))
-                compressed_allreduce_(g, comm, self.family.codec(int(level)), worker_error=w,
-                                      server_error=s, scale=scale,
-                                      seed=call_seed(step, layer), stats=self.wire)
-            else:
-                gtopk_allreduce_(g, comm, topk_count(g.numel(), level), self.residuals[layer],
-                                 scale=scale, stats=self.wire)
-            self.observations.setdefault(bucket.index, []).append(
-                (self.wire.bytes_sent - before, time.perf_counter() - started))
-            self.bytes_dense += 2 * (comm.Get_size() - 1) * g.numel() * 4 // max(1, comm.Get_size())
+        before, started = self.wire.bytes_sent, time.perf_counter()
+        if self.family.name == "minmax":
+            packed_compressed_allreduce_(
+                [Segment(g, self.family.codec(int(self.assignment[layer])),
+                         *self.errors.get(layer, (None, None)), seed=call_seed(step, layer))
+                 for layer, g, _ in layers], comm, scale=scale, stats=self.wire)
+        else:
+            packed_gtopk_allreduce_(
+                [SparseSegment(g, topk_count(g.numel(), self.assignment[layer]),
+                               self.residuals[layer]) for layer, g, _ in layers],
+                comm, scale=scale, stats=self.wire)
+        self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
+            (self.wire.bytes_sent - before, time.perf_counter() - started))
+        n = comm.Get_size()
+        for _, g, original in layers:
+            self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
             if original is not None:
                 original.copy_(g.view_as(original))
 
@@ -131,9 +140,8 @@ class LGreCoImpl(AlgorithmImpl):
         size = np.empty_like(err)
         for i, layer in enumerate(layers):
             g = self.accumulators[layer].numpy()
-            for j, c in enumerate(cands):
-                err[i, j] = self.family.error(g, c)
-                size[i, j] = self.family.size(g.size, c)
+            err[i] = self.family.errors(g, cands)
+            size[i] = [self.family.size(g.size, c) for c in cands]
         default = cands.index(self.default_level)
         e_max = float(err[:, default].sum())
         cost = size * self.seconds_per_byte(layers)[:, None] if self.algorithm.time_aware \

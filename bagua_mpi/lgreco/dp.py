@@ -11,7 +11,8 @@ a solution that fits the discrete budget also fits the real one. Then a knapsack
     DP[l][e] = min over c of DP[l-1][e - d(l, c)] + cost[l][c]      (e = 0 .. steps)
 
 answer = min over e of DP[L][e], with the choice per layer recovered by backtracking.
-O(steps x L x |C|) time (vectorised over e), O(steps x L) memory for the choices.
+O(steps x L x |C|) time (a compiled loop, over the candidates no other beats on both error
+and cost), O(steps x L) memory for the choices.
 Because rounding up can make the uniform default itself exceed the discrete budget, the
 default is also evaluated and kept whenever the DP finds nothing cheaper: the result never
 costs more than the default and never exceeds E_max.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 
@@ -52,16 +54,9 @@ def solve(err: np.ndarray, cost: np.ndarray, e_max: float, default: list[int] | 
     best[0] = 0.0
     choices = np.zeros((layers, steps + 1), dtype=np.int32)
     for layer in range(layers):
-        nxt = np.full(steps + 1, np.inf)
-        pick = np.zeros(steps + 1, dtype=np.int32)
-        for c in np.flatnonzero(np.isfinite(units[layer]) & np.isfinite(cost[layer])):
-            d = int(units[layer, c])
-            cand = np.full(steps + 1, np.inf)
-            cand[d:] = best[:steps + 1 - d] + cost[layer, c]
-            better = cand < nxt
-            nxt[better] = cand[better]
-            pick[better] = c
-        best, choices[layer] = nxt, pick
+        front = np.array(pareto_front(units[layer], cost[layer]), dtype=np.int64)
+        best = _relax(best, front, units[layer, front].astype(np.int64), cost[layer, front],
+                      choices[layer])
     solution = None
     if np.isfinite(best).any():
         e = int(np.argmin(best))
@@ -79,6 +74,38 @@ def solve(err: np.ndarray, cost: np.ndarray, e_max: float, default: list[int] | 
     if solution is None:
         raise ValueError("no assignment fits the error budget and no default was given")
     return solution
+
+
+@numba.njit(cache=True, nogil=True)
+def _relax(best, cands, units, cost, pick):
+    """One layer of the knapsack: new[e] = min over c of best[e - units[c]] + cost[c], with
+    ``pick[e]`` the first candidate reaching the minimum (the lowest index on ties)."""
+    new = np.full(best.size, np.inf)
+    for j in range(cands.size):
+        d, price = units[j], cost[j]
+        for e in range(d, best.size):
+            value = best[e - d] + price
+            if value < new[e]:
+                new[e] = value
+                pick[e] = cands[j]
+    return new
+
+
+def pareto_front(units: np.ndarray, cost: np.ndarray) -> list[int]:
+    """Candidates that no other beats on both error units and cost (ties: the lower index).
+
+    Only these can be in an optimal choice; with rounded errors many candidates of a layer
+    share a unit count (all zero for a sparse layer at high densities), so this prunes most
+    of the DP's work for wide searches such as the 100 top-k densities.
+    """
+    usable = np.flatnonzero(np.isfinite(units) & np.isfinite(cost))
+    order = usable[np.lexsort((usable, cost[usable], units[usable]))]
+    front, cheapest = [], np.inf
+    for c in order:
+        if cost[c] < cheapest:
+            front.append(int(c))
+            cheapest = cost[c]
+    return sorted(front)
 
 
 def _evaluate(choice, err, cost, from_dp: bool) -> Solution:

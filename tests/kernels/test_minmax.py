@@ -82,3 +82,12 @@ def test_out_buffer_is_used_and_padding_zeroed(rng):
     assert (out[fmt.used_nbytes:] == 0).all()
     with pytest.raises(nk.PayloadError, match="shape"):
         nk.compress_minmax(x, bits=8, chunk=64, out=np.zeros(fmt.nbytes - 8, np.uint8))
+
+
+def test_minmax_errors_rejects_bad_widths_and_chunks():
+    x = np.ones(10, np.float32)
+    with pytest.raises(nk.KernelParameterError, match="bits"):
+        nk.minmax_errors(x, [0, 4])
+    with pytest.raises(nk.KernelParameterError, match="chunk"):
+        nk.minmax_errors(x, [4], chunk=100)
+    assert nk.minmax_errors(np.zeros(0, np.float32), [2, 4]).tolist() == [0.0, 0.0]
