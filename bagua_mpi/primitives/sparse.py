@@ -10,11 +10,14 @@ Both start the same way on each rank, for a flat float32 gradient g and residual
   rounds, for any P: in round j (mask = 2^j) a rank whose bit j is set sends its current k
   pairs to rank - mask and leaves; the receiver merges them into its own (summing equal
   indices, ``merge_topk``) and keeps the top-k of the merge. Rank 0 ends with the global
-  top-k and broadcasts it (a binomial broadcast, log2 P rounds). Per rank: O(k log P).
-  Afterwards each rank puts back into r the pairs it sent whose index did not make the
+  top-k and broadcasts it (a binomial broadcast of point-to-point sends, log2 P rounds; each
+  byte crosses P - 1 edges, half of Top-k's P(P - 1)k pairs on a shared link at P = 4). Per
+  rank: O(k log P). At P = 2 the two ranks swap payloads and both merge (one hop instead of
+  two). Afterwards each rank puts back into r the pairs it sent whose index did not make the
   global set (``restore_unselected``), as the paper does.
 
-The result (``flat``) is the scatter of the global pairs, times ``scale`` (1/P to average).
+The result (``flat``) is the scatter of the global pairs, times ``scale`` (1/P to average);
+the scale is applied to the k values before scattering, not to the n-element result.
 """
 from __future__ import annotations
 
@@ -67,10 +70,10 @@ def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: t
     n = comm.Get_size()
     gathered = np.empty((n, mine.nbytes), dtype=np.uint8)
     comm.Allgather(mine.buffer, gathered)
-    out = host_view(flat)
-    nk.decompress_many(gathered, mine.format, out=out)
-    if scale != 1.0:
-        out *= np.float32(scale)
+    if scale != 1.0:  # scale the n x k values, not the whole decoded tensor
+        for row in gathered:
+            _scale_values(mine.format, row, scale)
+    nk.decompress_many(gathered, mine.format, out=host_view(flat))
     if stats is not None:
         stats.add((n - 1) * mine.nbytes)
     return flat
@@ -90,7 +93,7 @@ def binomial_children(rank: int, size: int) -> list[int]:
     return children
 
 
-def _packed_tree_reduce(message: np.ndarray, layout, comm: MPI.Intracomm,
+def gtopk_tree_reduce(message: np.ndarray, layout, comm: MPI.Intracomm,
                         stats: WireStats | None):
     """The gTop-k tree on a message of concatenated top-k payloads (``layout``: one
     (format, byte slice, k) per segment); rank 0 returns the merged message, others None."""
@@ -145,15 +148,55 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
         _compress(seg.flat, k, seg.residual, index_dtype, out=message[cols])
     sent = message.copy()
     rank, n = comm.Get_rank(), comm.Get_size()
-    root = _packed_tree_reduce(message, layout, comm, stats)
-    glob = root if rank == 0 else np.empty(row, dtype=np.uint8)
-    comm.Bcast(glob, root=0)
-    if stats is not None:
-        stats.add(len(binomial_children(rank, n)) * row)
+    if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
+        glob = _pair_exchange(message, layout, comm, stats)
+    else:
+        root = gtopk_tree_reduce(message, layout, comm, stats)
+        glob = root if rank == 0 else np.empty(row, dtype=np.uint8)
+        binomial_broadcast(glob, comm, stats)
     for seg, (fmt, cols, _) in zip(segments, layout):
         selected = nk.Payload(fmt, glob[cols])
         nk.restore_unselected(host_view(seg.residual), nk.Payload(fmt, sent[cols]), selected)
-        out = host_view(seg.flat)
-        nk.decompress(selected, out=out)
-        if scale != 1.0:
-            out *= np.float32(scale)
+        if scale != 1.0:  # k values rather than the whole decoded tensor
+            _scale_values(fmt, glob[cols], scale)
+        nk.decompress(selected, out=host_view(seg.flat))
+
+
+def _scale_values(fmt, payload: np.ndarray, scale: float) -> None:
+    values = fmt.views(payload)["values"]
+    values *= np.float32(scale)
+
+
+def _pair_exchange(message: np.ndarray, layout, comm: MPI.Intracomm,
+                   stats: WireStats | None) -> np.ndarray:
+    """P = 2: swap payloads and merge on both ranks, rank 0's payload first on both (so the
+    two merges are the same computation and give the same bytes)."""
+    other = np.empty_like(message)
+    comm.Sendrecv(message, dest=1 - comm.Get_rank(), sendtag=_TAG, recvbuf=other,
+                  source=1 - comm.Get_rank(), recvtag=_TAG)
+    if stats is not None:
+        stats.add(message.nbytes)
+    first, second = (message, other) if comm.Get_rank() == 0 else (other, message)
+    merged = np.empty_like(message)
+    for fmt, cols, k in layout:
+        nk.merge_topk(nk.Payload(fmt, first[cols]), nk.Payload(fmt, second[cols]), k,
+                      out=merged[cols])
+    return merged
+
+
+def binomial_broadcast(buf: np.ndarray, comm: MPI.Intracomm,
+                       stats: WireStats | None = None) -> None:
+    """Broadcast ``buf`` from rank 0 down the binomial tree, one Send per edge.
+
+    Each byte crosses P - 1 edges, the fewest possible; MPICH's Bcast at these sizes
+    scatters then all-gathers, which puts more bytes on a shared link (measured in
+    ``benchmarks/results/sparse_timing.md``).
+    """
+    rank = comm.Get_rank()
+    if rank:
+        comm.Recv(buf, source=rank & (rank - 1), tag=_TAG + 1)  # parent: lowest set bit off
+    children = binomial_children(rank, comm.Get_size())
+    for child in children:  # largest subtree first
+        comm.Send(buf, dest=child, tag=_TAG + 1)
+    if stats is not None:
+        stats.add(len(children) * buf.nbytes)

@@ -75,9 +75,14 @@ def check_topk_allgather(rank, size):
         payloads = [nk.compress_topk(gs[r], k, residual=sim_res[r]) for r in range(size)]
         expected = nk.decompress_many(np.stack([p.buffer for p in payloads]), payloads[0].format)
         mine = torch.from_numpy(gs[rank].copy())
+        averaged = res.clone()
         topk_allgather_(mine, comm, k, res)
         assert np.array_equal(mine.numpy(), expected), f"topk step {step}"
         assert np.array_equal(res.numpy(), sim_res[rank])
+        # averaging scales the pairs before they are summed: equal up to float32 rounding
+        again = torch.from_numpy(gs[rank].copy())
+        topk_allgather_(again, comm, k, averaged, scale=1.0 / size)
+        np.testing.assert_allclose(again.numpy(), expected / size, rtol=1e-6, atol=1e-7)
     return 3
 
 
