@@ -14,17 +14,19 @@ The shaped loopback is one link that all ranks' traffic shares:
 
 writes ``algorithms_sweep.md`` (table) and ``algorithms_sweep.png`` (step time against
 bandwidth). Latency is not swept: it needs the netem qdisc, which not every kernel has
-(``--latency-ms`` adds it where it exists).
+(``--latency-ms`` adds it where it exists). The namespace and its shaping are
+``shaped_link.py``'s.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from shaped_link import shaped_link
 
 ALGORITHMS = ["gradient_allreduce", "gradient_allreduce+fp16", "qsgd", "bytegrad",
               "onebit_adam", "decentralized", "low_precision_decentralized", "local_sgd",
@@ -101,32 +103,15 @@ def inner(args) -> None:
 
 def shaped_run(gbit: float | None, latency_ms: float, args, json_path: str) -> list[dict]:
     """Run ``inner`` in a fresh network namespace with a shaped loopback (None: unshaped)."""
-    ns = f"bagua_bench_{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        run = ["ip", "netns", "exec", ns]
-        subprocess.run(run + ["ip", "link", "set", "lo", "up"], check=True)
-        if gbit is not None:
-            subprocess.run(run + ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
-                                  "tbf", "rate", f"{gbit * 1000:g}mbit", "burst", "4mb",
-                                  "latency", "500ms"], check=True)
-            if latency_ms:
-                subprocess.run(run + ["tc", "qdisc", "add", "dev", "lo", "parent", "1:1",
-                                      "netem", "delay", f"{latency_ms}ms"], check=True)
-        env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp",
-                   FI_TCP_IFACE="lo", MPIR_CVAR_NOLOCAL="1", OMP_NUM_THREADS="1")
-        cmd = run + ["env"] + [f"{k}={v}" for k, v in env.items() if k.startswith(
-            ("MPIR_", "FI_", "OMP_", "PYTHONPATH"))] + [
+    with shaped_link(gbit, latency_ms) as link:
+        link.run([
             "mpiexec", "-n", str(args.np), sys.executable, __file__, "--inner",
             "--json", json_path, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--batch", str(args.batch), "--algorithms", args.algorithms,
-            "--bucket-mb", str(args.bucket_mb)]
-        subprocess.run(cmd, check=True)
+            "--bucket-mb", str(args.bucket_mb)])
         with open(json_path) as fh:
             return json.load(fh)
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 def sweep(args) -> None:
