@@ -78,13 +78,20 @@ class LGreCoImpl(AlgorithmImpl):
                     self.residuals[layer] = torch.zeros(numel, dtype=torch.float32)
 
     def _layer_grads(self, bucket):
+        """(layer, host float32 contiguous gradient, tensor to copy the result back into or
+        None when the gradient was reduced in place)."""
         for k, (layer, p) in enumerate(zip(bucket.indices, bucket.params)):
             if bucket.flat_grad is not None:
                 off = bucket.offsets[k]
-                yield layer, bucket.flat_grad[off:off + p.numel()], None
+                grad = bucket.flat_grad[off:off + p.numel()]
             else:
-                work = p.grad.detach().reshape(-1).float().contiguous()
-                yield layer, work, p.grad
+                grad = p.grad.detach()
+            flat = grad.reshape(-1)
+            if flat.dtype == torch.float32 and not flat.is_cuda and flat.is_contiguous() \
+                    and flat.data_ptr() == grad.data_ptr():
+                yield layer, flat, None
+            else:  # staged through host float32 (the packed primitives are host-only)
+                yield layer, flat.to(device="cpu", dtype=torch.float32).contiguous(), grad
 
     def on_step_start(self, step: int) -> None:
         self.step = step
@@ -111,10 +118,10 @@ class LGreCoImpl(AlgorithmImpl):
         self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
             (self.wire.bytes_sent - before, time.perf_counter() - started))
         n = comm.Get_size()
-        for _, g, original in layers:
+        for _, g, target in layers:
             self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
-            if original is not None:
-                original.copy_(g.view_as(original))
+            if target is not None:
+                target.copy_(g.view_as(target))
 
     # -- decisions (main thread, every rank at the same step) -----------------------------------
     def after_step(self, optimizer) -> None:

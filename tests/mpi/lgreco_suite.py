@@ -24,7 +24,7 @@ class Hetero(torch.nn.Module):
 BOOST = 1000.0
 
 
-def train(algorithm, steps, rank, boost_after=None, lr=0.05):
+def train(algorithm, steps, rank, boost_after=None, lr=0.05, **options):
     torch.manual_seed(0)
     model = Hetero()
     teacher = torch.nn.Linear(256, 1)
@@ -33,7 +33,8 @@ def train(algorithm, steps, rank, boost_after=None, lr=0.05):
     sgd = torch.optim.SGD([{"params": others}, {"params": [head]}], lr=lr)
     names = [n for n, p in model.named_parameters() if p is not head] + ["head.weight"]
     opt = bm.DistributedOptimizer(sgd, named_parameters=[(n, dict(model.named_parameters())[n])
-                                                         for n in names], algorithm=algorithm)
+                                                         for n in names], algorithm=algorithm,
+                                  **options)
     boosted = []
     head.register_hook(lambda grad: grad * BOOST if boosted else grad)
     g = torch.Generator().manual_seed(rank)
@@ -55,6 +56,31 @@ def train(algorithm, steps, rank, boost_after=None, lr=0.05):
         final = float(torch.nn.functional.mse_loss(model(xe), teacher(xe)))
     opt.close()
     return final, history, opt
+
+
+def check_bfloat16_gradients(rank, size):
+    """bfloat16 gradients go through host float32 staging and come back reduced: the ranks'
+    different gradients end up identical (the average), and each layer agrees."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5)).bfloat16()
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                  named_parameters=model.named_parameters(),
+                                  algorithm=LGreCo(family="minmax", default=8, warmup_steps=1,
+                                                   period_steps=1))
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank)).bfloat16()
+        model(x).float().square().sum().backward()
+        local = [p.grad.float().clone() for p in model.parameters()]
+        opt.step()
+        for p, mine in zip(model.parameters(), local):
+            assert p.grad.dtype == torch.bfloat16
+            everyone = bm.allgather_object(p.grad.float())
+            assert all(torch.equal(everyone[0], g) for g in everyone), "ranks differ"
+            mean = torch.stack(bm.allgather_object(mine)).mean(0)
+            # 8-bit min-max of a bfloat16 gradient: within a few quantization steps
+            assert torch.allclose(p.grad.float(), mean, atol=0.05 * mean.abs().max() + 1e-3)
+    opt.close()
 
 
 def main():
@@ -88,6 +114,12 @@ def main():
         assert bm.allgather_object(history) == [history] * size
         reference, _, _ = train(uniform_algo, 30, rank)
         assert loss_v <= 1.25 * reference + 0.01, (variant, loss_v, reference)
+    # unflattened buckets stage each layer's own gradient: the same exchange, the same result
+    algo = LGreCo(family="minmax", default=3, warmup_steps=5, period_steps=5)
+    flat_loss, flat_history, _ = train(algo, 15, rank)
+    loose_loss, loose_history, _ = train(algo, 15, rank, flatten=False)
+    assert (flat_loss, flat_history) == (loose_loss, loose_history), (flat_loss, loose_loss)
+    check_bfloat16_gradients(rank, size)
     # state round-trip (what checkpoints store)
     state = opt.algorithm_state_dict()
     opt.load_algorithm_state_dict(state)
