@@ -24,7 +24,7 @@ from .casts import compress_cast
 from .dispatch import decompress, decompress_many
 from .errors import (CudaUnavailableError, DeviceMismatchError, KernelError,
                      KernelParameterError, KernelTypeError, LayoutError, PayloadError)
-from .merge import merge_topk, restore_unselected
+from .merge import merge_topk, restore_unselected, scale_topk_values
 from .minmax import compress_minmax, minmax_errors
 from .onebit import compress_onebit
 from .qsgd import compress_qsgd
@@ -34,7 +34,7 @@ from .wire import (ALIGN, CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDF
 
 __all__ = [
     "compress_cast", "compress_minmax", "compress_qsgd", "compress_onebit", "compress_topk",
-    "compress_randk", "minmax_errors", "decompress", "decompress_many", "merge_topk", "restore_unselected",
+    "compress_randk", "minmax_errors", "decompress", "decompress_many", "merge_topk", "restore_unselected", "scale_topk_values",
     "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
     "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",
     "DeviceMismatchError", "CudaUnavailableError",

@@ -117,3 +117,17 @@ def restore_unselected(residual, sent, selected, stream=None):
     else:
         restore_cpu(ra, ss["indices"], ss["values"], gs["indices"])
     return residual
+
+
+def scale_topk_values(payload, factor, stream=None):
+    """Multiply a top-k payload's k values by ``factor`` in place (host or device).
+
+    Averaging a sparse sum this way touches k values instead of the n-element decoded tensor.
+    """
+    values = _topk_views(payload, "payload")["values"]
+    if payload.on_device:
+        from ._cuda.common import scale
+        scale(values, np.float32(factor), stream_of(stream))
+    else:
+        values *= np.float32(factor)
+    return payload

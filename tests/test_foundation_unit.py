@@ -243,3 +243,27 @@ def test_nested_operations_run_inline_even_with_work_queued():
     assert h2.wait(5) == "in thread"
     assert log == ["nested", "queued"]
     worker.close(5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("aware", [False, True])
+def test_gtopk_on_cuda_tensors_matches_host(initialized, aware):
+    """One rank: gTop-k of CUDA tensors (device-resident with a CUDA-aware MPI, staged without)
+    gives the host result and residual bit for bit."""
+    from bagua_mpi import cuda
+    from bagua_mpi.primitives.sparse import gtopk_allreduce_
+
+    if aware and not cuda.probe_cuda_aware():
+        pytest.skip("this MPI is not CUDA-aware (probe failed)")
+    cuda.set_cuda_aware(aware)
+    try:
+        g = torch.randn(100_000, generator=torch.Generator().manual_seed(3))
+        host, host_res = g.clone(), torch.zeros_like(g)
+        dev, dev_res = g.cuda(), torch.zeros_like(g).cuda()
+        for _ in range(2):
+            gtopk_allreduce_(host, bm.runtime.get().topo.comm, 100, host_res, scale=0.5)
+            gtopk_allreduce_(dev, bm.runtime.get().topo.comm, 100, dev_res, scale=0.5)
+        assert torch.equal(dev.cpu(), host) and torch.equal(dev_res.cpu(), host_res)
+    finally:
+        cuda.set_cuda_aware(None)

@@ -6,6 +6,8 @@ steps. ``topk`` all-gathers every rank's pairs (O(kP)); ``gtopk`` reduces them w
 gTopKAllReduce tree (O(k log P)) and returns dropped pairs to their residuals. An optional
 ``warmup_steps`` of dense allreduce precedes sparsification (the paper's warm-up). Hierarchical
 communication does not apply (the tree already is the hierarchy): it runs over all ranks.
+Residuals live where the gradients do; with CUDA tensors and a CUDA-aware MPI, gTop-k's
+payloads stay on the device (Top-k's all-gather stages through host memory).
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ class SparseImpl(AlgorithmImpl):
         super().init_buckets(buckets)
         for bucket in buckets:
             for j, t in enumerate(bucket.communication_tensors()):
-                self.residuals.setdefault((bucket.index, j),
-                                          torch.zeros(t.numel(), dtype=torch.float32))
+                self.residuals.setdefault((bucket.index, j), torch.zeros(
+                    t.numel(), dtype=torch.float32, device=t.device))
 
     def on_step_start(self, step: int) -> None:
         self.step = step
@@ -47,7 +49,8 @@ class SparseImpl(AlgorithmImpl):
                 self.wire.allreduce(grad.numel() * grad.element_size(), ctx.topo.size)
                 continue
             flat = grad.reshape(-1)
-            work = flat if flat.dtype == torch.float32 else flat.float()
+            work = flat if flat.dtype == torch.float32 and flat.is_contiguous() \
+                else flat.float().contiguous()
             self.reduce(work, ctx.topo.comm, topk_count(work.numel(), self.algorithm.density),
                         self.residuals[(bucket.index, j)], scale=ctx.prescale * ctx.postscale,
                         index_dtype=self.algorithm.index_dtype, stats=self.wire)

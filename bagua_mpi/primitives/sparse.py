@@ -65,14 +65,22 @@ def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: s
 def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: torch.Tensor, *,
                     scale: float = 1.0, index_dtype: str = "int32",
                     stats: WireStats | None = None) -> torch.Tensor:
-    """Top-k S-SGD aggregation in place (see the module docstring)."""
+    """Top-k S-SGD aggregation in place (see the module docstring). Host memory: device
+    tensors are staged through it."""
+    if flat.is_cuda or residual.is_cuda:
+        host_flat, host_residual = flat.cpu(), residual.cpu()
+        topk_allgather_(host_flat, comm, k, host_residual, scale=scale,
+                        index_dtype=index_dtype, stats=stats)
+        flat.copy_(host_flat)
+        residual.copy_(host_residual)
+        return flat
     mine = _compress(flat, k, residual, index_dtype)
     n = comm.Get_size()
     gathered = np.empty((n, mine.nbytes), dtype=np.uint8)
     comm.Allgather(mine.buffer, gathered)
     if scale != 1.0:  # scale the n x k values, not the whole decoded tensor
         for row in gathered:
-            _scale_values(mine.format, row, scale)
+            nk.scale_topk_values(nk.Payload(mine.format, row), scale)
     nk.decompress_many(gathered, mine.format, out=host_view(flat))
     if stats is not None:
         stats.add((n - 1) * mine.nbytes)
@@ -93,32 +101,6 @@ def binomial_children(rank: int, size: int) -> list[int]:
     return children
 
 
-def gtopk_tree_reduce(message: np.ndarray, layout, comm: MPI.Intracomm,
-                        stats: WireStats | None):
-    """The gTop-k tree on a message of concatenated top-k payloads (``layout``: one
-    (format, byte slice, k) per segment); rank 0 returns the merged message, others None."""
-    rank, n = comm.Get_rank(), comm.Get_size()
-    acc = message
-    mask = 1
-    while mask < n:
-        if rank & mask:
-            comm.Send(acc, dest=rank - mask, tag=_TAG)
-            if stats is not None:
-                stats.add(acc.nbytes)
-            return None
-        partner = rank + mask
-        if partner < n:
-            received = np.empty(acc.nbytes, dtype=np.uint8)
-            comm.Recv(received, source=partner, tag=_TAG)
-            merged = np.empty_like(acc)
-            for fmt, cols, k in layout:
-                nk.merge_topk(nk.Payload(fmt, acc[cols]), nk.Payload(fmt, received[cols]), k,
-                              out=merged[cols])
-            acc = merged
-        mask <<= 1
-    return acc
-
-
 def gtopk_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: torch.Tensor, *,
                      scale: float = 1.0, index_dtype: str = "int32",
                      stats: WireStats | None = None) -> torch.Tensor:
@@ -137,55 +119,149 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
     would do; the payloads travel concatenated, so a bucket of layers with different densities
     (L-GreCo) costs one tree and one broadcast. The segment list (sizes and k) must be the
     same on every rank.
+
+    Float32 tensors on a CUDA device with a CUDA-aware MPI stay there: the kernels select,
+    merge, restore and decode on the device and MPI moves device buffers. Otherwise device
+    tensors are staged through host memory (``bagua_mpi.cuda``'s probe decides).
     """
-    layout, row = [], 0
     for seg in segments:
-        fmt = nk.TopKFormat(seg.flat.numel(), seg.k, index_dtype)
-        layout.append((fmt, slice(row, row + fmt.nbytes), seg.k))
+        _check_segment(seg)
+    if not any(seg.flat.is_cuda for seg in segments):
+        _gtopk_arrays([host_view(seg.flat) for seg in segments],
+                      [host_view(seg.residual) for seg in segments],
+                      [seg.k for seg in segments], comm, scale, index_dtype, stats)
+        return
+    from .. import cuda as bcuda
+    if bcuda.mpi_is_cuda_aware() and all(seg.flat.is_cuda and seg.residual.is_cuda
+                                         for seg in segments):
+        from numba import cuda
+        torch.cuda.current_stream().synchronize()  # gradients written by torch's stream
+        _gtopk_arrays([cuda.as_cuda_array(seg.flat) for seg in segments],
+                      [cuda.as_cuda_array(seg.residual) for seg in segments],
+                      [seg.k for seg in segments], comm, scale, index_dtype, stats)
+        return
+    staged = [SparseSegment(seg.flat.cpu(), seg.k, seg.residual.cpu()) for seg in segments]
+    packed_gtopk_allreduce_(staged, comm, scale=scale, index_dtype=index_dtype, stats=stats)
+    for seg, host in zip(segments, staged):
+        seg.flat.copy_(host.flat)
+        seg.residual.copy_(host.residual)
+
+
+def _check_segment(seg: SparseSegment) -> None:
+    if seg.flat.dtype != torch.float32 or seg.flat.dim() != 1 or not seg.flat.is_contiguous():
+        raise ValueError(f"sparse allreduces take contiguous 1-D float32 tensors, got "
+                         f"{seg.flat.dtype} of shape {tuple(seg.flat.shape)}")
+    if seg.residual.shape != seg.flat.shape or seg.residual.dtype != torch.float32:
+        raise ValueError(f"residual must be float32 of shape {tuple(seg.flat.shape)}, got "
+                         f"{seg.residual.dtype} {tuple(seg.residual.shape)}")
+    if not 0 <= seg.k <= seg.flat.numel():
+        raise ValueError(f"k must be in [0, {seg.flat.numel()}], got {seg.k}")
+
+
+def _gtopk_arrays(flats, residuals, ks, comm: MPI.Intracomm, scale: float, index_dtype: str,
+                  stats: WireStats | None) -> None:
+    """The gTop-k exchange on 1-D float32 arrays, all on the host (NumPy) or all on the device
+    (numba device arrays; ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in tests)."""
+    device = bool(flats) and not isinstance(flats[0], np.ndarray)
+    layout, row = [], 0
+    for flat, k in zip(flats, ks):
+        fmt = nk.TopKFormat(flat.size, k, index_dtype)
+        layout.append((fmt, slice(row, row + fmt.nbytes), k))
         row += fmt.nbytes
-    message = np.empty(row, dtype=np.uint8)
-    for seg, (_, cols, k) in zip(segments, layout):
-        _compress(seg.flat, k, seg.residual, index_dtype, out=message[cols])
-    sent = message.copy()
+    message = _alloc(row, device)
+    if not device:
+        fit_kernel_threads()
+    for flat, res, (_, cols, k) in zip(flats, residuals, layout):
+        nk.compress_topk(flat, k, index_dtype=index_dtype, residual=res, out=message[cols])
+    sent = _alloc(row, device)
+    _copy(sent, message, device)
+    _ready(device)  # kernels done before MPI reads the buffers
     rank, n = comm.Get_rank(), comm.Get_size()
     if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
-        glob = _pair_exchange(message, layout, comm, stats)
+        glob = _pair_exchange(message, layout, comm, stats, device)
     else:
-        root = gtopk_tree_reduce(message, layout, comm, stats)
-        glob = root if rank == 0 else np.empty(row, dtype=np.uint8)
+        root = gtopk_tree_reduce(message, layout, comm, stats, device)
+        glob = root if rank == 0 else _alloc(row, device)
         binomial_broadcast(glob, comm, stats)
-    for seg, (fmt, cols, _) in zip(segments, layout):
+    for flat, res, (fmt, cols, _) in zip(flats, residuals, layout):
         selected = nk.Payload(fmt, glob[cols])
-        nk.restore_unselected(host_view(seg.residual), nk.Payload(fmt, sent[cols]), selected)
+        nk.restore_unselected(res, nk.Payload(fmt, sent[cols]), selected)
         if scale != 1.0:  # k values rather than the whole decoded tensor
-            _scale_values(fmt, glob[cols], scale)
-        nk.decompress(selected, out=host_view(seg.flat))
+            nk.scale_topk_values(selected, scale)
+        nk.decompress(selected, out=flat)
+    _ready(device)
 
 
-def _scale_values(fmt, payload: np.ndarray, scale: float) -> None:
-    values = fmt.views(payload)["values"]
-    values *= np.float32(scale)
+def _alloc(nbytes: int, device: bool):
+    if device:
+        from numba import cuda
+        return cuda.device_array(nbytes, dtype=np.uint8)
+    return np.empty(nbytes, dtype=np.uint8)
 
 
-def _pair_exchange(message: np.ndarray, layout, comm: MPI.Intracomm,
-                   stats: WireStats | None) -> np.ndarray:
+def _copy(dst, src, device: bool) -> None:
+    if device:
+        dst.copy_to_device(src)
+    else:
+        dst[:] = src
+
+
+def _ready(device: bool) -> None:
+    if device:
+        from numba import cuda
+        cuda.synchronize()
+
+
+def gtopk_tree_reduce(message, layout, comm: MPI.Intracomm, stats: WireStats | None = None,
+                      device: bool = False):
+    """The gTop-k tree on a message of concatenated top-k payloads (``layout``: one
+    (format, byte slice, k) per segment); rank 0 returns the merged message, others None.
+
+    In round j (mask = 2^j) a rank with bit j set sends and leaves; the receiver merges the
+    partner's pairs into its own, segment by segment, keeping each segment's top-k.
+    """
+    rank, n = comm.Get_rank(), comm.Get_size()
+    acc = message
+    mask = 1
+    while mask < n:
+        if rank & mask:
+            comm.Send(acc, dest=rank - mask, tag=_TAG)
+            if stats is not None:
+                stats.add(acc.size)
+            return None
+        partner = rank + mask
+        if partner < n:
+            received = _alloc(acc.size, device)
+            comm.Recv(received, source=partner, tag=_TAG)
+            merged = _alloc(acc.size, device)
+            for fmt, cols, k in layout:
+                nk.merge_topk(nk.Payload(fmt, acc[cols]), nk.Payload(fmt, received[cols]), k,
+                              out=merged[cols])
+            _ready(device)
+            acc = merged
+        mask <<= 1
+    return acc
+
+
+def _pair_exchange(message, layout, comm: MPI.Intracomm, stats: WireStats | None,
+                   device: bool = False):
     """P = 2: swap payloads and merge on both ranks, rank 0's payload first on both (so the
     two merges are the same computation and give the same bytes)."""
-    other = np.empty_like(message)
-    comm.Sendrecv(message, dest=1 - comm.Get_rank(), sendtag=_TAG, recvbuf=other,
-                  source=1 - comm.Get_rank(), recvtag=_TAG)
+    other = _alloc(message.size, device)
+    peer = 1 - comm.Get_rank()
+    comm.Sendrecv(message, dest=peer, sendtag=_TAG, recvbuf=other, source=peer, recvtag=_TAG)
     if stats is not None:
-        stats.add(message.nbytes)
+        stats.add(message.size)
     first, second = (message, other) if comm.Get_rank() == 0 else (other, message)
-    merged = np.empty_like(message)
+    merged = _alloc(message.size, device)
     for fmt, cols, k in layout:
         nk.merge_topk(nk.Payload(fmt, first[cols]), nk.Payload(fmt, second[cols]), k,
                       out=merged[cols])
+    _ready(device)
     return merged
 
 
-def binomial_broadcast(buf: np.ndarray, comm: MPI.Intracomm,
-                       stats: WireStats | None = None) -> None:
+def binomial_broadcast(buf, comm: MPI.Intracomm, stats: WireStats | None = None) -> None:
     """Broadcast ``buf`` from rank 0 down the binomial tree, one Send per edge.
 
     Each byte crosses P - 1 edges, the fewest possible; MPICH's Bcast at these sizes
@@ -199,4 +275,4 @@ def binomial_broadcast(buf: np.ndarray, comm: MPI.Intracomm,
     for child in children:  # largest subtree first
         comm.Send(buf, dest=child, tag=_TAG + 1)
     if stats is not None:
-        stats.add(len(children) * buf.nbytes)
+        stats.add(len(children) * buf.size)

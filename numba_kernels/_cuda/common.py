@@ -244,3 +244,18 @@ def seg_sums(x, e, has_res, chunk, spc, square, part):
         total = block_lane_sum(x, e, has_res, s, t, square, sh)
         if cuda.threadIdx.x == 0:
             part[g] = total
+
+
+@cuda.jit
+def _scale(arr, factor):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < arr.size:
+        arr[i] = arr[i] * factor
+        i += stride
+
+
+def scale(arr, factor, stream=0):
+    """arr[:] *= factor (in arr's dtype) for a 1-D device array."""
+    if arr.size:
+        _scale[min(blocks_for(arr.size, THREADS), 1024), THREADS, stream](arr, factor)
