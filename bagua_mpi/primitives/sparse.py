@@ -51,12 +51,10 @@ class SparseSegment:
 
 
 def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: str, out=None):
-    if flat.dtype != torch.float32 or flat.is_cuda or not flat.is_contiguous():
-        raise ValueError("sparse allreduces take contiguous CPU float32 tensors, got "
-                         f"{flat.dtype} on {flat.device}")
-    if residual.shape != (flat.numel(),) or residual.dtype != torch.float32:
-        raise ValueError(f"residual must be float32 of shape ({flat.numel()},), got "
-                         f"{residual.dtype} {tuple(residual.shape)}")
+    """Host top-k selection with the residual fused in (both primitives start with it)."""
+    _check_segment(SparseSegment(flat, k, residual))
+    if flat.is_cuda or residual.is_cuda:
+        raise ValueError(f"expected host tensors, got {flat.device} and {residual.device}")
     fit_kernel_threads()
     return nk.compress_topk(host_view(flat), k, index_dtype=index_dtype,
                             residual=host_view(residual), out=out)
