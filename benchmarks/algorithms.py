@@ -39,7 +39,7 @@ def inner(args) -> None:
     from mpi4py import MPI
 
     import bagua_mpi as bm
-    from bagua_mpi.algorithms import AsyncModelAverage, LocalSGD, OneBitAdam
+    from bagua_mpi.algorithms import AsyncModelAverage, GTopK, LocalSGD, OneBitAdam, TopK
 
     bm.init()
     bm.set_consistency_check(False)
@@ -66,6 +66,8 @@ def inner(args) -> None:
             algo = LocalSGD(period=4)
         elif name == "async":
             algo = AsyncModelAverage(sync_interval_ms=100)
+        elif name in ("topk", "gtopk") and args.density:
+            algo = (GTopK if name == "gtopk" else TopK)(density=args.density)
         base = (torch.optim.Adam(model.parameters(), lr=1e-4) if name == "onebit_adam"
                 else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
@@ -103,13 +105,13 @@ def inner(args) -> None:
 
 def shaped_run(gbit: float | None, latency_ms: float, args, json_path: str) -> list[dict]:
     """Run ``inner`` in a fresh network namespace with a shaped loopback (None: unshaped)."""
-    with shaped_link(gbit, latency_ms) as link:
+    with shaped_link(gbit, latency_ms, burst=args.burst) as link:
         link.run([
             "mpiexec", "-n", str(args.np), sys.executable, __file__, "--inner",
             "--json", json_path, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--batch", str(args.batch), "--algorithms", args.algorithms,
-            "--bucket-mb", str(args.bucket_mb)])
+            "--bucket-mb", str(args.bucket_mb), "--density", str(args.density)])
         with open(json_path) as fh:
             return json.load(fh)
 
@@ -141,8 +143,9 @@ def sweep(args) -> None:
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(args.out, "algorithms_sweep.md"), "w") as fh:
-        fh.write("Command: `python benchmarks/algorithms.py --sweep " + args.sweep
-                 + f" --steps {args.steps} --out {args.out}` (as root)\n\n" + text + "\n")
+        fh.write("Command: `python benchmarks/algorithms.py " + " ".join(sys.argv[1:])
+                 + f"` (as root; tbf bucket {args.burst}, load average "
+                 f"{os.getloadavg()[0]:.1f})\n\n" + text + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -182,6 +185,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    parser.add_argument("--density", type=float, default=0.0,
+                        help="density of topk/gtopk (0: the algorithms' default, 0.001)")
+    parser.add_argument("--burst", default="4mb",
+                        help="tc tbf bucket; a small one (128kb) shapes short exchanges too")
     args = parser.parse_args()
     if args.sweep:
         sweep(args)
