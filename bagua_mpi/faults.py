@@ -7,6 +7,7 @@ then calls ``MPI_Abort`` so ``mpiexec``/``srun`` kill every rank and exit non-ze
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 from mpi4py import MPI
@@ -26,9 +27,24 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
     else:
         code = UNCAUGHT_EXIT_CODE
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(f"bagua_mpi rank {rank}: uncaught exception, aborting the job "
-                     f"(all ranks):\n{text}")
+    abort_job(f"bagua_mpi rank {rank}: uncaught exception, aborting the job (all ranks):\n"
+              f"{text}", code)
+
+
+# How long a rank's last words get to reach the launcher before MPI_Abort tears it down.
+LAST_WORDS_S = 0.5
+
+
+def abort_job(message: str, code: int) -> None:
+    """Print ``message`` on stderr, give the launcher time to forward it, then ``MPI_Abort``.
+
+    Without the pause, mpiexec can kill the processes (and its output proxies) before the
+    flushed line has been forwarded: a loaded machine lost the watchdog's message this way,
+    leaving only the exit code.
+    """
+    sys.stderr.write(message if message.endswith("\n") else message + "\n")
     sys.stderr.flush()
+    time.sleep(LAST_WORDS_S)
     MPI.COMM_WORLD.Abort(code)
 
 

@@ -9,12 +9,10 @@ a non-zero exit instead of burning the allocation.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 
-from mpi4py import MPI
-
+from . import faults
 from .worker import CommWorker, describe_text
 
 logger = logging.getLogger(__name__)
@@ -65,5 +63,4 @@ class Watchdog:
                f"never joined it. Aborting the job.")
         if logger.hasHandlers():  # else logging's last resort would print it a second time
             logger.error(msg)
-        print(msg, file=sys.stderr, flush=True)
-        MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
+        faults.abort_job(msg, STALL_EXIT_CODE)
