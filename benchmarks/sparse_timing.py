@@ -14,8 +14,9 @@ gtopk 263 ms a step, ``algorithms_sweep.md``). This benchmark calls the primitiv
 * breakdown, on a payload compressed beforehand: ``allgather`` (Top-k's MPI Allgather alone),
   ``tree`` (gTop-k's binomial tree: the sends, receives and merges of ``gtopk_allreduce_``,
   until rank 0 holds the global top-k) and ``bcast`` (the binomial broadcast after it; at
-  P = 2 ``gtopk_allreduce_`` itself swaps payloads once instead), ``merges`` (rank 0's ceil(log2 P) ``merge_topk`` calls
-  alone, the other ranks waiting in a barrier as they would in the tree) and ``decode``
+  P = 2 ``gtopk_allreduce_`` itself swaps payloads once instead), ``merges`` (rank 0's
+  ceil(log2 P) ``merge_topk`` calls alone, the other ranks waiting in a barrier as they would
+  in the tree) and ``decode``
   (``decompress`` of one payload into the n-element output: a memset of the output plus k
   stores, which both primitives pay).
 

@@ -34,7 +34,8 @@ from .wire import (ALIGN, CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDF
 
 __all__ = [
     "compress_cast", "compress_minmax", "compress_qsgd", "compress_onebit", "compress_topk",
-    "compress_randk", "minmax_errors", "decompress", "decompress_many", "merge_topk", "restore_unselected", "scale_topk_values",
+    "compress_randk", "minmax_errors", "decompress", "decompress_many", "merge_topk",
+    "restore_unselected", "scale_topk_values",
     "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
     "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",
     "DeviceMismatchError", "CudaUnavailableError",

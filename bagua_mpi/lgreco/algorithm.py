@@ -90,7 +90,7 @@ class LGreCoImpl(AlgorithmImpl):
             if flat.dtype == torch.float32 and not flat.is_cuda and flat.is_contiguous() \
                     and flat.data_ptr() == grad.data_ptr():
                 yield layer, flat, None
-            else:  # staged through host float32 (the packed primitives are host-only)
+            else:  # staged through host float32 (packed C_LP_S is host-only)
                 yield layer, flat.to(device="cpu", dtype=torch.float32).contiguous(), grad
 
     def on_step_start(self, step: int) -> None:

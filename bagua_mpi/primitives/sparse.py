@@ -42,8 +42,8 @@ def topk_count(numel: int, density: float) -> int:
 
 @dataclass
 class SparseSegment:
-    """One tensor of a packed gTop-k exchange: contiguous CPU float32 ``flat``, its own k and
-    its residual (float32, ``flat.numel()`` elements)."""
+    """One tensor of a packed gTop-k exchange: a contiguous 1-D float32 ``flat`` (host or
+    CUDA), its own k, and its residual (float32, same shape)."""
 
     flat: torch.Tensor
     k: int

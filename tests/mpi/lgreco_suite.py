@@ -91,6 +91,11 @@ def main():
     # every decision is the same on every rank
     assert bm.allgather_object(history) == [history] * size
     assert opt.impl.decisions == 6, opt.impl.decisions
+    # one packed exchange per bucket and step, whatever the number of layers in the bucket
+    buckets = opt.impl.observations
+    layers = sum(len(b.params) for b in opt.buckets)
+    assert layers > len(buckets) and all(len(obs) == 60 for obs in buckets.values()), \
+        {b: len(obs) for b, obs in buckets.items()}
     uniform, _, _ = train(bm.algorithms.ByteGrad(bits=4, error_feedback=True), 60, rank)
     dense, _, _ = train("gradient_allreduce", 60, rank)
     assert loss <= 1.25 * uniform + 0.01 and loss <= 1.25 * dense + 0.01, (loss, uniform, dense)
