@@ -19,7 +19,7 @@ from mpi_harness import MPI_SUITES, REPO, assert_mpi_ok, mpiexec_path, run_mpi
 # the others are the library's algorithms with per-rank state (1-bit Adam past its warm-up,
 # decentralized models), tested when they are registered.
 RESUME_CASES = [("gradient_allreduce", 4), ("ckpt_ef16", 3), ("onebit_adam:warmup_steps=2", 2),
-                ("decentralized", 3), ("low_precision_decentralized", 2)]
+                ("decentralized", 3), ("low_precision_decentralized", 2), ("powersgd:rank=2", 2)]
 SUITE_ALGORITHMS = {"ckpt_ef16"}
 N, M = 4, 3  # steps before the checkpoint, steps after it
 

@@ -13,6 +13,7 @@ async                          background model averaging, never waits          
 local_sgd                      average models every ``period`` steps            C_FP_S
 topk                           top-k with residuals, all-gathered (O(kP))       sparse
 gtopk                          top-k with residuals, gTopKAllReduce tree        sparse
+powersgd                       rank-r P/Q power iteration with EF               low-rank
 =============================  ===============================================  ==========
 """
 from .async_average import AsyncModelAverage
@@ -21,9 +22,10 @@ from .compressed import QSGD, ByteGrad
 from .gradient_allreduce import GradientAllReduce
 from .model_averaging import Decentralized, LocalSGD, LowPrecisionDecentralized
 from .onebit_adam import OneBitAdam
+from .powersgd import PowerSGD
 from .registry import create, names, register
 from .sparse import GTopK, TopK
 
 __all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "AsyncModelAverage", "ByteGrad",
            "Decentralized", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
-           "OneBitAdam", "QSGD", "TopK", "GTopK", "create", "names", "register"]
+           "OneBitAdam", "PowerSGD", "QSGD", "TopK", "GTopK", "create", "names", "register"]

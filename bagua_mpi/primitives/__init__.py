@@ -10,6 +10,7 @@ D_FP_S     average with ring/random peers       ``decentralized_average_``
 D_LP_S     compressed difference exchange       ``low_precision_decentralized_``
 sparse     top-k pairs, all-gathered            ``topk_allgather_``
 sparse     gTopKAllReduce tree                  ``gtopk_allreduce_``
+low-rank   PowerSGD rank-r P/Q, two allreduces  ``powersgd_allreduce_``
 =========  ===================================  ===========================================
 
 ``packed_compressed_allreduce_`` and ``packed_gtopk_allreduce_`` run C_LP_S and gTop-k over
@@ -21,6 +22,7 @@ from .decentralized import (PeerEstimates, decentralized_average_, low_precision
                             peers_for, random_pairing, ring_peers)
 from .lowprec import (Segment, compressed_allreduce_, hierarchical_compressed_allreduce_,
                       packed_compressed_allreduce_, padded_length, partition_length)
+from .lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from .sparse import (SparseSegment, gtopk_allreduce_, packed_gtopk_allreduce_, topk_allgather_,
                      topk_count)
 
@@ -31,4 +33,5 @@ __all__ = [
     "random_pairing", "ring_peers", "Codec", "MinMaxCodec", "QSGDCodec", "OneBitCodec",
     "CastCodec", "WireStats", "Segment", "packed_compressed_allreduce_", "SparseSegment",
     "packed_gtopk_allreduce_", "gtopk_allreduce_", "topk_allgather_", "topk_count",
+    "LowRankSegment", "initial_q", "powersgd_allreduce_",
 ]

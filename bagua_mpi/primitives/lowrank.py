@@ -1,0 +1,185 @@
+"""PowerSGD (Vogels et al. 2019): rank-r approximation of gradient matrices in two allreduces.
+
+Each segment is one matrix-shaped layer: rank i's gradient viewed as M_i (n x m), plus its
+error-feedback memory e_i when it has one (M_i = G_i + e_i). With Q (m x r) the same on every
+rank (``initial_q`` from a shared seed, then the previous step's averaged Q: the paper's warm
+start, one step of power iteration per training step), for all segments at once:
+
+1. P_i = M_i Q                                            (n x r, local)
+2. ONE allreduce (sum) of every segment's P_i, packed into one float32 buffer: P = sum_i P_i
+3. P^ = orthonormal columns of P: Gram-Schmidt in float64 on the summed P, which is the same
+   on every rank, so every rank gets the same P^ without communicating it
+4. Q_i = M_i^T P^                                         (m x r, local)
+5. ONE allreduce (sum) of every segment's Q_i, packed; Q_avg = scale x sum_i Q_i
+6. result: flat <- P^ Q_avg^T, i.e. scale x P^ P^T sum_i M_i (the projection of the summed
+   matrices onto span(P^)); error: e_i <- M_i - P^ Q_i^T, what this rank's own contribution
+   lost to the projection (before averaging, as in the paper's Algorithm 2)
+7. Q <- Q_avg (warm start for the next step)
+
+Each rank sends 2(P-1)/P x 4 x sum (n + m) r bytes instead of 2(P-1)/P x 4 x sum n m.
+
+Rank-deficient P: a column of P that Gram-Schmidt finds (numerically) dependent on the earlier
+ones becomes a zero column of P^ (never NaN); its Q_avg column is then zero too and the warm
+start keeps that column's previous Q, since a zero column of Q would stay zero in every later
+step (P = M Q) and the layer would silently lose that rank for good. A zero gradient thus
+leaves Q unchanged.
+
+Every rank must pass the same segment list (shapes, ranks, order): it decides the packed
+buffers and so the collectives. An empty list makes no MPI call, which is consistent only when
+it is empty on every rank. Host float32 tensors only (callers stage other gradients).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..buffers import host_view
+from .codecs import WireStats
+
+# A Gram-Schmidt residual at most this fraction of the column's own norm is roundoff of a
+# column that lies in the span of the earlier ones: it is zeroed rather than normalized. P
+# comes from float32 data, so genuine components are >= ~1e-7 relative; float64 roundoff of an
+# exactly dependent column is ~1e-16 relative.
+_DEPENDENT = 1e-10
+
+
+@dataclass
+class LowRankSegment:
+    """One matrix-shaped layer of a packed PowerSGD exchange.
+
+    ``flat``: contiguous 1-D float32 CPU gradient of ``rows`` x cols elements (cols =
+    ``flat.numel() // rows``), overwritten in place with the averaged rank-``rank``
+    approximation. ``q``: (cols, r_max) float32 warm-start state with r_max >= ``rank``; its
+    first ``rank`` columns are used and replaced by this step's averaged Q. ``error``:
+    (rows x cols,) float32 error-feedback memory updated in place, or None (no feedback).
+    """
+
+    flat: torch.Tensor
+    rows: int
+    rank: int
+    q: torch.Tensor
+    error: torch.Tensor | None = None
+
+
+def initial_q(cols: int, max_rank: int, seed: int) -> torch.Tensor:
+    """(cols, max_rank) float32 standard normal from a generator seeded with ``seed``:
+    identical on every rank (all ranks must start from the same Q)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.randn(cols, max_rank, generator=gen, dtype=torch.float32)
+
+
+def orthonormalize(p: np.ndarray) -> np.ndarray:
+    """Orthonormal columns spanning those of ``p`` (n x r), in order, as a new float64 array.
+
+    Classical Gram-Schmidt with one re-orthogonalization pass ("twice is enough"): columns
+    stay orthogonal to float64 precision even when P is ill-conditioned, which the warm start
+    makes likely (its columns converge towards the top singular vectors). Columns dependent on
+    earlier ones (see ``_DEPENDENT``), zero columns included, come out as zeros. Deterministic:
+    the same input gives the same bits on ranks with the same NumPy build.
+    """
+    out = np.array(p, dtype=np.float64, order="F")  # a copy; columns contiguous
+    for j in range(out.shape[1]):
+        col = out[:, j]
+        norm0 = np.linalg.norm(col)
+        if j:
+            done = out[:, :j]
+            for _ in range(2):
+                col -= done @ (done.T @ col)
+        norm = np.linalg.norm(col)
+        if norm == 0.0 or norm <= _DEPENDENT * norm0:
+            col[:] = 0.0
+        else:
+            col /= norm
+    return out
+
+
+def _check_segment(seg: LowRankSegment) -> int:
+    """Validate one segment; returns its cols (m)."""
+    flat = seg.flat
+    if (flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous()
+            or flat.is_cuda):
+        raise ValueError(f"PowerSGD takes contiguous 1-D float32 CPU tensors, got {flat.dtype} "
+                         f"of shape {tuple(flat.shape)} on {flat.device}")
+    numel = flat.numel()
+    if seg.rows < 1 or numel == 0 or numel % seg.rows:
+        raise ValueError(f"rows={seg.rows} must be positive and divide the {numel} elements")
+    cols = numel // seg.rows
+    if not 1 <= seg.rank <= min(seg.rows, cols):
+        raise ValueError(f"rank must be in [1, min(rows, cols)] = [1, {min(seg.rows, cols)}] "
+                         f"for a {seg.rows} x {cols} matrix, got rank={seg.rank}")
+    q = seg.q
+    if (q.dtype != torch.float32 or q.dim() != 2 or q.shape[0] != cols
+            or q.shape[1] < seg.rank or q.is_cuda):
+        raise ValueError(f"q must be a CPU float32 ({cols}, r_max >= {seg.rank}) tensor, got "
+                         f"{q.dtype} of shape {tuple(q.shape)} on {q.device}")
+    e = seg.error
+    if e is not None and (e.dtype != torch.float32 or tuple(e.shape) != (numel,) or e.is_cuda
+                          or not e.is_contiguous()):
+        raise ValueError(f"error must be a contiguous CPU float32 ({numel},) tensor, got "
+                         f"{e.dtype} of shape {tuple(e.shape)} on {e.device}")
+    return cols
+
+
+def powersgd_allreduce_(segments: list[LowRankSegment], comm: MPI.Intracomm, *,
+                        scale: float = 1.0, stats: WireStats | None = None) -> None:
+    """PowerSGD of every segment in place, in two allreduces in all (module docstring).
+
+    ``scale`` multiplies the summed Q (1/P averages). ``stats`` counts each allreduce as
+    ``WireStats.allreduce`` does (2(P-1)/P x its bytes).
+    """
+    cols = [_check_segment(seg) for seg in segments]
+    if not segments:
+        return
+    p_len = [seg.rows * seg.rank for seg in segments]
+    q_len = [m * seg.rank for m, seg in zip(cols, segments)]
+    p_off = np.concatenate([[0], np.cumsum(p_len)]).tolist()
+    q_off = np.concatenate([[0], np.cumsum(q_len)]).tolist()
+    p_buf = torch.empty(p_off[-1], dtype=torch.float32)
+    q_buf = torch.empty(q_off[-1], dtype=torch.float32)
+
+    mats = []  # M_i per segment: a view of the error memory (holding g + e) or of flat
+    for k, (seg, m) in enumerate(zip(segments, cols)):
+        if seg.error is not None:
+            seg.error.add_(seg.flat)  # M_i in the error's memory: e <- M_i - P^ Q_i^T below
+            mat = seg.error.view(seg.rows, m)
+        else:
+            mat = seg.flat.view(seg.rows, m)
+        mats.append(mat)
+        torch.mm(mat, seg.q[:, :seg.rank], out=p_buf[p_off[k]:p_off[k + 1]].view(seg.rows,
+                                                                                  seg.rank))
+    _allreduce_sum(p_buf, comm, stats)
+
+    p_host = host_view(p_buf)
+    p_hats = []
+    for k, seg in enumerate(segments):
+        view = p_host[p_off[k]:p_off[k + 1]].reshape(seg.rows, seg.rank)
+        view[:] = orthonormalize(view)  # float64 Gram-Schmidt, cast back to float32
+        p_hats.append(p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank))
+
+    for k, (seg, mat, p_hat) in enumerate(zip(segments, mats, p_hats)):
+        q_mine = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
+        torch.mm(mat.t(), p_hat, out=q_mine)
+        if seg.error is not None:  # before the sum overwrites this rank's own Q_i
+            mat.addmm_(p_hat, q_mine.t(), alpha=-1.0)
+    _allreduce_sum(q_buf, comm, stats)
+    if scale != 1.0:
+        q_buf.mul_(scale)
+
+    for k, (seg, p_hat) in enumerate(zip(segments, p_hats)):
+        q_avg = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
+        torch.mm(p_hat, q_avg.t(), out=seg.flat.view(seg.rows, cols[k]))
+        live = p_hat.abs().amax(dim=0) > 0  # zero P^ columns (same on all ranks) keep their Q
+        if bool(live.all()):
+            seg.q[:, :seg.rank].copy_(q_avg)
+        else:
+            seg.q[:, :seg.rank][:, live] = q_avg[:, live]
+
+
+def _allreduce_sum(buf: torch.Tensor, comm: MPI.Intracomm, stats: WireStats | None) -> None:
+    if comm.Get_size() > 1:
+        comm.Allreduce(MPI.IN_PLACE, host_view(buf), op=MPI.SUM)
+    if stats is not None:
+        stats.allreduce(buf.numel() * buf.element_size(), comm.Get_size())
