@@ -93,3 +93,33 @@ def test_error_tables_equal_one_level_at_a_time(n):
     for density, got in zip(tk.candidates(), tk.errors(g, tk.candidates())):
         k = topk_count(n, density)
         assert got == pytest.approx(squares[:n - k].sum(), rel=1e-12, abs=1e-30), density
+
+
+@pytest.mark.parametrize("shape", [(40, 30), (7, 3, 5), (64, 2), (50,)])
+def test_powersgd_family_errors_are_one_power_iteration(shape):
+    """error(r) equals compressing at rank r alone: one power iteration from the seeded Q,
+    ||G - P^ P^^T G||^2; layers that cannot gain are dense (zero error, dense size)."""
+    from bagua_mpi.lgreco.families import PowerSGDRank, matrix_shape
+    from bagua_mpi.primitives.lowrank import initial_q, orthonormalize
+
+    family = PowerSGDRank(default=4, seed=3)
+    assert family.candidates() == [2, 3, 4, 5, 6, 7, 8]
+    g = np.random.default_rng(1).standard_normal(int(np.prod(shape))).astype(np.float32)
+    rows, cols = matrix_shape(shape)
+    m = g.astype(np.float64).reshape(rows, cols)
+    got = family.errors(g, family.candidates(), shape)
+    top = max([r for r in family.candidates() if family.compressed(shape, r)], default=0)
+    for r, err in zip(family.candidates(), got):
+        size = family.size(shape, r)
+        if not family.compressed(shape, r):
+            assert err == 0.0 and size == 4 * rows * cols
+            continue
+        q0 = initial_q(cols, top, 3).numpy().astype(np.float64)[:, :r]  # the start's prefix
+        basis = orthonormalize(m @ q0)
+        want = np.square(m - basis @ (basis.T @ m)).sum()
+        assert err == pytest.approx(want, rel=1e-9), r
+        assert size == 4 * (rows + cols) * r
+    compressible = [e for r, e in zip(family.candidates(), got) if family.compressed(shape, r)]
+    assert all(a >= b for a, b in zip(compressible, compressible[1:]))  # more rank, less error
+    if shape == (50,):
+        assert not compressible

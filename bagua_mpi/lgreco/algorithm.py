@@ -1,8 +1,8 @@
 """L-GreCo (``lgreco``): layer-wise adaptive compression chosen by a DP (SPEC §6).
 
 Every parameter tensor is a layer with its own compression level (bits of min-max
-quantization, or top-k density). Until ``warmup_steps``, all layers use the family's default.
-Then every ``period_steps``:
+quantization, top-k density, or PowerSGD rank). Until ``warmup_steps``, all layers use the
+family's default. Then every ``period_steps``:
 
 1. each rank has accumulated its layers' local gradients G_l since the last decision (in the
    communication thread, before compression);
@@ -18,8 +18,10 @@ Communication per bucket, each layer at its own level, in one packed exchange: m
 through C_LP_S (``packed_compressed_allreduce_``: one alltoall and one allgather) with
 worker/server error feedback per layer (kept across level changes: the error vectors depend
 only on the layer's size); top-k densities through gTopKAllReduce (``packed_gtopk_allreduce_``:
-one tree and one broadcast) with per-layer residuals. Assignment, accumulators and
-error-feedback state are in ``state_dict()`` (checkpointed).
+one tree and one broadcast) with per-layer residuals; PowerSGD ranks through
+``powersgd_allreduce_`` (one allreduce of all P factors and one of all Q factors, warm-started
+Q and error feedback per layer; layers too small or thin to gain go dense in one allreduce).
+Assignment, accumulators and error-feedback state are in ``state_dict()`` (checkpointed).
 """
 from __future__ import annotations
 
@@ -32,13 +34,15 @@ import torch
 
 from .. import collectives
 from ..algorithms.base import Algorithm, AlgorithmImpl
+from ..algorithms.layers import copy_back, dense_allreduce_, host_layer_grads
 from ..algorithms.registry import register
 from ..primitives.codecs import call_seed
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
+from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_count
 from . import dp
-from .families import FAMILIES
+from .families import FAMILIES, matrix_shape
 
 
 class LGreCoImpl(AlgorithmImpl):
@@ -52,23 +56,31 @@ class LGreCoImpl(AlgorithmImpl):
         self.accumulators: dict[int, torch.Tensor] = {}
         self.errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # min-max EF per layer
         self.residuals: dict[int, torch.Tensor] = {}  # top-k residual per layer
+        self.lowrank: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # PowerSGD q, EF
         self.observations: dict[int, deque] = {}  # bucket -> recent (bytes, seconds)
         self.layer_bucket: dict[int, int] = {}
-        self.sizes: dict[int, int] = {}
+        self.shapes: dict[int, tuple[int, ...]] = {}
         self.step = 0
         self.decisions = 0
         self.decision_seconds = 0.0
+        self.startup_seconds = 0.0  # rank 0's one-time load of the compiled DP, at wrap time
         self.bytes_dense = 0  # float32 bytes the layers would have sent, for the ratio
 
     # -- buckets and layers ---------------------------------------------------------------------
     def init_buckets(self, buckets) -> None:
         super().init_buckets(buckets)
+        if self.ctx.topo.rank == 0 and not self.startup_seconds:
+            # Numba loads (or first compiles) the DP's loop on its first call: a fixed cost
+            # of ~0.3 s per process that would otherwise land on the first decision
+            started = time.perf_counter()
+            dp.solve(np.zeros((1, 1)), np.ones((1, 1)), 1.0)
+            self.startup_seconds = time.perf_counter() - started
         n = self.ctx.topo.size
         for bucket in buckets:
             for layer, p in zip(bucket.indices, bucket.params):
                 numel = p.numel()
                 self.layer_bucket[layer] = bucket.index
-                self.sizes[layer] = numel
+                self.shapes[layer] = tuple(p.shape)
                 self.assignment.setdefault(layer, self.default_level)
                 self.accumulators[layer] = torch.zeros(numel, dtype=torch.float32)
                 if self.family.name == "minmax" and self.algorithm.error_feedback:
@@ -76,22 +88,13 @@ class LGreCoImpl(AlgorithmImpl):
                                           torch.zeros(partition_length(numel, n)))
                 elif self.family.name == "topk":
                     self.residuals[layer] = torch.zeros(numel, dtype=torch.float32)
-
-    def _layer_grads(self, bucket):
-        """(layer, host float32 contiguous gradient, tensor to copy the result back into or
-        None when the gradient was reduced in place)."""
-        for k, (layer, p) in enumerate(zip(bucket.indices, bucket.params)):
-            if bucket.flat_grad is not None:
-                off = bucket.offsets[k]
-                grad = bucket.flat_grad[off:off + p.numel()]
-            else:
-                grad = p.grad.detach()
-            flat = grad.reshape(-1)
-            if flat.dtype == torch.float32 and not flat.is_cuda and flat.is_contiguous() \
-                    and flat.data_ptr() == grad.data_ptr():
-                yield layer, flat, None
-            else:  # staged through host float32 (packed C_LP_S is host-only)
-                yield layer, flat.to(device="cpu", dtype=torch.float32).contiguous(), grad
+                elif self.family.name == "powersgd" and any(
+                        self.family.compressed(p.shape, r) for r in self.candidates):
+                    rows, cols = matrix_shape(p.shape)
+                    top = min(max(self.candidates), rows, cols)
+                    self.lowrank[layer] = (
+                        initial_q(cols, top, self.family.seed + layer),
+                        torch.zeros(numel) if self.algorithm.error_feedback else None)
 
     def on_step_start(self, step: int) -> None:
         self.step = step
@@ -101,7 +104,7 @@ class LGreCoImpl(AlgorithmImpl):
         """One packed exchange for the whole bucket, each layer at its own level."""
         comm = self.ctx.topo.comm
         scale = self.ctx.prescale * self.ctx.postscale
-        layers = list(self._layer_grads(bucket))
+        layers = list(host_layer_grads(bucket))
         for layer, g, _ in layers:
             self.accumulators[layer] += g
         before, started = self.wire.bytes_sent, time.perf_counter()
@@ -110,18 +113,34 @@ class LGreCoImpl(AlgorithmImpl):
                 [Segment(g, self.family.codec(int(self.assignment[layer])),
                          *self.errors.get(layer, (None, None)), seed=call_seed(step, layer))
                  for layer, g, _ in layers], comm, scale=scale, stats=self.wire)
-        else:
+        elif self.family.name == "topk":
             packed_gtopk_allreduce_(
                 [SparseSegment(g, topk_count(g.numel(), self.assignment[layer]),
                                self.residuals[layer]) for layer, g, _ in layers],
                 comm, scale=scale, stats=self.wire)
+        else:
+            self._exchange_low_rank(layers, comm, scale)
         self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
             (self.wire.bytes_sent - before, time.perf_counter() - started))
         n = comm.Get_size()
-        for _, g, target in layers:
+        for _, g, _ in layers:
             self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
-            if target is not None:
-                target.copy_(g.view_as(target))
+        copy_back(layers)
+
+    def _exchange_low_rank(self, layers, comm, scale: float) -> None:
+        """PowerSGD for the layers that compress at their rank (one P and one Q allreduce for
+        all of them), one float32 allreduce for the rest."""
+        low, dense = [], []
+        for layer, g, _ in layers:
+            rank = int(self.assignment[layer])
+            if layer in self.lowrank and self.family.compressed(self.shapes[layer], rank):
+                q, error = self.lowrank[layer]
+                low.append(LowRankSegment(g, matrix_shape(self.shapes[layer])[0], rank, q,
+                                          error))
+            else:
+                dense.append(g)
+        powersgd_allreduce_(low, comm, scale=scale, stats=self.wire)
+        dense_allreduce_(dense, self.ctx, self.wire)
 
     # -- decisions (main thread, every rank at the same step) -----------------------------------
     def after_step(self, optimizer) -> None:
@@ -147,8 +166,8 @@ class LGreCoImpl(AlgorithmImpl):
         size = np.empty_like(err)
         for i, layer in enumerate(layers):
             g = self.accumulators[layer].numpy()
-            err[i] = self.family.errors(g, cands)
-            size[i] = [self.family.size(g.size, c) for c in cands]
+            err[i] = self.family.errors(g, cands, self.shapes[layer])
+            size[i] = [self.family.size(self.shapes[layer], c) for c in cands]
         default = cands.index(self.default_level)
         e_max = float(err[:, default].sum())
         cost = size * self.seconds_per_byte(layers)[:, None] if self.algorithm.time_aware \
@@ -182,18 +201,25 @@ class LGreCoImpl(AlgorithmImpl):
                 "accumulators": {str(k): v.clone() for k, v in self.accumulators.items()},
                 "errors": {str(k): {"worker": w.clone(), "server": s.clone()}
                            for k, (w, s) in self.errors.items()},
-                "residuals": {str(k): v.clone() for k, v in self.residuals.items()}}
+                "residuals": {str(k): v.clone() for k, v in self.residuals.items()},
+                "lowrank": {str(k): {"q": q.clone()} | ({} if e is None else {"error": e.clone()})
+                            for k, (q, e) in self.lowrank.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.decisions = int(state["decisions"])
-        cast = int if self.family.name == "minmax" else float
+        cast = float if self.family.name == "topk" else int
         self.assignment = {int(k): cast(v) for k, v in zip(state["layers"].tolist(),
                                                           state["levels"].tolist())}
         for name, target in (("accumulators", self.accumulators),
                              ("residuals", self.residuals)):
             for k, v in state[name].items():
                 target[int(k)].copy_(v)
+        for k, pair in state.get("lowrank", {}).items():
+            q, error = self.lowrank[int(k)]
+            q.copy_(pair["q"])
+            if error is not None:
+                error.copy_(pair["error"])
         for k, pair in state["errors"].items():
             w, s = self.errors[int(k)]
             w.copy_(pair["worker"])
@@ -203,12 +229,13 @@ class LGreCoImpl(AlgorithmImpl):
 @register
 @dataclass(frozen=True)
 class LGreCo(Algorithm):
-    """Layer-wise adaptive compression: min-max bits or top-k density per layer, by DP."""
+    """Layer-wise adaptive compression: min-max bits, top-k density or PowerSGD rank per
+    layer, by DP."""
 
     name = "lgreco"
     impl_class = LGreCoImpl
     family: str = "minmax"
-    default: float | None = None  # 4 bits / density 0.01 when None
+    default: float | None = None  # 4 bits / density 0.01 / rank 4 when None
     warmup_steps: int = 20
     period_steps: int = 50
     time_aware: bool = False

@@ -108,9 +108,11 @@ def main():
     # to the fewest (2 of the 2..8 searched around the default 4)
     assert after[head] == 8 and all(after[k] == 2 for k in after if k != head), after
     assert any(before[k] > 2 for k in before if k != head), before
-    # top-k family and the time-aware variant run and agree across ranks
+    # the PowerSGD and top-k families and the time-aware variant run and agree across ranks
     # (each against the uniform setting of its family over the same steps)
     for variant, uniform_algo in (
+            (LGreCo(family="powersgd", default=2, warmup_steps=5, period_steps=10),
+             LGreCo(family="powersgd", default=2, warmup_steps=10**9)),
             (LGreCo(family="topk", default=0.05, warmup_steps=5, period_steps=10),
              bm.algorithms.GTopK(density=0.05)),
             (LGreCo(family="minmax", default=4, warmup_steps=5, period_steps=10,
