@@ -123,3 +123,15 @@ def test_powersgd_family_errors_are_one_power_iteration(shape):
     assert all(a >= b for a, b in zip(compressible, compressible[1:]))  # more rank, less error
     if shape == (50,):
         assert not compressible
+
+
+def test_lgreco_defaults_are_checked_and_integral_levels_coerced():
+    from bagua_mpi.lgreco import LGreCo
+
+    assert LGreCo(family="minmax", default=4.0).default == 4
+    assert isinstance(LGreCo(family="powersgd", default=2.0).default, int)
+    assert LGreCo(family="topk", default=0.01).default == 0.01
+    for family, bad in (("minmax", 9), ("minmax", 2.5), ("powersgd", 0), ("topk", 2.0),
+                        ("topk", 0), ("minmax", True)):
+        with pytest.raises(ValueError, match=f"the {family} family's default"):
+            LGreCo(family=family, default=bad)

@@ -245,6 +245,18 @@ class LGreCo(Algorithm):
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {self.family!r}")
+        if self.default is not None:
+            if self.family == "topk":
+                if isinstance(self.default, bool) or not 0 < self.default <= 1:
+                    raise ValueError(f"the topk family's default is a density in (0, 1], got "
+                                     f"{self.default!r}")
+            elif (isinstance(self.default, bool) or not float(self.default).is_integer()
+                  or self.default < 1 or (self.family == "minmax" and self.default > 8)):
+                what = "bits in 1..8" if self.family == "minmax" else "a rank >= 1"
+                raise ValueError(f"the {self.family} family's default is {what}, got "
+                                 f"{self.default!r}")
+            else:  # 4.0 means 4 bits / rank 4: the search ranges need integers
+                object.__setattr__(self, "default", int(self.default))
         if self.period_steps < 1 or self.warmup_steps < 0:
             raise ValueError(f"need period_steps >= 1 and warmup_steps >= 0, got "
                              f"{self.period_steps!r}, {self.warmup_steps!r}")
