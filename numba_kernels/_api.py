@@ -9,7 +9,7 @@ import numpy as np
 
 from ._device import FLOATS, as_array, empty, flat, same_place, stream_of
 from .errors import DeviceMismatchError, LayoutError
-from .wire import check_buffer
+from .wire import Payload, check_buffer
 
 
 def prepare(x, residual, out, make_format, stream):
@@ -30,6 +30,26 @@ def prepare(x, residual, out, make_format, stream):
     st = stream_of(stream) if dev else 0
     buf = output_buffer(out, fmt.nbytes, dev, st)
     return xa, ea, dev, fmt, buf, st
+
+
+def encode_payload(x, residual, out, stream, make_format, on_device, on_host):
+    """The body every dense compressor shares around its kernels.
+
+    Validate (``prepare``); when there is data, run ``on_device(x, e, fmt, views, buf,
+    stream)`` or ``on_host(x, c, has_res, fmt, views)`` on the payload's section views
+    (``c`` is where the kernel reads x + e and writes the new residual: the residual itself,
+    or x when there is none); zero the host payload's padding; return the Payload.
+    """
+    xa, ea, dev, fmt, buf, st = prepare(x, residual, out, make_format, stream)
+    if fmt.n:
+        views = fmt.views(buf)
+        if dev:
+            on_device(xa, ea, fmt, views, buf, st)
+        else:
+            on_host(xa, xa if ea is None else ea, ea is not None, fmt, views)
+    if not dev:
+        buf[fmt.used_nbytes:] = 0
+    return Payload(fmt, buf)
 
 
 def output_buffer(out, nbytes, dev, stream, rows=None):

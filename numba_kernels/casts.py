@@ -20,9 +20,9 @@ float32.  With error feedback, ``e <- c - decode(encode(c))`` in c's dtype.
 import numpy as np
 from numba import njit, prange
 
-from ._api import prepare
+from ._api import encode_payload
 from ._scalar import bits_f32, f32_bits
-from .wire import CastFormat, Payload
+from .wire import CastFormat
 
 U = np.uint32
 _ABS, _INF32 = U(0x7FFFFFFF), U(0x7F800000)
@@ -122,17 +122,17 @@ def compress_cast(x, kind="fp16", residual=None, out=None, stream=None):
 
     Example: ``p = compress_cast(grad, "bf16"); decompress(p, out=grad)``.
     """
-    xa, ea, dev, fmt, buf, st = prepare(x, residual, out, lambda n: CastFormat(n, kind), stream)
-    if fmt.n:
-        half = fmt.views(buf)["half"]
-        if dev:
-            from ._cuda import casts as kern
-            kern.encode(xa, ea, kind == "bf16", half, buf, fmt, st)
-        else:
-            encode_cpu(xa, xa if ea is None else ea, ea is not None, kind == "bf16", half)
-    if not dev:
-        buf[fmt.used_nbytes:] = 0
-    return Payload(fmt, buf)
+    bf16 = kind == "bf16"
+
+    def on_device(xa, ea, fmt, v, buf, st):
+        from ._cuda import casts as kern
+        kern.encode(xa, ea, bf16, v["half"], buf, fmt, st)
+
+    def on_host(xa, c, has_res, fmt, v):
+        encode_cpu(xa, c, has_res, bf16, v["half"])
+
+    return encode_payload(x, residual, out, stream, lambda n: CastFormat(n, kind),
+                          on_device, on_host)
 
 
 def decode_cpu(fmt, stack, out, accumulate):

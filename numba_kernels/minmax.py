@@ -15,11 +15,11 @@ codes fill whole words.  Inputs must be finite.
 import numpy as np
 from numba import njit, prange
 
-from ._api import prepare
+from ._api import encode_payload
 from ._bits import read_code
 from ._scalar import fma32, greater, lesser
 from .errors import KernelParameterError
-from .wire import MinMaxFormat, Payload
+from .wire import MinMaxFormat
 
 _U64 = np.uint64
 _MASK32 = _U64(0xFFFFFFFF)
@@ -184,19 +184,15 @@ def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None)
     encodes c = x + residual and residual becomes c - decompress(payload).
     Example: ``p = compress_minmax(g, bits=4, residual=e); decompress(p, out=g)``.
     """
-    xa, ea, dev, fmt, buf, st = prepare(x, residual, out,
-                                        lambda n: MinMaxFormat(n, bits, chunk), stream)
-    if fmt.n:
-        v = fmt.views(buf)
-        if dev:
-            from ._cuda import minmax as kern
-            kern.encode(xa, ea, fmt, v["params"], v["codes"], buf, st)
-        else:
-            encode_cpu(xa, xa if ea is None else ea, ea is not None, fmt.chunk, fmt.bits,
-                       v["params"], v["codes"])
-    if not dev:
-        buf[fmt.used_nbytes:] = 0
-    return Payload(fmt, buf)
+    def on_device(xa, ea, fmt, v, buf, st):
+        from ._cuda import minmax as kern
+        kern.encode(xa, ea, fmt, v["params"], v["codes"], buf, st)
+
+    def on_host(xa, c, has_res, fmt, v):
+        encode_cpu(xa, c, has_res, fmt.chunk, fmt.bits, v["params"], v["codes"])
+
+    return encode_payload(x, residual, out, stream, lambda n: MinMaxFormat(n, bits, chunk),
+                          on_device, on_host)
 
 
 def decode_cpu(fmt, stack, out, accumulate):

@@ -14,11 +14,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._api import prepare
+from ._api import encode_payload
 from ._scalar import chunk_sum
 from .minmax import add_into
 from .errors import KernelParameterError
-from .wire import OneBitFormat, Payload
+from .wire import OneBitFormat
 
 SCALES = ("l2", "mean_abs")
 
@@ -92,18 +92,17 @@ def compress_onebit(x, chunk=4096, scale="l2", residual=None, out=None, stream=N
     """
     if scale not in SCALES:
         raise KernelParameterError(f"scale must be one of {SCALES}, got {scale!r}")
-    xa, ea, dev, fmt, buf, st = prepare(x, residual, out, lambda n: OneBitFormat(n, chunk), stream)
-    if fmt.n:
-        v = fmt.views(buf)
-        if dev:
-            from ._cuda import onebit as kern
-            kern.encode(xa, ea, fmt, scale == "l2", v["scales"], v["signs"], buf, st)
-        else:
-            encode_cpu(xa, xa if ea is None else ea, ea is not None, fmt.chunk, scale == "l2",
-                       v["scales"], v["signs"])
-    if not dev:
-        buf[fmt.used_nbytes:] = 0
-    return Payload(fmt, buf)
+    l2 = scale == "l2"
+
+    def on_device(xa, ea, fmt, v, buf, st):
+        from ._cuda import onebit as kern
+        kern.encode(xa, ea, fmt, l2, v["scales"], v["signs"], buf, st)
+
+    def on_host(xa, c, has_res, fmt, v):
+        encode_cpu(xa, c, has_res, fmt.chunk, l2, v["scales"], v["signs"])
+
+    return encode_payload(x, residual, out, stream, lambda n: OneBitFormat(n, chunk),
+                          on_device, on_host)
 
 
 def decode_cpu(fmt, stack, out, accumulate):

@@ -16,10 +16,10 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._api import prepare
+from ._api import encode_payload
 from ._scalar import chunk_sum, mul32, rng_key, uniform24
 from .minmax import add_into
-from .wire import Payload, QSGDFormat
+from .wire import QSGDFormat
 
 
 @njit(nogil=True, inline="always")
@@ -96,20 +96,17 @@ def compress_qsgd(x, levels=127, chunk=1024, seed=0, residual=None, out=None, st
     step and rank).  Returns a Payload of ``QSGDFormat(x.size, levels, chunk)``.
     Example: ``p = compress_qsgd(g, seed=step); decompress(p, out=g)``.
     """
-    xa, ea, dev, fmt, buf, st = prepare(x, residual, out,
-                                        lambda n: QSGDFormat(n, levels, chunk), stream)
     key = rng_key(seed)
-    if fmt.n:
-        v = fmt.views(buf)
-        if dev:
-            from ._cuda import qsgd as kern
-            kern.encode(xa, ea, fmt, key, v["norms"], v["codes"], buf, st)
-        else:
-            encode_cpu(xa, xa if ea is None else ea, ea is not None, fmt.chunk, fmt.levels, key,
-                       v["norms"], v["codes"])
-    if not dev:
-        buf[fmt.used_nbytes:] = 0
-    return Payload(fmt, buf)
+
+    def on_device(xa, ea, fmt, v, buf, st):
+        from ._cuda import qsgd as kern
+        kern.encode(xa, ea, fmt, key, v["norms"], v["codes"], buf, st)
+
+    def on_host(xa, c, has_res, fmt, v):
+        encode_cpu(xa, c, has_res, fmt.chunk, fmt.levels, key, v["norms"], v["codes"])
+
+    return encode_payload(x, residual, out, stream, lambda n: QSGDFormat(n, levels, chunk),
+                          on_device, on_host)
 
 
 def decode_cpu(fmt, stack, out, accumulate):
