@@ -171,8 +171,9 @@ def _gtopk_arrays(flats, residuals, ks, comm: MPI.Intracomm, scale: float, index
         fit_kernel_threads()
     for flat, res, (_, cols, k) in zip(flats, residuals, layout):
         nk.compress_topk(flat, k, index_dtype=index_dtype, residual=res, out=message[cols])
-    sent = _alloc(row, device)
-    _copy(sent, message, device)
+    # ``message`` stays as sent: the tree and the swap merge into new buffers, and where the
+    # global set is ``message`` itself (one rank) each segment is restored before it is scaled
+    sent = message
     _ready(device)  # kernels done before MPI reads the buffers
     rank, n = comm.Get_rank(), comm.Get_size()
     if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
@@ -195,13 +196,6 @@ def _alloc(nbytes: int, device: bool):
         from numba import cuda
         return cuda.device_array(nbytes, dtype=np.uint8)
     return np.empty(nbytes, dtype=np.uint8)
-
-
-def _copy(dst, src, device: bool) -> None:
-    if device:
-        dst.copy_to_device(src)
-    else:
-        dst[:] = src
 
 
 def _ready(device: bool) -> None:
