@@ -1,4 +1,4 @@
-"""DistBelief on MPI ranks: Downpour SGD and Sandblaster L-BFGS (Dean et al. 2012, §4.1-4.2).
+"""DistBelief on MPI ranks: model parallelism (§3), Downpour SGD and Sandblaster L-BFGS (§4.1-4.2).
 
 Inside one ordinary ``mpiexec``/``srun`` job, some ranks hold parameter-server shards (each a
 slice of the flattened parameter vector), the others train model replicas; Sandblaster adds a
@@ -17,6 +17,12 @@ Quick start (every rank runs the same script)::
                              optimizer=db.Adagrad(lr=0.05), n_fetch=4, n_push=4,
                              warm_start_steps=50)
     roles.close()
+
+Model parallelism: ``setup(n_servers=S, n_partitions=M)`` groups the workers into replicas of M
+partitions; ``PipelineModel`` (cut by layers) or ``BlockModel`` (cut within locally connected or
+fully connected layers) runs one replica over its group, and every partition is a Downpour or
+Sandblaster worker for its own parameter range (see ``model_parallel`` and
+``examples/model_parallel_downpour.py``).
 
 Communication design: two-sided, nonblocking point-to-point (``MPI_Issend`` + ``MPI_Improbe`` /
 matched receive from ``MPI_ANY_SOURCE``), not one-sided RMA. Reasons:
@@ -53,11 +59,15 @@ What survives, and what does not (an MPI job starts and ends as a whole):
   the last checkpoint, ``ShardServer.state_dict``/``SandblasterCoordinator.state_dict``).
 """
 from .downpour import DownpourWorker, WorkerReport, run_downpour
+from .layers import LinearBlocks, LocallyConnected2d
 from .lbfgs import History, WolfeSearch, two_loop_coefficients
+from .link import Link
+from .model_parallel import BlockModel, PipelineModel
 from .models import flat_parameters, load_flat, model_step_fn
 from .optimizers import SGD, Adagrad
+from .partition import PartitionError, exchange_plan, split_units
 from .protocol import Departure, DistBeliefError
-from .roles import Roles, ShardLayout, setup
+from .roles import Roles, ShardLayout, check_replicas, setup
 from .sandblaster import (LBFGSResult, SandblasterCoordinator, SandblasterWorker,
                           SandblasterWorkerReport, run_sandblaster)
 from .scheduler import PortionScheduler, SchedulerStats
@@ -65,10 +75,11 @@ from .shard_server import ServerReport, ShardServer
 from .vector_ops import Program, SlotStore
 
 __all__ = [
-    "Adagrad", "Departure", "DistBeliefError", "DownpourWorker", "History", "LBFGSResult",
-    "PortionScheduler", "Program", "Roles", "SGD", "SandblasterCoordinator",
+    "Adagrad", "BlockModel", "Departure", "DistBeliefError", "DownpourWorker", "History",
+    "LBFGSResult", "LinearBlocks", "Link", "LocallyConnected2d", "PartitionError",
+    "PipelineModel", "PortionScheduler", "Program", "Roles", "SGD", "SandblasterCoordinator",
     "SandblasterWorker", "SandblasterWorkerReport", "SchedulerStats", "ServerReport",
     "ShardLayout", "ShardServer", "SlotStore", "WolfeSearch", "WorkerReport", "flat_parameters",
-    "load_flat", "model_step_fn", "run_downpour", "run_sandblaster", "setup",
-    "two_loop_coefficients",
+    "check_replicas", "exchange_plan", "load_flat", "model_step_fn", "run_downpour",
+    "run_sandblaster", "setup", "split_units", "two_loop_coefficients",
 ]

@@ -10,6 +10,15 @@ A worker (model replica) keeps a local copy of the parameters and, on its own da
 Warm start: with ``warm_start_steps = K > 0`` worker 0 trains alone for K steps; the shards
 release the other workers when it reports the K steps done (or leaves, or is lost).
 
+Partitioned replicas (``setup(n_partitions=M)``, ``model_parallel``): every partition is a
+``DownpourWorker`` with ``param_range`` = its own parameters, so it fetches and pushes only
+those, only to the shards that hold them, on its own ``n_fetch``/``n_push`` schedule; its step
+function runs the replica's forward/backward together with the other partitions. Replica 0 is
+the warm-start replica; each of its partitions sends its own initial values to the shards.
+Because a partition's step function waits for its neighbours, a failure in one partition cannot
+be survived by the others: in a partitioned replica the exception is re-raised (and ends the
+MPI job) instead of becoming a goodbye.
+
 Leaving: ``finish()`` (called by ``run`` whatever happens) pushes what is left, says goodbye to
 the shards and joins the closing barrier. An exception from the step function inside ``run`` is
 logged and turned into that goodbye (reason ``ERROR``), so the others keep training; the process
@@ -68,7 +77,9 @@ class DownpourWorker:
 
     Args:
         roles, layout: from ``setup`` and ``ShardLayout`` (same layout on every rank).
-        init: the initial parameter vector; required on worker 0, which sends it to the shards.
+        init: the initial parameter vector; required on worker 0, which sends it to the shards
+            (partitioned replicas: on every partition of replica 0, the whole vector or just
+            its ``param_range`` slice).
         n_fetch, n_push: fetch every ``n_fetch`` steps, push every ``n_push`` steps.
         warm_start_steps: worker 0's solo steps (all workers must pass the same value).
         param_range: ``(lo, hi)`` if this replica uses only ``params[lo:hi]``; it then talks
@@ -90,15 +101,22 @@ class DownpourWorker:
         self.roles, self.layout = roles, layout
         self.lo, self.hi = layout.check_range(param_range)
         self.index = roles.worker_index
-        if self.index == 0 and init is None:
-            raise ValueError("worker 0 must pass init=: it sends the initial parameters to the "
-                             "shards")
+        self.replica = roles.replica_index
+        self.partitioned = roles.n_partitions > 1
+        if self.replica == 0 and init is None:
+            raise ValueError(f"worker rank {roles.rank} (replica 0) must pass init=: it sends the "
+                             f"initial parameters to the shards")
         self.params = np.zeros(layout.numel, dtype=layout.dtype)
         if init is not None:
             init = np.asarray(init)
-            if init.shape != (layout.numel,):
-                raise ValueError(f"init must have shape ({layout.numel},), got {init.shape}")
-            self.params[:] = init
+            if init.shape == (layout.numel,):
+                self.params[:] = init
+            elif self.partitioned and init.shape == (self.hi - self.lo,):
+                self.params[self.lo:self.hi] = init
+            else:
+                raise ValueError(f"init must have shape ({layout.numel},)"
+                                 f"{f' or ({self.hi - self.lo},)' if self.partitioned else ''}, "
+                                 f"got {init.shape}")
         self.session = open_session(roles, layout, DOWNPOUR, param_range=(self.lo, self.hi),
                                     warm_start_steps=warm_start_steps)
         self.warm_start_steps = warm_start_steps
@@ -106,16 +124,20 @@ class DownpourWorker:
         # shard -> (server rank, global [a, b) of our part of it)
         self.parts = {k: (roles.servers[k], layout.overlap(k, self.lo, self.hi))
                       for k in layout.shards_overlapping(self.lo, self.hi)}
-        if self.index == 0:
-            sends = [self.endpoint.send(r, pack(Op.PARAMS, payload=piece))
-                     for r, piece in zip(roles.servers, layout.split(self.params))]
+        if roles.rank in self.session.init_ranges:
+            sends = []
+            for k, server in enumerate(roles.servers):
+                for sender, (a, b) in self.session.init_senders(layout, k):
+                    if sender == roles.rank:
+                        sends.append(self.endpoint.send(
+                            server, pack(Op.PARAMS, payload=self.params[a:b])))
             self.endpoint.wait(sends)
         self._acc = np.zeros(layout.numel, dtype=layout.dtype)
         self._acc_steps = 0  # steps accumulated since the last push
         self.steps = self.pushes = self.fetches = 0
         self.stopped = False
         self._started = self._finished = False
-        self._warm_reported = warm_start_steps == 0 or self.index != 0
+        self._warm_reported = warm_start_steps == 0 or self.replica != 0
         self.warm_wait_s = 0.0
 
     # -- the protocol --------------------------------------------------------------------------
@@ -124,7 +146,7 @@ class DownpourWorker:
         if self._started:
             return self
         self._started = True
-        if self.warm_start_steps > 0 and self.index != 0:
+        if self.warm_start_steps > 0 and self.replica != 0:
             t0 = time.perf_counter()
             waiting = {r for r, _ in self.parts.values()}
             while waiting:
@@ -177,9 +199,12 @@ class DownpourWorker:
         if not self._started:
             self.start()
         grad = np.asarray(grad)
-        if grad.shape != (self.layout.numel,):
-            raise ValueError(f"gradient must have shape ({self.layout.numel},), got {grad.shape}")
-        self._acc[self.lo:self.hi] += grad[self.lo:self.hi]
+        if grad.shape == (self.layout.numel,):
+            grad = grad[self.lo:self.hi]
+        elif grad.shape != (self.hi - self.lo,):
+            raise ValueError(f"gradient must have shape ({self.layout.numel},) or, for this "
+                             f"worker's param_range, ({self.hi - self.lo},); got {grad.shape}")
+        self._acc[self.lo:self.hi] += grad
         self._acc_steps += 1
         self.steps += 1
         self._check_stop()
@@ -253,6 +278,8 @@ class DownpourWorker:
             try:
                 loss, grad = step_fn(view, first_step + i)
             except Exception as exc:  # noqa: BLE001 - a replica's failure is not the job's
+                if self.partitioned:
+                    raise  # the other partitions wait for this one: only the job can end it
                 logger.exception("Downpour worker rank %d: step function raised at step %d; "
                                  "leaving the training, the others continue",
                                  self.roles.rank, first_step + i)
@@ -273,6 +300,9 @@ def run_downpour(roles: Roles, layout: ShardLayout, step_fn: StepFn, num_steps: 
     """Every rank calls this with the same arguments; servers serve, workers train.
 
     Returns the server's ``ServerReport`` on servers and the ``WorkerReport`` on workers.
+    Partitioned replicas: each partition passes its own ``param_range`` and ``step_fn``
+    (``PipelineModel.step_fn``/``BlockModel.step_fn``); ``n_fetch``/``n_push`` may differ
+    between partitions.
     ``optimizer`` defaults to ``Adagrad(lr=0.01)``. ``server_state``: a dict from
     ``ShardServer.state_dict`` to resume from (on servers; ignored elsewhere).
     """

@@ -10,9 +10,18 @@ Default layout of an N-rank job with ``setup(n_servers=S, coordinator=C)``::
 ``setup(server_ranks=[...])`` places the shards on any ranks instead (for example one per node,
 so that shards do not share a node's memory bandwidth with each other).
 
+With ``setup(..., n_partitions=M)`` each model replica is partitioned over M workers (paper §3):
+workers ``M r .. M r + M - 1`` form replica r (partitions 0 .. M-1, in rank order), which gets its
+own communicator ``roles.group`` for activations. Replica 0 is Downpour's warm-start replica;
+each replica's partition 0 is its *leader*, the one Sandblaster's coordinator talks to. Example,
+``mpiexec -n 9`` with ``setup(n_servers=3, n_partitions=3)``::
+
+    ranks 0 1 2 | 3 4 5 | 6 7 8
+    replica 0   | rep 1 | shards 0 1 2      (partition m of every replica: ranks m, 3 + m)
+
 The vector of P parameters is cut into S contiguous shards whose sizes differ by at most one
 (``ShardLayout``). A worker that uses only part of the vector (``param_range``) talks only to the
-shards that hold some of it.
+shards that hold some of it; a partition's range is its own parameters.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import runtime
+from .partition import PartitionError
 from .protocol import DistBeliefError
 
 SERVER, WORKER, COORDINATOR = "server", "worker", "coordinator"
@@ -107,6 +117,8 @@ class Roles:
     servers: tuple[int, ...]  # ranks of shards 0..S-1
     workers: tuple[int, ...]  # ranks of workers 0..W-1
     coordinator: int | None  # Sandblaster's coordinator rank, if any
+    n_partitions: int = 1  # workers per model replica
+    group: MPI.Intracomm | None = None  # this worker's replica group (None elsewhere)
 
     @property
     def rank(self) -> int:
@@ -152,6 +164,29 @@ class Roles:
         """This rank's worker number (workers only); worker 0 is the warm-start replica."""
         return self.workers.index(self.rank)
 
+    @property
+    def n_replicas(self) -> int:
+        return self.n_workers // self.n_partitions
+
+    @property
+    def replica_index(self) -> int:
+        """This worker's replica (workers only)."""
+        return self.worker_index // self.n_partitions
+
+    @property
+    def partition_index(self) -> int:
+        """This worker's partition within its replica (workers only)."""
+        return self.worker_index % self.n_partitions
+
+    def replica_ranks(self, r: int) -> tuple[int, ...]:
+        """Ranks of replica r's partitions 0 .. M-1."""
+        return self.workers[r * self.n_partitions:(r + 1) * self.n_partitions]
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """Partition 0 of every replica."""
+        return self.workers[::self.n_partitions]
+
     def gather_vector(self, layout: ShardLayout, my_slice: np.ndarray | None,
                       root: int = 0) -> np.ndarray | None:
         """Collective: assemble the full vector from the shards' slices on rank ``root``.
@@ -177,8 +212,12 @@ class Roles:
         return out
 
     def close(self) -> None:
-        """Collective: free the parameter-server communicator."""
-        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
+        """Collective: free the parameter-server communicator (and the replica groups)."""
+        if MPI.Is_finalized():
+            return
+        if self.group is not None and self.group != MPI.COMM_NULL:
+            self.group.Free()
+        if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
 
@@ -213,7 +252,19 @@ def plan_roles(size: int, n_servers: int = 1, coordinator: bool = False,
     return servers, workers, coord
 
 
-def setup(n_servers: int = 1, *, coordinator: bool = False,
+def check_replicas(n_workers: int, n_partitions: int, size: int = 0) -> int:
+    """The number of replicas; ``PartitionError`` if the workers do not form whole replicas."""
+    if isinstance(n_partitions, bool) or not isinstance(n_partitions, int) or n_partitions < 1:
+        raise PartitionError(f"n_partitions must be a positive integer, got {n_partitions!r}")
+    if n_workers % n_partitions:
+        raise PartitionError(
+            f"{n_workers} worker rank(s){f' (of {size})' if size else ''} cannot form replicas "
+            f"of {n_partitions} partitions: the replica group size {n_partitions} must divide "
+            f"the number of workers; start R * {n_partitions} workers plus the servers")
+    return n_workers // n_partitions
+
+
+def setup(n_servers: int = 1, *, coordinator: bool = False, n_partitions: int = 1,
           server_ranks=None, comm: MPI.Intracomm | None = None) -> Roles:
     """Collective: choose roles and duplicate the communicator for parameter-server traffic.
 
@@ -221,17 +272,27 @@ def setup(n_servers: int = 1, *, coordinator: bool = False,
         n_servers: number of parameter-server shards (ignored when ``server_ranks`` is given).
         coordinator: reserve the first non-server rank (rank 0 by default) for Sandblaster's
             coordinator.
+        n_partitions: workers per model replica (model parallelism); consecutive workers form
+            a replica and share ``roles.group``. Must divide the number of workers.
         server_ranks: explicit ranks for shards 0..S-1 (default: the last ``n_servers`` ranks).
         comm: communicator to duplicate (default: bagua_mpi's own, so ``bagua_mpi.init()`` must
             have run). The duplicate is never used for collectives of the library, so a server
             waiting for pushes can never match (or be matched by) an allreduce.
 
-    Raises ``ValueError`` (on every rank alike) for a layout with no worker or no server.
+    Raises ``ValueError`` (on every rank alike) for a layout with no worker or no server, and
+    ``PartitionError`` (a ``ValueError``) when the workers do not form whole replicas.
     """
     if comm is None:
         comm = runtime.get().topo.comm
     servers, workers, coord = plan_roles(comm.Get_size(), n_servers, coordinator, server_ranks)
-    return Roles(comm.Dup(), servers, workers, coord)
+    check_replicas(len(workers), n_partitions, comm.Get_size())
+    dup = comm.Dup()
+    me = dup.Get_rank()
+    # the replica's own communicator, ordered by partition (split is collective on ``dup``)
+    color = workers.index(me) // n_partitions if me in workers else MPI.UNDEFINED
+    group = dup.Split(color, key=me)
+    return Roles(dup, servers, workers, coord, n_partitions,
+                 None if group == MPI.COMM_NULL else group)
 
 
 def handshake(roles: Roles, fields: dict[str, int]) -> list[dict[str, int]]:
@@ -266,7 +327,13 @@ class Session:
 
     mode: int  # DOWNPOUR or SANDBLASTER
     worker_ranges: dict[int, tuple[int, int]]  # worker rank -> the part of the vector it uses
-    warm_start_steps: int  # Downpour: solo steps of worker 0 before the others start
+    warm_start_steps: int  # Downpour: solo steps of replica 0 before the others start
+    init_ranges: dict[int, tuple[int, int]] = None  # replica 0's ranks -> what they send at start
+
+    def init_senders(self, layout: ShardLayout, k: int) -> list[tuple[int, tuple[int, int]]]:
+        """``(rank, global [a, b))`` of each piece of shard k's initial values, in rank order."""
+        return [(w, layout.overlap(k, *r)) for w, r in sorted(self.init_ranges.items())
+                if layout.overlap(k, *r) is not None]
 
     def workers_of_shard(self, roles: Roles, layout: ShardLayout, k: int) -> list[int]:
         """Ranks of the workers that use some of shard k (the ones it waits for)."""
@@ -279,16 +346,18 @@ def open_session(roles: Roles, layout: ShardLayout, mode: int, *, param_range=(0
                  optimizer_lr: float = 0.0) -> Session:
     """Collective: exchange and check the settings of a session (one handshake allgather).
 
-    Every rank must agree on the mode and the layout; workers on the warm-start length; servers
-    on the update rule. A disagreement raises ``DistBeliefError`` on every rank, naming each
-    rank's value, instead of a protocol that silently misbehaves.
+    Every rank must agree on the mode, the layout and the partitions; workers on the warm-start
+    length; servers on the update rule. A disagreement raises ``DistBeliefError`` on every rank,
+    naming each rank's value, instead of a protocol that silently misbehaves. With partitioned
+    replicas, each replica's partition ranges must tile the vector in partition order.
     """
     lr_bits = int(np.array([optimizer_lr], dtype=np.float64).view(np.int64)[0])
     rows = handshake(roles, {
         "mode": mode, "numel": layout.numel, "n_shards": layout.n_shards,
         "itemsize": layout.dtype.itemsize, "lo": param_range[0], "hi": param_range[1],
-        "warm": warm_start_steps, "opt": optimizer_code, "lr_bits": lr_bits})
-    for key in ("mode", "numel", "n_shards", "itemsize"):
+        "warm": warm_start_steps, "opt": optimizer_code, "lr_bits": lr_bits,
+        "parts": roles.n_partitions})
+    for key in ("mode", "numel", "n_shards", "itemsize", "parts"):
         check_agree(rows, key)
     warm = check_agree(rows, "warm", roles.workers)
     check_agree(rows, "opt", roles.servers)
@@ -297,4 +366,15 @@ def open_session(roles: Roles, layout: ShardLayout, mode: int, *, param_range=(0
         raise DistBeliefError(f"{layout} has {layout.n_shards} shards but the job has "
                               f"{roles.n_servers} server rank(s)")
     ranges = {w: (rows[w]["lo"], rows[w]["hi"]) for w in roles.workers}
-    return Session(mode, ranges, warm)
+    M = roles.n_partitions
+    if M == 1:
+        init = {roles.workers[0]: (0, layout.numel)}  # worker 0 sends the whole vector
+    else:
+        for r in range(roles.n_replicas):
+            tiles = [ranges[w] for w in roles.replica_ranks(r)]
+            ends = [0] + [hi for _, hi in tiles]
+            if any(lo != ends[i] for i, (lo, _) in enumerate(tiles)) or ends[-1] != layout.numel:
+                raise PartitionError(f"replica {r}: partition parameter ranges {tiles} do not "
+                                     f"tile [0, {layout.numel}) in partition order")
+        init = {w: ranges[w] for w in roles.replica_ranks(0)}
+    return Session(mode, ranges, warm, init)

@@ -19,6 +19,16 @@ the rest are workers. One L-BFGS iteration:
 The objective is ``f(x) = (1/n_samples) sum_i loss_i(x) + (l2/2) |x|^2``; the worker's
 ``portion_fn(x, portion) -> (loss_sum, grad_sum)`` returns *sums* over the portion's samples.
 
+Partitioned replicas (``setup(coordinator=True, n_partitions=M)``): a portion is computed by a
+whole replica group. The coordinator talks only to each replica's leader (partition 0), which
+relays every task (and the final stop) to its partitions over the group communicator. Each
+partition fetches only its ``param_range`` of the point, from the shards holding it; the group
+agrees that every partition got the point (else the task is reported stale); each partition
+runs its part of the forward/backward and pushes its slice of the gradient sum to its shards
+(a shard accepts each (portion, window) piece once, so backup copies still work); once every
+partition's push has been received, the leader reports the loss to the coordinator. An
+exception in one partition ends the job (its neighbours would wait for it forever).
+
 Example (every rank; see ``examples/sandblaster_lbfgs.py``)::
 
     roles = distbelief.setup(n_servers=2, coordinator=True)
@@ -36,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from mpi4py import MPI
 
 from .lbfgs import History, WolfeSearch
 from .protocol import (POLL_MAX_S, TAG_REPLY, TAG_REQUEST, DistBeliefError, Endpoint, Message,
@@ -119,6 +130,7 @@ class SandblasterCoordinator:
         self.history = History(history)
         self.session = open_session(roles, layout, SANDBLASTER)
         self.endpoint = Endpoint(roles.comm, poll_max_s)
+        self.workers = roles.leaders  # one per replica: a partitioned replica acts as one
         self.idle: list[int] = []  # workers waiting for a task, in the order they asked
         self.gone: set[int] = set()
         self.iteration = 0
@@ -150,12 +162,12 @@ class SandblasterCoordinator:
         eval_id = self.evals
         self.evals += 1
         self._run(Program().begin_eval(point, eval_id))
-        alive = [w for w in self.roles.workers if w not in self.gone]
+        alive = [w for w in self.workers if w not in self.gone]
         sched = PortionScheduler(self.n_portions, alive, self.max_copies)
         loss_sum = 0.0
         self._assign(sched, eval_id)
         while not sched.done:
-            if len(self.gone) == len(self.roles.workers):
+            if len(self.gone) == len(self.workers):
                 raise _NoWorkers
             m = self.endpoint.recv(tag=TAG_REQUEST)
             w = m.source
@@ -321,41 +333,65 @@ class SandblasterCoordinator:
         self._resumed = True
 
 
+_RELAY_TAG = 0x5342  # leader -> partitions on the replica group: [kind, eval id, portion]
+_RELAY_TASK, _RELAY_STOP = 1, 2
+
+
 class SandblasterWorker:
-    """A model replica computing portions; collective constructor, then ``run()``.
+    """A model replica (or one partition of one) computing portions; collective constructor,
+    then ``run()``.
 
     ``portion_fn(x, portion) -> (loss_sum, grad_sum)`` gets a read-only view of the point being
-    evaluated. If it raises, the worker logs the exception, tells the coordinator (which hands
-    its portion to someone else) and leaves; ``run`` returns with ``report.error`` set.
+    evaluated (a partition: only its ``param_range`` is filled; it may return the gradient of
+    that slice only). If it raises in an unpartitioned replica, the worker logs the exception,
+    tells the coordinator (which hands its portion to someone else) and leaves; ``run`` returns
+    with ``report.error`` set. In a partitioned replica the exception ends the job.
     """
 
     def __init__(self, roles: Roles, layout: ShardLayout, portion_fn: PortionFn, *,
-                 init: np.ndarray | None = None, poll_max_s: float = POLL_MAX_S):
+                 init: np.ndarray | None = None, param_range=None,
+                 poll_max_s: float = POLL_MAX_S):
         if not roles.is_worker or roles.coordinator is None:
             raise ValueError(f"rank {roles.rank} is a {roles.role}, not a Sandblaster worker "
                              f"(setup(coordinator=True))")
         self.roles, self.layout, self.portion_fn = roles, layout, portion_fn
-        if roles.worker_index == 0 and init is None:
-            raise ValueError("worker 0 must pass init=: it sends the starting point to the shards")
-        self.session = open_session(roles, layout, SANDBLASTER)
+        self.lo, self.hi = layout.check_range(param_range)
+        self.partitioned = roles.n_partitions > 1
+        self.leader = roles.partition_index == 0
+        if roles.replica_index == 0 and init is None:
+            raise ValueError(f"worker rank {roles.rank} (replica 0) must pass init=: it sends the "
+                             f"starting point to the shards")
+        self.session = open_session(roles, layout, SANDBLASTER, param_range=(self.lo, self.hi))
         self.endpoint = Endpoint(roles.comm, poll_max_s)
         self.x = np.zeros(layout.numel, dtype=layout.dtype)
-        if roles.worker_index == 0:
+        if init is not None:
             init = np.asarray(init, dtype=layout.dtype)
-            if init.shape != (layout.numel,):
+            if init.shape == (layout.numel,):
+                self.x[:] = init
+            elif self.partitioned and init.shape == (self.hi - self.lo,):
+                self.x[self.lo:self.hi] = init
+            else:
                 raise ValueError(f"init must have shape ({layout.numel},), got {init.shape}")
-            self.endpoint.wait([self.endpoint.send(r, pack(Op.PARAMS, payload=piece))
-                                for r, piece in zip(roles.servers, layout.split(init))])
+        if roles.rank in self.session.init_ranges:
+            sends = []
+            for k, server in enumerate(roles.servers):
+                for sender, (a, b) in self.session.init_senders(layout, k):
+                    if sender == roles.rank:
+                        sends.append(self.endpoint.send(server,
+                                                        pack(Op.PARAMS, payload=self.x[a:b])))
+            self.endpoint.wait(sends)
+        # shard -> (server rank, global [a, b) of our part of it)
+        self.parts = {k: (roles.servers[k], layout.overlap(k, self.lo, self.hi))
+                      for k in layout.shards_overlapping(self.lo, self.hi)}
         self._eval = -1  # the evaluation whose point ``x`` holds
 
     def _fetch(self, eval_id: int) -> bool:
-        for server in self.roles.servers:
+        for server, _ in self.parts.values():
             self.endpoint.send(server, pack(Op.FETCH_EVAL, eval_id))
         ok = True
-        for k, server in enumerate(self.roles.servers):
+        for server, (a, b) in self.parts.values():
             m = self.endpoint.recv(source=server, tag=TAG_REPLY)
             if m.op == Op.PARAMS:
-                a, b = self.layout.shard_range(k)
                 self.x[a:b] = m.data(self.layout.dtype)
             elif m.op == Op.STALE:
                 ok = False
@@ -367,34 +403,78 @@ class SandblasterWorker:
             self._eval = eval_id
         return ok
 
+    # -- the replica group: relay and agreement (no-ops without partitions) --------------------
+    def _group_wait(self, request) -> None:
+        self.endpoint.wait([request])
+
+    def _relay(self, kind: int, eval_id: int = 0, portion: int = 0) -> None:
+        if self.partitioned:
+            msg = np.array([kind, eval_id, portion], dtype=np.int64)
+            group = self.roles.group
+            self.endpoint.wait([group.Issend(msg, dest=m, tag=_RELAY_TAG)
+                                for m in range(1, group.Get_size())])
+
+    def _next_relayed(self) -> tuple[int, int, int]:
+        msg = np.empty(3, dtype=np.int64)
+        self._group_wait(self.roles.group.Irecv(msg, source=0, tag=_RELAY_TAG))
+        return int(msg[0]), int(msg[1]), int(msg[2])
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not self.partitioned:
+            return ok
+        flag = np.array([1 if ok else 0], dtype=np.int64)
+        self._group_wait(self.roles.group.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MIN))
+        return bool(flag[0])
+
+    def _next_task(self, report) -> tuple[int, int] | None:
+        """The next (evaluation, portion), or None at the end: from the coordinator (leader) or
+        relayed by the leader (other partitions)."""
+        if not self.leader:
+            kind, eval_id, portion = self._next_relayed()
+            return (eval_id, portion) if kind == _RELAY_TASK else None
+        m = self.endpoint.recv(source=self.roles.coordinator, tag=TAG_REQUEST)
+        if m.op == Op.STOP:
+            self._relay(_RELAY_STOP)
+            return None
+        if m.op != Op.TASK:
+            raise DistBeliefError(f"worker rank {self.roles.rank}: unexpected {m.op.name} "
+                                  f"from the coordinator")
+        self._relay(_RELAY_TASK, m.a, m.b)
+        return m.a, m.b
+
     def run(self) -> SandblasterWorkerReport:
         report = SandblasterWorkerReport(self.roles.rank, 0, 0, 0)
         coord = self.roles.coordinator
         view = self.x.view()
         view.flags.writeable = False
-        self.endpoint.send(coord, pack(Op.READY))
+        if self.leader:
+            self.endpoint.send(coord, pack(Op.READY))
         while True:
-            m = self.endpoint.recv(source=coord, tag=TAG_REQUEST)
-            if m.op == Op.STOP:
+            task = self._next_task(report)
+            if task is None:
                 break
-            if m.op != Op.TASK:
-                raise DistBeliefError(f"worker rank {self.roles.rank}: unexpected {m.op.name} "
-                                      f"from the coordinator")
-            eval_id, portion = m.a, m.b
+            eval_id, portion = task
+            ok = True
             if eval_id != self._eval:
                 report.fetches += 1
-                if not self._fetch(eval_id):
-                    report.stale += 1
+                ok = self._fetch(eval_id)
+            if not self._all_ok(ok):
+                report.stale += 1
+                if self.leader:
                     self.endpoint.send(coord, pack(Op.DONE, eval_id, portion, 1,
                                                    payload=np.zeros(1)))
-                    continue
+                continue
             try:
                 loss, grad = self.portion_fn(view, portion)
                 grad = np.asarray(grad, dtype=self.layout.dtype).reshape(-1)
-                if grad.shape != (self.layout.numel,):
+                if grad.shape == (self.layout.numel,):
+                    grad = grad[self.lo:self.hi]
+                elif grad.shape != (self.hi - self.lo,):
                     raise ValueError(f"portion_fn returned a gradient of shape {grad.shape}, "
                                      f"expected ({self.layout.numel},)")
             except Exception as exc:  # noqa: BLE001 - a replica's failure is not the job's
+                if self.partitioned:
+                    raise  # the other partitions wait for this one: only the job can end it
                 logger.exception("Sandblaster worker rank %d: portion_fn raised on portion %d; "
                                  "leaving, its portion goes to another worker",
                                  self.roles.rank, portion)
@@ -403,12 +483,16 @@ class SandblasterWorker:
                 self.endpoint.send(coord, pack(Op.BYE, payload=reason))
                 break
             self.endpoint.wait([self.endpoint.send(server, pack(Op.PUSH_PORTION, eval_id, portion,
-                                                                payload=piece))
-                                for server, piece in zip(self.roles.servers,
-                                                         self.layout.split(grad))])
+                                                                payload=grad[a - self.lo:
+                                                                             b - self.lo]))
+                                for server, (a, b) in self.parts.values()])
             report.portions += 1
-            self.endpoint.send(coord, pack(Op.DONE, eval_id, portion, 0,
-                                           payload=np.array([float(loss)])))
+            # every partition's pieces are in the shards before the coordinator hears "done"
+            # (synchronous sends: completed = received), so END_EVAL cannot overtake them
+            self._all_ok(True)
+            if self.leader:
+                self.endpoint.send(coord, pack(Op.DONE, eval_id, portion, 0,
+                                               payload=np.array([float(loss)])))
         self.endpoint.drain(self._on_late)
         return report
 
@@ -419,13 +503,14 @@ class SandblasterWorker:
 
 
 def run_sandblaster(roles: Roles, layout: ShardLayout, portion_fn: PortionFn, n_portions: int,
-                    n_samples: int, *, init: np.ndarray | None = None,
+                    n_samples: int, *, init: np.ndarray | None = None, param_range=None,
                     server_state: dict | None = None, coordinator_state: dict | None = None,
                     **options) -> LBFGSResult | ServerReport | SandblasterWorkerReport:
     """Every rank calls this with the same arguments; returns this rank's result or report.
 
     ``options`` go to ``SandblasterCoordinator`` (history, l2, max_iter, gtol, ftol,
     backup_copies, callback). ``server_state``/``coordinator_state`` resume from checkpoints.
+    ``param_range``: a partition's own parameters (partitioned replicas; workers only).
     """
     if roles.is_server:
         server = ShardServer(roles, layout, None)
@@ -437,4 +522,4 @@ def run_sandblaster(roles: Roles, layout: ShardLayout, portion_fn: PortionFn, n_
         if coordinator_state is not None:
             coord.load_state_dict(coordinator_state)
         return coord.run()
-    return SandblasterWorker(roles, layout, portion_fn, init=init).run()
+    return SandblasterWorker(roles, layout, portion_fn, init=init, param_range=param_range).run()

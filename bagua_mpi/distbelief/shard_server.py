@@ -14,10 +14,17 @@ Downpour (``optimizer`` given) -- per message from worker w:
 A worker silent for longer than ``worker_timeout_s`` is declared lost and told to stop; the loop
 ends when every worker that uses this shard has left or been lost.
 
+Partitioned replicas (``setup(n_partitions=M)``): each partition is a worker with its own
+parameter range, so a shard serves and counts only the partitions whose parameters it holds.
+The initial values arrive from replica 0's partitions (each its own range), and the warm start
+ends on this shard when every partition of replica 0 that uses it has reported (or left).
+
 Sandblaster (``optimizer=None``): run the coordinator's programs (``vector_ops``); serve the
-point being evaluated to workers; add each portion's gradient once (the first copy to arrive wins,
-later copies of the same portion -- backup tasks -- and copies from a finished evaluation are
-dropped); stop when the coordinator says so.
+point being evaluated to workers (a partition gets its window of it); add each portion's gradient
+once (the first copy to arrive wins, later copies of the same portion -- backup tasks -- and
+copies from a finished evaluation are dropped); with partitioned replicas a portion's gradient
+arrives in pieces, one per partition window, each accepted once; stop when the coordinator says
+so.
 """
 from __future__ import annotations
 
@@ -122,12 +129,25 @@ class ShardServer:
             self.windows[w] = (a - self.start, b - self.start)
         self._reset_counters()
         self._served = False
-        init = self.endpoint.recv(source=roles.workers[0])
-        if init.op != Op.PARAMS or init.payload.nbytes != size * layout.dtype.itemsize:
-            raise DistBeliefError(f"shard {self.shard}: expected the initial {size} parameters "
-                                  f"from worker rank {roles.workers[0]}, got {init.op.name} "
-                                  f"with {init.payload.nbytes} bytes")
-        self.store.slots[X] = init.data(layout.dtype).copy()
+        self.store.slots[X] = self._receive_init(size)
+
+    def _receive_init(self, size: int) -> np.ndarray:
+        """The initial slice, in pieces from replica 0's partitions (one piece without them)."""
+        x = np.empty(size, dtype=self.layout.dtype)
+        got = 0
+        for sender, (a, b) in self.session.init_senders(self.layout, self.shard):
+            m = self.endpoint.recv(source=sender)
+            nbytes = (b - a) * self.layout.dtype.itemsize
+            if m.op != Op.PARAMS or m.payload.nbytes != nbytes:
+                raise DistBeliefError(f"shard {self.shard}: expected {b - a} initial parameters "
+                                      f"from worker rank {sender}, got {m.op.name} with "
+                                      f"{m.payload.nbytes} bytes")
+            x[a - self.start:b - self.start] = m.data(self.layout.dtype)
+            got += b - a
+        if got != size:
+            raise DistBeliefError(f"shard {self.shard}: initial values cover {got} of {size} "
+                                  f"parameters")
+        return x
 
     def _reset_counters(self) -> None:
         self.updates = 0
@@ -141,7 +161,7 @@ class ShardServer:
         self.pushes_at_departure: dict[int, dict[int, int]] = {}
         self.eval_id = -1  # Sandblaster: the evaluation in progress, its point and ledger
         self.eval_src = X
-        self.ledger: set[int] = set()
+        self.ledger: dict[int, dict[int, int]] = {}  # portion -> {window start: length}
         self.portions_accepted = 0
         self.programs = 0
 
@@ -171,14 +191,15 @@ class ShardServer:
         return report
 
     def _serve_downpour(self) -> None:
-        warm_rank = self.roles.workers[0]
+        warm_ranks = set(self.roles.replica_ranks(0))  # the warm-start replica's partitions
         warm = self.session.warm_start_steps > 0
-        self._state = {w: (_WAITING if warm and w != warm_rank else _ACTIVE)
+        self._state = {w: (_WAITING if warm and w not in warm_ranks else _ACTIVE)
                        for w in self.my_workers}
         now = time.monotonic()
         self._last_heard = {w: now for w in self.my_workers}
         self._released = not warm
-        if warm and warm_rank not in self._state:
+        self._warm_pending = warm_ranks & set(self.my_workers)
+        if warm and not self._warm_pending:
             self._release()  # the warm-start replica does not use this shard
         self._remaining = len(self._state)  # workers not yet departed or lost
         backoff = Backoff(self.endpoint.poll_max_s)
@@ -221,8 +242,7 @@ class ShardServer:
             if state in (_WAITING, _ACTIVE):
                 self._depart(w, Departure(m.a))
         elif m.op == Op.WARM_DONE:
-            if w == self.roles.workers[0]:
-                self._release()
+            self._warm_done(w)
         else:
             raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank {w} "
                                   f"in a Downpour session")
@@ -242,6 +262,13 @@ class ShardServer:
         self.optimizer.apply(self.params, grad, self.opt_state, a, b)
         self.updates += 1
         self.pushes[w] += 1
+
+    def _warm_done(self, w: int) -> None:
+        """A partition of the warm-start replica finished (or left): release when all have."""
+        if w in self._warm_pending:
+            self._warm_pending.discard(w)
+            if not self._warm_pending:
+                self._release()
 
     def _release(self) -> None:
         """End of the warm start on this shard: let every waiting worker go."""
@@ -263,8 +290,7 @@ class ShardServer:
         if reason == Departure.ERROR:
             logger.warning("shard %d: worker rank %d left after an error in its step function",
                            self.shard, w)
-        if w == self.roles.workers[0]:
-            self._release()  # a warm-start replica that leaves early must not block the others
+        self._warm_done(w)  # a warm-start replica that leaves early must not block the others
 
     def _check_silence(self) -> None:
         now = time.monotonic()
@@ -294,7 +320,8 @@ class ShardServer:
                 return
             elif m.op == Op.FETCH_EVAL:
                 if m.a == self.eval_id:
-                    self._reply(m.source, Op.PARAMS, payload=self.store.get(self.eval_src))
+                    a, b = self._sb_window(m.source)
+                    self._reply(m.source, Op.PARAMS, payload=self.store.get(self.eval_src)[a:b])
                 else:
                     self._reply(m.source, Op.STALE)
             elif m.op == Op.PUSH_PORTION:
@@ -303,17 +330,30 @@ class ShardServer:
                 raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank "
                                       f"{m.source} in a Sandblaster session")
 
+    def _sb_window(self, w: int) -> tuple[int, int]:
+        """Sandblaster: worker w's part of this slice, relative to its start."""
+        if w not in self.session.worker_ranges:
+            raise DistBeliefError(f"shard {self.shard}: Sandblaster message from rank {w}, "
+                                  f"which is not a worker")
+        ov = self.layout.overlap(self.shard, *self.session.worker_ranges[w])
+        if ov is None:
+            raise DistBeliefError(f"shard {self.shard}: rank {w} uses none of this shard")
+        return ov[0] - self.start, ov[1] - self.start
+
     def _add_portion(self, m: Message) -> None:
-        if m.a != self.eval_id or m.b in self.ledger:
+        a, b = self._sb_window(m.source)
+        pieces = self.ledger.setdefault(m.b, {}) if m.a == self.eval_id else None
+        if pieces is None or a in pieces:
             self.dropped += 1  # a backup copy that lost, or work for a finished evaluation
             return
         grad = m.data(self.layout.dtype)
-        if grad.shape != (self.stop - self.start,):
+        if grad.shape != (b - a,):
             raise DistBeliefError(f"shard {self.shard}: portion gradient of {grad.size} values "
-                                  f"from rank {m.source}, expected {self.stop - self.start}")
-        self.store.out(GACC)[:] += grad
-        self.ledger.add(m.b)
-        self.portions_accepted += 1
+                                  f"from rank {m.source}, expected {b - a}")
+        self.store.out(GACC)[a:b] += grad
+        pieces[a] = b - a
+        if sum(pieces.values()) == self.stop - self.start:
+            self.portions_accepted += 1
 
     def _begin_eval(self, eval_id: int, src: int) -> None:
         self.eval_id, self.eval_src = eval_id, src
@@ -321,10 +361,12 @@ class ShardServer:
         self.ledger.clear()
 
     def _end_eval(self, dst: int, scale: float, n_portions: int) -> None:
-        if len(self.ledger) != n_portions:
-            missing = sorted(set(range(n_portions)) - self.ledger)[:10]
+        size = self.stop - self.start
+        done = {p for p, pieces in self.ledger.items() if sum(pieces.values()) == size}
+        if len(done) != n_portions:
+            missing = sorted(set(range(n_portions)) - done)[:10]
             raise DistBeliefError(f"shard {self.shard}: evaluation {self.eval_id} ended with "
-                                  f"{len(self.ledger)} of {n_portions} portions (missing e.g. "
+                                  f"{len(done)} of {n_portions} portions complete (missing e.g. "
                                   f"{missing})")
         np.multiply(self.store.get(GACC), scale, out=self.store.out(dst))
 
