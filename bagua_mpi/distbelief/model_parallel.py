@@ -57,8 +57,10 @@ class _Partitioned(nn.Module):
     def _setup_params(self) -> None:
         """Collective in the group: every partition's parameter count -> contiguous ranges."""
         self.local_params = [p for p in self.parameters() if p.requires_grad]
-        mine = sum(p.numel() for p in self.local_params)
-        counts = self.link.comm.allgather(mine)
+        mine = np.array([sum(p.numel() for p in self.local_params)], dtype=np.int64)
+        table = np.empty(self.n_partitions, dtype=np.int64)
+        self.link.comm.Allgather(mine, table)
+        counts = [int(c) for c in table]
         empty = [m for m, c in enumerate(counts) if c == 0]
         if empty:
             raise PartitionError(f"partition(s) {empty} hold no trainable parameters (counts "
