@@ -21,16 +21,20 @@ from . import cuda as cuda_support
 _TORCH_DTYPES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
     torch.float64: "float64", torch.int32: "int32", torch.int64: "int64",
-    torch.uint8: "uint8", torch.bool: "bool",
+    torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.bool: "bool",
 }
 _NUMPY_DTYPES = {
     np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
     np.dtype(np.float64): "float64", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
     np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool",
 }
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
+# Horovod's dtypes. int8 and int16 are accepted for torch tensors (as Horovod); NumPy arrays keep
+# the original eight.
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8",
+                    "int16", "bool")
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 HALF = frozenset({"float16", "bfloat16"})
+INTEGER = frozenset({"int32", "int64", "uint8", "int8", "int16"})
 
 
 def dtype_name(x) -> str:
@@ -126,9 +130,15 @@ def scale_(x, factor: float) -> None:
         return
     if isinstance(x, torch.Tensor) and (x.is_cuda or x.dtype == torch.bfloat16
                                         or not x.is_contiguous()):
-        x.mul_(factor)
+        if x.is_floating_point():
+            x.mul_(factor)
+        else:  # integers as Horovod scales them: in float64, truncated toward zero
+            x.copy_(x.double().mul_(factor).trunc_())
         return
     arr = host_view(x)
+    if arr.dtype.kind in "iu":
+        np.copyto(arr, np.trunc(arr * np.float64(factor)), casting="unsafe")
+        return
     np.multiply(arr, arr.dtype.type(factor), out=arr)
 
 
@@ -138,12 +148,16 @@ def scaled_copy(dst, src, factor: float) -> None:
                                           or not src.is_contiguous()):
         if factor == 1.0:
             dst.copy_(src.detach())
+        elif not dst.is_floating_point():
+            dst.copy_(src.detach().double().mul_(factor).trunc_())
         else:
             torch.mul(src.detach(), factor, out=dst)
         return
     d, s_ = host_view(dst), host_view(src)
     if factor == 1.0:
         np.copyto(d, s_)
+    elif d.dtype.kind in "iu":
+        np.copyto(d, np.trunc(s_ * np.float64(factor)), casting="unsafe")
     else:
         np.multiply(s_, d.dtype.type(factor), out=d)
 

@@ -4,6 +4,13 @@ Naming grid (as Horovod): ``op`` returns a new tensor, ``op_`` works in place, `
 ``op_async_`` return a ``Handle`` for ``poll``/``synchronize``. Inputs are torch tensors (CPU or
 CUDA) or NumPy arrays; outputs are of the same kind and device.
 
+Signatures are Horovod's (``horovod.torch``): the same positional order and keywords
+(``average=``, ``name=``, ``compression=``, ``op=``, ``prescale_factor``/``postscale_factor``,
+``process_set=``), plus this library's keyword-only extras (``hierarchical=``, ``check=``). For
+backward compatibility the second positional argument of the allreduce family and of
+reducescatter may also be a reduction op (``allreduce(t, Sum)``). Tensors that require a
+gradient go through the differentiable versions in ``autograd_ops``.
+
 Every operation is built in two halves: argument validation runs at once in the caller (bad
 arguments raise ``ValueError``/``TypeError`` synchronously, on the rank that passed them), and a
 ``run`` closure does the MPI work, either inline or on the communication thread (``worker.py``).
@@ -13,38 +20,89 @@ raises ``MismatchError`` on every rank instead of a hang.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import consistency, runtime
-from .buffers import (FLOATING, HALF, contiguous, copy_into, dtype_name, empty_like,
+from . import consistency, process_sets, runtime, timeline
+from .buffers import (HALF, INTEGER, contiguous, copy_into, dtype_name, empty_like,
                       fast_cpu_view, is_cuda, mpi_buffer, reduce_dtype, scale_, scaled_copy,
                       to_dtype)
+from .compression import Compression
 from .exceptions import BaguaMPIError
-from .ops import Average, ReduceOp, mpi_op
+from .ops import Average, ReduceOp, Sum, UnsupportedOp, mpi_op
 from .worker import Handle
+
+global_process_set = process_sets.global_process_set
+_GLOBAL = global_process_set
+_NO_COMPRESSION = Compression.none
 
 
 # -- plumbing ----------------------------------------------------------------------------------
 
-def _dispatch(rt, run, describe, asynchronous: bool, owned: tuple = ()):
+# Names of asynchronous operations not yet synchronized (Horovod refuses a duplicate name).
+_pending_names: dict[str, Handle] = {}
+_handle_names: dict[int, str] = {}
+
+
+def _dispatch(rt, run, describe, asynchronous: bool, owned: tuple = (), name=None):
+    if timeline._collective is not None:
+        run = timeline._collective.wrap(run, name, describe)
     if asynchronous:
         for t in owned:
             if is_cuda(t):  # the comm thread reads device memory outside torch's stream order
                 torch.cuda.current_stream(t.device).synchronize()
                 break
-        return rt.worker.submit(run, describe, owned)
+        if name is None:
+            return rt.worker.submit(run, describe, owned)
+        _reserve_name(name)
+        handle = rt.worker.submit(run, describe, owned)
+        _pending_names[name] = handle
+        _handle_names[id(handle)] = name
+        return handle
+    if name is not None and name in _pending_names:
+        _reserve_name(name)
     return rt.worker.run(run, describe)
+
+
+def _reserve_name(name) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {name!r}")
+    if name in _pending_names:
+        raise ValueError(f"an operation named {name!r} is still pending: names of operations in "
+                         f"flight must be unique (synchronize the first handle before reusing it)")
+
+
+def _release(handle) -> None:
+    name = _handle_names.pop(id(handle), None)
+    if name is not None:
+        _pending_names.pop(name, None)
+
+
+def _resolve_op(average, op):
+    """Horovod's ``average=`` (deprecated) / ``op=`` pair to one op; ``op`` wins, not both."""
+    if op is None:
+        if average is None:
+            return Average
+        if average is True or average is False:
+            warnings.warn("average= is deprecated (as in Horovod): use op=Average or op=Sum",
+                          DeprecationWarning, stacklevel=3)
+            return Average if average else Sum
+        return average  # this library's positional op: allreduce(t, Sum)
+    if average is not None:
+        raise ValueError("the op parameter supersedes average: pass only one of them "
+                         f"(got average={average!r}, op={op!r})")
+    return op
 
 
 def _check_factor(name: str, value, dtype: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value != 1.0 and dtype not in FLOATING:
-        raise TypeError(f"{name}={value!r} needs a floating-point tensor, got {dtype}")
+    if value != 1.0 and dtype == "bool":
+        raise TypeError(f"{name}={value!r} cannot scale a bool tensor")
     return float(value)
 
 
@@ -52,6 +110,25 @@ def _check_root(root, size: int) -> int:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"root_rank must be an integer in [0, {size}), got {root!r}")
     return int(root)
+
+
+def _topo(rt, process_set):
+    if process_set is _GLOBAL or process_set is None:
+        return rt.topo
+    return process_sets.topology_of(process_set)
+
+
+def _root(rt, root_rank, process_set) -> int:
+    """Horovod's root_rank is a global rank, also with process sets: its index in the set."""
+    if process_set is _GLOBAL or process_set is None:
+        return _check_root(root_rank, rt.topo.size)
+    _check_root(root_rank, rt.topo.size)
+    return process_sets.set_rank_of(process_set, int(root_rank))
+
+
+def _wants_grad(tensor) -> bool:
+    return type(tensor) is not np.ndarray and getattr(tensor, "requires_grad", False) \
+        and torch.is_grad_enabled()
 
 
 def _row_elems(shape) -> int:
@@ -85,19 +162,28 @@ def hierarchical_allreduce_(topo, buf, mop) -> None:
     topo.node_broadcast_(buf)
 
 
-# -- allreduce ---------------------------------------------------------------------------------
-
-def _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
-                   check=None):
-    dt = dtype_name(tensor)
+def _reduction(op, dt: str):
+    """(op, MPI op, integer average?): Average of integers sums, then scales by 1/n in float64
+    and truncates toward zero, as Horovod does."""
     if type(op) is not ReduceOp:
         op = ReduceOp.parse(op)
-    mop = mpi_op(op, dt)
+    if op is Average and dt in INTEGER:
+        return op, MPI.SUM, True
+    return op, mpi_op(op, dt), False
+
+
+# -- allreduce ---------------------------------------------------------------------------------
+
+def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
+                   check=None):
+    dt = dtype_name(tensor)
+    op, mop, int_average = _reduction(op, dt)
     pre = 1.0 if prescale_factor == 1.0 else _check_factor("prescale_factor", prescale_factor, dt)
     post = (1.0 if postscale_factor == 1.0
             else _check_factor("postscale_factor", postscale_factor, dt))
-    topo = rt.topo
-    if op is Average:
+    if int_average:
+        post /= topo.size
+    elif op is Average:
         # Average divides *before* the sum, fused into the copy into the output that an
         # out-of-place allreduce makes anyway (MPICH copies send to receive buffer first).
         pre /= topo.size
@@ -108,7 +194,8 @@ def _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hiera
     def run():
         if consistency._enabled if check is None else check:
             consistency.verify(topo.comm, ("allreduce", ("op", op.name), ("dtype", dt),
-                                           ("shape", shape)))
+                                           ("shape", shape)),
+                               (((reduce_dtype(dt), numel),), mop, hier))
         if numel == 0:
             return out
         if dt in HALF:  # reduce in float32, round once at the end
@@ -150,81 +237,116 @@ def _allreduce_buffers(topo, src, dst, mop, hierarchical: bool, in_place: bool) 
     buf.writeback()
 
 
-def allreduce(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
+def allreduce(tensor, average=None, name=None, compression=_NO_COMPRESSION, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set, *,
               hierarchical=None, check=None):
-    """Reduce ``tensor`` over all ranks; return the result as a new tensor/array.
+    """Reduce ``tensor`` over all ranks (of ``process_set``); return the result as a new tensor.
 
     ``op`` is one of Average (default), Sum, Min, Max, Product; the result is
-    ``postscale * op(prescale * x_i)``. ``hierarchical=True`` uses the two-level algorithm;
-    ``None`` takes the global default. ``check`` overrides the agreement check for this call
-    (``None``: the global setting); every rank must pass the same.
+    ``postscale * op(prescale * x_i)``. Average of integer tensors sums, then scales by 1/n and
+    truncates toward zero (as Horovod). ``average`` is Horovod's deprecated flag; ``name`` labels
+    the operation (timeline, duplicate detection); ``compression`` (``Compression.fp16``...)
+    casts before and after. ``hierarchical=True`` uses the two-level algorithm; ``check``
+    overrides the agreement check for this call (every rank must pass the same).
+    Differentiable: a tensor that requires grad gets the allreduce of its gradient.
     """
+    op = _resolve_op(average, op)
+    if compression is not _NO_COMPRESSION and compression is not None:
+        t, ctx = compression.compress(tensor)
+        out = allreduce(t, None, name, None, op, prescale_factor, postscale_factor, process_set,
+                        hierarchical=hierarchical, check=check)
+        return compression.decompress(out, ctx)
+    if _wants_grad(tensor):
+        from .autograd_ops import allreduce_grad
+        return allreduce_grad(tensor, op, prescale_factor, postscale_factor, process_set, name,
+                              hierarchical)
     rt = runtime.get()
-    run, d = _allreduce_run(rt, tensor, empty_like(tensor), op, prescale_factor,
-                            postscale_factor, hierarchical, check)
-    return _dispatch(rt, run, d, False)
+    run, d = _allreduce_run(rt, _topo(rt, process_set), tensor, empty_like(tensor), op,
+                            prescale_factor, postscale_factor, hierarchical, check)
+    return _dispatch(rt, run, d, False, name=name)
 
 
-def allreduce_(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
-               hierarchical=None, check=None):
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set, *, hierarchical=None,
+               check=None):
     """In-place ``allreduce``: the result overwrites ``tensor``, which is returned."""
+    if op is not None or average is not None:
+        op = _resolve_op(average, op)
+    else:
+        op = Average
     rt = runtime.get()
-    run, d = _allreduce_run(rt, tensor, tensor, op, prescale_factor, postscale_factor,
+    topo = rt.topo if process_set is _GLOBAL else _topo(rt, process_set)
+    run, d = _allreduce_run(rt, topo, tensor, tensor, op, prescale_factor, postscale_factor,
                             hierarchical, check)
-    return _dispatch(rt, run, d, False)
+    if name is None and timeline._collective is None:
+        return rt.worker.run(run, d)
+    return _dispatch(rt, run, d, False, name=name)
 
 
-def allreduce_async(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
-                    hierarchical=None, check=None) -> Handle:
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set, *, hierarchical=None,
+                    check=None) -> Handle:
     """Start an ``allreduce``; ``synchronize(handle)`` returns the new tensor."""
+    op = _resolve_op(average, op)
     rt = runtime.get()
     out = empty_like(tensor)
-    run, d = _allreduce_run(rt, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
-                            check)
-    return _dispatch(rt, run, d, True, (tensor, out))
+    run, d = _allreduce_run(rt, _topo(rt, process_set), tensor, out, op, prescale_factor,
+                            postscale_factor, hierarchical, check)
+    return _dispatch(rt, run, d, True, (tensor, out), name)
 
 
-def allreduce_async_(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0,
-                     hierarchical=None, check=None) -> Handle:
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set, *, hierarchical=None,
+                     check=None) -> Handle:
     """Start an in-place ``allreduce``; do not touch ``tensor`` until it completes."""
+    op = _resolve_op(average, op)
     rt = runtime.get()
-    run, d = _allreduce_run(rt, tensor, tensor, op, prescale_factor, postscale_factor,
-                            hierarchical, check)
-    return _dispatch(rt, run, d, True, (tensor,))
+    run, d = _allreduce_run(rt, _topo(rt, process_set), tensor, tensor, op, prescale_factor,
+                            postscale_factor, hierarchical, check)
+    return _dispatch(rt, run, d, True, (tensor,), name)
 
 
 # -- grouped allreduce -------------------------------------------------------------------------
 
-def _grouped_run(rt, tensors, outs, op, prescale_factor, postscale_factor, hierarchical):
+def _check_list(tensors, what: str) -> None:
     if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise ValueError("grouped_allreduce needs a non-empty list of tensors")
+        raise ValueError(f"{what} needs a non-empty list of tensors, got {tensors!r}")
+
+
+def _grouped_run(rt, topo, tensors, outs, op, prescale_factor, postscale_factor, hierarchical):
+    _check_list(tensors, "grouped_allreduce")
     kinds = {(type(t).__name__, str(getattr(t, "device", "cpu"))) for t in tensors}
     if len(kinds) > 1:
         raise TypeError(f"grouped_allreduce needs tensors of one kind and device, got {kinds}")
     dts = [dtype_name(t) for t in tensors]
     op = ReduceOp.parse(op)
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, dt in enumerate(dts):
-        mpi_op(op, dt)
+        _, mop, int_average = _reduction(op, dt)
         _check_factor("prescale_factor", prescale_factor, dt)
         _check_factor("postscale_factor", postscale_factor, dt)
-        groups.setdefault(reduce_dtype(dt), []).append(i)
-    topo = rt.topo
+        groups.setdefault((reduce_dtype(dt), int_average), []).append(i)
     pre = float(prescale_factor)
-    post = float(postscale_factor) / (topo.size if op is Average else 1)
     hier = rt.hierarchical if hierarchical is None else bool(hierarchical)
     signature = ("grouped_allreduce", ("op", op.name), ("dtypes", tuple(dts)),
                  ("shapes", tuple(tuple(t.shape) for t in tensors)))
+    plan = []  # (wire dtype, indices, MPI op, postscale, element count) per fused message
+    for (wire_dt, int_average), idx in groups.items():
+        post = float(postscale_factor) / (topo.size if op is Average else 1)
+        mop = MPI.SUM if int_average else mpi_op(op, wire_dt)
+        plan.append((wire_dt, idx, mop, post,
+                     sum(math.prod(tuple(tensors[i].shape)) for i in idx)))
+    join_info = (tuple((w, n, m) for w, _, m, _, n in plan), None, hier)
 
     def run():
         if consistency._enabled:
-            consistency.verify(topo.comm, signature)
-        for wire_dt, idx in groups.items():
-            fused = _flatten([tensors[i] for i in idx], wire_dt)  # one message per wire dtype
-            if fused.shape[0] == 0:
+            consistency.verify(topo.comm, signature, join_info)
+        for wire_dt, idx, mop, post, numel in plan:
+            if numel == 0:
                 continue
+            fused = _flatten([tensors[i] for i in idx], wire_dt)  # one message per wire dtype
             scale_(fused, pre)
-            _allreduce_buffers(topo, fused, fused, mpi_op(op, wire_dt), hier, in_place=True)
+            _allreduce_buffers(topo, fused, fused, mop, hier, in_place=True)
             scale_(fused, post)
             _unflatten(fused, [outs[i] for i in idx])
         return outs
@@ -246,46 +368,97 @@ def _unflatten(fused, outs) -> None:
         offset += n
 
 
-def grouped_allreduce(tensors: Sequence, op=Average, *, prescale_factor=1.0,
-                      postscale_factor=1.0, hierarchical=None) -> list:
+def grouped_allreduce(tensors: Sequence, average=None, name=None, compression=_NO_COMPRESSION,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set, *, hierarchical=None) -> list:
     """Allreduce a list of tensors as one fused message (one per dtype); returns new tensors."""
+    op = _resolve_op(average, op)
+    _check_list(tensors, "grouped_allreduce")
+    if compression is not _NO_COMPRESSION and compression is not None:
+        pairs = [compression.compress(t) for t in tensors]
+        outs = grouped_allreduce([t for t, _ in pairs], None, name, None, op, prescale_factor,
+                                 postscale_factor, process_set, hierarchical=hierarchical)
+        return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+    if any(_wants_grad(t) for t in tensors):
+        from .autograd_ops import grouped_allreduce_grad
+        return grouped_allreduce_grad(tensors, op, prescale_factor, postscale_factor,
+                                      process_set, name, hierarchical)
     rt = runtime.get()
-    outs = [empty_like(t) for t in tensors] if isinstance(tensors, (list, tuple)) else None
-    run, d = _grouped_run(rt, tensors, outs, op, prescale_factor, postscale_factor, hierarchical)
-    return _dispatch(rt, run, d, False)
+    outs = [empty_like(t) for t in tensors]
+    run, d = _grouped_run(rt, _topo(rt, process_set), tensors, outs, op, prescale_factor,
+                          postscale_factor, hierarchical)
+    return _dispatch(rt, run, d, False, name=name)
 
 
-def grouped_allreduce_(tensors: Sequence, op=Average, *, prescale_factor=1.0,
-                       postscale_factor=1.0, hierarchical=None) -> list:
+def grouped_allreduce_(tensors: Sequence, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set, *,
+                       hierarchical=None) -> list:
+    op = _resolve_op(average, op)
     rt = runtime.get()
-    run, d = _grouped_run(rt, tensors, tensors, op, prescale_factor, postscale_factor,
-                          hierarchical)
-    return _dispatch(rt, run, d, False)
+    run, d = _grouped_run(rt, _topo(rt, process_set), tensors, tensors, op, prescale_factor,
+                          postscale_factor, hierarchical)
+    return _dispatch(rt, run, d, False, name=name)
 
 
-def grouped_allreduce_async(tensors: Sequence, op=Average, *, prescale_factor=1.0,
-                            postscale_factor=1.0, hierarchical=None) -> Handle:
+def grouped_allreduce_async(tensors: Sequence, average=None, name=None, op=None,
+                            prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set, *, hierarchical=None) -> Handle:
+    op = _resolve_op(average, op)
+    _check_list(tensors, "grouped_allreduce")
     rt = runtime.get()
-    outs = [empty_like(t) for t in tensors] if isinstance(tensors, (list, tuple)) else None
-    run, d = _grouped_run(rt, tensors, outs, op, prescale_factor, postscale_factor, hierarchical)
-    return _dispatch(rt, run, d, True, tuple(tensors) + tuple(outs))
+    outs = [empty_like(t) for t in tensors]
+    run, d = _grouped_run(rt, _topo(rt, process_set), tensors, outs, op, prescale_factor,
+                          postscale_factor, hierarchical)
+    return _dispatch(rt, run, d, True, tuple(tensors) + tuple(outs), name)
 
 
-def grouped_allreduce_async_(tensors: Sequence, op=Average, *, prescale_factor=1.0,
-                             postscale_factor=1.0, hierarchical=None) -> Handle:
+def grouped_allreduce_async_(tensors: Sequence, average=None, name=None, op=None,
+                             prescale_factor=1.0, postscale_factor=1.0,
+                             process_set=global_process_set, *, hierarchical=None) -> Handle:
+    op = _resolve_op(average, op)
     rt = runtime.get()
-    run, d = _grouped_run(rt, tensors, tensors, op, prescale_factor, postscale_factor,
-                          hierarchical)
-    return _dispatch(rt, run, d, True, tuple(tensors))
+    run, d = _grouped_run(rt, _topo(rt, process_set), tensors, tensors, op, prescale_factor,
+                          postscale_factor, hierarchical)
+    return _dispatch(rt, run, d, True, tuple(tensors), name)
+
+
+# -- sparse allreduce --------------------------------------------------------------------------
+
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
+    """Allreduce a sparse COO tensor by allgathering its indices and values (as Horovod).
+
+    ``synchronize(handle)`` returns a sparse tensor of the same size whose (uncoalesced) entries
+    are every rank's entries, divided by the number of ranks for Average.
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError(f"sparse_allreduce_async needs a sparse COO torch tensor, got "
+                        f"{type(tensor).__name__}")
+    op = ReduceOp.parse(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports Average and Sum, got {op.name}")
+    rt = runtime.get()
+    topo = _topo(rt, process_set)
+    t = tensor.detach().coalesce()
+    run_i, _ = _allgather_run(rt, topo, t.indices().t().contiguous())
+    run_v, _ = _allgather_run(rt, topo, t.values().contiguous())
+
+    def run():
+        indices, _ = run_i()
+        values, _ = run_v()
+        if op is Average:
+            values = values / topo.size
+        return torch.sparse_coo_tensor(indices.t(), values, t.size(), check_invariants=False)
+
+    return _dispatch(rt, run, ("sparse_allreduce", op.name, tuple(t.shape)), True, (t,), name)
 
 
 # -- allgather ---------------------------------------------------------------------------------
 
-def _allgather_run(rt, tensor):
+def _allgather_run(rt, topo, tensor):
+    """``run()`` returns ``(gathered, rows of every rank)``."""
     dt = dtype_name(tensor)
     x = tensor if tensor.ndim > 0 else tensor.reshape(1)
     shape = tuple(x.shape)
-    topo = rt.topo
     row = _row_elems(shape)
     signature = ("allgather", ("dtype", dt), ("trailing_shape", shape[1:]))
 
@@ -300,30 +473,64 @@ def _allgather_run(rt, tensor):
         src, dst = mpi_buffer(contiguous(x)), mpi_buffer(out, load=False)
         topo.comm.Allgatherv(src.obj, [dst.obj, counts * row])
         dst.writeback()
-        return out
+        return out, counts
 
     return run, ("allgather", dt, shape)
 
 
-def allgather(tensor):
-    """Concatenate every rank's tensor along dimension 0 (sizes there may differ by rank)."""
-    rt = runtime.get()
-    run, d = _allgather_run(rt, tensor)
-    return _dispatch(rt, run, d, False)
+def _first(run):
+    return lambda: run()[0]
 
 
-def allgather_async(tensor) -> Handle:
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenate every rank's tensor along dimension 0 (sizes there may differ by rank).
+    Differentiable (backward: average of the gradients, this rank's slice)."""
+    if _wants_grad(tensor):
+        from .autograd_ops import allgather_grad
+        return allgather_grad(tensor, process_set, name)
     rt = runtime.get()
-    run, d = _allgather_run(rt, tensor)
-    return _dispatch(rt, run, d, True, (tensor,))
+    run, d = _allgather_run(rt, _topo(rt, process_set), tensor)
+    return _dispatch(rt, _first(run), d, False, name=name)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    rt = runtime.get()
+    run, d = _allgather_run(rt, _topo(rt, process_set), tensor)
+    return _dispatch(rt, _first(run), d, True, (tensor,), name)
+
+
+def _grouped_allgather_run(rt, topo, tensors):
+    _check_list(tensors, "grouped_allgather")
+    runs = [_allgather_run(rt, topo, t)[0] for t in tensors]
+
+    def run():
+        return [r() for r in runs]
+
+    return run, ("grouped_allgather", len(tensors))
+
+
+def grouped_allgather(tensors: Sequence, name=None, process_set=global_process_set) -> list:
+    """``allgather`` of each tensor of a list, in one operation; returns a list."""
+    _check_list(tensors, "grouped_allgather")
+    if any(_wants_grad(t) for t in tensors):
+        from .autograd_ops import grouped_allgather_grad
+        return grouped_allgather_grad(tensors, process_set, name)
+    rt = runtime.get()
+    run, d = _grouped_allgather_run(rt, _topo(rt, process_set), tensors)
+    return _dispatch(rt, lambda: [o for o, _ in run()], d, False, name=name)
+
+
+def grouped_allgather_async(tensors: Sequence, name=None,
+                            process_set=global_process_set) -> Handle:
+    rt = runtime.get()
+    run, d = _grouped_allgather_run(rt, _topo(rt, process_set), tensors)
+    return _dispatch(rt, lambda: [o for o, _ in run()], d, True, tuple(tensors), name)
 
 
 # -- broadcast ---------------------------------------------------------------------------------
 
-def _broadcast_run(rt, tensor, out, root_rank):
+def _broadcast_run(rt, topo, tensor, out, root):
     dt = dtype_name(tensor)
-    topo = rt.topo
-    root = _check_root(root_rank, topo.size)
     signature = ("broadcast", ("root", root), ("dtype", dt), ("shape", tuple(tensor.shape)))
 
     def run():
@@ -339,31 +546,41 @@ def _broadcast_run(rt, tensor, out, root_rank):
     return run, ("broadcast", root, dt, tuple(tensor.shape))
 
 
-def broadcast(tensor, root_rank: int = 0):
-    """Return a copy of ``root_rank``'s tensor on every rank."""
+def broadcast(tensor, root_rank: int = 0, name=None, process_set=global_process_set):
+    """Return a copy of ``root_rank``'s tensor on every rank (``root_rank`` is a global rank,
+    also with a process set). Differentiable (backward: the root gets the average gradient)."""
+    if _wants_grad(tensor):
+        from .autograd_ops import broadcast_grad
+        return broadcast_grad(tensor, root_rank, process_set, name)
     rt = runtime.get()
-    run, d = _broadcast_run(rt, tensor, empty_like(tensor), root_rank)
-    return _dispatch(rt, run, d, False)
+    run, d = _broadcast_run(rt, _topo(rt, process_set), tensor, empty_like(tensor),
+                            _root(rt, root_rank, process_set))
+    return _dispatch(rt, run, d, False, name=name)
 
 
-def broadcast_(tensor, root_rank: int = 0):
+def broadcast_(tensor, root_rank: int = 0, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` on every rank with ``root_rank``'s; returns it."""
     rt = runtime.get()
-    run, d = _broadcast_run(rt, tensor, tensor, root_rank)
-    return _dispatch(rt, run, d, False)
+    run, d = _broadcast_run(rt, _topo(rt, process_set), tensor, tensor,
+                            _root(rt, root_rank, process_set))
+    return _dispatch(rt, run, d, False, name=name)
 
 
-def broadcast_async(tensor, root_rank: int = 0) -> Handle:
+def broadcast_async(tensor, root_rank: int = 0, name=None,
+                    process_set=global_process_set) -> Handle:
     rt = runtime.get()
     out = empty_like(tensor)
-    run, d = _broadcast_run(rt, tensor, out, root_rank)
-    return _dispatch(rt, run, d, True, (tensor, out))
+    run, d = _broadcast_run(rt, _topo(rt, process_set), tensor, out,
+                            _root(rt, root_rank, process_set))
+    return _dispatch(rt, run, d, True, (tensor, out), name)
 
 
-def broadcast_async_(tensor, root_rank: int = 0) -> Handle:
+def broadcast_async_(tensor, root_rank: int = 0, name=None,
+                     process_set=global_process_set) -> Handle:
     rt = runtime.get()
-    run, d = _broadcast_run(rt, tensor, tensor, root_rank)
-    return _dispatch(rt, run, d, True, (tensor,))
+    run, d = _broadcast_run(rt, _topo(rt, process_set), tensor, tensor,
+                            _root(rt, root_rank, process_set))
+    return _dispatch(rt, run, d, True, (tensor,), name)
 
 
 # -- alltoall ----------------------------------------------------------------------------------
@@ -385,11 +602,10 @@ def _normalize_splits(splits, rows: int, size: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _alltoall_run(rt, tensor, splits, with_splits: bool):
+def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
     dt = dtype_name(tensor)
     if tensor.ndim == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    topo = rt.topo
     shape = tuple(tensor.shape)
     send_splits = _normalize_splits(splits, shape[0], topo.size)
     row = _row_elems(shape)
@@ -407,27 +623,42 @@ def _alltoall_run(rt, tensor, splits, with_splits: bool):
         src, dst = mpi_buffer(contiguous(tensor)), mpi_buffer(out, load=False)
         topo.comm.Alltoallv([src.obj, send_splits * row], [dst.obj, recv_splits * row])
         dst.writeback()
-        return (out, recv_splits) if with_splits else out
+        if not with_splits:
+            return out
+        if isinstance(tensor, torch.Tensor):  # Horovod returns an int32 tensor
+            recv_splits = torch.from_numpy(recv_splits.astype(np.int32))
+        return out, recv_splits
 
     return run, ("alltoall", dt, shape)
 
 
-def alltoall(tensor, splits=None, *, return_received_splits: bool = False):
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *,
+             return_received_splits: bool | None = None):
     """Scatter slices of dimension 0 to every rank and gather theirs.
 
     ``splits[j]`` rows go to rank j (default: equal parts). The result concatenates what each
-    rank sent here, in rank order; with ``return_received_splits=True`` it is
-    ``(tensor, received_splits)``.
+    rank sent here, in rank order. As Horovod, it is ``(tensor, received_splits)`` when
+    ``splits`` is given and the tensor alone otherwise (``return_received_splits`` forces
+    either). Differentiable (backward: alltoall of the gradient with the received splits).
     """
+    with_splits = splits is not None if return_received_splits is None \
+        else bool(return_received_splits)
+    if _wants_grad(tensor):
+        from .autograd_ops import alltoall_grad
+        return alltoall_grad(tensor, splits, process_set, name, with_splits)
     rt = runtime.get()
-    run, d = _alltoall_run(rt, tensor, splits, return_received_splits)
-    return _dispatch(rt, run, d, False)
+    run, d = _alltoall_run(rt, _topo(rt, process_set), tensor, splits, with_splits)
+    return _dispatch(rt, run, d, False, name=name)
 
 
-def alltoall_async(tensor, splits=None, *, return_received_splits: bool = False) -> Handle:
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
+                   return_received_splits: bool | None = None) -> Handle:
+    """``synchronize(handle)`` gives ``(tensor, received_splits)`` unless
+    ``return_received_splits=False`` (Horovod's handle always gives both)."""
+    with_splits = True if return_received_splits is None else bool(return_received_splits)
     rt = runtime.get()
-    run, d = _alltoall_run(rt, tensor, splits, return_received_splits)
-    return _dispatch(rt, run, d, True, (tensor,))
+    run, d = _alltoall_run(rt, _topo(rt, process_set), tensor, splits, with_splits)
+    return _dispatch(rt, run, d, True, (tensor,), name)
 
 
 # -- reducescatter -----------------------------------------------------------------------------
@@ -438,15 +669,13 @@ def reducescatter_rows(rows: int, size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
-def _reducescatter_run(rt, tensor, op, prescale_factor, postscale_factor):
+def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
     dt = dtype_name(tensor)
     if tensor.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    op = ReduceOp.parse(op)
-    mop = mpi_op(op, dt)
+    op, mop, int_average = _reduction(op, dt)
     pre = _check_factor("prescale_factor", prescale_factor, dt)
     post = _check_factor("postscale_factor", postscale_factor, dt)
-    topo = rt.topo
     if op is Average:
         post /= topo.size
     shape = tuple(tensor.shape)
@@ -473,39 +702,159 @@ def _reducescatter_run(rt, tensor, op, prescale_factor, postscale_factor):
     return run, ("reducescatter", op.name, dt, shape)
 
 
-def reducescatter(tensor, op=Average, *, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce over ranks and keep this rank's slice of dimension 0 (see ``reducescatter_rows``)."""
-    rt = runtime.get()
-    run, d = _reducescatter_run(rt, tensor, op, prescale_factor, postscale_factor)
-    return _dispatch(rt, run, d, False)
+def _rs_name_op(name, op):
+    """This library's positional op in Horovod's ``name`` slot: reducescatter(t, Sum)."""
+    if isinstance(name, (ReduceOp, UnsupportedOp)):
+        return None, name
+    return name, op
 
 
-def reducescatter_async(tensor, op=Average, *, prescale_factor=1.0,
-                        postscale_factor=1.0) -> Handle:
+def reducescatter(tensor, name=None, compression=_NO_COMPRESSION, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce over ranks and keep this rank's slice of dimension 0 (see ``reducescatter_rows``).
+    Differentiable (backward: allgather of the gradient, as Horovod scales it)."""
+    name, op = _rs_name_op(name, op)
+    if compression is not _NO_COMPRESSION and compression is not None:
+        t, ctx = compression.compress(tensor)
+        out = reducescatter(t, name, None, op, process_set, prescale_factor, postscale_factor)
+        return compression.decompress(out, ctx)
+    if _wants_grad(tensor):
+        from .autograd_ops import reducescatter_grad
+        return reducescatter_grad(tensor, op, process_set, prescale_factor, postscale_factor,
+                                  name)
     rt = runtime.get()
-    run, d = _reducescatter_run(rt, tensor, op, prescale_factor, postscale_factor)
-    return _dispatch(rt, run, d, True, (tensor,))
+    run, d = _reducescatter_run(rt, _topo(rt, process_set), tensor, op, prescale_factor,
+                                postscale_factor)
+    return _dispatch(rt, run, d, False, name=name)
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    name, op = _rs_name_op(name, op)
+    rt = runtime.get()
+    run, d = _reducescatter_run(rt, _topo(rt, process_set), tensor, op, prescale_factor,
+                                postscale_factor)
+    return _dispatch(rt, run, d, True, (tensor,), name)
+
+
+def _grouped_reducescatter_run(rt, topo, tensors, op, prescale_factor, postscale_factor):
+    _check_list(tensors, "grouped_reducescatter")
+    runs = [_reducescatter_run(rt, topo, t, op, prescale_factor, postscale_factor)[0]
+            for t in tensors]
+
+    def run():
+        return [r() for r in runs]
+
+    return run, ("grouped_reducescatter", len(tensors))
+
+
+def grouped_reducescatter(tensors: Sequence, name=None, compression=_NO_COMPRESSION, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0) -> list:
+    """``reducescatter`` of each tensor of a list, in one operation; returns a list."""
+    name, op = _rs_name_op(name, op)
+    _check_list(tensors, "grouped_reducescatter")
+    if compression is not _NO_COMPRESSION and compression is not None:
+        pairs = [compression.compress(t) for t in tensors]
+        outs = grouped_reducescatter([t for t, _ in pairs], name, None, op, process_set,
+                                     prescale_factor, postscale_factor)
+        return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+    if any(_wants_grad(t) for t in tensors):
+        from .autograd_ops import grouped_reducescatter_grad
+        return grouped_reducescatter_grad(tensors, op, process_set, prescale_factor,
+                                          postscale_factor, name)
+    rt = runtime.get()
+    run, d = _grouped_reducescatter_run(rt, _topo(rt, process_set), tensors, op,
+                                        prescale_factor, postscale_factor)
+    return _dispatch(rt, run, d, False, name=name)
+
+
+def grouped_reducescatter_async(tensors: Sequence, name=None, op=Average,
+                                process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0) -> Handle:
+    name, op = _rs_name_op(name, op)
+    rt = runtime.get()
+    run, d = _grouped_reducescatter_run(rt, _topo(rt, process_set), tensors, op,
+                                        prescale_factor, postscale_factor)
+    return _dispatch(rt, run, d, True, tuple(tensors), name)
+
+
+# -- join --------------------------------------------------------------------------------------
+
+def join(device=-1) -> int:
+    """This rank has run out of work: until every rank has joined, take part in the other
+    ranks' allreduces with zeros (as Horovod). Returns the rank that joined last.
+
+    Works with ``allreduce``/``grouped_allreduce`` called through this API with the agreement
+    check on (the default: the check message carries the join flag). Any other collective
+    while a rank has joined raises ``JoinedRankError`` on every rank. Global process set only.
+    ``device`` is accepted for Horovod compatibility (zeros are made on the CPU).
+    """
+    rt = runtime.get()
+    topo = rt.topo
+    if topo.size == 1:
+        return 0
+    if not consistency._enabled:
+        raise BaguaMPIError("join() needs the agreement check (BAGUA_MPI_CHECK=1): its message "
+                            "tells the other ranks that this rank has joined")
+    comm, me = topo.comm, topo.rank
+
+    def run():
+        first, last = True, -1
+        while True:
+            buf = np.array([consistency._I64_MIN, consistency._I64_MIN, 1,
+                            -consistency.NO_ACTIVE, me if first else -1], dtype=np.int64)
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+            first = False
+            if buf[4] >= 0:
+                last = int(buf[4])
+            if buf[3] == -consistency.NO_ACTIVE:  # nobody is working any more
+                return last
+            root = int(-buf[3])
+            signature, info = comm.bcast(None, root=root)
+            if buf[0] != -buf[1]:
+                raise consistency.MismatchError(
+                    f"ranks disagree on the arguments of {signature[0]} while rank {me} has "
+                    f"joined")
+            if info is None:
+                raise consistency.JoinedRankError(
+                    f"{signature[0]} was called while rank {me} has joined; only allreduce and "
+                    f"grouped_allreduce accept joined ranks")
+            messages, mop, hier = info
+            for message in messages:
+                wire_dt, numel = message[0], message[1]
+                mop_i = message[2] if len(message) > 2 else mop
+                if numel:
+                    zeros = np.zeros(numel, dtype=np.float32 if wire_dt == "bfloat16"
+                                     else np.dtype("bool" if wire_dt == "bool" else wire_dt))
+                    _allreduce_mpi(topo, zeros, zeros, mop_i, hier)
+
+    return rt.worker.run(run, ("join",))
 
 
 # -- barrier, objects, handles -----------------------------------------------------------------
 
-def barrier() -> None:
-    """Block until every rank reaches this point (behind any pending asynchronous work)."""
+def barrier(process_set=global_process_set) -> None:
+    """Block until every rank (of ``process_set``) reaches this point (behind any pending
+    asynchronous work)."""
     rt = runtime.get()
-    rt.worker.run(rt.topo.comm.Barrier, ("barrier",))
+    topo = _topo(rt, process_set)
+    rt.worker.run(topo.comm.Barrier, ("barrier",))
 
 
-def broadcast_object(obj, root_rank: int = 0):
+def broadcast_object(obj, root_rank: int = 0, name=None, process_set=global_process_set):
     """Send a picklable object from ``root_rank`` to all ranks (pickle in transit only)."""
     rt = runtime.get()
-    root = _check_root(root_rank, rt.topo.size)
-    return rt.worker.run(lambda: rt.topo.comm.bcast(obj, root=root), ("broadcast_object", root))
+    topo = _topo(rt, process_set)
+    root = _root(rt, root_rank, process_set)
+    return rt.worker.run(lambda: topo.comm.bcast(obj, root=root), ("broadcast_object", root))
 
 
-def allgather_object(obj) -> list:
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """List of every rank's object, in rank order."""
     rt = runtime.get()
-    return rt.worker.run(lambda: rt.topo.comm.allgather(obj), ("allgather_object",))
+    topo = _topo(rt, process_set)
+    return rt.worker.run(lambda: topo.comm.allgather(obj), ("allgather_object",))
 
 
 def poll(handle: Handle) -> bool:
@@ -519,6 +868,12 @@ def synchronize(handle: Handle, timeout: float | None = None):
     """Wait for ``handle``; return its result or raise its error (a ``BaguaMPIError``)."""
     if not isinstance(handle, Handle):
         raise TypeError(f"synchronize() expects a bagua_mpi Handle, got {type(handle).__name__}")
+    if _handle_names:
+        try:
+            return handle.wait(timeout)
+        finally:
+            if handle.done():
+                _release(handle)
     return handle.wait(timeout)
 
 
@@ -536,9 +891,11 @@ def submit(fn, describe=("custom",), owned: tuple = ()) -> Handle:
 
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
-    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier",
     "broadcast_object", "allgather_object", "poll", "synchronize", "submit",
-    "hierarchical_allreduce_", "reducescatter_rows", "BaguaMPIError",
+    "hierarchical_allreduce_", "reducescatter_rows", "global_process_set", "BaguaMPIError",
 ]

@@ -20,7 +20,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import config
-from .exceptions import MismatchError
+from .exceptions import BaguaMPIError, MismatchError
+
+
+class JoinedRankError(BaguaMPIError):
+    """A collective other than allreduce ran while a rank was inside ``join()``."""
 
 _enabled = config.env_flag("BAGUA_MPI_CHECK", True)
 _hash_cache: dict[tuple, int] = {}
@@ -51,13 +55,40 @@ def signature_hash(signature: tuple) -> int:
     return h
 
 
-def verify(comm: MPI.Intracomm, signature: tuple) -> None:
-    """Raise ``MismatchError`` on every rank unless all ranks pass an equal signature."""
+# The check message, allreduced with MAX: [h, -h, someone joined, -lowest active rank, rank that
+# joined in this round]. A rank inside ``join()`` sends JOINED_* (see ``collectives.join``), so the
+# ranks still working learn that some rank joined and tell it what to take part in.
+_I64_MIN = np.iinfo(np.int64).min
+NO_ACTIVE = np.int64(1) << 40
+
+
+def verify(comm: MPI.Intracomm, signature: tuple, join=None) -> None:
+    """Raise ``MismatchError`` on every rank unless all ranks pass an equal signature.
+
+    ``join``: what a rank inside ``join()`` must contribute zeros to (``((wire dtype, count),
+    ...), mpi op, hierarchical)``); None for collectives joined ranks cannot take part in.
+    """
     h = signature_hash(signature)
-    buf = np.array([h, -h], dtype=np.int64)
+    buf = np.array([h, -h, 0, -comm.Get_rank(), -1], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    if buf[2]:
+        tell_joined(comm, signature, join, bool(buf[0] == -buf[1]), int(-buf[3]))
     if buf[0] != -buf[1]:
         raise_mismatch(comm, signature)
+
+
+def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:
+    """Some rank is inside ``join()``: the lowest active rank tells it what runs now."""
+    comm.bcast((signature, join if agreed else None) if comm.Get_rank() == root else None,
+               root=root)
+    if not agreed:
+        raise MismatchError(f"ranks disagree on the arguments of {signature[0]} while some rank "
+                            f"has joined (seen from rank {comm.Get_rank()}: "
+                            f"{format_signature(signature)})")
+    if join is None:
+        raise JoinedRankError(f"{signature[0]} was called while some rank has joined "
+                              f"(bagua_mpi.join()); only allreduce and grouped_allreduce accept "
+                              f"joined ranks, which contribute zeros")
 
 
 def raise_mismatch(comm: MPI.Intracomm, signature: tuple) -> None:

@@ -19,6 +19,8 @@ class ReduceOp(enum.Enum):
     def parse(cls, op) -> "ReduceOp":
         if isinstance(op, cls):
             return op
+        if isinstance(op, UnsupportedOp):
+            raise ValueError(op.why)
         if isinstance(op, str):
             for member in cls:
                 if op.lower() in (member.value, member.name.lower()):
@@ -26,6 +28,21 @@ class ReduceOp(enum.Enum):
         raise ValueError(f"unknown reduction op {op!r}; valid: "
                          + ", ".join(m.name for m in cls))
 
+
+class UnsupportedOp:
+    """A Horovod reduction bagua_mpi does not implement; using it raises ``ValueError``."""
+
+    def __init__(self, name: str, why: str):
+        self.name = name
+        self.why = why
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# Horovod's Adasum (adaptive summation) has no MPI equivalent here.
+Adasum = UnsupportedOp("Adasum", "op=Adasum is not supported by bagua_mpi (Horovod's adaptive "
+                       "summation); use Average or Sum")
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
