@@ -12,9 +12,11 @@ Quick start (under ``mpiexec -n 4`` or ``srun``)::
 from .collectives import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
                           allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
                           broadcast, broadcast_, broadcast_async, broadcast_async_,
-                          broadcast_object, grouped_allreduce, grouped_allreduce_,
-                          grouped_allreduce_async, grouped_allreduce_async_, poll,
-                          reducescatter, reducescatter_async, synchronize, submit)
+                          broadcast_object, grouped_allgather, grouped_allgather_async,
+                          grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                          grouped_allreduce_async_, grouped_reducescatter,
+                          grouped_reducescatter_async, join, poll, reducescatter,
+                          reducescatter_async, sparse_allreduce_async, synchronize, submit)
 from .consistency import set_enabled as set_consistency_check
 from .cuda import mpi_is_cuda_aware, set_cuda_aware
 from .exceptions import (BaguaMPIError, CommunicationError, MismatchError,
@@ -29,5 +31,20 @@ from .optimizer import (DistributedOptimizer, broadcast_optimizer_state, broadca
 from . import algorithms
 from . import lgreco  # registers the 'lgreco' algorithm
 from . import checkpoint, preemption
+
+# Horovod compatibility (``import bagua_mpi as hvd``): see bagua_mpi/horovod and the README's
+# "Coming from Horovod". ``init`` accepts Horovod's ``process_sets=``; ``DistributedOptimizer``
+# accepts Horovod's full signature (a subclass of optimizer.DistributedOptimizer);
+# ``broadcast_parameters``/``broadcast_optimizer_state`` accept what Horovod's do.
+from . import elastic, horovod
+from .consistency import JoinedRankError
+from .horovod import (Adasum, DistributedOptimizer, HorovodInternalError, HostsUpdatedInterrupt,
+                      ProcessSet, SyncBatchNorm, add_process_set, broadcast_optimizer_state,
+                      broadcast_parameters, ccl_built, cross_node_process_set, cuda_built,
+                      ddl_built, gloo_built, gloo_enabled, global_process_set, init,
+                      is_homogeneous, mlsl_built, mpi_built, mpi_enabled, nccl_built,
+                      node_local_process_set, remove_process_set, rocm_built, start_timeline,
+                      stop_timeline, sycl_built)
+from .horovod import exceptions as _horovod_exceptions  # noqa: F401
 
 __version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""Horovod Elastic's API (``hvd.elastic.run``, ``TorchState``, ``ObjectState``) for MPI jobs.
+
+An MPI job has a fixed set of ranks, so what Horovod Elastic does by re-forming the ring
+in-process is done here in two ways:
+
+* **Errors every rank sees** (``MismatchError``, ``JoinedRankError``: raised on all ranks at
+  once): ``run`` restores the last ``commit()`` on every rank, re-synchronises from rank 0 and
+  calls the training function again (at most ``reset_limit`` times in a row without a commit).
+* **A rank that dies** ends the job (MPI cannot continue without it). With a checkpoint
+  directory (``TorchState(..., checkpoint_dir=...)`` or ``BAGUA_MPI_ELASTIC_DIR``) every
+  ``commit()`` is also written as a ``bagua_mpi.checkpoint`` (HDF5, atomic, no pickle), and
+  when the job is restarted (Slurm ``--requeue``, see ``slurm/``) ``run`` resumes from the last
+  commit, on the same or another number of ranks.
+
+Not supported: adding or removing hosts while running (no host discovery; ``HostsUpdatedInterrupt``
+is never raised), ``ElasticSampler``, and in-process recovery from a dead rank.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+from . import collectives, consistency, runtime
+from .exceptions import MismatchError
+from .horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+_RETRYABLE = (MismatchError, consistency.JoinedRankError)
+
+
+class State:
+    """Training state that ``commit()`` saves, ``restore()`` brings back and ``sync()`` makes
+    equal on every rank (from rank 0)."""
+
+    def __init__(self, bcast_object=None, get_rank=None):
+        self._reset_callbacks = []
+
+    def register_reset_callbacks(self, callbacks) -> None:
+        """Functions called after a reset (e.g. to rescale the learning rate)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self.sync()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp=None, update_res=None) -> None:
+        """Never called: the ranks of an MPI job are fixed."""
+
+    def commit(self) -> None:
+        """Save the state (the point ``restore`` and a restarted job come back to)."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """No-op: hosts never change under MPI (Horovod raises ``HostsUpdatedInterrupt``)."""
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State of plain values given as keyword arguments, readable as attributes
+    (``state.epoch``); ``sync`` broadcasts rank 0's values."""
+
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        super().__init__()
+        self._saved_state = dict(kwargs)
+        self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, value)
+
+    def _values(self) -> dict:
+        return {name: getattr(self, name) for name in self._saved_state}
+
+    def save(self) -> None:
+        self._saved_state = copy.deepcopy(self._values())
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = collectives.broadcast_object(self._values(), 0)
+            self._set_attrs()
+
+
+class TorchState(ObjectState):
+    """Model, optimizer and values (``TorchState(model, optimizer, epoch=0, batch=0)``).
+
+    ``checkpoint_dir`` (default ``BAGUA_MPI_ELASTIC_DIR``): also write every commit there, and
+    let ``run`` resume from it after a restart. The values then must be numbers, strings,
+    lists or dicts (they go to the checkpoint's JSON ``extras``).
+    """
+
+    def __init__(self, model=None, optimizer=None, checkpoint_dir: str | None = None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer
+        self.checkpoint_dir = checkpoint_dir or os.environ.get("BAGUA_MPI_ELASTIC_DIR") or None
+        self.commits = 0
+        super().__init__(**kwargs)
+        self._model_state = None
+        self._optimizer_state = None
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        if self.model is not None:
+            self._model_state = copy.deepcopy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._optimizer_state = copy.deepcopy(self.optimizer.state_dict())
+
+    def save(self) -> None:
+        super().save()
+        self._snapshot()
+        self.commits += 1
+        if self.checkpoint_dir:
+            from . import checkpoint
+            checkpoint.save(self.checkpoint_dir, model=self.model, optimizer=self.optimizer,
+                            step=self.commits, keep=2,
+                            extras={"elastic": self._saved_state, "commits": self.commits})
+
+    def restore(self) -> None:
+        if self.model is not None and self._model_state is not None:
+            self.model.load_state_dict(self._model_state)
+        if self.optimizer is not None and self._optimizer_state is not None:
+            self.optimizer.load_state_dict(self._optimizer_state)
+        super().restore()
+
+    def sync(self) -> None:
+        from .horovod.functions import broadcast_optimizer_state, broadcast_parameters
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        super().sync()
+        self._snapshot()
+
+    def resume(self) -> bool:
+        """Load the last commit from ``checkpoint_dir`` if there is one (collective)."""
+        if not self.checkpoint_dir:
+            return False
+        from . import checkpoint
+        if checkpoint.latest(self.checkpoint_dir) is None:
+            return False
+        info = checkpoint.load(self.checkpoint_dir, model=self.model, optimizer=self.optimizer)
+        extras = info.extras or {}
+        self._saved_state = dict(extras.get("elastic", self._saved_state))
+        self.commits = int(extras.get("commits", info.step))
+        self._set_attrs()
+        self._snapshot()
+        return True
+
+
+def run(func=None, *, reset_limit: int = 3):
+    """Decorator for ``train(state, ...)``: sync the state from rank 0 (after resuming from the
+    last persistent commit, if any) and call ``train``; on an error that every rank raised,
+    restore the last commit, re-sync and call it again."""
+    if func is None:
+        return functools.partial(run, reset_limit=reset_limit)
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        runtime.get()  # NotInitializedError before anything else
+        if isinstance(state, TorchState):
+            state.resume()
+        state.sync()
+        resets, commits = 0, getattr(state, "commits", None)
+        while True:
+            try:
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                state.on_reset()
+            except _RETRYABLE:
+                now = getattr(state, "commits", None)
+                resets = 1 if (now is not None and now != commits) else resets + 1
+                commits = now
+                if resets > reset_limit:
+                    raise
+                state.restore()
+                state.on_reset()
+
+    return wrapper
+
+
+__all__ = ["run", "State", "ObjectState", "TorchState", "HorovodInternalError",
+           "HostsUpdatedInterrupt"]

@@ -1,0 +1,50 @@
+"""Horovod compatibility: ``import bagua_mpi.horovod as hvd`` (or simply ``import bagua_mpi as
+hvd``: every name here is also at the top level of ``bagua_mpi``) runs ``horovod.torch`` code.
+
+See the README section "Coming from Horovod" for the name-by-name table of what is the same,
+what differs and what is not supported.
+"""
+
+from .. import elastic, runtime
+from .. import process_sets as _process_sets
+from ..collectives import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
+                           allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
+                           broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                           grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                           grouped_allreduce_async, grouped_allreduce_async_,
+                           grouped_reducescatter, grouped_reducescatter_async, join, poll,
+                           reducescatter, reducescatter_async, sparse_allreduce_async,
+                           synchronize)
+from ..compression import Compression
+from ..ops import Adasum, Average, Max, Min, Product, Sum
+from ..process_sets import (ProcessSet, add_process_set, cross_node_process_set,
+                            global_process_set, node_local_process_set, remove_process_set)
+from ..runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size,
+                       mpi_threads_supported, rank, shutdown, size)
+from ..sync_batch_norm import SyncBatchNorm
+from ..timeline import start_timeline, stop_timeline
+from . import exceptions
+from .basics import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                     is_homogeneous, mlsl_built, mpi_built, mpi_enabled, nccl_built, rocm_built,
+                     sycl_built)
+from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
+from .optimizer import DistributedOptimizer
+
+
+def init(comm=None, process_sets=None, **kwargs) -> None:
+    """Horovod's ``init(comm=None, process_sets=None)`` over ``bagua_mpi.runtime.init``.
+
+    ``comm``: an mpi4py communicator (default ``COMM_WORLD``); ``process_sets``: a list of
+    ``ProcessSet`` to register (collective), or ``"dynamic"`` (accepted; ``add_process_set``
+    always works). Other keywords go to ``bagua_mpi.runtime.init`` (``ranks_per_node=``...).
+    """
+    if isinstance(comm, (list, tuple)):
+        raise ValueError("init(comm=[ranks]) is not supported: pass an mpi4py communicator "
+                         "(e.g. MPI.COMM_WORLD.Split(...)) or use process sets")
+    runtime.init(comm, **kwargs)
+    _process_sets.init_process_sets(process_sets)
+
+
+__all__ = [name for name in dir() if not name.startswith("_")]
