@@ -137,6 +137,8 @@ def topology_of(ps) -> topology.Topology:
     """The topology a collective with ``process_set=ps`` runs on; ``ValueError`` otherwise."""
     if not isinstance(ps, ProcessSet):
         raise TypeError(f"process_set must be a bagua_mpi.ProcessSet, got {ps!r}")
+    if ps.process_set_id == 0:  # the same ranks as the global set
+        return runtime.get().topo
     if ps.process_set_id is None or ps.process_set_id not in _registry:
         raise ValueError(f"{ps} is not registered: pass it to init(process_sets=[...]) or "
                          f"add_process_set() first")
@@ -150,7 +152,8 @@ def topology_of(ps) -> topology.Topology:
 def set_rank_of(ps, global_rank: int) -> int:
     """Index in ``ps`` of global rank ``global_rank`` (a root); ``ValueError`` if not a member."""
     topology_of(ps)
-    ranks = _registry[ps.process_set_id].ranks
+    ranks = list(range(runtime.size())) if ps.process_set_id == 0 \
+        else _registry[ps.process_set_id].ranks
     if global_rank not in ranks:
         raise ValueError(f"root_rank {global_rank} is not in {ps}")
     return ranks.index(global_rank)
@@ -229,13 +232,13 @@ def _register(sets: list, *, duplicates_error: bool) -> None:
     for ps in sets:
         ranks = tuple(ps.ranks)
         pid = 0 if ranks == tuple(range(size)) else _by_ranks[ranks]
-        if pid in seen:  # a second object for the same set: invalid, as in Horovod
+        if pid in seen and pid != 0:  # a second object for the same set: invalid (Horovod)
             ps.process_set_id = None
             continue
         seen.add(pid)
         _objects.add(ps)
         ps.process_set_id = pid
-        ps.topology = None if pid == 0 else _registry[pid].topology
+        ps.topology = rt.topo if pid == 0 else _registry[pid].topology
 
 
 def add_process_set(process_set) -> ProcessSet:
@@ -291,7 +294,7 @@ def _special_set(key: str, comm_of) -> ProcessSet:
         if ps.process_set_id is None:  # same ranks as a set the user registered: reuse it
             pid = _by_ranks.get(tuple(ps.ranks), 0)
             ps.process_set_id = pid
-            ps.topology = None if pid == 0 else _registry[pid].topology
+            ps.topology = rt.topo if pid == 0 else _registry[pid].topology
         _special[key] = ps
     return ps
 
