@@ -1,65 +1,247 @@
-"""Run-time settings read from the environment, each with a documented default.
+"""Run-time settings read from the environment: the one place that reads ``BAGUA_MPI_*``.
 
-Every setting can also be changed from Python (see the functions that mention it); the
-environment variable only gives the starting value, so jobs can be tuned without code changes.
+Every variable the library reads has an accessor below that parses and validates it; other
+modules call the accessor, never ``os.environ``, so a value is checked the same way everywhere
+and a bad one fails with a ``ConfigError`` (a ``ValueError``) naming the variable and the value.
+``init()`` calls ``check_environment()``, which reads them all once (a typo fails at start-up on
+every rank, not an hour later deep in a step) and warns about ``BAGUA_MPI_*`` names it does not
+know (a misspelt variable would otherwise be a silent no-op).
 
-=============================  =======  ==========================================================
-variable                       default  meaning
-=============================  =======  ==========================================================
-BAGUA_MPI_RANKS_PER_NODE       (unset)  testing override: pretend each node holds this many ranks
-                                        (consecutive ranks), so hierarchical code runs on one host
-BAGUA_MPI_CHECK                1        cross-rank agreement check of op, dtype and shape before
-                                        each collective (one 16-byte allreduce); 0 turns it off
-BAGUA_MPI_HIERARCHICAL         0        default for ``allreduce(..., hierarchical=None)``
-BAGUA_MPI_STALL_WARNING_S      60       a collective waiting longer than this is logged
-BAGUA_MPI_STALL_ABORT_S        600      ...and past this the whole job is aborted (0: never)
-BAGUA_MPI_CUDA_AWARE           auto     1/0 force CUDA-aware MPI on/off instead of probing
-BAGUA_MPI_ABORT_ON_EXCEPTION   1        an uncaught exception on any rank aborts the whole job
-=============================  =======  ==========================================================
+Most settings can also be changed from Python (see the functions that mention them); the
+variable gives the starting value, so jobs can be tuned without code changes.
+
+==============================  =======  =========================================================
+variable                        default  meaning
+==============================  =======  =========================================================
+BAGUA_MPI_RANKS_PER_NODE        (unset)  testing override: pretend each node holds this many
+                                         ranks (consecutive ranks), so hierarchical code runs on
+                                         one host; a positive integer
+BAGUA_MPI_CHECK                 1        cross-rank agreement check of op, dtype and shape before
+                                         each collective (one 16-byte allreduce); 0 turns it off
+BAGUA_MPI_HIERARCHICAL          0        default for ``allreduce(..., hierarchical=None)`` and
+                                         ``DistributedOptimizer(hierarchical=None)``
+BAGUA_MPI_STALL_WARNING_S       60       a collective waiting longer than this is logged (> 0)
+BAGUA_MPI_STALL_ABORT_S         600      ...and past this the whole job is aborted (0: never)
+BAGUA_MPI_EXIT_TIMEOUT_S        600      how long a finishing rank waits at shutdown for the
+                                         others to finish too before it aborts the job, naming
+                                         the ranks still missing (0: wait for ever)
+BAGUA_MPI_ABORT_ON_EXCEPTION    1        an uncaught exception in any thread, or a non-zero
+                                         ``sys.exit``, on any rank aborts the whole job
+BAGUA_MPI_CUDA_AWARE            auto     1/0 force CUDA-aware MPI on/off instead of probing
+BAGUA_MPI_KERNEL_THREADS        (auto)   Numba threads per rank for the CPU compression kernels
+                                         (default: cores / ranks on the node); positive integer
+BAGUA_MPI_TIMELINE              (unset)  path prefix of a Chrome-trace timeline per rank
+BAGUA_MPI_CHECKPOINT_SCHEME     auto     checkpoint write scheme: auto, mpio (parallel h5py) or
+                                         token (one rank writes at a time)
+BAGUA_MPI_CHECKPOINT_FAULT      (unset)  crash tests only: ``<phase>[@rank]`` makes that rank
+                                         (default 0) SIGKILL itself at that phase of ``save``
+==============================  =======  =========================================================
+
+Flags accept 1/0, true/false, yes/no, on/off (any case); an empty value means the default.
+The test suite also reads ``BAGUA_MPI_PARALLEL_PYTHON`` and ``BAGUA_MPI_SLURM_DIR`` (see
+``tests/``); the library does not.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
+
+from .exceptions import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Read by the library (accessors below) or by the test suite; anything else is a likely typo.
+KNOWN = (
+    "BAGUA_MPI_RANKS_PER_NODE", "BAGUA_MPI_CHECK", "BAGUA_MPI_HIERARCHICAL",
+    "BAGUA_MPI_STALL_WARNING_S", "BAGUA_MPI_STALL_ABORT_S", "BAGUA_MPI_EXIT_TIMEOUT_S",
+    "BAGUA_MPI_ABORT_ON_EXCEPTION", "BAGUA_MPI_CUDA_AWARE", "BAGUA_MPI_KERNEL_THREADS",
+    "BAGUA_MPI_TIMELINE", "BAGUA_MPI_CHECKPOINT_SCHEME", "BAGUA_MPI_CHECKPOINT_FAULT",
+)
+TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
+
+CHECKPOINT_SCHEMES = ("auto", "mpio", "token")
+
+
+# -- generic parsers (``name`` is always reported with the value) ---------------------------------
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value
 
 
 def env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    value = _raw(name)
+    if value is None:
         return default
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
+    raise ConfigError(f"{name}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
-def env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or value == "":
+def env_float(name: str, default: float, *, minimum: float | None = None,
+              exclusive: bool = False) -> float:
+    """A finite number of seconds; ``minimum`` (inclusive unless ``exclusive``) when given."""
+    value = _raw(name)
+    if value is None:
         return default
     try:
-        return float(value)
+        parsed = float(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a number of seconds") from None
+        raise ConfigError(f"{name}={value!r}: expected a number of seconds") from None
+    if not math.isfinite(parsed):
+        raise ConfigError(f"{name}={value!r}: expected a finite number of seconds")
+    if minimum is not None and (parsed < minimum or (exclusive and parsed == minimum)):
+        bound = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
+        raise ConfigError(f"{name}={value!r}: expected a number of seconds {bound}")
+    return parsed
 
 
 def env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    """A positive integer."""
+    value = _raw(name)
+    if value is None:
         return default
     try:
         parsed = int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a positive integer") from None
+        raise ConfigError(f"{name}={value!r}: expected a positive integer") from None
     if parsed <= 0:
-        raise ValueError(f"{name}={value!r}: expected a positive integer")
+        raise ConfigError(f"{name}={value!r}: expected a positive integer")
     return parsed
 
 
 def env_tristate(name: str) -> bool | None:
     """``None`` for unset/'auto', else the flag's value."""
-    value = os.environ.get(name, "auto").strip().lower()
-    if value in ("", "auto"):
+    value = _raw(name)
+    if value is None or value.strip().lower() == "auto":
         return None
     return env_flag(name, False)
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    value = _raw(name)
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered not in choices:
+        listed = ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+        raise ConfigError(f"{name}={value!r}: expected {listed}")
+    return lowered
+
+
+# -- one accessor per variable --------------------------------------------------------------------
+def ranks_per_node() -> int | None:
+    """``BAGUA_MPI_RANKS_PER_NODE``: simulated ranks per node (testing), or None."""
+    return env_int("BAGUA_MPI_RANKS_PER_NODE", None)
+
+
+def consistency_check() -> bool:
+    """``BAGUA_MPI_CHECK``: the per-collective agreement check (default on)."""
+    return env_flag("BAGUA_MPI_CHECK", True)
+
+
+def hierarchical() -> bool:
+    """``BAGUA_MPI_HIERARCHICAL``: default of the hierarchical switch (default off)."""
+    return env_flag("BAGUA_MPI_HIERARCHICAL", False)
+
+
+def stall_warning_s() -> float:
+    """``BAGUA_MPI_STALL_WARNING_S``: seconds before a waiting collective is logged (> 0)."""
+    return env_float("BAGUA_MPI_STALL_WARNING_S", 60.0, minimum=0.0, exclusive=True)
+
+
+def stall_abort_s() -> float:
+    """``BAGUA_MPI_STALL_ABORT_S``: seconds before a waiting collective aborts the job (0: never)."""
+    return env_float("BAGUA_MPI_STALL_ABORT_S", 600.0, minimum=0.0)
+
+
+def exit_timeout_s() -> float:
+    """``BAGUA_MPI_EXIT_TIMEOUT_S``: how long shutdown waits for the other ranks (0: for ever)."""
+    return env_float("BAGUA_MPI_EXIT_TIMEOUT_S", 600.0, minimum=0.0)
+
+
+def abort_on_exception() -> bool:
+    """``BAGUA_MPI_ABORT_ON_EXCEPTION``: abort the job on an uncaught exception (default on)."""
+    return env_flag("BAGUA_MPI_ABORT_ON_EXCEPTION", True)
+
+
+def cuda_aware() -> bool | None:
+    """``BAGUA_MPI_CUDA_AWARE``: True/False forced, None to probe."""
+    return env_tristate("BAGUA_MPI_CUDA_AWARE")
+
+
+def kernel_threads() -> int | None:
+    """``BAGUA_MPI_KERNEL_THREADS``: Numba threads per rank, or None for cores / local ranks."""
+    return env_int("BAGUA_MPI_KERNEL_THREADS", None)
+
+
+def timeline_prefix() -> str | None:
+    """``BAGUA_MPI_TIMELINE``: path prefix of the per-rank timeline files, or None."""
+    value = _raw("BAGUA_MPI_TIMELINE")
+    return None if value is None else value.strip()
+
+
+def checkpoint_scheme() -> str:
+    """``BAGUA_MPI_CHECKPOINT_SCHEME``: ``auto``, ``mpio`` or ``token`` (lower-cased)."""
+    return env_choice("BAGUA_MPI_CHECKPOINT_SCHEME", CHECKPOINT_SCHEMES, "auto")
+
+
+def checkpoint_fault(phases: tuple[str, ...] | None = None) -> tuple[str, int] | None:
+    """``BAGUA_MPI_CHECKPOINT_FAULT=<phase>[@rank]`` as ``(phase, rank)``, or None when unset.
+
+    ``phases``: the valid phase names (the checkpoint writer's ``PHASES``), checked when given.
+    """
+    name = "BAGUA_MPI_CHECKPOINT_FAULT"
+    value = _raw(name)
+    if value is None:
+        return None
+    phase, _, who = value.strip().partition("@")
+    if phases is not None and phase not in phases:
+        raise ConfigError(f"{name}={value!r}: unknown phase {phase!r}; expected one of "
+                          f"{', '.join(phases)}")
+    try:
+        rank = int(who) if who else 0
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise ConfigError(f"{name}={value!r}: expected <phase>[@rank] with a rank >= 0")
+    return phase, rank
+
+
+_ACCESSORS = {
+    "BAGUA_MPI_RANKS_PER_NODE": ranks_per_node, "BAGUA_MPI_CHECK": consistency_check,
+    "BAGUA_MPI_HIERARCHICAL": hierarchical, "BAGUA_MPI_STALL_WARNING_S": stall_warning_s,
+    "BAGUA_MPI_STALL_ABORT_S": stall_abort_s, "BAGUA_MPI_EXIT_TIMEOUT_S": exit_timeout_s,
+    "BAGUA_MPI_ABORT_ON_EXCEPTION": abort_on_exception, "BAGUA_MPI_CUDA_AWARE": cuda_aware,
+    "BAGUA_MPI_KERNEL_THREADS": kernel_threads, "BAGUA_MPI_TIMELINE": timeline_prefix,
+    "BAGUA_MPI_CHECKPOINT_SCHEME": checkpoint_scheme,
+    "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault,
+}
+assert set(_ACCESSORS) == set(KNOWN)
+
+
+def settings() -> dict:
+    """Every setting's current value (validated), keyed by variable name."""
+    return {name: accessor() for name, accessor in _ACCESSORS.items()}
+
+
+def unknown_variables(environ=None) -> list[str]:
+    """``BAGUA_MPI_*`` names in the environment that neither the library nor the tests read."""
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.startswith("BAGUA_MPI_") and k not in KNOWN
+                  and k not in TEST_ONLY)
+
+
+def check_environment() -> dict:
+    """Validate every setting (raises ``ConfigError``) and warn about unknown variables."""
+    values = settings()
+    unknown = unknown_variables()
+    if unknown:
+        logger.warning("bagua_mpi: ignoring unknown environment variable(s) %s (known: %s)",
+                       ", ".join(unknown), ", ".join(KNOWN))
+    return values

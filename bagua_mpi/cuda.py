@@ -67,7 +67,7 @@ def mpi_is_cuda_aware() -> bool:
     """Whether CUDA tensors go to MPI directly (decided once per process)."""
     global _aware
     if _aware is None:
-        forced = config.env_tristate("BAGUA_MPI_CUDA_AWARE")
+        forced = config.cuda_aware()
         if forced is not None:
             _aware = forced
         else:

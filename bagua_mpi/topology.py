@@ -95,7 +95,7 @@ def build(comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None) 
     if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
         raise TypeError(f"init(comm=...) needs an mpi4py intracommunicator, got {comm!r}")
     if ranks_per_node is None:
-        ranks_per_node = config.env_int("BAGUA_MPI_RANKS_PER_NODE", None)
+        ranks_per_node = config.ranks_per_node()
     elif ranks_per_node <= 0:
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
 
