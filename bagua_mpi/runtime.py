@@ -1,9 +1,12 @@
 """Process-wide state: ``init``/``shutdown`` and the topology queries.
 
-``init()`` builds the topology (private communicators), starts the communication thread and the
-stall watchdog, and installs the abort-on-uncaught-exception hook. ``shutdown()`` drains pending
-operations and frees the communicators; it runs at exit too, before mpi4py finalizes MPI, so no
-rank can deadlock in ``MPI_Finalize`` behind a half-finished collective.
+``init()`` validates the ``BAGUA_MPI_*`` settings, builds the topology (private communicators),
+starts the communication thread and the stall watchdog, and installs the fault hooks
+(``faults.py``). ``shutdown()`` is collective: it drains pending operations, then runs the exit
+agreement (every rank says it is leaving; a rank whose peers do not all arrive within
+``BAGUA_MPI_EXIT_TIMEOUT_S`` aborts the job naming them), then frees the communicators. It runs
+at exit too, before mpi4py finalizes MPI, so no rank can deadlock in ``MPI_Finalize`` behind a
+half-finished collective, and no rank can leave while its peers wait for it in one.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ class Runtime:
     worker: CommWorker
     watchdog: Watchdog
     hierarchical: bool  # default for allreduce(..., hierarchical=None)
+    exit_monitor: faults.ExitMonitor | None = None  # None on one rank
+    exit_timeout: float = 600.0  # BAGUA_MPI_EXIT_TIMEOUT_S
 
 
 _runtime: Runtime | None = None
@@ -52,38 +57,57 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
         ranks_per_node: testing override, see ``topology``; default ``BAGUA_MPI_RANKS_PER_NODE``.
         hierarchical: default for ``allreduce``; default ``BAGUA_MPI_HIERARCHICAL`` (off).
         stall_warning_s / stall_abort_s: watchdog limits; defaults from the environment (60/600).
-        abort_on_exception: abort the job on an uncaught exception on any rank (default on).
+        abort_on_exception: abort the job on an uncaught exception (any thread) or a non-zero
+            ``sys.exit`` on any rank (default ``BAGUA_MPI_ABORT_ON_EXCEPTION``, on).
+
+    Raises ``ConfigError`` (a ``ValueError``) naming the variable when a ``BAGUA_MPI_*`` setting
+    is malformed.
 
     Calling ``init`` again after ``shutdown`` starts afresh; calling it twice is a no-op.
     """
     global _runtime, _atexit_registered
     if _runtime is not None:
         return
+    settings = config.check_environment()  # every rank fails alike on a malformed value
     topo = topology.build(comm, ranks_per_node)
-    worker = CommWorker()
-    warn = stall_warning_s if stall_warning_s is not None else config.env_float(
-        "BAGUA_MPI_STALL_WARNING_S", 60.0)
-    abort = stall_abort_s if stall_abort_s is not None else config.env_float(
-        "BAGUA_MPI_STALL_ABORT_S", 600.0)
-    watchdog = Watchdog(worker, topo.rank, warn, abort)
+    worker = CommWorker(rank=topo.rank)
+    warn = stall_warning_s if stall_warning_s is not None else config.stall_warning_s()
+    abort = stall_abort_s if stall_abort_s is not None else config.stall_abort_s()
+    monitor = faults.ExitMonitor(topo.comm) if topo.size > 1 else None
+    # The watchdog asks the monitor from its own thread while the comm thread is in MPI.
+    watched = monitor if topo.thread_level == MPI.THREAD_MULTIPLE else None
+    watchdog = Watchdog(worker, topo.rank, warn, abort, monitor=watched)
     if hierarchical is None:
-        hierarchical = config.env_flag("BAGUA_MPI_HIERARCHICAL", False)
-    _runtime = Runtime(topo, worker, watchdog, bool(hierarchical))
+        hierarchical = settings["BAGUA_MPI_HIERARCHICAL"]
+    _runtime = Runtime(topo, worker, watchdog, bool(hierarchical), monitor,
+                       settings["BAGUA_MPI_EXIT_TIMEOUT_S"])
     topology.set_current(topo)
     if abort_on_exception is None:
-        abort_on_exception = config.env_flag("BAGUA_MPI_ABORT_ON_EXCEPTION", True)
-    if abort_on_exception:
-        faults.install()
+        abort_on_exception = settings["BAGUA_MPI_ABORT_ON_EXCEPTION"]
+    faults.install(bool(abort_on_exception))
     if not _atexit_registered:
-        atexit.register(shutdown)  # runs before mpi4py's own finalize (registered earlier)
+        # runs before mpi4py's own finalize (registered earlier, at import)
+        atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     logger.debug("bagua_mpi: rank %d/%d local %d/%d cross %d/%d, %s", topo.rank, topo.size,
                  topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size,
                  topology.thread_level_name(topo.thread_level))
 
 
-def shutdown(timeout: float = 60.0) -> None:
-    """Finish queued operations, stop the threads and free the communicators."""
+def _shutdown_at_exit() -> None:
+    how, code = faults.how_the_process_ends()
+    shutdown(_how=how, _code=code)
+
+
+def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: int = 0) -> None:
+    """Finish queued operations, agree with the other ranks on leaving, stop the threads and
+    free the communicators.
+
+    Collective: every rank calls it (at exit it is called for you). A rank that gets here while
+    others still run waits for them up to ``BAGUA_MPI_EXIT_TIMEOUT_S`` (0: for ever), then aborts
+    the job naming them; peers blocked in a collective that needs it abort sooner (see
+    ``watchdog.py``). ``timeout`` bounds the wait for this rank's own queued operations.
+    """
     global _runtime
     rt = _runtime
     if rt is None:
@@ -100,9 +124,35 @@ def shutdown(timeout: float = 60.0) -> None:
         logger.warning("bagua_mpi: operations still pending after %.0f s at shutdown", timeout)
     rt.worker.close(timeout)
     rt.watchdog.stop()
+    if rt.exit_monitor is not None and not MPI.Is_finalized():
+        _agree_on_leaving(rt, _how, _code)
     faults.uninstall()
     if not MPI.Is_finalized():
         rt.topo.free()
+
+
+def _agree_on_leaving(rt: Runtime, how: int, code: int) -> None:
+    """The exit agreement (``faults.ExitMonitor``); aborts the job when it fails."""
+    monitor = rt.exit_monitor
+    rank = rt.topo.rank
+    failing = how != faults.LEFT_SHUTDOWN and code not in (0, -1) and faults.installed()
+    # A failing rank waits only briefly: the others either fail with it, or must be stopped.
+    timeout = (min(rt.exit_timeout, faults.PEER_EXIT_GRACE_S) if rt.exit_timeout
+               else faults.PEER_EXIT_GRACE_S) if failing else rt.exit_timeout
+    missing = monitor.agree(how, code, timeout)
+    if not missing:
+        monitor.free()
+        return
+    me = faults.describe_departure(rank, how, code)
+    if rank == 0:
+        them = f"rank(s) {', '.join(map(str, missing))} did not reach shutdown within {timeout:g} s"
+    else:  # only rank 0 hears from everyone; others may be missing too
+        them = f"rank 0 did not reach shutdown within {timeout:g} s"
+    if failing:
+        faults.abort_job(f"bagua_mpi: {me}, but the others still run ({them}) and would wait "
+                         f"for it. Aborting the job (all ranks).", code)
+    faults.abort_job(f"bagua_mpi: {me}, but {them} (BAGUA_MPI_EXIT_TIMEOUT_S): still running "
+                     f"or blocked. Aborting the job (all ranks).", faults.EXIT_TIMEOUT_CODE)
 
 
 def get() -> Runtime:

@@ -9,6 +9,12 @@ Ordering: every rank must issue collectives on a communicator in the same order.
 operations therefore run through one serial executor: queued operations run in submission order,
 and a synchronous call runs inline only when nothing is queued or running (otherwise it queues
 behind them and waits), so the per-rank order is always program order.
+
+Nesting: an operation may compose others with the synchronous ``run`` (it runs inline: the
+outer operation already holds the executor), but it may not ``submit``: the new operation would
+queue behind the very operation that submits it, so waiting for it there deadlocks (and not
+waiting leaves a handle no one owns). ``submit`` from inside an operation therefore raises
+``NestedAsyncError`` at once.
 """
 from __future__ import annotations
 
@@ -18,17 +24,19 @@ import threading
 import time
 from typing import Any, Callable
 
-from .exceptions import BaguaMPIError, CommunicationError
+from .exceptions import BaguaMPIError, CommunicationError, NestedAsyncError
 
 
 class Handle:
     """A pending asynchronous operation. Owns its buffers until it completes.
 
     ``poll(handle)`` tells whether it is done; ``synchronize(handle)`` waits and returns the
-    result (the output tensor for collectives) or raises the error the operation hit.
+    result (the output tensor for collectives) or raises the error the operation hit. Waiting
+    again (from any thread) returns the same result or raises the same error; the finishing step
+    (e.g. the copy back to a CUDA tensor) runs exactly once.
     """
 
-    __slots__ = ("name", "_done", "_result", "_error", "_owned", "_finish")
+    __slots__ = ("name", "_done", "_result", "_error", "_owned", "_finish", "_finish_lock")
 
     def __init__(self, name: str, owned: tuple = (), finish: Callable[[Any], Any] | None = None):
         self.name = name
@@ -37,6 +45,8 @@ class Handle:
         self._error: BaseException | None = None
         self._owned = owned  # keeps input/output/staging buffers alive while MPI uses them
         self._finish = finish  # runs in the waiting thread (e.g. copy back to a CUDA tensor)
+        # Two threads may wait for one handle: only one of them runs ``finish``.
+        self._finish_lock = threading.Lock() if finish is not None else None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -49,12 +59,13 @@ class Handle:
             if isinstance(err, BaguaMPIError):
                 raise err
             raise CommunicationError(f"operation {self.name!r} failed: {err!r}") from err
-        result = self._result
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            result = self._result = finish(result)
+        if self._finish_lock is not None:
+            with self._finish_lock:
+                if self._finish is not None:
+                    self._result = self._finish(self._result)
+                    self._finish = None
         self._owned = ()
-        return result
+        return self._result
 
     def _complete(self, result=None, error: BaseException | None = None) -> None:
         self._result = result
@@ -68,7 +79,8 @@ class Handle:
 class CommWorker:
     """Serial executor of MPI operations: a daemon thread plus an inline fast path."""
 
-    def __init__(self, watch: Callable[[Any], None] | None = None):
+    def __init__(self, watch: Callable[[Any], None] | None = None, rank: int | None = None):
+        self.rank = rank  # for messages only
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._exec_lock = threading.Lock()  # held while any operation runs
         self._inside = threading.local()  # .active: this thread is running an operation
@@ -87,11 +99,25 @@ class CommWorker:
         """Queue ``fn`` to run on the communication thread; return its handle at once."""
         if self._closed:
             raise BaguaMPIError("bagua_mpi has been shut down; call bagua_mpi.init() again")
+        if getattr(self._inside, "active", False):
+            self._refuse_nested(describe)
         handle = Handle(_name_of(describe), owned, finish)
         with self._count_lock:
             self._pending += 1
         self._queue.put((fn, describe, handle))
         return handle
+
+    def _refuse_nested(self, describe) -> None:
+        where = ("the communication thread" if threading.current_thread() is self._thread
+                 else f"thread {threading.current_thread().name!r}")
+        running = self.current[0] if self.current is not None else None
+        who = f"rank {self.rank}: " if self.rank is not None else ""
+        raise NestedAsyncError(
+            f"bagua_mpi {who}{describe_text(describe)} was submitted asynchronously from inside "
+            f"the running operation {describe_text(running)} (on {where}, e.g. in an "
+            f"algorithm's reduce_bucket). It would only start after that operation ends, so "
+            f"waiting for it there deadlocks. Call the synchronous form instead (allreduce_ "
+            f"rather than allreduce_async_ + synchronize, ...): nested, it runs at once, inline.")
 
     def run(self, fn: Callable[[], Any], describe):
         """Run ``fn`` now in this thread if the queue is idle, else behind the queued work.

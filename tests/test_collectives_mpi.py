@@ -66,3 +66,50 @@ def test_stall_watchdog_warns_then_aborts():
     assert re.search(r"rank [12]: allreduce\(Sum, float32, \(7,\)\) has waited 0\.\d s",
                      result.output), result.describe()
     assert "another rank never joined it. Aborting the job." in result.output, result.describe()
+
+
+# -- misuse guards: a rank that leaves or fails ends the job promptly, with its message ----------
+# (mode, expected exit code or None for "non-zero", lines the output must contain). Three ranks;
+# "rank 2" is the last one. The default stall watchdog (600 s) is far beyond the time limits
+# below, so passing proves the prompt path, not the watchdog.
+LEAVING = {
+    "sys.exit(3) on one rank": ("exit-code", 3, ["rank 2 exited with code 3 (sys.exit(3))"]),
+    "last rank returns": ("return last", None, ["rank 2 reached the end of its program"]),
+    "rank 0 returns": ("return 0", None, ["rank 0 reached the end of its program",
+                                          "still waits in allreduce(Average, float32, (2,))"]),
+    "exception in a user thread": ("thread", 1, [
+        "bagua_mpi rank 2: uncaught exception in thread 'data-loader', aborting the job",
+        "ValueError: deliberate failure in a worker thread of rank 2"]),
+}
+# From the moment the rank leaves to the end of the job: the 5 s grace, a watchdog tick, the
+# 0.5 s of last words and mpiexec's teardown, with room for a loaded 2-core machine.
+LEAVE_BOUND_S = 25.0
+
+
+@pytest.mark.parametrize("case", list(LEAVING))
+def test_a_leaving_or_failing_rank_ends_the_job_promptly(case):
+    import time
+
+    mode, code, needles = LEAVING[case]
+    result = run_mpi("faults_suite.py", 3, *mode.split(), timeout=120)
+    ended = time.time()
+    assert not result.timed_out, result.describe()
+    assert result.returncode != 0, result.describe()
+    if code is not None:
+        assert result.returncode == code, result.describe()
+    for needle in needles:
+        assert needle in result.output, f"{needle!r} missing; {result.describe()}"
+    left = re.search(r"rank \d (?:calls sys.exit\(3\)|returns) at (\d+\.\d+)", result.output)
+    if left:
+        assert ended - float(left.group(1)) < LEAVE_BOUND_S, result.describe()
+
+
+@pytest.mark.parametrize("mode,expect_line", [
+    ("nested", "nested OK on 3 ranks"),
+    ("sync-twice", "sync-twice OK on 3 ranks"),
+    ("skew", "skew OK on 3 ranks"),
+])
+def test_misuse_that_must_not_abort(mode, expect_line):
+    """A nested async call raises NestedAsyncError (no deadlock), synchronize twice is safe,
+    and ranks that finish seconds apart still exit cleanly."""
+    assert_mpi_ok(run_mpi("faults_suite.py", 3, mode, timeout=120), expect_line)

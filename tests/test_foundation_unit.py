@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 import bagua_mpi as bm
 from bagua_mpi import buffers, config, consistency, ops, topology
+from bagua_mpi.exceptions import ConfigError, NestedAsyncError
 from bagua_mpi.worker import CommWorker
 
 
@@ -227,22 +228,176 @@ def test_cuda_tensors_staged_or_direct(initialized, aware):
 
 
 def test_nested_operations_run_inline_even_with_work_queued():
-    """An operation that itself calls the executor (an algorithm composing collectives) must
-    not deadlock, inline or on the comm thread, even while asynchronous work is queued."""
+    """An operation that itself calls the executor synchronously (an algorithm composing
+    collectives) must not deadlock, inline or on the comm thread, even with work queued."""
     worker = CommWorker()
     log = []
+    gate = threading.Event()
+    queued = worker.submit(lambda: (gate.wait(5), log.append("queued")), ("queued",))
+    # queued work is pending: this runs on the comm thread behind it, the nested call inline
+    h2 = worker.submit(lambda: worker.run(lambda: "in thread", ("nested",)), ("outer-async",))
+    gate.set()
+    assert h2.wait(5) == "in thread"
+    assert worker.run(lambda: worker.run(lambda: "inline", ("nested",)), ("outer",)) == "inline"
+    assert queued.done() and log == ["queued"]
+    worker.close(5)
+
+
+def test_nested_async_submission_raises_instead_of_deadlocking():
+    """submit() from inside a running operation (comm thread or inline) would queue behind its
+    own caller: waiting for it deadlocks, so it is refused with a named error."""
+    worker = CommWorker(rank=3)
 
     def outer():
-        h = worker.submit(lambda: log.append("queued"), ("queued",))
-        log.append(worker.run(lambda: "nested", ("nested",)))
-        return h
+        inner = worker.submit(lambda: "never", ("allreduce", "Sum", "float32", (4,)))
+        return inner.wait(5)  # the deadlock the guard prevents (a TimeoutError without it)
 
-    h = worker.run(outer, ("outer",))
-    h.wait(5)
-    h2 = worker.submit(lambda: worker.run(lambda: "in thread", ("nested",)), ("outer-async",))
-    assert h2.wait(5) == "in thread"
-    assert log == ["nested", "queued"]
+    h = worker.submit(outer, ("bucket", 0, 16))
+    with pytest.raises(NestedAsyncError) as info:
+        h.wait(10)
+    text = str(info.value)
+    assert "rank 3: allreduce(Sum, float32, (4,))" in text
+    assert "bucket(0, 16)" in text and "communication thread" in text and "allreduce_" in text
+    assert isinstance(info.value, bm.BaguaMPIError)
+    with pytest.raises(NestedAsyncError, match="MainThread"):
+        worker.run(outer, ("inline-outer",))
+    assert worker.run(lambda: "still fine", ("after",)) == "still fine"
     worker.close(5)
+
+
+def test_waiting_twice_returns_the_same_result_and_finishes_once():
+    worker = CommWorker()
+    calls = []
+    h = worker.submit(lambda: [1, 2], ("op",), finish=lambda r: calls.append(1) or r + [3])
+    first = h.wait(5)
+    assert h.wait(5) is first and first == [1, 2, 3] and calls == [1]
+    bad = worker.submit(lambda: 1 / 0, ("divide",))
+    errors = []
+    for _ in range(2):
+        with pytest.raises(bm.CommunicationError) as info:
+            bad.wait(5)
+        errors.append(info.value)
+    assert errors[0] is errors[1] or str(errors[0]) == str(errors[1])
+    # two threads waiting at once: finish still runs once
+    gate = threading.Event()
+    calls.clear()
+    h = worker.submit(lambda: gate.wait(5) and 7, ("slow",),
+                      finish=lambda r: (calls.append(1), time.sleep(0.05), r * 2)[2])
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(h.wait(5))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert results == [14, 14] and calls == [1]
+    worker.close(5)
+
+
+def test_settings_are_validated_by_name(monkeypatch):
+    monkeypatch.setenv("BAGUA_MPI_STALL_ABORT_S", "-1")
+    with pytest.raises(ConfigError, match="BAGUA_MPI_STALL_ABORT_S='-1'"):
+        config.stall_abort_s()
+    monkeypatch.setenv("BAGUA_MPI_STALL_WARNING_S", "0")
+    with pytest.raises(ValueError, match="BAGUA_MPI_STALL_WARNING_S='0'.*> 0"):
+        config.stall_warning_s()
+    monkeypatch.setenv("BAGUA_MPI_EXIT_TIMEOUT_S", "nan")
+    with pytest.raises(ConfigError, match="finite"):
+        config.exit_timeout_s()
+    monkeypatch.setenv("BAGUA_MPI_EXIT_TIMEOUT_S", "0")
+    assert config.exit_timeout_s() == 0.0
+    monkeypatch.setenv("BAGUA_MPI_CHECKPOINT_SCHEME", "MPIO")
+    assert config.checkpoint_scheme() == "mpio"
+    monkeypatch.setenv("BAGUA_MPI_CHECKPOINT_SCHEME", "fast")
+    with pytest.raises(ConfigError, match="expected auto, mpio or token"):
+        config.checkpoint_scheme()
+    monkeypatch.delenv("BAGUA_MPI_CHECKPOINT_SCHEME")
+    monkeypatch.setenv("BAGUA_MPI_CHECKPOINT_FAULT", "written@2")
+    assert config.checkpoint_fault(("written",)) == ("written", 2)
+    assert config.checkpoint_fault() == ("written", 2)
+    with pytest.raises(ConfigError, match="unknown phase 'written'"):
+        config.checkpoint_fault(("prepared",))
+    monkeypatch.setenv("BAGUA_MPI_CHECKPOINT_FAULT", "written@x")
+    with pytest.raises(ConfigError, match="rank >= 0"):
+        config.checkpoint_fault()
+    monkeypatch.delenv("BAGUA_MPI_CHECKPOINT_FAULT")
+    monkeypatch.setenv("BAGUA_MPI_KERNEL_THREADS", "0")
+    with pytest.raises(ConfigError, match="BAGUA_MPI_KERNEL_THREADS='0'"):
+        config.kernel_threads()
+    monkeypatch.setenv("BAGUA_MPI_KERNEL_THREADS", "2")
+    monkeypatch.setenv("BAGUA_MPI_TIMELINE", " /tmp/tl ")
+    assert config.kernel_threads() == 2 and config.timeline_prefix() == "/tmp/tl"
+
+
+def test_init_fails_on_a_malformed_setting_and_warns_on_unknown_ones(monkeypatch, caplog):
+    monkeypatch.setenv("BAGUA_MPI_HIERARCHICAL", "sometimes")
+    with pytest.raises(ConfigError, match="BAGUA_MPI_HIERARCHICAL='sometimes'"):
+        bm.init(abort_on_exception=False)
+    assert not bm.is_initialized()
+    monkeypatch.delenv("BAGUA_MPI_HIERARCHICAL")
+    monkeypatch.setenv("BAGUA_MPI_STALL_ABORT", "5")  # misspelt: would be a silent no-op
+    with caplog.at_level("WARNING", logger="bagua_mpi.config"):
+        bm.init(abort_on_exception=False)
+        bm.shutdown()
+    assert any("BAGUA_MPI_STALL_ABORT " in r.getMessage() + " " for r in caplog.records)
+    assert config.unknown_variables({"BAGUA_MPI_CHECK": "1", "BAGUA_MPI_SLURM_DIR": "x",
+                                     "BAGUA_MPI_CHEK": "0"}) == ["BAGUA_MPI_CHEK"]
+
+
+def test_every_library_setting_has_an_accessor():
+    """config.py is the only reader of BAGUA_MPI_* variables: each known name has an accessor,
+    and the documented table lists each of them."""
+    assert set(config.settings()) == set(config.KNOWN)
+    for name in config.KNOWN:
+        assert name in config.__doc__, name
+
+
+def test_sys_exit_status_is_learned_only_when_the_interpreter_exits():
+    """The wrapped sys.exit records the status only when the interpreter itself reads it (a
+    caught and inspected SystemExit does not count), in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    program = (
+        "import atexit, sys\n"
+        "from bagua_mpi import faults\n"
+        "faults.install(abort_on_exception=False)\n"
+        "atexit.register(lambda: print('status', faults.exit_status()))\n"
+        "try:\n"
+        "    sys.exit(2)\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 2 and isinstance(e, SystemExit)\n"
+        "print('caught', faults.exit_status())\n"
+        "sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])\n")
+    for arg, code, expected in (("3", 3, "(True, 3)"), ("0", 0, "(True, 0)"),
+                                ("bye", 1, "(True, 1)")):
+        proc = subprocess.run([sys.executable, "-c", program, arg], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == code, proc.stderr
+        assert "caught (False, None)" in proc.stdout and f"status {expected}" in proc.stdout
+
+
+def test_thread_exception_hook_follows_abort_on_exception():
+    from bagua_mpi import faults
+
+    previous = threading.excepthook
+    faults.install(abort_on_exception=False)
+    try:
+        assert threading.excepthook is previous and not faults.installed()
+    finally:
+        faults.uninstall()
+    faults.install(abort_on_exception=True)
+    try:
+        assert threading.excepthook is faults._abort_on_thread_exception and faults.installed()
+    finally:
+        faults.uninstall()
+    assert threading.excepthook is previous and sys_exit_restored()
+
+
+def sys_exit_restored() -> bool:
+    import sys
+    from bagua_mpi import faults
+    return sys.exit is not faults._exit
 
 
 @pytest.mark.gpu

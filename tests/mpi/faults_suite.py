@@ -7,6 +7,15 @@ Modes:
   raise      the last rank raises; the job must end non-zero with that rank's traceback
   die        the last rank is killed by SIGKILL; the job must end non-zero
   stall      rank 0 skips a collective; the watchdog must warn, then abort the job
+  exit-code  the last rank calls sys.exit(3) while the others call a collective: the job must
+             end promptly, non-zero, naming that rank and code
+  return R   rank R (a number, or "last") returns from main normally while the others call a
+             collective: the job must end promptly, naming rank R
+  thread     a thread of the last rank raises: the job must end with that traceback
+  nested     an asynchronous call made from the communication thread raises NestedAsyncError
+             (no deadlock) on every rank; the library keeps working
+  sync-twice synchronize() twice on one handle returns the same result (and error)
+  skew       all ranks finish, rank 0 some seconds after the others: a clean exit (code 0)
 """
 import os
 import signal
@@ -115,11 +124,99 @@ def mode_stall(rank, size):
     bm.allreduce(torch.ones(7), bm.Sum)
 
 
+def mode_exit_code(rank, size):
+    bm.allreduce(torch.ones(1))
+    if rank == size - 1:
+        print(f"rank {rank} calls sys.exit(3) at {time.time():.3f}", flush=True)
+        sys.exit(3)
+    bm.allreduce(torch.ones(1))  # never completes: the job must be torn down
+    time.sleep(60)
+
+
+def mode_return(rank, size, who="last"):
+    leaver = size - 1 if who == "last" else int(who)
+    bm.allreduce(torch.ones(1))
+    if rank == leaver:
+        print(f"rank {rank} returns at {time.time():.3f}", flush=True)
+        return  # the end of the program; the others still expect it below
+    bm.allreduce(torch.ones(2))
+    time.sleep(60)
+
+
+def mode_thread(rank, size):
+    import threading
+
+    bm.allreduce(torch.ones(1))
+    if rank == size - 1:
+        def work():
+            raise ValueError(f"deliberate failure in a worker thread of rank {rank}")
+        t = threading.Thread(target=work, name="data-loader")
+        t.start()
+        t.join()
+    bm.allreduce(torch.ones(1))  # the others (and this rank) wait here until the abort
+    time.sleep(60)
+
+
+def mode_nested(rank, size):
+    def inner_async():
+        h = bm.allreduce_async(torch.ones(3), bm.Sum)
+        return bm.synchronize(h)  # without the guard: waits for itself for ever
+
+    t0 = time.perf_counter()
+    handle = bm.submit(inner_async, ("user-op",))
+    text = expect(bm.BaguaMPIError, lambda: bm.synchronize(handle, timeout=30),
+                  f"rank {rank}: allreduce(", "user-op", "communication thread",
+                  "synchronous form")
+    from bagua_mpi.exceptions import NestedAsyncError
+    try:
+        bm.synchronize(handle)
+    except NestedAsyncError:
+        pass
+    else:
+        raise AssertionError("synchronize on the failed handle did not raise NestedAsyncError")
+    # the synchronous form, nested on the comm thread, is fine
+    nested_sync = bm.submit(lambda: bm.allreduce(torch.ones(3), bm.Sum), ("user-op-sync",))
+    assert bm.synchronize(nested_sync, timeout=30).tolist() == [size] * 3
+    assert bm.allreduce(torch.ones(1), bm.Sum).item() == size
+    if rank == 0:
+        print(f"nested OK on {size} ranks in {time.perf_counter() - t0:.2f} s: {text[:90]}",
+              flush=True)
+
+
+def mode_sync_twice(rank, size):
+    x = torch.full((4,), float(rank))
+    h = bm.allreduce_async(x, bm.Sum)
+    first = bm.synchronize(h)
+    second = bm.synchronize(h)
+    assert second is first and first.tolist() == [size * (size - 1) / 2] * 4
+    assert bm.poll(h)
+    y = torch.ones(3)
+    h = bm.allreduce_async_(y, bm.Sum)
+    assert bm.synchronize(h) is bm.synchronize(h) and y.tolist() == [size] * 3
+    h = bm.broadcast_async(torch.full((2,), float(rank)), root_rank=0)
+    assert bm.synchronize(h).tolist() == bm.synchronize(h).tolist() == [0.0, 0.0]
+    bad = bm.submit(lambda: 1 / 0, ("divide",))
+    first_err = expect(bm.CommunicationError, lambda: bm.synchronize(bad), "divide")
+    assert expect(bm.CommunicationError, lambda: bm.synchronize(bad), "divide") == first_err
+    assert bm.allreduce(torch.ones(1), bm.Sum).item() == size
+    if rank == 0:
+        print(f"sync-twice OK on {size} ranks", flush=True)
+
+
+def mode_skew(rank, size):
+    bm.allreduce(torch.ones(1))
+    if rank == 0:
+        time.sleep(3)  # e.g. a final evaluation on rank 0: the others wait for it at exit
+        print(f"skew OK on {size} ranks", flush=True)
+
+
 def main():
     bm.init()
     mode = sys.argv[1]
     {"mismatch": mode_mismatch, "bad-args": mode_bad_args, "raise": mode_raise,
-     "die": mode_die, "stall": mode_stall}[mode](bm.rank(), bm.size())
+     "die": mode_die, "stall": mode_stall, "exit-code": mode_exit_code, "return": mode_return,
+     "thread": mode_thread, "nested": mode_nested, "sync-twice": mode_sync_twice,
+     "skew": mode_skew}[mode](bm.rank(), bm.size(), *sys.argv[2:])
 
 
 if __name__ == "__main__":
