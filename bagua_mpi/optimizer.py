@@ -21,10 +21,10 @@ import os
 import torch
 
 from . import collectives, runtime
-from .algorithms import AlgorithmContext, create
+from .algorithms import AlgorithmContext, WrapOptions, create
 from .compression import Compression
 from .engine import Engine
-from .exceptions import MismatchError
+from .exceptions import MismatchError, MisuseError
 from .ops import Average, ReduceOp, Sum
 from .timeline import Timeline
 
@@ -54,6 +54,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             step. Without it, an unused parameter is averaged as a zero gradient from the ranks
             that did not use it. Either way no rank hangs.
         timeline: path prefix for a Chrome-trace timeline (default ``BAGUA_MPI_TIMELINE``).
+        process_set: train over a subset of the ranks (an object with ``.topology``, the
+            topology of the set's communicator, such as ``bagua_mpi.ProcessSet``); every rank
+            of the set wraps its optimizer, the others do not.
+
+    An option the algorithm cannot honour raises ``UnsupportedOptionError`` here, naming the
+    option and what to use instead (the README's algorithm x option table lists them all).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -62,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, *, bucket_size_mb: float = 25.0,
                  overlap: bool = True, flatten: bool = True, hierarchical: bool | None = None,
                  profile_order: bool = True, find_unused_parameters: bool = False,
-                 timeline: str | None = None):
+                 timeline: str | None = None, process_set=None):
         # Deliberately no super().__init__: the wrapped optimizer holds the real state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
@@ -83,18 +89,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
         rt = runtime.get()
+        topo = rt.topo if process_set is None else process_set.topology
+        if topo is None:
+            raise ValueError(f"rank {rt.topo.rank} is not in {process_set!r}: only its ranks "
+                             f"may wrap an optimizer for it")
         self.optimizer = optimizer
         self.compression = Compression.parse(compression)
         self.algorithm = create(algorithm)
+        hierarchical = rt.hierarchical if hierarchical is None else bool(hierarchical)
+        self.algorithm.check_options(WrapOptions(
+            compression=self.compression, hierarchical=hierarchical, average=op is Average,
+            gradient_predivide_factor=gradient_predivide_factor))
         params, names = _trainable_parameters(optimizer, named_parameters)
         check_models_agree(names, params)
-        size = rt.topo.size
+        size = topo.size
         ctx = AlgorithmContext(
-            topo=rt.topo, average=op is Average,
+            topo=topo, average=op is Average,
             prescale=1.0 / gradient_predivide_factor,
             postscale=(gradient_predivide_factor / size) if op is Average else 1.0,
-            hierarchical=rt.hierarchical if hierarchical is None else bool(hierarchical),
-            compression=self.compression)
+            hierarchical=hierarchical, compression=self.compression,
+            param_numels={n: p.numel() for n, p in zip(names, params)})
         self.impl = self.algorithm.reify(ctx)
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else os.environ.get("BAGUA_MPI_TIMELINE")
@@ -108,6 +122,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
         self.steps = 0
+        # Horovod's public arguments, readable as attributes
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
 
     # -- what torch.optim.Optimizer users touch ---------------------------------------------------
     @property
@@ -139,14 +157,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   "optimizer with all groups, then wrap it")
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Zero the gradients, keeping them views of the flat buckets (cheapest)."""
+        """Zero the gradients, keeping them views of the flat buckets (cheapest).
+
+        Raises ``MisuseError`` between a backward pass and ``step()``/``synchronize()``: the
+        gradients are being (or are about to be) communicated, and zeroing them would make this
+        rank contribute something else than it computed.
+        """
+        pending = self._engine.pending_description()
+        if pending:
+            raise MisuseError(f"rank {runtime.get().topo.rank}: zero_grad() called while "
+                             f"{pending}; call zero_grad() before backward(), or after "
+                             f"step() / synchronize()")
         if set_to_none:
             self.optimizer.zero_grad(set_to_none=True)  # the engine re-absorbs them later
         else:
             self._engine.zero_grads()
 
     def synchronize(self) -> None:
-        """Wait for (and finish) this iteration's gradient communication."""
+        """Wait for (and finish) this iteration's gradient communication. Calling it again
+        before ``step()`` does nothing (the gradients are already synchronized)."""
+        if self._synchronized:
+            return
+        self.impl.step = self.steps
         self._engine.synchronize()
         self._synchronized = True
 
@@ -169,6 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.communicating = True
 
     def step(self, closure=None):
+        self.impl.step = self.steps
         self.impl.on_step_start(self.steps)
         if not (self._skip_sync or self._synchronized):
             self._engine.synchronize()
@@ -191,7 +224,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"cannot be loaded into {self.algorithm.name!r}")
         self.steps = int(state["steps"])
         self._engine.iteration = self.steps  # warm-ups and seeds continue, not restart
+        # state of buckets not built yet is held by the framework and applied when they are
         self.impl.load_state_dict(state["state"])
+        self.impl.step = self.steps
 
     def communication_stats(self) -> dict:
         """Bytes this rank sent to others (counted from MPI message sizes) and per step."""

@@ -64,7 +64,7 @@ def inner(args) -> None:
     import bagua_mpi as bm
     import numba_kernels as nk
     from bagua_mpi.buffers import host_view
-    from bagua_mpi.primitives.codecs import WireStats
+    from bagua_mpi.accounting import WireStats
     from bagua_mpi.primitives.sparse import (_compress, binomial_broadcast, gtopk_allreduce_,
                                              gtopk_tree_reduce, topk_allgather_, topk_count)
 

@@ -17,7 +17,8 @@ powersgd                       rank-r P/Q power iteration with EF               
 =============================  ===============================================  ==========
 """
 from .async_average import AsyncModelAverage
-from .base import Algorithm, AlgorithmContext, AlgorithmImpl
+from .base import (Algorithm, AlgorithmContext, AlgorithmImpl, UnsupportedOptionError,
+                   WrapOptions)
 from .compressed import QSGD, ByteGrad
 from .gradient_allreduce import GradientAllReduce
 from .model_averaging import Decentralized, LocalSGD, LowPrecisionDecentralized
@@ -26,6 +27,7 @@ from .powersgd import PowerSGD
 from .registry import create, names, register
 from .sparse import GTopK, TopK
 
-__all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "AsyncModelAverage", "ByteGrad",
+__all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "UnsupportedOptionError",
+           "WrapOptions", "AsyncModelAverage", "ByteGrad",
            "Decentralized", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
            "OneBitAdam", "PowerSGD", "QSGD", "TopK", "GTopK", "create", "names", "register"]

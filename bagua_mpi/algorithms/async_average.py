@@ -9,7 +9,11 @@ copies at step boundaries:
    snapshot) and wakes the thread;
 2. the thread allreduces [snapshot, continue-flag] and computes delta = average - snapshot;
 3. after a later step, the training thread applies ``params += delta`` (the average of the
-   snapshots, plus whatever local progress was made since).
+   snapshots, plus whatever local progress was made since). With ``max_staleness=k`` an
+   exchange still in flight k steps after it started is waited for: with
+   ``sync_interval_ms=0`` and ``max_staleness=1`` every step's snapshot is averaged and
+   applied one step later, the same on every run (and so resumable bit for bit); without a
+   bound, when a result is applied depends on timing.
 
 No torn reads: the background thread never touches the parameters. The training thread reads
 them (snapshot) and writes them (apply) itself, between steps.
@@ -31,11 +35,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import collectives, runtime
-from ..buffers import host_view
-from ..ops import Average
+from .. import runtime
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
+from .staging import host_float32
 
 
 class AsyncAverageImpl(AlgorithmImpl):
@@ -57,6 +60,8 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._last_start = 0.0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._started_step = 0  # step after which the exchange in flight started
+        self._resume_in_flight = False  # a loaded checkpoint carries an exchange's result
         self.closed = False
 
     def init_buckets(self, buckets) -> None:
@@ -64,8 +69,17 @@ class AsyncAverageImpl(AlgorithmImpl):
         topo = self.ctx.topo
         self._comm = runtime.get().worker.run(topo.comm.Dup, ("dup", "async"))
         total = sum(b.numel for b in buckets)
-        self._buffer = np.zeros(total + 1, dtype=np.float64)
-        self._snapshot = np.zeros(total, dtype=np.float64)
+        # float32 like the models (float64 doubled the bytes); the continue flags sum to at
+        # most n, exact in float32
+        self._buffer = np.zeros(total + 1, dtype=np.float32)
+        self._snapshot = np.zeros(total, dtype=np.float32)
+        if self._resume_in_flight:  # the saved run had an exchange in flight: its result
+            self._delta = np.concatenate([self.state.vector("in_flight_delta", b.index,
+                                                            b.segments()).data.numpy()
+                                          for b in buckets])
+            self.state.drop("in_flight_delta")
+            self._in_flight = True
+            self._done.set()
         self._thread = threading.Thread(target=self._loop, name="bagua_mpi-async", daemon=True)
         self._thread.start()
         runtime.on_shutdown(self.close)
@@ -75,6 +89,10 @@ class AsyncAverageImpl(AlgorithmImpl):
         if self._thread is None or self._stopped.is_set():
             return
         self._raise_background_error()
+        bound = self.algorithm.max_staleness
+        if self._in_flight and bound is not None and self.step - self._started_step >= bound:
+            self._done.wait()  # bounded staleness: this step may not run ahead any further
+            self._raise_background_error()
         if self._in_flight and self._done.is_set():
             self._apply_delta()
         interval = self.algorithm.sync_interval_ms / 1000.0
@@ -84,13 +102,14 @@ class AsyncAverageImpl(AlgorithmImpl):
     def _start_exchange(self, continue_flag: float) -> None:
         offset = 0
         for b in self.buckets:
-            view = host_view(b.flat_param)
-            self._snapshot[offset:offset + view.size] = view
-            offset += view.size
+            with host_float32(b.flat_param) as host:  # a copy only for device/other dtypes
+                self._snapshot[offset:offset + b.numel] = host.numpy()
+            offset += b.numel
         self._buffer[:-1] = self._snapshot
         self._buffer[-1] = continue_flag
         self._done.clear()
         self._in_flight = True
+        self._started_step = self.step
         self._last_start = time.monotonic()
         self._wake.set()
 
@@ -98,9 +117,10 @@ class AsyncAverageImpl(AlgorithmImpl):
         offset = 0
         with torch.no_grad():
             for b in self.buckets:
-                view = host_view(b.flat_param)
-                view += self._delta[offset:offset + view.size].astype(view.dtype)
-                offset += view.size
+                delta = torch.from_numpy(self._delta[offset:offset + b.numel])
+                b.flat_param.add_(delta.to(device=b.flat_param.device,
+                                           dtype=b.flat_param.dtype))
+                offset += b.numel
         self._in_flight = False
         self.exchanges += 1
 
@@ -146,17 +166,35 @@ class AsyncAverageImpl(AlgorithmImpl):
             self._apply_delta()
         self._thread.join()
         self._raise_background_error()
-        for b in self.buckets:  # the final synchronisation: identical models everywhere
-            collectives.allreduce_(b.flat_param, Average, check=False)
-            self.wire.allreduce(b.flat_param.numel() * b.flat_param.element_size(),
-                                self.ctx.topo.size)
+        # the final synchronisation: identical models everywhere
+        self.dense_allreduce_([b.flat_param for b in self.buckets], average_models=True)
         self._comm.Free()
 
+    # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"exchanges": self.exchanges}
+        """Wait for an exchange in flight and checkpoint its result too, so that a resumed job
+        applies it at the same step as the uninterrupted one would."""
+        in_flight = self._in_flight and self._thread is not None
+        if in_flight:
+            self._done.wait()
+            self._raise_background_error()
+            offset = 0
+            for b in self.buckets:
+                vec = self.state.vector("in_flight_delta", b.index, b.segments())
+                vec.data.copy_(torch.from_numpy(self._delta[offset:offset + b.numel]))
+                offset += b.numel
+        state = super().state_dict()
+        state["extra"]["in_flight"] = in_flight
+        self.state.drop("in_flight_delta")
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.exchanges = int(state.get("exchanges", 0))
+    def extra_state(self) -> dict:
+        return {"exchanges": self.exchanges, "started_step": self._started_step}
+
+    def load_extra_state(self, extra: dict) -> None:
+        self.exchanges = int(extra.get("exchanges", 0))
+        self._started_step = int(extra.get("started_step", 0))
+        self._resume_in_flight = bool(extra.get("in_flight", False))
 
 
 @register
@@ -166,8 +204,23 @@ class AsyncModelAverage(Algorithm):
 
     name = "async"
     impl_class = AsyncAverageImpl
+    averages_models = True
+    hierarchical_refusal = ("its background thread averages with one allreduce on a private "
+                            "communicator while training runs; use hierarchical=False (MPI's "
+                            "own allreduce already follows the node structure)")
+
+    def compression_refusal(self) -> str:
+        return ("the background exchange is a float32 allreduce that MPI sums itself; a 16-bit "
+                "wire would need the two-phase cast exchange inside the thread; use "
+                "compression=none")
     sync_interval_ms: float = 50.0
+    max_staleness: int | None = None
 
     def __post_init__(self):
         if not self.sync_interval_ms >= 0:
             raise ValueError(f"sync_interval_ms must be >= 0, got {self.sync_interval_ms!r}")
+        if self.max_staleness is not None and (
+                isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int)
+                or self.max_staleness < 1):
+            raise ValueError(f"max_staleness must be None or an integer >= 1, got "
+                             f"{self.max_staleness!r}")

@@ -1,31 +1,45 @@
-"""The algorithm interface (SPEC §3): a config object reified into a stateful implementation.
+"""The algorithm interface and the framework around it (docs/design.md, "Algorithms").
 
-An ``Algorithm`` holds hyperparameters only (plain, comparable, serialisable as JSON through
-``config()``). ``Algorithm.reify(ctx)`` makes its ``AlgorithmImpl``, which owns all running
-state (per-bucket residuals, peer models, stage, ...) and says what runs on each hook:
+An ``Algorithm`` holds hyperparameters only (a frozen dataclass, serialisable as JSON through
+``config()``). ``Algorithm.reify(ctx)`` makes its ``AlgorithmImpl``, which owns the running
+state and fills in the hooks it needs:
 
 =====================  ==============================  ============================================
 hook                   runs on                          used for
 =====================  ==============================  ============================================
-``init_buckets``       main thread, once buckets exist  allocate per-bucket state
+``init_buckets``       main thread, once buckets exist  allocate per-parameter state (``self.state``)
 ``reduce_bucket``      communication thread             a bucket's gradients are all ready: make
-                                                        them the synchronized gradients (gets the
-                                                        step index; never read main-thread state
-                                                        that changes between steps)
+                                                        them the synchronized gradients over
+                                                        ``self.comm`` (default: dense allreduce)
 ``before_step``        main thread, in ``step()``       model-side ops before the optimizer update
 ``optimizer_step``     main thread, in ``step()``       the update itself (default: the wrapped
-                                                        optimizer's ``step``; 1-bit Adam's
-                                                        compressed stage replaces it)
+                                                        optimizer's ``step``)
 ``after_step``         main thread, in ``step()``       model-side ops after it (decentralized
-                                                        averaging, local SGD, async)
-``on_step_start``      main thread, start of ``step``   stage switches (e.g. warm-up over)
-``state_dict`` /       anywhere                         per-rank state for checkpoints (tensors
-``load_state_dict``                                     and numbers only, no pickle)
+                                                        averaging, local SGD, async, decisions)
+``extra_state`` /      anywhere                         scalars and small structures to checkpoint
+``load_extra_state``                                    (tensors go through ``self.state``)
+``close``              main thread                      stop background work
 =====================  ==============================  ============================================
 
-Flags: ``communicates_gradients`` (False for algorithms that average models instead; the engine
-then skips gradient communication) and ``wants_flat_params`` (the engine also flattens each
-bucket's parameters so model-side operations run once per bucket).
+What the framework does so that no algorithm re-solves it:
+
+* **step**: ``self.step`` is the optimizer's step count, set before every hook; the engine passes
+  the step to ``reduce_bucket`` (read on the main thread when the bucket was launched).
+* **warm-up**: configs with ``dense_warmup = True`` run ``warmup_steps`` of plain dense
+  allreduce before ``reduce_bucket`` is first called.
+* **op and scaling**: ``self.scale`` (prescale x postscale: 1/n for Average) is what a
+  compressed exchange multiplies its sum by; the dense exchange applies pre and post separately.
+* **hierarchy**: with ``hierarchical=True`` a bucket is summed into each node's leader in full
+  precision, ``reduce_bucket`` runs among the leaders (``self.comm``), and the leader broadcasts
+  the result in its node. Algorithms that average models do their own two-level exchange with
+  ``node_average_`` / ``node_broadcast_``.
+* **device placement**: ``staging.py`` gives each primitive the form it reads; device tensors
+  never reach NumPy.
+* **bytes**: ``self.wire`` counts what is handed to MPI, node-level messages included.
+* **state**: ``self.state`` keys every per-rank tensor by parameter name (``state.py``), holds
+  state loaded before the buckets exist, and checkpoints it independently of bucketing.
+* **options**: ``Algorithm.check_options`` refuses, at wrap time, every optimizer option the
+  algorithm cannot honour, naming the option and what to use instead.
 """
 from __future__ import annotations
 
@@ -33,10 +47,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..primitives.codecs import WireStats
+import torch
+
+from ..accounting import WireStats
+from ..exceptions import BaguaMPIError
+from . import dense
+from .staging import movable, reducible
+from .state import AlgorithmState
 
 if TYPE_CHECKING:
     from ..engine.buckets import Bucket
+
+
+class UnsupportedOptionError(BaguaMPIError, ValueError):
+    """An optimizer option that the chosen algorithm cannot honour (raised at wrap time)."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +71,9 @@ class AlgorithmContext:
     average: bool  # op=Average (else Sum)
     prescale: float  # multiply gradients by this before the sum (gradient_predivide_factor)
     postscale: float  # ...and by this after it (1/n for Average is folded in here)
-    hierarchical: bool  # use the two-level primitives
+    hierarchical: bool  # two levels: inside nodes, then among node leaders
     compression: Any  # bagua_mpi.compression.Compressor
+    param_numels: dict = dataclasses.field(default_factory=dict)  # name -> numel
 
 
 class AlgorithmImpl:
@@ -60,18 +85,121 @@ class AlgorithmImpl:
         self.ctx = ctx
         self.buckets: list[Bucket] = []
         self.wire = WireStats()  # bytes this rank sent, for communication_stats()
+        self.state = AlgorithmState(ctx.param_numels)
+        self.step = 0  # the optimizer's step count, set by the framework
 
+    # -- what the framework offers implementations -------------------------------------------
+    @property
+    def comm(self):
+        """The communicator the algorithm exchanges over: every rank, or the node leaders when
+        hierarchical (None on the other ranks of a node: they take no part)."""
+        topo = self.ctx.topo
+        return topo.leaders if self.ctx.hierarchical else topo.comm
+
+    @property
+    def scale(self) -> float:
+        """Factor on the sum of the ranks' gradients (1/n for Average)."""
+        return self.ctx.prescale * self.ctx.postscale
+
+    def in_dense_stage(self, step: int) -> bool:
+        algo = self.algorithm
+        return algo.dense_warmup and step < algo.warmup_steps
+
+    def dense_allreduce_(self, tensors: list[torch.Tensor], comm=None, *,
+                         average_models: bool = False, fused: bool = False) -> None:
+        """C_FP_S of ``tensors`` over ``comm`` (default ``self.comm``), one message each (or
+        one for all, ``fused``), with the wrapper's compression and scaling (or plain
+        averaging, for models)."""
+        comm = self.comm if comm is None else comm
+        ctx = self.ctx
+        if average_models:
+            pre, post = 1.0, 1.0 / ctx.topo.size
+        else:
+            pre, post = ctx.prescale, ctx.postscale
+        kwargs = dict(prescale=pre, postscale=post, wire_dtype=ctx.compression.wire_dtype,
+                      stats=self.wire, library_comm=ctx.topo.comm)
+        if fused:
+            dense.fused_allreduce_(tensors, comm, **kwargs)
+            return
+        for t in tensors:
+            dense.allreduce_(t, comm, **kwargs)
+
+    def node_sum_(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` into this node's leader (full precision)."""
+        topo = self.ctx.topo
+        for t in tensors:
+            with reducible(t) as buf:
+                topo.node_reduce_(buf)
+            self.wire.node_reduce(t.numel() * t.element_size(), topo.local_rank, topo.local_size)
+
+    def node_broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Give every rank of the node its leader's ``tensors``."""
+        topo = self.ctx.topo
+        for t in tensors:
+            with movable(t) as buf:
+                topo.node_broadcast_(buf)
+            self.wire.node_broadcast(t.numel() * t.element_size(), topo.local_rank,
+                                     topo.local_size)
+
+    def two_level(self, tensors: list[torch.Tensor], among_leaders) -> None:
+        """Hierarchical exchange: node sum, ``among_leaders()`` on the leaders, node broadcast."""
+        self.node_sum_(tensors)
+        if self.ctx.topo.leaders is not None:
+            among_leaders()
+        self.node_broadcast_(tensors)
+
+    # -- entry points the engine and the wrapper call -----------------------------------------
+    def communicate_bucket(self, bucket: "Bucket", step: int) -> None:
+        """Comm thread: synchronize ``bucket``'s gradients for ``step``."""
+        def exchange():
+            if self.in_dense_stage(step):
+                self.dense_allreduce_(bucket.communication_tensors())
+            else:
+                self.reduce_bucket(bucket, step)
+
+        if not self.ctx.hierarchical:
+            exchange()
+            return
+        self.node_sum_(bucket.communication_tensors())
+        if self.ctx.topo.leaders is not None:
+            exchange()
+        self.node_broadcast_(self.exchanged_tensors(bucket, step))
+
+    def setup_buckets(self, buckets: "list[Bucket]") -> None:
+        """Main thread, once: hand the buckets over and apply state held since a load."""
+        self.buckets = buckets
+        self.init_buckets(buckets)
+        self.state.check_claimed(self.state_allocated_later)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tensors": self.state.state_dict(),
+                "extra": self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state.get("step", 0))
+        self.load_extra_state(state.get("extra", {}))
+        self.state.load_state_dict(state.get("tensors", {}))
+        if self.buckets:  # loaded into a running optimizer: allocations happened already
+            self.state.check_claimed(self.state_allocated_later)
+
+    # -- hooks for implementations -------------------------------------------------------------
     def bind_optimizer(self, optimizer) -> None:
-        """Called once by the wrapper with the wrapped optimizer."""
+        """Called by the wrapper with the wrapped optimizer (again after it loads state)."""
 
     def init_buckets(self, buckets: "list[Bucket]") -> None:
-        self.buckets = buckets
+        """Allocate per-parameter state through ``self.state``."""
 
     def reduce_bucket(self, bucket: "Bucket", step: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not reduce gradients")
+        """Default: C_FP_S of the bucket (gradient_allreduce)."""
+        self.dense_allreduce_(bucket.communication_tensors())
+
+    def exchanged_tensors(self, bucket: "Bucket", step: int) -> list[torch.Tensor]:
+        """What the exchange of ``step`` leaves synchronized on the leaders, for the node
+        broadcast: the gradients, unless the algorithm exchanges something else."""
+        return bucket.communication_tensors()
 
     def on_step_start(self, step: int) -> None:
-        pass
+        """Main thread, start of ``step()``: stage switches."""
 
     def before_step(self, optimizer) -> None:
         pass
@@ -82,23 +210,48 @@ class AlgorithmImpl:
     def after_step(self, optimizer) -> None:
         pass
 
-    def state_dict(self) -> dict:
+    def extra_state(self) -> dict:
+        """Per-rank scalars to checkpoint (numbers, strings, small dicts)."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{type(self).__name__} keeps no state but got keys {sorted(state)}")
+    def load_extra_state(self, extra: dict) -> None:
+        pass
+
+    def state_allocated_later(self, kind: str) -> bool:
+        """True for state kinds allocated after ``init_buckets`` (at a stage switch)."""
+        return False
 
     def close(self) -> None:
         """Stop background work (threads) cleanly; called by ``DistributedOptimizer.close``."""
 
 
 @dataclass(frozen=True)
+class WrapOptions:
+    """The ``DistributedOptimizer`` options an algorithm may have to refuse."""
+
+    compression: Any  # Compressor
+    hierarchical: bool
+    average: bool  # op=Average (else Sum)
+    gradient_predivide_factor: float
+
+
+@dataclass(frozen=True)
 class Algorithm:
-    """Base of algorithm configs: subclasses are frozen dataclasses of hyperparameters."""
+    """Base of algorithm configs: subclasses are frozen dataclasses of hyperparameters.
+
+    Class attributes say how the framework treats the algorithm:
+
+    * ``dense_warmup``: ``warmup_steps`` of dense allreduce come first;
+    * ``averages_models``: the algorithm averages parameters, not gradients, so ``op`` and
+      ``gradient_predivide_factor`` have no meaning for it;
+    * ``hierarchical_refusal``: why ``hierarchical=True`` cannot work (None: it does).
+    """
 
     name: ClassVar[str] = ""
     impl_class: ClassVar[type] = AlgorithmImpl
+    dense_warmup: ClassVar[bool] = False
+    averages_models: ClassVar[bool] = False
+    hierarchical_refusal: ClassVar[str | None] = None
 
     def reify(self, ctx: AlgorithmContext) -> AlgorithmImpl:
         return self.impl_class(self, ctx)
@@ -106,3 +259,32 @@ class Algorithm:
     def config(self) -> dict:
         """JSON-serialisable hyperparameters (stored in checkpoints)."""
         return {"name": self.name, **dataclasses.asdict(self)}
+
+    def compression_use(self) -> str | None:
+        """Where a 16-bit ``compression`` applies, or None when it would have no effect."""
+        if self.dense_warmup and getattr(self, "warmup_steps", 0) > 0:
+            return "the dense warm-up stage"
+        return None
+
+    def compression_refusal(self) -> str:
+        return (f"{self.name} already compresses every exchange, so a 16-bit wire would have no "
+                f"effect; use compression=none")
+
+    def check_options(self, opts: WrapOptions) -> None:
+        """Raise ``UnsupportedOptionError`` for an option this algorithm would ignore."""
+        if opts.compression.wire_dtype is not None and self.compression_use() is None:
+            raise UnsupportedOptionError(f"algorithm {self.name!r}: compression="
+                                         f"{opts.compression.name} is not supported: "
+                                         f"{self.compression_refusal()}")
+        if opts.hierarchical and self.hierarchical_refusal is not None:
+            raise UnsupportedOptionError(f"algorithm {self.name!r}: hierarchical=True is not "
+                                         f"supported: {self.hierarchical_refusal}")
+        if self.averages_models and not opts.average:
+            raise UnsupportedOptionError(
+                f"algorithm {self.name!r}: op=Sum is not supported: it averages models, not "
+                f"gradients (each rank steps on its own gradient); use op=Average")
+        if self.averages_models and opts.gradient_predivide_factor != 1.0:
+            raise UnsupportedOptionError(
+                f"algorithm {self.name!r}: gradient_predivide_factor="
+                f"{opts.gradient_predivide_factor} is not supported: gradients are never "
+                f"summed across ranks; leave it at 1.0")

@@ -1,9 +1,10 @@
-"""QSGD and ByteGrad: 8-bit centralized gradient compression (C_LP_S), SPEC §3.
+"""QSGD and ByteGrad: 8-bit centralized gradient compression (C_LP_S).
 
 Each bucket's gradient goes through ``primitives.compressed_allreduce_``: quantized partitions
 are scattered to their "servers", summed there, re-quantized and all-gathered, so each rank sends
 ~1/4 of the bytes of a float32 allreduce. As in the paper, neither uses error feedback by default
-(``error_feedback=True`` adds worker and server error compensation, checkpointed per rank).
+(``error_feedback=True`` adds worker and server error compensation, checkpointed per rank and
+parameter). Hierarchy, scaling and byte counts are the framework's.
 
 * ``qsgd``: stochastic rounding to ``levels`` levels of each chunk's norm (unbiased); the random
   stream is seeded per (seed, step, bucket, rank, partition), so runs are reproducible.
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from ..primitives.codecs import Codec, MinMaxCodec, QSGDCodec, call_seed
-from ..primitives.lowprec import (compressed_allreduce_, hierarchical_compressed_allreduce_,
-                                  padded_length, partition_length)
+from ..primitives.lowprec import compressed_allreduce_, padded_length, partition_length
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 
@@ -29,69 +28,37 @@ class CompressedAllReduceImpl(AlgorithmImpl):
         super().__init__(algorithm, ctx)
         self.codec: Codec = algorithm.codec()
         self.error_feedback = bool(getattr(algorithm, "error_feedback", False))
-        self.step = 0
-        # per (bucket, tensor): worker error (padded length) and server error (one partition)
-        self.errors: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @property
-    def comm(self):
-        """The communicator C_LP_S runs on (node leaders when hierarchical; None elsewhere)."""
-        topo = self.ctx.topo
-        return topo.leaders if self.ctx.hierarchical else topo.comm
+    def error_state(self, key, segments: list[tuple[str, int]]):
+        """(worker error, server error) of one exchanged vector, or (None, None) without error
+        feedback. The worker error covers the vector padded to n partitions; the server error
+        is this rank's partition of it (C_LP_S's "server" part), both keyed by parameter."""
+        comm = self.comm
+        if not self.error_feedback or comm is None:
+            return None, None
+        n, r = comm.Get_size(), comm.Get_rank()
+        numel = sum(k for _, k in segments)
+        part = partition_length(numel, n)
+        worker = self.state.vector("worker_error", key, segments, padded_length(numel, n))
+        server = self.state.vector("server_error", key, segments, part * n,
+                                   window=(r * part, (r + 1) * part))
+        worker.zero_padding()  # padding is not checkpointed: keep it zero in every run
+        server.zero_padding()
+        return worker.data, server.data
 
     def init_buckets(self, buckets) -> None:
-        super().init_buckets(buckets)
-        if not self.error_feedback or self.comm is None:
-            return
-        n = self.comm.Get_size()
         for bucket in buckets:
-            for j, t in enumerate(bucket.communication_tensors()):
-                self.errors.setdefault((bucket.index, j), (
-                    torch.zeros(padded_length(t.numel(), n)),
-                    torch.zeros(partition_length(t.numel(), n))))
-
-    def on_step_start(self, step: int) -> None:
-        self.step = step
+            for j, segments in enumerate(bucket.communication_segments()):
+                self.error_state((bucket.index, j), segments)
 
     def reduce_bucket(self, bucket, step: int) -> None:
-        for j, grad in enumerate(bucket.communication_tensors()):
-            self.reduce_tensor(grad, bucket.index, j, step)
-
-    def reduce_tensor(self, t: torch.Tensor, bucket_index: int, j: int, step: int,
-                      scale: float | None = None) -> None:
-        ctx = self.ctx
-        if scale is None:
-            scale = ctx.prescale * ctx.postscale
-        worker_error, server_error = self.errors.get((bucket_index, j), (None, None))
-        seed = call_seed(getattr(self.algorithm, "seed", 0), step, bucket_index, j)
-        if ctx.hierarchical:
-            hierarchical_compressed_allreduce_(t, ctx.topo, self.codec, worker_error=worker_error,
-                                               server_error=server_error, scale=scale, seed=seed,
-                                               stats=self.wire)
-        else:
-            compressed_allreduce_(t, ctx.topo.comm, self.codec, worker_error=worker_error,
-                                  server_error=server_error, scale=scale, seed=seed,
-                                  stats=self.wire)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step,
-                "errors": {f"{b}.{j}": {"worker": w.clone(), "server": s.clone()}
-                           for (b, j), (w, s) in self.errors.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state.get("step", 0))
-        for key, pair in state.get("errors", {}).items():
-            b, j = (int(v) for v in key.split("."))
-            if (b, j) not in self.errors:
-                raise ValueError(f"checkpoint has error-feedback state for bucket tensor {key} "
-                                 f"that this model's buckets do not have")
-            w, s = self.errors[(b, j)]
-            if w.shape != pair["worker"].shape or s.shape != pair["server"].shape:
-                raise ValueError(f"error-feedback state {key} has shapes "
-                                 f"{tuple(pair['worker'].shape)}/{tuple(pair['server'].shape)}, "
-                                 f"expected {tuple(w.shape)}/{tuple(s.shape)} (another world size?)")
-            w.copy_(pair["worker"])
-            s.copy_(pair["server"])
+        seed = getattr(self.algorithm, "seed", 0)
+        for j, (grad, segments) in enumerate(zip(bucket.communication_tensors(),
+                                                 bucket.communication_segments())):
+            worker_error, server_error = self.error_state((bucket.index, j), segments)
+            compressed_allreduce_(grad, self.comm, self.codec, worker_error=worker_error,
+                                  server_error=server_error, scale=self.scale,
+                                  seed=call_seed(seed, step, bucket.index, j), stats=self.wire)
 
 
 @register

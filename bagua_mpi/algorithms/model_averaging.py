@@ -1,4 +1,4 @@
-"""Algorithms that average *models* instead of gradients (SPEC §3).
+"""Algorithms that average *models* instead of gradients .
 
 Each rank steps its optimizer on its own gradients; the engine flattens every bucket's
 parameters into one buffer (``wants_flat_params``) so the averaging runs once per bucket.
@@ -11,41 +11,27 @@ parameters into one buffer (``wants_flat_params``) so the averaging runs once pe
 * ``local_sgd``: average all models every ``period`` steps (C_FP_S on weights).
 
 Hierarchical (``hierarchical=True``): models are first averaged inside each node, the
-decentralized exchange runs among node leaders (peers drawn over nodes), then leaders
-broadcast in their node.
+exchange runs among node leaders (peers drawn over nodes), then leaders broadcast in their
+node. ``op`` and ``gradient_predivide_factor`` are refused (no gradient is summed);
+``compression`` makes ``decentralized`` and ``local_sgd`` send 16-bit models. Models on a GPU
+are staged through host float32 for the exchange (``staging.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpi4py import MPI
-
-from .. import collectives, runtime
-from ..buffers import host_view
-from ..ops import Average
+from .. import runtime
 from ..primitives.codecs import MinMaxCodec
 from ..primitives.decentralized import (PeerEstimates, decentralized_average_,
                                         low_precision_decentralized_, peers_for)
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
+from .staging import host_float32
 
 
 class ModelAveragingImpl(AlgorithmImpl):
     communicates_gradients = False
     wants_flat_params = True
-
-    def __init__(self, algorithm, ctx):
-        super().__init__(algorithm, ctx)
-        self.step = 0
-
-    def on_step_start(self, step: int) -> None:
-        self.step = step
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state.get("step", 0))
 
     def after_step(self, optimizer) -> None:
         if (self.step + 1) % self.interval() == 0:
@@ -61,25 +47,25 @@ class ModelAveragingImpl(AlgorithmImpl):
 
     def exchange_comm(self):
         """(communicator, rank, size) of the peer exchange, or None off the leaders."""
-        topo = self.ctx.topo
-        if not self.ctx.hierarchical:
-            return topo.comm, topo.rank, topo.size
-        if topo.leaders is None:
-            return None
-        return topo.leaders, topo.leaders.Get_rank(), topo.leaders.Get_size()
+        comm = self.comm
+        return None if comm is None else (comm, comm.Get_rank(), comm.Get_size())
 
-    def two_level(self, flat, exchange) -> None:
-        """Node average, ``exchange(comm, rank, size)`` among leaders, node broadcast."""
-        topo = self.ctx.topo
+    def peer_exchange(self, flat, exchange) -> None:
+        """``exchange(host model, comm, rank, size)`` among all ranks, or hierarchically: node
+        average, the exchange among node leaders, node broadcast."""
+        def among(x):
+            with host_float32(x, keep_float64=True) as host:
+                exchange(host, *self.exchange_comm())
+
         if not self.ctx.hierarchical:
-            exchange(topo.comm, topo.rank, topo.size)
+            among(flat)
             return
-        buf = host_view(flat)
-        topo.intra.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        buf /= topo.intra.Get_size()
+        topo = self.ctx.topo
+        self.node_sum_([flat])
         if topo.leaders is not None:
-            exchange(topo.leaders, topo.leaders.Get_rank(), topo.leaders.Get_size())
-        topo.node_broadcast_(buf)
+            flat.div_(topo.local_size)
+            among(flat)
+        self.node_broadcast_([flat])
 
 
 class DecentralizedImpl(ModelAveragingImpl):
@@ -88,12 +74,13 @@ class DecentralizedImpl(ModelAveragingImpl):
 
     def average_bucket(self, bucket) -> None:
         algo = self.algorithm
+        wire = self.ctx.compression.wire_dtype
 
-        def exchange(comm, rank, size):
+        def exchange(x, comm, rank, size):
             peers = peers_for(algo.peer_selection, rank, size, self.step, algo.seed)
-            decentralized_average_(bucket.flat_param, comm, peers, stats=self.wire)
+            decentralized_average_(x, comm, peers, stats=self.wire, wire_dtype=wire)
 
-        self.two_level(bucket.flat_param, exchange)
+        self.peer_exchange(bucket.flat_param, exchange)
 
 
 @register
@@ -103,9 +90,13 @@ class Decentralized(Algorithm):
 
     name = "decentralized"
     impl_class = DecentralizedImpl
+    averages_models = True
     peer_selection: str = "random"
     communication_interval: int = 1
     seed: int = 0
+
+    def compression_use(self) -> str | None:
+        return "the model exchange (models travel as 16-bit words, averaged in float32)"
 
     def __post_init__(self):
         if self.peer_selection not in ("random", "ring"):
@@ -120,31 +111,31 @@ class LowPrecisionDecentralizedImpl(ModelAveragingImpl):
     def __init__(self, algorithm, ctx):
         super().__init__(algorithm, ctx)
         self.codec = MinMaxCodec(algorithm.bits, algorithm.chunk)
-        self.estimates: dict[int, PeerEstimates] = {}
 
     def interval(self) -> int:
         return self.algorithm.communication_interval
 
-    def average_bucket(self, bucket) -> None:
-        est = self.estimates.setdefault(bucket.index, PeerEstimates(bucket.numel))
+    def estimates(self, bucket) -> PeerEstimates:
+        """This rank's public copy of its model and of each ring neighbour's, per parameter."""
+        comm, rank, size = self.exchange_comm()
+        segments = bucket.segments()
+        own = self.state.vector("estimate_own", bucket.index, segments).data
+        peers = {p: self.state.vector(f"estimate_of_peer_{p}", bucket.index, segments).data
+                 for p in peers_for("ring", rank, size)}
+        return PeerEstimates(bucket.numel, own, peers)
 
-        def exchange(comm, rank, size):
-            low_precision_decentralized_(bucket.flat_param, comm, peers_for("ring", rank, size),
-                                         self.codec, est, gamma=self.algorithm.gamma,
+    def init_buckets(self, buckets) -> None:
+        if self.comm is not None:
+            for bucket in buckets:
+                self.estimates(bucket)
+
+    def average_bucket(self, bucket) -> None:
+        def exchange(x, comm, rank, size):  # on the ranks that exchange (leaders, if two-level)
+            low_precision_decentralized_(x, comm, peers_for("ring", rank, size), self.codec,
+                                         self.estimates(bucket), gamma=self.algorithm.gamma,
                                          stats=self.wire)
 
-        self.two_level(bucket.flat_param, exchange)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(),
-                "estimates": {str(b): e.state_dict() for b, e in self.estimates.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        for b, est_state in state.get("estimates", {}).items():
-            est = PeerEstimates(est_state["own"].numel())
-            est.load_state_dict(est_state)
-            self.estimates[int(b)] = est
+        self.peer_exchange(bucket.flat_param, exchange)
 
 
 @register
@@ -154,6 +145,7 @@ class LowPrecisionDecentralized(Algorithm):
 
     name = "low_precision_decentralized"
     impl_class = LowPrecisionDecentralizedImpl
+    averages_models = True
     bits: int = 8
     chunk: int = 1024
     gamma: float = 1.0
@@ -165,10 +157,11 @@ class LocalSGDImpl(ModelAveragingImpl):
         return self.algorithm.period
 
     def average_bucket(self, bucket) -> None:
-        collectives.allreduce_(bucket.flat_param, Average, hierarchical=self.ctx.hierarchical,
-                               check=False)
-        self.wire.allreduce(bucket.flat_param.numel() * bucket.flat_param.element_size(),
-                            self.ctx.topo.size)
+        flat = bucket.flat_param
+        if self.ctx.hierarchical:
+            self.two_level([flat], lambda: self.dense_allreduce_([flat], average_models=True))
+        else:
+            self.dense_allreduce_([flat], average_models=True)
 
 
 @register
@@ -178,7 +171,11 @@ class LocalSGD(Algorithm):
 
     name = "local_sgd"
     impl_class = LocalSGDImpl
+    averages_models = True
     period: int = 4
+
+    def compression_use(self) -> str | None:
+        return "the model averaging (16-bit wire, float32 sums)"
 
     def __post_init__(self):
         if not isinstance(self.period, int) or self.period < 1:

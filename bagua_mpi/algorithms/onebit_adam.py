@@ -1,4 +1,4 @@
-"""1-bit Adam (SPEC §3): Adam whose momentum is averaged with 1-bit compression.
+"""1-bit Adam : Adam whose momentum is averaged with 1-bit compression.
 
 How users set it up::
 
@@ -22,7 +22,10 @@ Stages:
    feedback on both phases (worker and server errors, per rank, checkpointed); the update is
    ``p <- p - lr m / (sqrt(v) + eps)`` (AdamW also ``p <- p (1 - lr wd)``).
 
-Each rank then sends ~1/32 of the float32 bytes per step.
+Each rank then sends ~1/32 of the float32 bytes per step. The stage follows from the step
+(the optimizer's count), so a resumed job continues in the right one; m, v and the errors are
+per-rank state keyed by parameter. ``op=Sum`` sums the momenta (the momentum of the summed
+gradient); with ``hierarchical=True`` the leaders exchange m and broadcast it in their node.
 """
 from __future__ import annotations
 
@@ -30,9 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import collectives
-from ..ops import Sum
-from ..primitives.codecs import OneBitCodec
+from ..primitives.codecs import OneBitCodec, call_seed
+from ..primitives.lowprec import compressed_allreduce_
 from .base import Algorithm
 from .compressed import CompressedAllReduceImpl
 from .registry import register
@@ -42,55 +44,77 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
     def __init__(self, algorithm, ctx):
         super().__init__(algorithm, ctx)
         self.error_feedback = True
-        self.stage = "warmup"
-        self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (m, v)
         self.betas: tuple[float, float] | None = None
         self.decoupled = False
+        self._group_of: dict = {}
 
+    @property
+    def compressed(self) -> bool:
+        return not self.in_dense_stage(self.step)
+
+    @property
+    def stage(self) -> str:
+        """'warmup' or 'compressed': the stage the current step runs in."""
+        return "compressed" if self.compressed else "warmup"
+
+    def moments(self, bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """(m, frozen v) of ``bucket``, laid out as its flat vector, keyed by parameter."""
+        segments = bucket.segments()
+        return (self.state.vector("exp_avg", bucket.index, segments, device=bucket.device).data,
+                self.state.vector("exp_avg_sq", bucket.index, segments,
+                                  device=bucket.device).data)
+
+    def init_buckets(self, buckets) -> None:
+        if self.compressed:  # resumed in the compressed stage: claim the loaded moments
+            for bucket in buckets:
+                self.moments(bucket)
+                self.error_state((bucket.index, "m"), bucket.segments())
+
+    # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
-        if self.stage == "warmup":
-            ctx = self.ctx
-            for grad in bucket.communication_tensors():
-                collectives.allreduce_(grad, Sum, prescale_factor=ctx.prescale,
-                                       postscale_factor=ctx.postscale,
-                                       hierarchical=ctx.hierarchical, check=False)
-                self.wire.allreduce(grad.numel() * grad.element_size(), ctx.topo.size)
-            return
-        m, _ = self.moments[bucket.index]
-        beta1 = self.betas[0]
-        grad = torch.cat([p.grad.reshape(-1) for p in bucket.params]) \
-            if bucket.flat_grad is None else bucket.flat_grad
+        """m_i <- beta1 m + (1 - beta1) c_i on each of the c exchanging ranks, then m <- the
+        1-bit average of the m_i. With c_i = scale x c x (this rank's gradient, or its node's
+        summed one) + L2 x p, the average is beta1 m + (1 - beta1) (scale x sum of all
+        gradients + L2 x p): the momentum of the averaged (or, op=Sum, summed) gradient, as
+        Adam's warm-up had it, flat or hierarchical."""
+        m, _ = self.moments(bucket)
+        c = self.comm.Get_size()
+        contribution = bucket.grad_vector()
+        if self.scale * c != 1.0:
+            contribution = contribution * (self.scale * c)
         if self.l2:
-            grad = grad + self.l2 * _flat_params(bucket)
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        self.reduce_tensor(m, bucket.index, 0, step, scale=1.0 / self.ctx.topo.size)
+            contribution = contribution + self.l2 * bucket.param_vector()
+        m.mul_(self.betas[0]).add_(contribution, alpha=1 - self.betas[0])
+        worker_error, server_error = self.error_state((bucket.index, "m"), bucket.segments())
+        compressed_allreduce_(m, self.comm, self.codec, worker_error=worker_error,
+                              server_error=server_error, scale=1.0 / c,
+                              seed=call_seed(self.algorithm.seed, step, bucket.index, 0),
+                              stats=self.wire)
 
+    def exchanged_tensors(self, bucket, step: int) -> list[torch.Tensor]:
+        if self.in_dense_stage(step):
+            return super().exchanged_tensors(bucket, step)
+        return [self.moments(bucket)[0]]
+
+    # -- main thread ------------------------------------------------------------------------------
     def after_step(self, optimizer) -> None:
-        if self.stage == "warmup" and self.step + 1 >= self.algorithm.warmup_steps:
+        if self.step + 1 == self.algorithm.warmup_steps:
             self._freeze(optimizer)
 
     def _freeze(self, optimizer) -> None:
         """Take m and (bias-corrected) v over from Adam's state, bucket by bucket."""
-        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            raise TypeError(f"onebit_adam needs torch.optim.Adam or AdamW, got "
-                            f"{type(optimizer).__name__}")
-        betas = {tuple(g["betas"]) for g in optimizer.param_groups}
-        if len(betas) != 1:
-            raise ValueError(f"onebit_adam needs the same betas in every param group, got {betas}")
-        decays = {g["weight_decay"] for g in optimizer.param_groups}
-        if not isinstance(optimizer, torch.optim.AdamW) and len(decays) > 1:
-            raise ValueError("onebit_adam with Adam's L2 weight decay needs one weight_decay for "
-                             f"all param groups, got {sorted(decays)} (AdamW allows several)")
         self.bind_optimizer(optimizer)
-        self.betas = betas.pop()
         for bucket in self.buckets:
-            m = torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for p in bucket.params])
-            v = torch.cat([(optimizer.state[p]["exp_avg_sq"]
-                            / (1 - self.betas[1] ** float(optimizer.state[p]["step"]))).reshape(-1)
-                           for p in bucket.params])
-            self.moments[bucket.index] = (m.float(), v.float())
-        self.stage = "compressed"
-        self._init_errors()
+            m, v = self.moments(bucket)
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                state = optimizer.state[p]
+                m[offset:offset + n].copy_(state["exp_avg"].reshape(-1))
+                v[offset:offset + n].copy_((state["exp_avg_sq"] / (
+                    1 - self.betas[1] ** float(state["step"]))).reshape(-1))
+                offset += n
+            self.error_state((bucket.index, "m"), bucket.segments())
 
     @property
     def l2(self) -> float:
@@ -98,26 +122,13 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
             return 0.0
         return float(self._group_of[self.buckets[0].params[0]]["weight_decay"])
 
-    def _init_errors(self) -> None:
-        comm = self.comm
-        if comm is None:
-            return
-        from ..primitives.lowprec import padded_length, partition_length
-        n = comm.Get_size()
-        for b, (m, _) in self.moments.items():
-            self.errors.setdefault((b, 0), (torch.zeros(padded_length(m.numel(), n)),
-                                            torch.zeros(partition_length(m.numel(), n))))
-
-    def init_buckets(self, buckets) -> None:
-        self.buckets = buckets  # errors are made at the switch, for the momentum buffers
-
     def optimizer_step(self, optimizer, closure=None):
-        if self.stage == "warmup":
+        if not self.compressed:
             return super().optimizer_step(optimizer, closure)
         loss = closure() if closure is not None else None
         with torch.no_grad():
             for bucket in self.buckets:
-                m, v = self.moments[bucket.index]
+                m, v = self.moments(bucket)
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
@@ -130,33 +141,21 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                     offset += n
         return loss
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["stage"] = self.stage
-        state["moments"] = {str(b): {"m": m.clone(), "v": v.clone()}
-                            for b, (m, v) in self.moments.items()}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stage = state["stage"]
-        if self.stage == "compressed":
-            self.moments = {int(b): (mv["m"].clone().float(), mv["v"].clone().float())
-                            for b, mv in state["moments"].items()}
-            self._init_errors()
-        super().load_state_dict(state)
-
     def bind_optimizer(self, optimizer) -> None:
-        """Know the optimizer's groups (and betas) also when resuming in the compressed stage."""
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            self.betas = tuple(optimizer.param_groups[0]["betas"])
-            self.decoupled = isinstance(optimizer, torch.optim.AdamW)
-            self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
-
-
-def _flat_params(bucket) -> torch.Tensor:
-    if bucket.flat_param is not None:
-        return bucket.flat_param
-    return torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        """Check the optimizer and know its groups (and betas), also when resuming."""
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise TypeError(f"onebit_adam needs torch.optim.Adam or AdamW, got "
+                            f"{type(optimizer).__name__}")
+        betas = {tuple(g["betas"]) for g in optimizer.param_groups}
+        if len(betas) != 1:
+            raise ValueError(f"onebit_adam needs the same betas in every param group, got {betas}")
+        decays = {g["weight_decay"] for g in optimizer.param_groups}
+        if not isinstance(optimizer, torch.optim.AdamW) and len(decays) > 1:
+            raise ValueError("onebit_adam with Adam's L2 weight decay needs one weight_decay for "
+                             f"all param groups, got {sorted(decays)} (AdamW allows several)")
+        self.betas = betas.pop()
+        self.decoupled = isinstance(optimizer, torch.optim.AdamW)
+        self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
 
 
 @register
@@ -166,6 +165,7 @@ class OneBitAdam(Algorithm):
 
     name = "onebit_adam"
     impl_class = OneBitAdamImpl
+    dense_warmup = True
     warmup_steps: int = 100
     chunk: int = 4096
     seed: int = 0

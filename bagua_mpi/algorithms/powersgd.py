@@ -16,8 +16,8 @@ Each compressed layer keeps Q (m x rank), started from ``initial_q(m, rank, seed
 (the same on every rank) and warm-started from the previous step's averaged Q, and its error
 memory (n m floats) unless ``error_feedback=False``. Until ``warmup_steps`` every bucket is a
 dense allreduce (the layers' Q and errors stay untouched). Q and errors are keyed by the
-parameter's index, so they do not depend on bucketing, and are checkpointed (``state_dict``).
-Hierarchical communication is not used: every exchange runs over all ranks.
+parameter, so they do not depend on bucketing, and are checkpointed. With ``hierarchical=True``
+the node leaders compress their node's summed gradient (the framework's two-level form).
 """
 from __future__ import annotations
 
@@ -28,19 +28,11 @@ import torch
 
 from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from .base import Algorithm, AlgorithmImpl
-from .layers import copy_back, dense_allreduce_, host_layer_grads
 from .registry import register
+from .staging import host_float32_all
 
 
 class PowerSGDImpl(AlgorithmImpl):
-    def __init__(self, algorithm, ctx):
-        super().__init__(algorithm, ctx)
-        self.step = 0
-        self.shapes: dict[int, tuple[int, int]] = {}  # compressed layer -> (n, m)
-        self.qs: dict[int, torch.Tensor] = {}  # compressed layer -> (m, rank) warm start
-        self.errors: dict[int, torch.Tensor] = {}  # compressed layer -> (n m,) memory
-        self.pending: dict | None = None  # state loaded before the buckets existed
-
     # -- layers ---------------------------------------------------------------------------------
     def matrix_shape(self, p: torch.Tensor) -> tuple[int, int] | None:
         """(n, m) if parameter ``p`` is compressed, else None (dense)."""
@@ -51,72 +43,38 @@ class PowerSGDImpl(AlgorithmImpl):
         r = self.algorithm.rank
         return (n, m) if n * m >= self.algorithm.min_compression * (n + m) * r else None
 
-    def init_buckets(self, buckets) -> None:
-        super().init_buckets(buckets)
+    def layer_state(self, name: str, p: torch.Tensor, seed: int):
+        """(Q, error memory or None) of compressed parameter ``name``."""
         algo = self.algorithm
-        for bucket in buckets:
-            for layer, p in zip(bucket.indices, bucket.params):
-                shape = self.matrix_shape(p)
-                if shape is None:
-                    continue
-                self.shapes[layer] = shape
-                self.qs.setdefault(layer, initial_q(shape[1], algo.rank, algo.seed + layer))
-                if algo.error_feedback:
-                    self.errors.setdefault(layer, torch.zeros(p.numel(), dtype=torch.float32))
-        if self.pending is not None:
-            state, self.pending = self.pending, None
-            self.load_state_dict(state)
+        _, m = self.matrix_shape(p)
+        q = self.state.tensor("q", name, lambda: initial_q(m, algo.rank, algo.seed + seed))
+        error = (self.state.tensor("error", name, lambda: torch.zeros(p.numel()))
+                 if algo.error_feedback else None)
+        return q, error
 
-    def on_step_start(self, step: int) -> None:
-        self.step = step
+    def init_buckets(self, buckets) -> None:
+        if self.comm is None:
+            return
+        for bucket in buckets:
+            for layer, name, p in zip(bucket.indices, bucket.names, bucket.params):
+                if self.matrix_shape(p) is not None:
+                    self.layer_state(name, p, layer)
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
-        ctx = self.ctx
-        if step < self.algorithm.warmup_steps:  # gradient_allreduce's exchange
-            for grad in bucket.communication_tensors():
-                dense_allreduce_([grad], ctx, self.wire)
-            return
-        layers = list(host_layer_grads(bucket))
-        segments, dense = [], []
-        for layer, g, _ in layers:
-            if layer in self.shapes:
-                segments.append(LowRankSegment(g, self.shapes[layer][0], self.algorithm.rank,
-                                               self.qs[layer], self.errors.get(layer)))
-            else:
-                dense.append(g)
-        dense_allreduce_(dense, ctx, self.wire)
-        if segments:
-            powersgd_allreduce_(segments, ctx.topo.comm, scale=ctx.prescale * ctx.postscale,
-                                stats=self.wire)
-        copy_back(layers)
-
-    # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"step": self.step,
-                "q": {str(k): q.clone() for k, q in self.qs.items()},
-                "errors": {str(k): e.clone() for k, e in self.errors.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not self.buckets:  # before the first step builds the buckets: apply it then
-            self.pending = state
-            self.step = int(state.get("step", 0))
-            return
-        self.step = int(state.get("step", 0))
-        for name, target in (("q", self.qs), ("errors", self.errors)):
-            for key, value in state.get(name, {}).items():
-                layer = int(key)
-                if layer not in target:
-                    how = "compress" if name == "q" else "compress with error feedback"
-                    raise ValueError(f"checkpoint has PowerSGD {name} state for parameter "
-                                     f"{layer}, which this model does not {how}")
-                if tuple(value.shape) != tuple(target[layer].shape):
-                    raise ValueError(f"checkpoint PowerSGD {name} of parameter {layer} has shape "
-                                     f"{tuple(value.shape)}, expected {tuple(target[layer].shape)}"
-                                     f" (another rank or model?)")
-        for name, target in (("q", self.qs), ("errors", self.errors)):
-            for key, value in state.get(name, {}).items():
-                target[int(key)].copy_(value)
+        grads = bucket.grad_views()
+        with host_float32_all(grads) as flats:
+            segments, dense = [], []
+            for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.params, flats):
+                shape = self.matrix_shape(p)
+                if shape is None:
+                    dense.append(g)
+                    continue
+                q, error = self.layer_state(name, p, layer)
+                segments.append(LowRankSegment(g, shape[0], self.algorithm.rank, q, error))
+            self.dense_allreduce_(dense, fused=True)
+            if segments:
+                powersgd_allreduce_(segments, self.comm, scale=self.scale, stats=self.wire)
 
 
 @register
@@ -126,11 +84,15 @@ class PowerSGD(Algorithm):
 
     name = "powersgd"
     impl_class = PowerSGDImpl
+    dense_warmup = True
     rank: int = 4
     warmup_steps: int = 0
     error_feedback: bool = True
     seed: int = 0
     min_compression: float = 2.0
+
+    def compression_use(self) -> str | None:
+        return "the dense layers (biases, norms, small matrices) and the warm-up stage"
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:

@@ -1,11 +1,12 @@
-"""Top-k S-SGD and gTop-k S-SGD (SPEC §5): sparse gradients with residuals.
+"""Top-k S-SGD and gTop-k S-SGD: sparse gradients with residuals.
 
 Per bucket, each rank keeps a residual (error feedback): the gradient is added to it, the k =
 ``density`` x numel largest-magnitude entries are sent, and what is not applied stays for later
 steps. ``topk`` all-gathers every rank's pairs (O(kP)); ``gtopk`` reduces them with the
 gTopKAllReduce tree (O(k log P)) and returns dropped pairs to their residuals. An optional
-``warmup_steps`` of dense allreduce precedes sparsification (the paper's warm-up). Hierarchical
-communication does not apply (the tree already is the hierarchy): it runs over all ranks.
+``warmup_steps`` of dense allreduce precedes sparsification (the paper's warm-up). With
+``hierarchical=True`` the node leaders sparsify their node's summed gradient (the framework's
+two-level form).
 Residuals live where the gradients do; with CUDA tensors and a CUDA-aware MPI, gTop-k's
 payloads stay on the device (Top-k's all-gather stages through host memory).
 """
@@ -15,64 +16,53 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import collectives
-from ..ops import Sum
 from ..primitives.sparse import gtopk_allreduce_, topk_allgather_, topk_count
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
+from .staging import host_float32
 
 
 class SparseImpl(AlgorithmImpl):
     def __init__(self, algorithm, ctx):
         super().__init__(algorithm, ctx)
-        self.step = 0
-        self.residuals: dict[tuple[int, int], torch.Tensor] = {}
         self.reduce = gtopk_allreduce_ if algorithm.tree else topk_allgather_
 
-    def init_buckets(self, buckets) -> None:
-        super().init_buckets(buckets)
-        for bucket in buckets:
-            for j, t in enumerate(bucket.communication_tensors()):
-                self.residuals.setdefault((bucket.index, j), torch.zeros(
-                    t.numel(), dtype=torch.float32, device=t.device))
+    def residual(self, bucket, j: int, segments) -> torch.Tensor:
+        """Error feedback of communicated tensor j: a float32 vector on the gradients' device."""
+        return self.state.vector("residual", (bucket.index, j), segments,
+                                 device=bucket.device).data
 
-    def on_step_start(self, step: int) -> None:
-        self.step = step
+    def init_buckets(self, buckets) -> None:
+        if self.comm is None:  # hierarchical, not a node leader: never exchanges
+            return
+        for bucket in buckets:
+            for j, segments in enumerate(bucket.communication_segments()):
+                self.residual(bucket, j, segments)
 
     def reduce_bucket(self, bucket, step: int) -> None:
-        ctx = self.ctx
-        dense = step < self.algorithm.warmup_steps
-        for j, grad in enumerate(bucket.communication_tensors()):
-            if dense:
-                collectives.allreduce_(grad, Sum, prescale_factor=ctx.prescale,
-                                       postscale_factor=ctx.postscale, check=False)
-                self.wire.allreduce(grad.numel() * grad.element_size(), ctx.topo.size)
+        for j, (grad, segments) in enumerate(zip(bucket.communication_tensors(),
+                                                 bucket.communication_segments())):
+            residual = self.residual(bucket, j, segments)
+            if grad.is_cuda:  # the primitive keeps device payloads on the device
+                work = grad.reshape(-1)
+                staged = work.dtype != torch.float32 or not work.is_contiguous()
+                if staged:
+                    work = work.float().contiguous()
+                self._exchange(work, residual)
+                if staged:
+                    grad.view(-1).copy_(work)
                 continue
-            flat = grad.reshape(-1)
-            work = flat if flat.dtype == torch.float32 and flat.is_contiguous() \
-                else flat.float().contiguous()
-            self.reduce(work, ctx.topo.comm, topk_count(work.numel(), self.algorithm.density),
-                        self.residuals[(bucket.index, j)], scale=ctx.prescale * ctx.postscale,
-                        index_dtype=self.algorithm.index_dtype, stats=self.wire)
-            if work is not flat:
-                flat.copy_(work)
+            with host_float32(grad) as work:
+                self._exchange(work, residual)
 
-    def state_dict(self) -> dict:
-        return {"step": self.step,
-                "residuals": {f"{b}.{j}": r.clone() for (b, j), r in self.residuals.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state.get("step", 0))
-        for key, value in state.get("residuals", {}).items():
-            b, j = (int(v) for v in key.split("."))
-            if (b, j) not in self.residuals or self.residuals[(b, j)].shape != value.shape:
-                raise ValueError(f"checkpoint residual {key} of shape {tuple(value.shape)} does "
-                                 f"not match this model's buckets")
-            self.residuals[(b, j)].copy_(value)
+    def _exchange(self, work: torch.Tensor, residual: torch.Tensor) -> None:
+        self.reduce(work, self.comm, topk_count(work.numel(), self.algorithm.density), residual,
+                    scale=self.scale, index_dtype=self.algorithm.index_dtype, stats=self.wire)
 
 
 @dataclass(frozen=True)
 class _Sparse(Algorithm):
+    dense_warmup = True
     density: float = 0.001
     warmup_steps: int = 0
     index_dtype: str = "int32"

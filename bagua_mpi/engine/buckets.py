@@ -104,6 +104,34 @@ class Bucket:
                 self.absorb_grad(k)
         return missing
 
+    def segments(self) -> list[tuple[str, int]]:
+        """(name, numel) of each parameter, in the order of the flat layout."""
+        return [(n, p.numel()) for n, p in zip(self.names, self.params)]
+
+    def communication_segments(self) -> list[list[tuple[str, int]]]:
+        """The parameters each of ``communication_tensors()`` covers, as ``segments()``."""
+        if self.flat_grad is not None:
+            return [self.segments()]
+        return [[(n, p.numel())] for n, p in zip(self.names, self.params)]
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """Each parameter's gradient (views of the flat buffer when flattened)."""
+        if self.flat_grad is not None:
+            return [self._view(self.flat_grad, k) for k in range(len(self.params))]
+        return [p.grad for p in self.params]
+
+    def grad_vector(self) -> torch.Tensor:
+        """The bucket's gradients as one vector: the flat buffer itself, or a concatenation."""
+        if self.flat_grad is not None:
+            return self.flat_grad
+        return torch.cat([p.grad.detach().reshape(-1) for p in self.params])
+
+    def param_vector(self) -> torch.Tensor:
+        """The bucket's parameters as one vector: the flat buffer itself, or a concatenation."""
+        if self.flat_param is not None:
+            return self.flat_param
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
     def communication_tensors(self) -> list[torch.Tensor]:
         """What the algorithm communicates: the flat buffer, or each gradient (no flattening)."""
         if self.flat_grad is not None:

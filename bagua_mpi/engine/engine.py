@@ -1,4 +1,4 @@
-"""The execution engine (SPEC §4): profiling, bucketing, flattening, overlap, hierarchy.
+"""The execution engine (BAGUA paper §3.4, docs/design.md): profiling, bucketing, flattening, overlap, hierarchy.
 
 Life of an iteration, after the first one:
 
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .. import collectives, runtime
+from ..exceptions import MisuseError
 from ..ops import Max
 from ..timeline import Timeline
 from .buckets import Bucket, plan_buckets
@@ -59,6 +60,7 @@ class Engine:
         self._ready_buckets = 0
         self.iteration = 0  # completed synchronizations; passed to reduce_bucket at launch
         self.communicating = True  # False inside DistributedOptimizer.no_sync()
+        self.worker_rank = runtime.get().topo.rank
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(params)]
 
@@ -72,6 +74,14 @@ class Engine:
         if not self.communicating:
             return
         count = self._counts[i] = self._counts[i] + 1
+        if count > self.passes and self.impl.communicates_gradients:
+            # its bucket is already being communicated: accumulating into it now would change
+            # what other ranks receive (or leave this gradient out of this step)
+            raise MisuseError(
+                f"rank {self.worker_rank}: parameter {self.names[i]!r} got a gradient "
+                f"{count} times before step() (backward_passes_per_step={self.passes}); "
+                f"raise backward_passes_per_step, or run the extra backward passes inside "
+                f"opt.no_sync()")
         if self.buckets is None:
             if count == 1:
                 self.profiled_order.append(i)
@@ -113,7 +123,7 @@ class Engine:
         def task():
             if event is not None:
                 event.synchronize()
-            self.impl.reduce_bucket(bucket, step)
+            self.impl.communicate_bucket(bucket, step)
 
         if self.timeline is not None:
             self.timeline.instant("launch", bucket=bucket.index)
@@ -140,7 +150,7 @@ class Engine:
                 self._bucket_of[i] = (bucket, k)
             if self.impl.wants_flat_params:
                 bucket.flatten_params()
-        self.impl.init_buckets(self.buckets)
+        self.impl.setup_buckets(self.buckets)
         self._reset()
 
     def _reset(self) -> None:
@@ -185,6 +195,21 @@ class Engine:
         collectives.allreduce_(used, Max)
         for i in np.flatnonzero(used.numpy() == 0):
             self.params[i].grad = None
+
+    def pending_description(self) -> str:
+        """What of this iteration is under way (gradients counted or buckets launched since
+        the last synchronize), or '' when nothing is (always, for algorithms that do not
+        communicate gradients)."""
+        if not self.impl.communicates_gradients:
+            return ""
+        launched = sum(1 for h in self._handles if not h.done())
+        counted = sum(1 for c in self._counts if c)
+        if launched:
+            return f"{launched} gradient bucket(s) are being communicated"
+        if counted:
+            return (f"gradients of {counted} parameter(s) are waiting to be communicated "
+                    f"(backward ran, step() did not)")
+        return ""
 
     def zero_grads(self) -> None:
         if self.buckets is None:

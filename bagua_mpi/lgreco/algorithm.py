@@ -1,4 +1,4 @@
-"""L-GreCo (``lgreco``): layer-wise adaptive compression chosen by a DP (SPEC §6).
+"""L-GreCo (``lgreco``): layer-wise adaptive compression chosen by a DP .
 
 Every parameter tensor is a layer with its own compression level (bits of min-max
 quantization, top-k density, or PowerSGD rank). Until ``warmup_steps``, all layers use the
@@ -21,7 +21,9 @@ only on the layer's size); top-k densities through gTopKAllReduce (``packed_gtop
 one tree and one broadcast) with per-layer residuals; PowerSGD ranks through
 ``powersgd_allreduce_`` (one allreduce of all P factors and one of all Q factors, warm-started
 Q and error feedback per layer; layers too small or thin to gain go dense in one allreduce).
-Assignment, accumulators and error-feedback state are in ``state_dict()`` (checkpointed).
+Assignment, accumulators and error-feedback state are per-rank state keyed by parameter name
+(checkpointed, independent of bucketing). With ``hierarchical=True`` the node leaders run all
+of it on their node's summed gradients (the framework's two-level form).
 """
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ import torch
 
 from .. import collectives
 from ..algorithms.base import Algorithm, AlgorithmImpl
-from ..algorithms.layers import copy_back, dense_allreduce_, host_layer_grads
 from ..algorithms.registry import register
+from ..algorithms.staging import host_float32_all
 from ..primitives.codecs import call_seed
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
@@ -52,95 +54,110 @@ class LGreCoImpl(AlgorithmImpl):
         self.family = FAMILIES[algorithm.family](**kwargs)
         self.candidates = self.family.candidates()
         self.default_level = self.family.default
-        self.assignment: dict[int, float] = {}  # layer (parameter index) -> level
-        self.accumulators: dict[int, torch.Tensor] = {}
-        self.errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # min-max EF per layer
-        self.residuals: dict[int, torch.Tensor] = {}  # top-k residual per layer
-        self.lowrank: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # PowerSGD q, EF
+        self.assignment: dict[str, float] = {}  # parameter name -> level
+        self.layers: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (index, parameter)
         self.observations: dict[int, deque] = {}  # bucket -> recent (bytes, seconds)
-        self.layer_bucket: dict[int, int] = {}
-        self.shapes: dict[int, tuple[int, ...]] = {}
-        self.step = 0
+        self.layer_bucket: dict[str, int] = {}
         self.decisions = 0
         self.decision_seconds = 0.0
         self.startup_seconds = 0.0  # rank 0's one-time load of the compiled DP, at wrap time
         self.bytes_dense = 0  # float32 bytes the layers would have sent, for the ratio
 
+    # -- per-layer state (keyed by parameter name, so independent of bucketing) ---------------
+    def accumulator(self, name: str) -> torch.Tensor:
+        p = self.layers[name][1]
+        return self.state.tensor("accumulator", name, lambda: torch.zeros(p.numel()))
+
+    def minmax_errors(self, name: str):
+        if not self.algorithm.error_feedback:
+            return None, None
+        numel, n = self.layers[name][1].numel(), self.comm.Get_size()
+        return (self.state.tensor("worker_error", name,
+                                  lambda: torch.zeros(padded_length(numel, n))),
+                self.state.tensor("server_error", name,
+                                  lambda: torch.zeros(partition_length(numel, n))))
+
+    def residual(self, name: str) -> torch.Tensor:
+        p = self.layers[name][1]
+        return self.state.tensor("residual", name, lambda: torch.zeros(p.numel()))
+
+    def low_rank(self, name: str):
+        """(Q at the largest candidate rank, error memory or None), or None when no candidate
+        rank compresses this layer."""
+        index, p = self.layers[name]
+        if not any(self.family.compressed(p.shape, r) for r in self.candidates):
+            return None
+        rows, cols = matrix_shape(p.shape)
+        top = min(max(self.candidates), rows, cols)
+        q = self.state.tensor("q", name, lambda: initial_q(cols, top, self.family.seed + index))
+        error = (self.state.tensor("error", name, lambda: torch.zeros(p.numel()))
+                 if self.algorithm.error_feedback else None)
+        return q, error
+
     # -- buckets and layers ---------------------------------------------------------------------
     def init_buckets(self, buckets) -> None:
-        super().init_buckets(buckets)
         if self.ctx.topo.rank == 0 and not self.startup_seconds:
             # Numba loads (or first compiles) the DP's loop on its first call: a fixed cost
             # of ~0.3 s per process that would otherwise land on the first decision
             started = time.perf_counter()
             dp.solve(np.zeros((1, 1)), np.ones((1, 1)), 1.0)
             self.startup_seconds = time.perf_counter() - started
-        n = self.ctx.topo.size
         for bucket in buckets:
-            for layer, p in zip(bucket.indices, bucket.params):
-                numel = p.numel()
-                self.layer_bucket[layer] = bucket.index
-                self.shapes[layer] = tuple(p.shape)
-                self.assignment.setdefault(layer, self.default_level)
-                self.accumulators[layer] = torch.zeros(numel, dtype=torch.float32)
-                if self.family.name == "minmax" and self.algorithm.error_feedback:
-                    self.errors[layer] = (torch.zeros(padded_length(numel, n)),
-                                          torch.zeros(partition_length(numel, n)))
+            for index, name, p in zip(bucket.indices, bucket.names, bucket.params):
+                self.layers[name] = (index, p)
+                self.layer_bucket[name] = bucket.index
+                self.assignment.setdefault(name, self.default_level)
+                if self.comm is None:  # hierarchical, not a leader: no exchange, no state
+                    continue
+                self.accumulator(name)
+                if self.family.name == "minmax":
+                    self.minmax_errors(name)
                 elif self.family.name == "topk":
-                    self.residuals[layer] = torch.zeros(numel, dtype=torch.float32)
-                elif self.family.name == "powersgd" and any(
-                        self.family.compressed(p.shape, r) for r in self.candidates):
-                    rows, cols = matrix_shape(p.shape)
-                    top = min(max(self.candidates), rows, cols)
-                    self.lowrank[layer] = (
-                        initial_q(cols, top, self.family.seed + layer),
-                        torch.zeros(numel) if self.algorithm.error_feedback else None)
-
-    def on_step_start(self, step: int) -> None:
-        self.step = step
+                    self.residual(name)
+                else:
+                    self.low_rank(name)
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
         """One packed exchange for the whole bucket, each layer at its own level."""
-        comm = self.ctx.topo.comm
-        scale = self.ctx.prescale * self.ctx.postscale
-        layers = list(host_layer_grads(bucket))
-        for layer, g, _ in layers:
-            self.accumulators[layer] += g
-        before, started = self.wire.bytes_sent, time.perf_counter()
-        if self.family.name == "minmax":
-            packed_compressed_allreduce_(
-                [Segment(g, self.family.codec(int(self.assignment[layer])),
-                         *self.errors.get(layer, (None, None)), seed=call_seed(step, layer))
-                 for layer, g, _ in layers], comm, scale=scale, stats=self.wire)
-        elif self.family.name == "topk":
-            packed_gtopk_allreduce_(
-                [SparseSegment(g, topk_count(g.numel(), self.assignment[layer]),
-                               self.residuals[layer]) for layer, g, _ in layers],
-                comm, scale=scale, stats=self.wire)
-        else:
-            self._exchange_low_rank(layers, comm, scale)
-        self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
-            (self.wire.bytes_sent - before, time.perf_counter() - started))
-        n = comm.Get_size()
-        for _, g, _ in layers:
-            self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
-        copy_back(layers)
+        comm = self.comm
+        with host_float32_all(bucket.grad_views()) as grads:
+            layers = list(zip(bucket.indices, bucket.names, grads))
+            for _, name, g in layers:
+                self.accumulator(name).add_(g)
+            before, started = self.wire.bytes_sent, time.perf_counter()
+            if self.family.name == "minmax":
+                packed_compressed_allreduce_(
+                    [Segment(g, self.family.codec(int(self.assignment[name])),
+                             *self.minmax_errors(name), seed=call_seed(step, index))
+                     for index, name, g in layers], comm, scale=self.scale, stats=self.wire)
+            elif self.family.name == "topk":
+                packed_gtopk_allreduce_(
+                    [SparseSegment(g, topk_count(g.numel(), self.assignment[name]),
+                                   self.residual(name)) for _, name, g in layers],
+                    comm, scale=self.scale, stats=self.wire)
+            else:
+                self._exchange_low_rank(layers, comm)
+            self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
+                (self.wire.bytes_sent - before, time.perf_counter() - started))
+            n = comm.Get_size()
+            for _, _, g in layers:
+                self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
 
-    def _exchange_low_rank(self, layers, comm, scale: float) -> None:
+    def _exchange_low_rank(self, layers, comm) -> None:
         """PowerSGD for the layers that compress at their rank (one P and one Q allreduce for
-        all of them), one float32 allreduce for the rest."""
+        all of them), one dense allreduce for the rest."""
         low, dense = [], []
-        for layer, g, _ in layers:
-            rank = int(self.assignment[layer])
-            if layer in self.lowrank and self.family.compressed(self.shapes[layer], rank):
-                q, error = self.lowrank[layer]
-                low.append(LowRankSegment(g, matrix_shape(self.shapes[layer])[0], rank, q,
-                                          error))
+        for _, name, g in layers:
+            rank = int(self.assignment[name])
+            shape = self.layers[name][1].shape
+            state = self.low_rank(name)
+            if state is not None and self.family.compressed(shape, rank):
+                low.append(LowRankSegment(g, matrix_shape(shape)[0], rank, *state))
             else:
                 dense.append(g)
-        powersgd_allreduce_(low, comm, scale=scale, stats=self.wire)
-        dense_allreduce_(dense, self.ctx, self.wire)
+        powersgd_allreduce_(low, comm, scale=self.scale, stats=self.wire)
+        self.dense_allreduce_(dense, fused=True)
 
     # -- decisions (main thread, every rank at the same step) -----------------------------------
     def after_step(self, optimizer) -> None:
@@ -148,35 +165,35 @@ class LGreCoImpl(AlgorithmImpl):
         algo = self.algorithm
         if done < algo.warmup_steps or (done - algo.warmup_steps) % algo.period_steps:
             return
-        if done == 0 or not self.accumulators:
+        if not self.buckets:
             return
         started = time.perf_counter()
         proposal = self.decide() if self.ctx.topo.rank == 0 else None
         self.assignment = dict(collectives.broadcast_object(proposal, root_rank=0))
-        for acc in self.accumulators.values():
+        for acc in self.state.tensors.get("accumulator", {}).values():
             acc.zero_()
         self.decisions += 1
         self.decision_seconds += time.perf_counter() - started
 
-    def decide(self) -> dict[int, float]:
+    def decide(self) -> dict[str, float]:
         """Rank 0: errors and costs of every level for every layer, then the DP."""
-        layers = sorted(self.accumulators)
+        names = sorted(self.layers, key=lambda name: self.layers[name][0])
         cands = self.candidates
-        err = np.empty((len(layers), len(cands)))
+        err = np.empty((len(names), len(cands)))
         size = np.empty_like(err)
-        for i, layer in enumerate(layers):
-            g = self.accumulators[layer].numpy()
-            err[i] = self.family.errors(g, cands, self.shapes[layer])
-            size[i] = [self.family.size(self.shapes[layer], c) for c in cands]
+        for i, name in enumerate(names):
+            shape = tuple(self.layers[name][1].shape)
+            err[i] = self.family.errors(self.accumulator(name).numpy(), cands, shape)
+            size[i] = [self.family.size(shape, c) for c in cands]
         default = cands.index(self.default_level)
         e_max = float(err[:, default].sum())
-        cost = size * self.seconds_per_byte(layers)[:, None] if self.algorithm.time_aware \
+        cost = size * self.seconds_per_byte(names)[:, None] if self.algorithm.time_aware \
             else size
-        solution = dp.solve(err, cost, e_max, default=[default] * len(layers),
+        solution = dp.solve(err, cost, e_max, default=[default] * len(names),
                             steps=self.algorithm.dp_steps)
-        return {layer: cands[c] for layer, c in zip(layers, solution.choice)}
+        return {name: cands[c] for name, c in zip(names, solution.choice)}
 
-    def seconds_per_byte(self, layers) -> np.ndarray:
+    def seconds_per_byte(self, names) -> np.ndarray:
         """Slope b of time = a + b x bytes per bucket (median slope where a fit is not possible)."""
         slopes = {}
         for b, obs in self.observations.items():
@@ -187,43 +204,21 @@ class LGreCoImpl(AlgorithmImpl):
                 if slope > 0:
                     slopes[b] = slope
         fallback = float(np.median(list(slopes.values()))) if slopes else 1.0
-        return np.array([slopes.get(self.layer_bucket[layer], fallback) for layer in layers])
+        return np.array([slopes.get(self.layer_bucket[name], fallback) for name in names])
 
     def compression_ratio(self) -> float:
         return self.bytes_dense / max(1, self.wire.bytes_sent)
 
-    # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        layers = sorted(self.assignment)
-        return {"step": self.step, "decisions": self.decisions,
-                "layers": torch.tensor(layers, dtype=torch.int64),
-                "levels": torch.tensor([float(self.assignment[k]) for k in layers]),
-                "accumulators": {str(k): v.clone() for k, v in self.accumulators.items()},
-                "errors": {str(k): {"worker": w.clone(), "server": s.clone()}
-                           for k, (w, s) in self.errors.items()},
-                "residuals": {str(k): v.clone() for k, v in self.residuals.items()},
-                "lowrank": {str(k): {"q": q.clone()} | ({} if e is None else {"error": e.clone()})
-                            for k, (q, e) in self.lowrank.items()}}
+    # -- checkpoints (tensors go through self.state) --------------------------------------------
+    def extra_state(self) -> dict:
+        return {"decisions": self.decisions,
+                "assignment": {name: float(level) for name, level in self.assignment.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.decisions = int(state["decisions"])
+    def load_extra_state(self, extra: dict) -> None:
+        self.decisions = int(extra.get("decisions", 0))
         cast = float if self.family.name == "topk" else int
-        self.assignment = {int(k): cast(v) for k, v in zip(state["layers"].tolist(),
-                                                          state["levels"].tolist())}
-        for name, target in (("accumulators", self.accumulators),
-                             ("residuals", self.residuals)):
-            for k, v in state[name].items():
-                target[int(k)].copy_(v)
-        for k, pair in state.get("lowrank", {}).items():
-            q, error = self.lowrank[int(k)]
-            q.copy_(pair["q"])
-            if error is not None:
-                error.copy_(pair["error"])
-        for k, pair in state["errors"].items():
-            w, s = self.errors[int(k)]
-            w.copy_(pair["worker"])
-            s.copy_(pair["server"])
+        self.assignment = {name: cast(level)
+                           for name, level in extra.get("assignment", {}).items()}
 
 
 @register
@@ -234,6 +229,9 @@ class LGreCo(Algorithm):
 
     name = "lgreco"
     impl_class = LGreCoImpl
+
+    def compression_use(self) -> str | None:
+        return "the dense layers" if self.family == "powersgd" else None
     family: str = "minmax"
     default: float | None = None  # 4 bits / density 0.01 / rank 4 when None
     warmup_steps: int = 20

@@ -1,4 +1,4 @@
-"""L-GreCo's dynamic programme (SPEC §6): per-layer compression levels under an error budget.
+"""L-GreCo's dynamic programme: per-layer compression levels under an error budget.
 
 Given for each layer l and candidate level c an error ``err[l][c]`` and a cost ``cost[l][c]``
 (bytes, or predicted seconds in the time-aware variant), choose one level per layer to

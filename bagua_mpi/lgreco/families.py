@@ -1,4 +1,4 @@
-"""Compressor families with a discrete per-layer parameter, as L-GreCo searches them (SPEC §6).
+"""Compressor families with a discrete per-layer parameter, as L-GreCo searches them.
 
 A family gives, for a layer of shape ``shape`` with accumulated gradient G and candidate
 levels c: ``errors(G, cs, shape)`` = [||G - Q^-1 Q_c(G)||^2 for c in cs] (no error feedback in

@@ -10,8 +10,7 @@
 
 Wire bytes per rank: 2 x (n-1)/n x L x 2 bytes, the same as a ring allreduce of 16-bit data,
 while all additions run in float32 (MPICH's own float16 reduction is ~8x slower here).
-With ``hierarchical``: float32 reduce inside each node, the cast scheme among node leaders, and
-a float32 broadcast inside each node.
+The two-level form is the algorithm framework's (``algorithms/base.py``).
 """
 from __future__ import annotations
 
@@ -68,22 +67,11 @@ def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.d
     return flat
 
 
-def hierarchical_cast_allreduce_(flat: torch.Tensor, topo, wire_dtype: torch.dtype,
-                                 scale: float = 1.0) -> torch.Tensor:
-    """Two-level variant: full-precision inside nodes, 16-bit wire among node leaders."""
-    buf = host_view(flat) if not flat.is_cuda else flat
-    topo.node_reduce_(buf)
-    if topo.leaders is not None:
-        cast_allreduce_(flat, topo.leaders, wire_dtype, scale)
-    topo.node_broadcast_(buf)
-    return flat
-
-
 def wire_bytes_cast_allreduce(length: int, n: int, wire_itemsize: int) -> int:
     """Bytes this rank sends in ``cast_allreduce_`` (alltoall + allgather, excluding self)."""
     part = partition_length(length, n)
     return 2 * (n - 1) * part * wire_itemsize
 
 
-__all__ = ["cast_allreduce_", "hierarchical_cast_allreduce_", "partition_length",
+__all__ = ["cast_allreduce_", "partition_length",
            "wire_bytes_cast_allreduce"]

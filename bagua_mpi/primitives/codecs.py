@@ -110,41 +110,6 @@ class OneBitCodec(Codec):
                                   out=out)
 
 
-@dataclass(frozen=True)
-class CastCodec(Codec):
-    """float16 / bfloat16 casts (round to nearest even)."""
-
-    kind: str = "fp16"
-    name = "cast"
-
-    def format(self, n):
-        return nk.CastFormat(n, self.kind)
-
-    def compress(self, x, out, residual=None, seed=0):
-        fit_kernel_threads()
-        return nk.compress_cast(x, kind=self.kind, residual=residual, out=out)
-
-
 def call_seed(*parts) -> int:
     """A 31-bit seed that differs per (algorithm seed, step, rank, partition, ...)."""
     return zlib.crc32(np.asarray(parts, dtype=np.int64).tobytes()) & 0x7FFFFFFF
-
-
-class WireStats:
-    """Bytes this rank handed to MPI for other ranks, by primitive.
-
-    Counted from message sizes: point-to-point, alltoall and allgather payloads exactly
-    (excluding the part a rank keeps); an allreduce of B bytes as the bandwidth-optimal
-    2(n-1)/n x B that a ring sends (MPI picks its own algorithm internally).
-    """
-
-    def __init__(self):
-        self.bytes_sent = 0
-        self.calls = 0
-
-    def add(self, nbytes: int) -> None:
-        self.bytes_sent += int(nbytes)
-        self.calls += 1
-
-    def allreduce(self, nbytes: int, n: int) -> None:
-        self.add(2 * (n - 1) * nbytes // n if n > 1 else 0)

@@ -1,4 +1,4 @@
-"""Decentralized primitives (BAGUA paper §3.2, SPEC §2): D_FP_S and D_LP_S.
+"""Decentralized primitives (BAGUA paper §3.2): D_FP_S and D_LP_S.
 
 Peers come from a topology:
 
@@ -27,7 +27,8 @@ import torch
 from mpi4py import MPI
 
 from ..buffers import host_view
-from .codecs import Codec, WireStats
+from ..accounting import WireStats
+from .codecs import Codec
 
 _TAG = 7301
 
@@ -68,42 +69,56 @@ def _exchange(comm: MPI.Intracomm, send: np.ndarray, peers: list[int]) -> list[n
 
 
 def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],
-                           stats: WireStats | None = None) -> torch.Tensor:
-    """D_FP_S in place: average ``flat`` with the same tensor on ``peers`` (CPU)."""
+                           stats: WireStats | None = None,
+                           wire_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """D_FP_S in place: average ``flat`` with the same tensor on ``peers`` (CPU).
+
+    With ``wire_dtype`` (float16/bfloat16) the models travel as 16-bit words; the average adds
+    this rank's own model at full precision and the peers' decoded ones in float64.
+    """
     if not peers or flat.numel() == 0:
         return flat
     x = host_view(flat)
-    recvs = _exchange(comm, x.copy(), peers)
-    total = x.astype(np.float64) if x.dtype != np.float64 else x.copy()
+    if wire_dtype is None:
+        recvs = _exchange(comm, x.copy(), peers)
+    else:
+        wire = flat.detach().to(wire_dtype)
+        recvs = [_decode16(r, wire_dtype) for r in _exchange(comm, host_view(wire).copy(), peers)]
+    total = x.astype(np.float64)
     for r in recvs:
         total += r
     x[:] = total / (1 + len(peers))
     if stats is not None:
-        stats.add(x.nbytes * len(peers))
+        stats.add(recvs[0].size * (x.itemsize if wire_dtype is None else 2) * len(peers))
     return flat
 
 
-class PeerEstimates:
-    """D_LP_S state of one bucket: this rank's public copy and its copy of each peer's."""
+def _decode16(words: np.ndarray, wire_dtype: torch.dtype) -> np.ndarray:
+    if wire_dtype == torch.bfloat16:
+        return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).float().numpy()
+    return words.astype(np.float32)
 
-    def __init__(self, length: int):
+
+class PeerEstimates:
+    """D_LP_S state of one bucket: this rank's public copy and its copy of each peer's.
+
+    ``own`` and ``peers`` may be given (float32 tensors or arrays the caller keeps, e.g. an
+    algorithm's checkpointed state); missing ones start at zero.
+    """
+
+    def __init__(self, length: int, own=None, peers: dict | None = None):
         self.length = length
-        self.own = np.zeros(length, dtype=np.float32)
-        self.peers: dict[int, np.ndarray] = {}
+        self.own = _array(own) if own is not None else np.zeros(length, dtype=np.float32)
+        self.peers: dict[int, np.ndarray] = {p: _array(v) for p, v in (peers or {}).items()}
 
     def of(self, peer: int) -> np.ndarray:
         if peer not in self.peers:
             self.peers[peer] = np.zeros(self.length, dtype=np.float32)
         return self.peers[peer]
 
-    def state_dict(self) -> dict:
-        return {"own": torch.from_numpy(self.own.copy()),
-                "peers": {str(p): torch.from_numpy(v.copy()) for p, v in self.peers.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.own = state["own"].numpy().astype(np.float32).copy()
-        self.peers = {int(p): v.numpy().astype(np.float32).copy()
-                      for p, v in state["peers"].items()}
+def _array(x) -> np.ndarray:
+    return host_view(x) if isinstance(x, torch.Tensor) else x
 
 
 def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],

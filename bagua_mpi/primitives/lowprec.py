@@ -1,4 +1,4 @@
-"""C_LP_S: centralized low-precision allreduce by scatter-reduce (BAGUA paper §3.2, SPEC §2).
+"""C_LP_S: centralized low-precision allreduce by scatter-reduce (BAGUA paper §3.2).
 
     x'_i = Q^-1 Q( sum_j Q^-1 Q(x_j + e_j) + s_i )      (then averaged when ``average``)
 
@@ -14,7 +14,8 @@ Steps on n ranks for a flat float32 tensor of L elements (P = ceil(L/n), zero pa
 ``worker_error``/``server_error`` = None switch error feedback off (BAGUA's own
 implementation has none; QSGD and ByteGrad run without it). Errors live with the bucket in the
 algorithm's state (sizes ``padded_length`` and ``partition_length``) and are checkpointed.
-Hierarchical: float32 reduce inside each node, C_LP_S among the node leaders, node broadcast.
+The two-level form (float32 sum inside each node, C_LP_S among the node leaders, node
+broadcast) is the algorithm framework's (``algorithms/base.py``), shared by every algorithm.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from mpi4py import MPI
 
 from ..buffers import host_view
 from .centralized import partition_length
-from .codecs import Codec, WireStats, call_seed
+from ..accounting import WireStats
+from .codecs import Codec, call_seed
 
 
 def padded_length(length: int, n: int) -> int:
@@ -138,18 +140,3 @@ def _check_error(err: torch.Tensor, length: int, which: str) -> np.ndarray:
         raise ValueError(f"{which} error must be a CPU float32 tensor of {length} elements, "
                          f"got {err.dtype} of {err.numel()} on {err.device}")
     return host_view(err)
-
-
-def hierarchical_compressed_allreduce_(flat: torch.Tensor, topo, codec: Codec, *,
-                                       worker_error=None, server_error=None, scale: float = 1.0,
-                                       seed: int = 0, stats: WireStats | None = None):
-    """Full precision inside nodes, C_LP_S among node leaders, broadcast inside nodes."""
-    buf = host_view(flat)
-    topo.node_reduce_(buf)
-    if topo.leaders is not None:
-        compressed_allreduce_(flat, topo.leaders, codec, worker_error=worker_error,
-                              server_error=server_error, scale=scale, seed=seed, stats=stats)
-    topo.node_broadcast_(buf)
-    if stats is not None and topo.local_size > 1:  # node reduce in, node broadcast out
-        stats.add(buf.nbytes * (topo.local_size - 1 if topo.local_rank == 0 else 1))
-    return flat

@@ -37,7 +37,7 @@ import torch
 from mpi4py import MPI
 
 from ..buffers import host_view
-from .codecs import WireStats
+from ..accounting import WireStats
 
 # A Gram-Schmidt residual at most this fraction of the column's own norm is roundoff of a
 # column that lies in the span of the earlier ones: it is zeroed rather than normalized. P

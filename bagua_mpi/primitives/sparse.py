@@ -1,4 +1,4 @@
-"""Sparse allreduces of top-k (index, value) payloads (SPEC §5, gTop-k paper).
+"""Sparse allreduces of top-k (index, value) payloads (the gTop-k paper, arXiv 1901.04359).
 
 Both start the same way on each rank, for a flat float32 gradient g and residual r:
 ``r <- r + g``; select the k largest |r| (ties: lower index); the payload holds those k
@@ -30,7 +30,8 @@ from mpi4py import MPI
 import numba_kernels as nk
 
 from ..buffers import host_view
-from .codecs import WireStats, fit_kernel_threads
+from ..accounting import WireStats
+from .codecs import fit_kernel_threads
 
 _TAG = 7401
 

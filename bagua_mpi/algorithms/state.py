@@ -1,0 +1,191 @@
+"""Per-rank algorithm state that follows the parameters, not the buckets.
+
+Error feedback, residuals, momenta, neighbour estimates, PowerSGD's Q: every piece of running
+state belongs to a parameter. Algorithms hold it in whatever shape their exchange needs (one
+vector per communicated tensor, padded to n partitions, or one tensor per layer), but they
+allocate it here, so that
+
+* a checkpoint stores it under ``kind -> parameter name``, whatever the bucketing was, and a
+  job that buckets differently (another ``bucket_size_mb``, another profiled order) loads it;
+* state loaded *before* the buckets exist (a restarted job loads its checkpoint before the first
+  step) is held and applied when the algorithm allocates it, with no per-algorithm workaround;
+* a checkpoint entry that no allocation claims is an error, not a silently dropped state.
+
+Two shapes of state:
+
+``vector(kind, key, segments, length, window)``
+    One flat tensor laid over consecutive parameters ``segments`` = [(name, numel), ...] (a
+    flattened bucket, or one parameter), ``length`` >= their total (padding to n equal
+    partitions; the padding is not checkpointed, ``zero_padding()`` clears it before use so an
+    interrupted run and a resumed one see the same bits). ``window`` = (lo, hi) keeps only
+    positions [lo, hi) of it (a C_LP_S server keeps its own partition, not the whole vector).
+    Checkpointed as one tensor of the parameter's numel per parameter the window touches
+    (positions outside the window are zeros and load as nothing).
+``tensor(kind, name, make)``
+    Any tensor owned by one parameter (a PowerSGD Q of m x r): ``make()`` creates it, and a held
+    checkpoint value of the same shape replaces its contents.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class StateVector:
+    """A flat state tensor over consecutive parameters (see the module docstring)."""
+
+    def __init__(self, kind: str, segments: list[tuple[str, int]], length: int,
+                 window: tuple[int, int] | None, device, dtype):
+        self.kind = kind
+        self.segments = segments
+        self.total = sum(n for _, n in segments)
+        if length < self.total:
+            raise ValueError(f"state vector {kind!r} of {length} elements cannot hold "
+                             f"{self.total} parameter elements")
+        self.lo, self.hi = window if window is not None else (0, length)
+        self.data = torch.zeros(self.hi - self.lo, dtype=dtype, device=device)
+
+    def zero_padding(self) -> None:
+        """Clear positions past the parameters (partition padding): never checkpointed."""
+        if self.hi > self.total:
+            self.data[max(0, self.total - self.lo):].zero_()
+
+    def _overlaps(self):
+        """(name, start in the parameter, start in ``data``, count) for each touched parameter."""
+        start = 0
+        for name, numel in self.segments:
+            lo, hi = max(start, self.lo), min(start + numel, self.hi)
+            if lo < hi:
+                yield name, numel, lo - start, lo - self.lo, hi - lo
+            start += numel
+
+    def names(self) -> list[str]:
+        return [name for name, *_ in self._overlaps()]
+
+    def export(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, numel, p0, d0, count in self._overlaps():
+            full = torch.zeros(numel, dtype=self.data.dtype)
+            full[p0:p0 + count] = self.data[d0:d0 + count].detach().cpu()
+            out[name] = full
+        return out
+
+    def fill(self, name: str, value: torch.Tensor) -> None:
+        for n, numel, p0, d0, count in self._overlaps():
+            if n != name:
+                continue
+            flat = value.reshape(-1)
+            if flat.numel() != numel:
+                raise ValueError(f"checkpoint {self.kind!r} state of {name} has {flat.numel()} "
+                                 f"elements, the parameter has {numel}")
+            self.data[d0:d0 + count].copy_(flat[p0:p0 + count])
+
+
+class AlgorithmState:
+    """All per-rank tensors of one algorithm, addressable by (kind, parameter name)."""
+
+    def __init__(self, param_numels: dict[str, int]):
+        self.param_numels = dict(param_numels)
+        self.vectors: dict[tuple, StateVector] = {}  # (kind, key) -> vector
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}  # kind -> name -> tensor
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded, not yet allocated
+
+    # -- allocation ---------------------------------------------------------------------------
+    def vector(self, kind: str, key, segments: list[tuple[str, int]], length: int | None = None,
+               window: tuple[int, int] | None = None, device="cpu",
+               dtype=torch.float32) -> StateVector:
+        """The vector ``(kind, key)``, created (zeros, or the held checkpoint values) once."""
+        found = self.vectors.get((kind, key))
+        if found is not None:
+            return found
+        total = sum(n for _, n in segments)
+        vec = StateVector(kind, segments, total if length is None else length, window, device,
+                          dtype)
+        held = self.pending.get(kind, {})
+        for name, _ in segments:
+            if name in held:
+                vec.fill(name, held.pop(name))
+        self.vectors[(kind, key)] = vec
+        return vec
+
+    def tensor(self, kind: str, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor of ``kind`` owned by parameter ``name``, created by ``make()`` once."""
+        by_name = self.tensors.setdefault(kind, {})
+        if name not in by_name:
+            t = make()
+            held = self.pending.get(kind, {}).pop(name, None)
+            if held is not None:
+                if tuple(held.shape) != tuple(t.shape):
+                    raise ValueError(f"checkpoint {kind!r} state of {name} has shape "
+                                     f"{tuple(held.shape)}, this run needs {tuple(t.shape)} "
+                                     f"(other hyperparameters or world size?)")
+                t.copy_(held)
+            by_name[name] = t
+        return by_name[name]
+
+    def drop(self, kind: str) -> None:
+        """Forget every allocation of ``kind`` (a stage change that restarts that state)."""
+        self.vectors = {k: v for k, v in self.vectors.items() if k[0] != kind}
+        self.tensors.pop(kind, None)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for (kind, _), vec in self.vectors.items():
+            out.setdefault(kind, {}).update(vec.export())
+        for kind, by_name in self.tensors.items():
+            out.setdefault(kind, {}).update({n: t.detach().cpu().clone()
+                                             for n, t in by_name.items()})
+        for kind, held in self.pending.items():  # loaded but not allocated yet: keep it
+            for name, value in held.items():
+                out.setdefault(kind, {}).setdefault(name, value.clone())
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Apply what is allocated now; hold the rest until it is allocated."""
+        for kind, by_name in state.items():
+            for name, value in by_name.items():
+                if name not in self.param_numels:
+                    raise ValueError(f"checkpoint has {kind!r} state for parameter {name!r}, "
+                                     f"which this model does not have")
+                self._apply(kind, name, value)
+
+    def _apply(self, kind: str, name: str, value: torch.Tensor) -> None:
+        placed = False
+        for (k, _), vec in self.vectors.items():
+            if k == kind and name in vec.names():
+                vec.fill(name, value)
+                placed = True
+        target = self.tensors.get(kind, {}).get(name)
+        if target is not None:
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"checkpoint {kind!r} state of {name} has shape "
+                                 f"{tuple(value.shape)}, this run needs {tuple(target.shape)}")
+            target.copy_(value)
+            placed = True
+        if not placed:
+            self.pending.setdefault(kind, {})[name] = value
+
+    def check_claimed(self, allow: Callable[[str], bool] = lambda kind: False) -> None:
+        """Raise if held checkpoint state was not claimed by any allocation.
+
+        A vector whose window (a server partition) skips a parameter claims nothing for it, so
+        entries of kinds that are allocated at all are dropped, not refused, when unclaimed:
+        their positions now belong to another rank's partition.
+        """
+        allocated = {k for k, _ in self.vectors} | set(self.tensors)
+        unclaimed = {}
+        for kind, held in list(self.pending.items()):
+            if kind in allocated or allow(kind):
+                if kind in allocated:
+                    del self.pending[kind]
+                continue
+            if held:
+                unclaimed[kind] = sorted(held)
+        if unclaimed:
+            detail = "; ".join(f"{kind}: {', '.join(names[:3])}"
+                               + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                               for kind, names in unclaimed.items())
+            raise ValueError(f"checkpoint has algorithm state this configuration does not use "
+                             f"({detail}): other hyperparameters than the saved run?")
