@@ -48,6 +48,9 @@ def run_mpi(script: str, nprocs: int, *args: str, env: dict | None = None,
     """Run ``tests/mpi/<script>`` on ``nprocs`` ranks; kill the whole job on timeout."""
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by up to 4 ranks
+    # a rank that fails alone inside a collective sequence leaves the others waiting: the
+    # watchdog ends such a job well before the harness timeout, naming what was waited for
+    full_env.setdefault("BAGUA_MPI_STALL_ABORT_S", "150")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), str(MPI_SUITES)] + [p for p in [full_env.get("PYTHONPATH")] if p])
@@ -74,3 +77,20 @@ def assert_mpi_ok(result: MPIResult, expect_line: str | None = None) -> None:
     assert not result.timed_out and result.returncode == 0, result.describe()
     if expect_line is not None:
         assert expect_line in result.output, result.describe()
+
+
+def check_lines(output: str) -> dict[str, str]:
+    """``{check name: "PASS" or "FAIL ..."}`` from a suite run through ``tests/mpi/checks.py``."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("CHECK "):
+            _, name, verdict = line.split(" ", 2)
+            found[name] = verdict
+    return found
+
+
+def assert_check_passed(result: MPIResult, name: str) -> None:
+    """One check of a suite run: passed, or fail with its line and every rank's output."""
+    verdict = check_lines(result.output).get(name)
+    assert verdict is not None, f"check {name} did not report: {result.describe()}"
+    assert verdict == "PASS", f"check {name}: {verdict}\n{result.describe()}"

@@ -15,12 +15,27 @@ import bagua_mpi.checkpoint as ckpt
 from bagua_mpi.checkpoint import rotation
 from mpi_harness import MPI_SUITES, REPO, assert_mpi_ok, mpiexec_path, run_mpi
 
-# (algorithm[:hyperparameters], ranks). ckpt_ef16 is the suite's own error-feedback algorithm;
-# the others are the library's algorithms with per-rank state (1-bit Adam past its warm-up,
-# decentralized models), tested when they are registered.
-RESUME_CASES = [("gradient_allreduce", 4), ("ckpt_ef16", 3), ("onebit_adam:warmup_steps=2", 2),
-                ("decentralized", 3), ("low_precision_decentralized", 2), ("powersgd:rank=2", 2)]
+# Every registered algorithm, with hyperparameters that make its per-rank state matter within
+# the few steps of the test (a warm-up that ends, a decision that happens, an exchange in
+# flight), plus the error-feedback variants. ``ckpt_ef16`` is the suite's own algorithm.
+RESUME_SPECS = {
+    "gradient_allreduce": ["gradient_allreduce"],
+    "qsgd": ["qsgd", "qsgd:error_feedback=1"],
+    "bytegrad": ["bytegrad", "bytegrad:error_feedback=1"],
+    "onebit_adam": ["onebit_adam:warmup_steps=2"],
+    "decentralized": ["decentralized"],
+    "low_precision_decentralized": ["low_precision_decentralized"],
+    "async": ["async:sync_interval_ms=0,max_staleness=1"],
+    "local_sgd": ["local_sgd:period=3"],
+    "topk": ["topk:density=0.2"],
+    "gtopk": ["gtopk:density=0.2"],
+    "powersgd": ["powersgd:rank=2"],
+    "lgreco": ["lgreco:warmup_steps=2,period_steps=3"],
+    "ckpt_ef16": ["ckpt_ef16"],
+}
 SUITE_ALGORITHMS = {"ckpt_ef16"}
+RESUME_CASES = [(spec, ranks) for specs in RESUME_SPECS.values() for spec in specs
+                for ranks in (2, 3)]
 N, M = 4, 3  # steps before the checkpoint, steps after it
 
 
@@ -33,6 +48,11 @@ def test_round_trip_of_every_kind_of_state(tmp_path, ranks):
 def registered(algorithm: str) -> bool:
     name = algorithm.partition(":")[0]
     return name in bm.algorithms.names() or name in SUITE_ALGORITHMS
+
+
+def test_every_registered_algorithm_has_a_resume_case():
+    missing = set(bm.algorithms.names()) - set(RESUME_SPECS)
+    assert not missing, f"algorithms without a resume test: {sorted(missing)}"
 
 
 def case_values(case):
@@ -65,7 +85,14 @@ def jobs(tmp_path_factory):
             resumed[ranks] = result.output
         return resumed[ranks]
 
-    return train, resume
+    def resume_rebucketed(ranks: int):
+        base, algorithms, _ = train(ranks)
+        result = run_mpi("checkpoint_suite.py", ranks, "resume", ";".join(algorithms), base,
+                         str(M), "0.000001", timeout=300)
+        assert_mpi_ok(result)
+        return result.output
+
+    return train, resume, resume_rebucketed
 
 
 def directory_of(base: str, algorithm: str) -> str:
@@ -83,7 +110,7 @@ def digests(output: str, kind: str, algorithm: str, ranks: int) -> dict:
 def test_resume_in_a_new_job_is_bit_identical(jobs, algorithm, ranks):
     if not registered(algorithm):
         pytest.skip(f"algorithm {algorithm.partition(':')[0]} not registered yet")
-    train, resume = jobs
+    train, resume, _ = jobs
     reference = digests(train(ranks)[2], "REF", algorithm, ranks)
     output = resume(ranks)
     assert digests(output, "RES", algorithm, ranks) == reference, output
@@ -92,11 +119,22 @@ def test_resume_in_a_new_job_is_bit_identical(jobs, algorithm, ranks):
                          r"\S+ model=per_rank)", output), output
 
 
+def test_resume_with_other_buckets_loads_every_algorithm(jobs):
+    """The per-parameter state of a 2-rank checkpoint saved with one 25 MB bucket loads into
+    optimizers with one bucket per parameter, and training goes on."""
+    _, _, resume_rebucketed = jobs
+    output = resume_rebucketed(2)
+    for specs in RESUME_SPECS.values():
+        for spec in specs:
+            if registered(spec):
+                digests(output, "RES", spec, 2)
+
+
 def test_resume_on_another_world_size(jobs):
-    """4-rank and 3-rank checkpoints loaded by 2 ranks: replicated state loads; per-rank
+    """3-rank checkpoints loaded by 2 ranks: replicated state loads; per-rank
     algorithm state is refused unless reset_algorithm_state=True."""
-    train, _ = jobs
-    shared = directory_of(train(4)[0], "gradient_allreduce")
+    train, _, _ = jobs
+    shared = directory_of(train(3)[0], "gradient_allreduce")
     per_rank = directory_of(train(3)[0], "ckpt_ef16")
     assert_mpi_ok(run_mpi("checkpoint_suite.py", 2, "world", shared, per_rank), "world OK")
 

@@ -2,7 +2,7 @@
 
     python checkpoint_suite.py roundtrip DIR
     python checkpoint_suite.py train "ALG;ALG..." DIR N M   # reference N+M steps; N steps, save
-    python checkpoint_suite.py resume "ALG;ALG..." DIR M    # new job: load, M more steps
+    python checkpoint_suite.py resume "ALG;ALG..." DIR M [MB] # new job: load, M more steps
     python checkpoint_suite.py world DIR_SHARED DIR_PER_RANK  # load on another world size
     python checkpoint_suite.py crash DIR PHASE[@RANK]       # save, then die inside the next save
     python checkpoint_suite.py saveloop DIR                 # save until killed
@@ -34,25 +34,19 @@ from bagua_mpi.ops import Sum
 
 
 class EF16Impl(AlgorithmImpl):
-    def __init__(self, algorithm, ctx):
-        super().__init__(algorithm, ctx)
-        self.residual = {}  # (bucket, tensor) -> what float16 rounding dropped on this rank
+    """Written against the algorithm framework: its per-rank state is one vector per exchanged
+    tensor, allocated through ``self.state`` (so it is checkpointed by parameter name)."""
 
     def reduce_bucket(self, bucket, step: int) -> None:
-        for k, grad in enumerate(bucket.communication_tensors()):
-            key = (bucket.index, k)
-            x = grad + self.residual[key] if key in self.residual else grad.clone()
+        for k, (grad, segments) in enumerate(zip(bucket.communication_tensors(),
+                                                 bucket.communication_segments())):
+            residual = self.state.vector("residual", (bucket.index, k), segments).data
+            x = grad.reshape(-1) + residual  # what float16 rounding dropped on this rank
             q = x.half().float()
-            self.residual[key] = x - q
-            grad.copy_(q)
+            residual.copy_(x - q)
+            grad.copy_(q.view_as(grad))
             collectives.allreduce_(grad, Sum, prescale_factor=self.ctx.prescale,
                                    postscale_factor=self.ctx.postscale)
-
-    def state_dict(self) -> dict:
-        return {"residual": dict(self.residual)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.residual = {tuple(k): v.clone() for k, v in state["residual"].items()}
 
 
 @register
@@ -96,12 +90,13 @@ def parse_algorithm(spec: str):
     return bm.algorithms.create(name, **kwargs)
 
 
-def build(algorithm: str, init_seed: int = 0):
+def build(algorithm: str, init_seed: int = 0, bucket_size_mb: float = 25.0):
     torch.manual_seed(init_seed)
     model = Net()
     opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                   named_parameters=model.named_parameters(),
-                                  algorithm=parse_algorithm(algorithm))
+                                  algorithm=parse_algorithm(algorithm),
+                                  bucket_size_mb=bucket_size_mb)
     sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=3, gamma=0.5)
     bm.broadcast_parameters(model.state_dict(), root_rank=0)
     return model, opt, sched
@@ -267,12 +262,15 @@ def train_then_save(algorithms: str, base: str, n: int, m: int) -> None:
         opt.close()
 
 
-def resume(algorithms: str, base: str, m: int) -> None:
-    """For each algorithm: fresh objects and RNGs, load base/<algorithm>, M more steps."""
+def resume(algorithms: str, base: str, m: int, bucket_size_mb: float = 25.0) -> None:
+    """For each algorithm: fresh objects and RNGs, load base/<algorithm>, M more steps.
+
+    With another ``bucket_size_mb`` than the saving job (one parameter per bucket), the
+    per-parameter algorithm state must still load and training go on."""
     rank = bm.rank()
     for algorithm in algorithms.split(";"):
         seed_everything(rank + 17)  # deliberately different: the checkpoint restores the RNGs
-        model, opt, sched = build(algorithm, init_seed=5)
+        model, opt, sched = build(algorithm, init_seed=5, bucket_size_mb=bucket_size_mb)
         info = ckpt.load(directory_of(base, algorithm), model=model, optimizer=opt)
         sched.load_state_dict(info.extras["scheduler"])
         assert info.rng_restored and info.algorithm_state == "loaded", info
@@ -282,6 +280,9 @@ def resume(algorithms: str, base: str, m: int) -> None:
                   f"{info.meta['per_rank_algorithm_state']} model={info.meta['trees']['model']}",
                   flush=True)
         train(model, opt, sched, m)
+        if bucket_size_mb != 25.0:
+            assert len(opt.buckets) == len(list(model.parameters())), opt.buckets
+            assert all(torch.isfinite(p).all() for p in model.parameters()), algorithm
         print(f"RES {algorithm} rank {rank} {digest(model, opt)}", flush=True)
         opt.close()
 
@@ -353,7 +354,7 @@ def main() -> None:
     elif mode == "train":
         train_then_save(args[0], args[1], int(args[2]), int(args[3]))
     elif mode == "resume":
-        resume(args[0], args[1], int(args[2]))
+        resume(args[0], args[1], int(args[2]), *(float(a) for a in args[3:4]))
     elif mode == "world":
         world(args[0], args[1])
     elif mode == "crash":

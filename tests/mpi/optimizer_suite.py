@@ -11,6 +11,7 @@ import tempfile
 import torch
 
 import bagua_mpi as bm
+from bagua_mpi.exceptions import MisuseError
 
 STEPS = 10
 BATCH = 6  # rows per rank per backward pass
@@ -135,6 +136,98 @@ def check_no_sync_and_skip_synchronize(size: int) -> int:
     return 1
 
 
+class UnevenNet(Net):
+    """``branch`` is used by a rank only on some steps, and on some steps by no rank at all."""
+
+    def forward(self, x, use_branch):
+        h = torch.tanh(self.embed(x))
+        b = self.body(h)
+        if use_branch:
+            b = b + self.branch(h)
+        return self.head(torch.tanh(self.frozen(torch.tanh(b))))
+
+
+def uses_branch(step: int, rank: int) -> bool:
+    return (step + rank) % 3 == 0  # at 2 ranks, every third step no rank uses it
+
+
+def check_unused_default(size: int) -> int:
+    """The default path (find_unused_parameters=False): a rank that did not use a parameter
+    contributes a zero gradient, so the average is over all ranks, zeros included. Reference:
+    one process minimising the mean of the ranks' losses, each with its own branch use, with
+    gradients kept as zero tensors (never None), as the distributed default leaves them."""
+    for kind in ("sgd", "adam"):
+        torch.manual_seed(0)
+        ref = UnevenNet()
+        params = [p for p in ref.parameters() if p.requires_grad]
+        ref_opt = make_optimizer(kind, params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for step in range(STEPS):
+            ref_opt.zero_grad(set_to_none=False)
+            loss = sum(torch.nn.functional.mse_loss(
+                ref(data(step, r, BATCH)[0], uses_branch(step, r)), data(step, r, BATCH)[1])
+                for r in range(size)) / size
+            loss.backward()
+            ref_opt.step()
+
+        torch.manual_seed(0)
+        model = UnevenNet()
+        opt = bm.DistributedOptimizer(
+            make_optimizer(kind, [p for p in model.parameters() if p.requires_grad]),
+            named_parameters=model.named_parameters())
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = data(step, bm.rank(), BATCH)
+            torch.nn.functional.mse_loss(model(x, uses_branch(step, bm.rank())), y).backward()
+            opt.step()
+        opt.close()
+        assert_params_equal(model, {n: p.detach() for n, p in ref.named_parameters()},
+                            f"{kind} default unused-parameter path")
+    return 2
+
+
+def expect_misuse(fn, *needles) -> str:
+    try:
+        fn()
+    except MisuseError as exc:
+        for needle in needles:
+            assert needle in str(exc), f"{needle!r} not in {exc}"
+        return str(exc)
+    raise AssertionError(f"{fn} did not raise MisuseError")
+
+
+def check_misuse(rank: int, size: int) -> int:
+    """zero_grad() between backward and step, and more backward passes than declared, raise
+    MisuseError on every rank (all ranks misuse alike here); the optimizer keeps working."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    x = torch.randn(4, 6)
+    for step in range(3):  # the first step is the profiling one; the guards hold in both
+        opt.zero_grad()
+        model(x).sum().backward()
+        expect_misuse(opt.zero_grad, f"rank {rank}", "zero_grad()")
+        try:
+            model(x).sum().backward()
+        except MisuseError as exc:
+            assert "backward_passes_per_step=1" in str(exc) and "parameter '" in str(exc), exc
+        else:
+            raise AssertionError("a second backward pass was accepted")
+        opt.step()
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.synchronize()
+    opt.synchronize()  # twice is harmless: the gradients are averaged once
+    expected = bm.allreduce(torch.ones(2, 6) * x.sum(0), bm.Average)  # d(sum)/dW, averaged
+    torch.testing.assert_close(model.weight.grad, expected)
+    with opt.skip_synchronize():
+        opt.step()
+    opt.close()
+    return 3
+
+
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -216,6 +309,8 @@ def main():
         tmp = bm.broadcast_object(tmp if rank == 0 else None)
         checks = check_equivalence(size)
         checks += check_no_sync_and_skip_synchronize(size)
+        checks += check_unused_default(size)
+        checks += check_misuse(rank, size)
         checks += check_compression(size)
         checks += check_mismatched_models(rank, size)
         checks += check_bucket_order_and_overlap(rank, size, tmp)

@@ -274,7 +274,8 @@ def check_training(rank, size):
         losses[label] = loss
         assert loss <= limit, f"{label}: loss {loss:.5f} > {limit:.5f} (dense {dense:.5f})"
         if label == "powersgd":
-            assert sorted(opt.impl.qs) == [0, 2], sorted(opt.impl.qs)  # both weights, no bias
+            compressed = sorted(opt.impl.state.tensors["q"])
+            assert compressed == ["0.weight", "2.weight"], compressed  # both weights, no bias
         everyone = bm.allgather_object(params_of(model).tolist())
         assert all(p == everyone[0] for p in everyone), f"{label}: models differ between ranks"
     # per-parameter gradients (no flattening) and float64 models (staged through float32)
@@ -368,9 +369,10 @@ def check_state_round_trip(rank, size):
     algo = PowerSGD(rank=2, seed=5)
     _, model, opt = train(algo, rank, steps=15)
     state = opt.algorithm_state_dict()
-    assert set(state["state"]["q"]) == {"0", "2"} and set(state["state"]["errors"]) == {"0", "2"}
-    assert all(isinstance(v, torch.Tensor) for part in ("q", "errors")
-               for v in state["state"][part].values())
+    tensors = state["state"]["tensors"]  # keyed by parameter name, not bucket
+    assert set(tensors["q"]) == {"0.weight", "2.weight"} == set(tensors["error"]), tensors
+    assert all(isinstance(v, torch.Tensor) for part in ("q", "error")
+               for v in tensors[part].values())
     twin = make_model()
     twin.load_state_dict(model.state_dict())
     twin_opt = bm.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.05),
@@ -379,9 +381,9 @@ def check_state_round_trip(rank, size):
     train(algo, rank, steps=10, model=model, opt=opt)
     train(algo, rank, steps=10, model=twin, opt=twin_opt)
     assert np.array_equal(params_of(model), params_of(twin)), "resumed run differs"
-    for name in ("q", "errors"):
-        for k, v in opt.impl.state_dict()[name].items():
-            assert torch.equal(v, twin_opt.impl.state_dict()[name][k]), (name, k)
+    for name in ("q", "error"):
+        for k, v in opt.impl.state_dict()["tensors"][name].items():
+            assert torch.equal(v, twin_opt.impl.state_dict()["tensors"][name][k]), (name, k)
     # a state of another rank (Q of another width) is refused with a clear error
     other = PowerSGD(rank=3, seed=5)
     _, _, other_opt = train(other, rank, steps=1)

@@ -1,4 +1,4 @@
-"""BAGUA's primitives against a NumPy simulation of every rank (SPEC §2).
+"""BAGUA's primitives against a NumPy simulation of every rank .
 
 Each rank builds every rank's input from a seed, runs the primitive for real, and compares with
 a single-process simulation of the same algorithm that uses the same compressor functions,
@@ -12,10 +12,10 @@ import torch
 import bagua_mpi as bm
 from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDCodec, Segment,
                                   compressed_allreduce_, decentralized_average_,
-                                  hierarchical_compressed_allreduce_,
                                   low_precision_decentralized_, packed_compressed_allreduce_,
                                   padded_length, partition_length,
                                   peers_for, random_pairing)
+from bagua_mpi.algorithms import AlgorithmContext, AlgorithmImpl
 from bagua_mpi.primitives.codecs import call_seed
 
 
@@ -108,7 +108,12 @@ def check_hierarchical_compressed(rank, size):
             for nd in nodes]
     expected = simulate_clps(sums, codec, None, None, 1.0 / size, 7)
     mine = torch.from_numpy(xs[rank].copy())
-    hierarchical_compressed_allreduce_(mine, topo, codec, scale=1.0 / size, seed=7)
+    # the algorithm framework's two-level wrapper around C_LP_S among the node leaders
+    ctx = AlgorithmContext(topo=topo, average=True, prescale=1.0, postscale=1.0 / size,
+                           hierarchical=True, compression=bm.Compression.none)
+    impl = AlgorithmImpl(None, ctx)
+    impl.two_level([mine], lambda: compressed_allreduce_(mine, topo.leaders, codec,
+                                                         scale=1.0 / size, seed=7))
     assert np.array_equal(mine.numpy(), expected), "hierarchical C_LP_S"
     return 1
 

@@ -1,0 +1,137 @@
+"""Every algorithm x every option that an algorithm could ignore: it works or it is refused.
+
+``python options_suite.py [--check NAME ...]`` on every rank (4 ranks with
+``BAGUA_MPI_RANKS_PER_NODE=2`` for the hierarchical cells). For each registered algorithm and
+each option, either ``DistributedOptimizer`` raises ``UnsupportedOptionError`` at wrap time
+naming the algorithm and the option, or the option measurably takes effect:
+
+* ``compression=fp16``: fewer bytes than without it, in the same steps;
+* ``hierarchical=True``: a rank that is not a node leader sends only its node-level messages
+  (what the flat run sends is different), and centralized ranks stay identical;
+* ``op=Sum``: the first update is n times the Average one (1-bit Adam, whose Adam update is
+  invariant to the gradients' scale, gives the same updates under both);
+* ``gradient_predivide_factor=2``: the same updates as without it.
+
+The expected outcome of every cell is the README's table (``EXPECTED``); a cell that behaves
+otherwise, or an algorithm without a row, fails.
+"""
+import sys
+
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi.algorithms import (AsyncModelAverage, GTopK, LocalSGD, OneBitAdam, PowerSGD,
+                                  TopK, UnsupportedOptionError)
+from bagua_mpi.lgreco import LGreCo
+from checks import run_checks
+
+# the algorithms with settings under which each option's stage runs within STEPS steps
+ALGORITHMS = {
+    "gradient_allreduce": "gradient_allreduce", "qsgd": "qsgd", "bytegrad": "bytegrad",
+    "onebit_adam": OneBitAdam(warmup_steps=2, chunk=64),
+    "decentralized": "decentralized", "low_precision_decentralized": "low_precision_decentralized",
+    "async": AsyncModelAverage(sync_interval_ms=0, max_staleness=1),
+    "local_sgd": LocalSGD(period=2), "topk": TopK(density=0.5, warmup_steps=2),
+    "gtopk": GTopK(density=0.5, warmup_steps=2), "powersgd": PowerSGD(rank=1, warmup_steps=2),
+    "lgreco": LGreCo(warmup_steps=2, period_steps=2),
+    "lgreco-powersgd": LGreCo(family="powersgd", default=1, warmup_steps=2, period_steps=2),
+}
+OPTIONS = {"compression": {"compression": bm.Compression.fp16},
+           "hierarchical": {"hierarchical": True},
+           "op_sum": {"op": bm.Sum},
+           "predivide": {"gradient_predivide_factor": 2.0}}
+R = "refused"
+# algorithm -> option -> "works" or "refused" (the README's table)
+EXPECTED = {name: dict.fromkeys(OPTIONS, "works") for name in ALGORITHMS}
+for _name in ("qsgd", "bytegrad", "low_precision_decentralized", "async", "lgreco"):
+    EXPECTED[_name]["compression"] = R
+for _name in ("decentralized", "low_precision_decentralized", "async", "local_sgd"):
+    EXPECTED[_name]["op_sum"] = EXPECTED[_name]["predivide"] = R
+EXPECTED["async"]["hierarchical"] = R
+STEPS = 4
+
+
+def model_and_data(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(300 + rank)
+    return model, torch.randn(24, 16, generator=g), torch.randn(24, 4, generator=g)
+
+
+def run(algorithm, steps=STEPS, **options):
+    """Train ``steps`` steps; (per-step updates, bytes sent, final parameters)."""
+    model, x, y = model_and_data(bm.rank())
+    adam = bm.algorithms.create(algorithm).name == "onebit_adam"
+    base = (torch.optim.Adam(model.parameters(), lr=0.01) if adam
+            else torch.optim.SGD(model.parameters(), lr=0.05))
+    opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                  algorithm=algorithm, **options)
+    updates = []
+    for _ in range(steps):
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        updates.append(after - before)
+    opt.close()
+    return updates, opt.communication_stats()["bytes_sent"], after
+
+
+def make_cell(name, option):
+    algorithm = ALGORITHMS[name]
+    options = OPTIONS[option]
+
+    def check(rank, size):
+        expected = EXPECTED[name][option]
+        try:
+            updates, sent, final = run(algorithm, **options)
+        except UnsupportedOptionError as exc:
+            assert expected == R, f"{name} refused {option} ({exc}); the table says it works"
+            text = str(exc)
+            assert bm.algorithms.create(algorithm).name in text and option.split("_")[0] in \
+                text.replace("gradient_predivide_factor", "predivide"), text
+            return
+        assert expected != R, f"{name} accepted {option}; the table says it is refused"
+        plain_updates, plain_sent, _ = run(algorithm)
+        centralized = not bm.algorithms.create(algorithm).averages_models
+        if option == "compression":
+            assert size == 1 or sent < 0.9 * plain_sent, (sent, plain_sent)
+        elif option == "hierarchical":
+            topo = bm.runtime.get().topo
+            # a non-leader sends one node-level message per tensor; the flat run 2(n-1)/n of
+            # it per allreduce, the same bytes only at n = 2
+            if topo.local_size > 1 and topo.local_rank != 0 and topo.cross_size > 1:
+                assert sent != plain_sent, ("a non-leader sent what the flat run sends", sent)
+            if centralized:
+                everyone = bm.allgather_object(final.tolist())
+                assert all(e == everyone[0] for e in everyone), "ranks differ"
+        elif option == "op_sum":
+            ratio = float(updates[0].norm() / plain_updates[0].norm())
+            want = 1.0 if bm.algorithms.create(algorithm).name == "onebit_adam" else size
+            assert abs(ratio - want) < 0.15 * want, f"first-update ratio {ratio:.3f}, want {want}"
+            if want == 1.0:  # scale-invariant Adam: every later update the same too
+                for a, b in zip(updates, plain_updates):
+                    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+        else:
+            for a, b in zip(updates, plain_updates):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    return check
+
+
+def suite_checks() -> dict:
+    return {f"{name}__{option}": make_cell(name, option)
+            for name in ALGORITHMS for option in OPTIONS}
+
+
+def main():
+    bm.init()
+    covered = {bm.algorithms.create(a).name for a in ALGORITHMS.values()}
+    assert covered >= set(bm.algorithms.names()), set(bm.algorithms.names()) - covered
+    failures = run_checks(suite_checks())
+    bm.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
