@@ -80,7 +80,15 @@ LEAVING = {
     "exception in a user thread": ("thread", 1, [
         "bagua_mpi rank 2: uncaught exception in thread 'data-loader', aborting the job",
         "ValueError: deliberate failure in a worker thread of rank 2"]),
+    # a rank that never arrives (outside any collective) is named once the exit timeout passes
+    "exit timeout names the late rank": ("late last", 124, [
+        "rank 0 reached the end of its program, but rank(s) 2 did not reach shutdown within "
+        "3 s (BAGUA_MPI_EXIT_TIMEOUT_S)"]),
+    "exit timeout, rank 0 late": ("late 0", 124, [
+        "but rank 0 did not reach shutdown within 3 s (BAGUA_MPI_EXIT_TIMEOUT_S)"]),
 }
+# only for the "late" cases: shorter than the 5 s grace, it would pre-empt the others' message
+LATE_ENV = {"BAGUA_MPI_EXIT_TIMEOUT_S": "3"}
 # From the moment the rank leaves to the end of the job: the 5 s grace, a watchdog tick, the
 # 0.5 s of last words and mpiexec's teardown, with room for a loaded 2-core machine.
 LEAVE_BOUND_S = 25.0
@@ -91,7 +99,8 @@ def test_a_leaving_or_failing_rank_ends_the_job_promptly(case):
     import time
 
     mode, code, needles = LEAVING[case]
-    result = run_mpi("faults_suite.py", 3, *mode.split(), timeout=120)
+    result = run_mpi("faults_suite.py", 3, *mode.split(), timeout=120,
+                     env=LATE_ENV if mode.startswith("late") else None)
     ended = time.time()
     assert not result.timed_out, result.describe()
     assert result.returncode != 0, result.describe()
@@ -99,7 +108,8 @@ def test_a_leaving_or_failing_rank_ends_the_job_promptly(case):
         assert result.returncode == code, result.describe()
     for needle in needles:
         assert needle in result.output, f"{needle!r} missing; {result.describe()}"
-    left = re.search(r"rank \d (?:calls sys.exit\(3\)|returns) at (\d+\.\d+)", result.output)
+    left = re.search(r"rank \d (?:calls sys.exit\(3\)|returns|sleeps) at (\d+\.\d+)",
+                     result.output)
     if left:
         assert ended - float(left.group(1)) < LEAVE_BOUND_S, result.describe()
 

@@ -16,6 +16,9 @@ Modes:
              (no deadlock) on every rank; the library keeps working
   sync-twice synchronize() twice on one handle returns the same result (and error)
   skew       all ranks finish, rank 0 some seconds after the others: a clean exit (code 0)
+  late R     rank R (a number, or "last") sleeps a minute after the last collective, outside
+             the library; run with a short BAGUA_MPI_EXIT_TIMEOUT_S: the others must give up
+             on it and abort, naming it
 """
 import os
 import signal
@@ -210,13 +213,21 @@ def mode_skew(rank, size):
         print(f"skew OK on {size} ranks", flush=True)
 
 
+def mode_late(rank, size, who="last"):
+    late = size - 1 if who == "last" else int(who)
+    bm.allreduce(torch.ones(1))
+    if rank == late:
+        print(f"rank {rank} sleeps at {time.time():.3f}", flush=True)
+        time.sleep(60)  # not in any collective: only the exit timeout can tell
+
+
 def main():
     bm.init()
     mode = sys.argv[1]
     {"mismatch": mode_mismatch, "bad-args": mode_bad_args, "raise": mode_raise,
      "die": mode_die, "stall": mode_stall, "exit-code": mode_exit_code, "return": mode_return,
      "thread": mode_thread, "nested": mode_nested, "sync-twice": mode_sync_twice,
-     "skew": mode_skew}[mode](bm.rank(), bm.size(), *sys.argv[2:])
+     "skew": mode_skew, "late": mode_late}[mode](bm.rank(), bm.size(), *sys.argv[2:])
 
 
 if __name__ == "__main__":
