@@ -110,9 +110,9 @@ class _PipeSend(torch.autograd.Function):
         if y.dim() > _MAX_DIMS:
             raise PartitionError(f"an activation of {y.dim()} dimensions crosses boundary "
                                  f"{boundary}; at most {_MAX_DIMS} are supported")
+        _mpi_type(y.dtype)  # a named error for an unsupported dtype, before any message
         header = np.zeros(2 + _MAX_DIMS, dtype=np.int64)
-        header[0], header[1] = _DTYPES[y.dtype][0] if y.dtype in _DTYPES else -1, y.dim()
-        _mpi_type(y.dtype)  # named error for an unsupported dtype
+        header[0], header[1] = _DTYPES[y.dtype][0], y.dim()
         header[2:2 + y.dim()] = y.shape
         hreq = link.comm.Isend([header, MPI.INT64_T], dest=dest, tag=_tag(boundary, _SHAPE))
         link._keep.append(header)

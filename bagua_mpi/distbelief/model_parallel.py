@@ -74,6 +74,10 @@ class _Partitioned(nn.Module):
     def is_output(self) -> bool:
         return self.partition == self.output_partition
 
+    def close(self) -> None:
+        """Collective in the group: free the link's communicator."""
+        self.link.close()
+
     # -- flat parameters ----------------------------------------------------------------------
     def flat(self, dtype=np.float32) -> np.ndarray:
         """This partition's parameters as one vector (a copy), length ``hi - lo``."""

@@ -104,6 +104,10 @@ class ShardServer:
                             f"got {type(optimizer).__name__}")
         if worker_timeout_s is not None and not worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be positive or None, got {worker_timeout_s!r}")
+        if worker_timeout_s is not None and roles.n_partitions > 1:
+            raise ValueError("worker_timeout_s cannot be used with partitioned replicas: a "
+                             "partition told to stop would leave the rest of its replica "
+                             "waiting for its activations")
         self.mode = DOWNPOUR if optimizer is not None else SANDBLASTER
         if (self.mode == SANDBLASTER) != (roles.coordinator is not None):
             raise ValueError("Sandblaster (optimizer=None) needs setup(coordinator=True); "

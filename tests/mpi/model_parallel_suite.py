@@ -2,6 +2,7 @@
 tests/test_model_parallel_mpi.py for the world sizes).
 
     mpiexec -n N python tests/mpi/model_parallel_suite.py MODE [ARGS]
+    mpiexec -n N python tests/mpi/model_parallel_suite.py MODE[:ARG...] MODE[:ARG...] ...
 
 Modes:
   forward          every rank is one partition of one replica: pipeline, locally connected and
@@ -418,12 +419,19 @@ MODES = {"forward": mode_forward, "bad": mode_bad, "exact": mode_exact, "convex"
 
 
 def main():
+    """``MODE [INT ...]``, or several ``MODE[:INT...]`` items run one after the other in one job
+    (starting the ranks costs more than most modes)."""
     bm.init()
-    mode, args = sys.argv[1], [int(a) for a in sys.argv[2:]]
-    summary = MODES[mode](*args)
-    bm.barrier()
-    if bm.rank() == 0:
-        print(f"{summary} on {bm.size()} ranks", flush=True)
+    if len(sys.argv) > 2 and all(a.lstrip("-").isdigit() for a in sys.argv[2:]):
+        runs = [(sys.argv[1], [int(a) for a in sys.argv[2:]])]
+    else:
+        runs = [(item.split(":")[0], [int(a) for a in item.split(":")[1:]])
+                for item in sys.argv[1:]]
+    for mode, args in runs:
+        summary = MODES[mode](*args)
+        bm.barrier()
+        if bm.rank() == 0:
+            print(f"{summary} on {bm.size()} ranks", flush=True)
     bm.shutdown()
 
 
