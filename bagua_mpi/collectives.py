@@ -177,7 +177,10 @@ def _reduction(op, dt: str):
 def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
                    check=None):
     dt = dtype_name(tensor)
-    op, mop, int_average = _reduction(op, dt)
+    if type(op) is not ReduceOp:
+        op = ReduceOp.parse(op)
+    int_average = op is Average and dt in INTEGER
+    mop = MPI.SUM if int_average else mpi_op(op, dt)
     pre = 1.0 if prescale_factor == 1.0 else _check_factor("prescale_factor", prescale_factor, dt)
     post = (1.0 if postscale_factor == 1.0
             else _check_factor("postscale_factor", postscale_factor, dt))
@@ -250,19 +253,25 @@ def allreduce(tensor, average=None, name=None, compression=_NO_COMPRESSION, op=N
     overrides the agreement check for this call (every rank must pass the same).
     Differentiable: a tensor that requires grad gets the allreduce of its gradient.
     """
-    op = _resolve_op(average, op)
+    if op is None and average is None:
+        op = Average
+    else:
+        op = _resolve_op(average, op)
     if compression is not _NO_COMPRESSION and compression is not None:
         t, ctx = compression.compress(tensor)
         out = allreduce(t, None, name, None, op, prescale_factor, postscale_factor, process_set,
                         hierarchical=hierarchical, check=check)
         return compression.decompress(out, ctx)
-    if _wants_grad(tensor):
+    if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
         from .autograd_ops import allreduce_grad
         return allreduce_grad(tensor, op, prescale_factor, postscale_factor, process_set, name,
                               hierarchical)
     rt = runtime.get()
-    run, d = _allreduce_run(rt, _topo(rt, process_set), tensor, empty_like(tensor), op,
-                            prescale_factor, postscale_factor, hierarchical, check)
+    topo = rt.topo if process_set is _GLOBAL else _topo(rt, process_set)
+    run, d = _allreduce_run(rt, topo, tensor, empty_like(tensor), op, prescale_factor,
+                            postscale_factor, hierarchical, check)
+    if name is None and timeline._collective is None:
+        return rt.worker.run(run, d)
     return _dispatch(rt, run, d, False, name=name)
 
 
