@@ -1,4 +1,4 @@
-"""DistBelief on MPI ranks: model parallelism (§3), Downpour SGD and Sandblaster L-BFGS (§4.1-4.2).
+"""DistBelief on MPI ranks: model parallelism (§3), Downpour SGD, Sandblaster L-BFGS (§4.1-4.2).
 
 Inside one ordinary ``mpiexec``/``srun`` job, some ranks hold parameter-server shards (each a
 slice of the flattened parameter vector), the others train model replicas; Sandblaster adds a

@@ -30,9 +30,10 @@ def _positive(name: str, value) -> int:
 
 
 def _locally_connected(x, weight, bias, k: int, s: int):
-    """Output rows from input rows: ``out[n,o,h,w] = sum_c,i,j W[h,w,o,(c,i,j)] x[n,c,h*s+i,w*s+j]``."""
+    """Output rows from input rows:
+    ``out[n, o, h, w] = sum_(c,i,j) W[h, w, o, (c,i,j)] x[n, c, h*s + i, w*s + j]``."""
     n = x.shape[0]
-    h, w, o, ckk = weight.shape
+    h, w, _, ckk = weight.shape
     cols = F.unfold(x, (k, k), stride=s)  # (n, c*k*k, h*w): the receptive field of each output
     cols = cols.view(n, ckk, h, w)
     out = torch.einsum("nkhw,hwok->nohw", cols, weight)

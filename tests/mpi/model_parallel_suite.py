@@ -35,7 +35,8 @@ TOL = 1e-5
 
 def close(a, b, what):
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    assert a.shape == b.shape, f"rank {MPI.COMM_WORLD.Get_rank()}: {what}: shapes {a.shape} {b.shape}"
+    rank = MPI.COMM_WORLD.Get_rank()
+    assert a.shape == b.shape, f"rank {rank}: {what}: shapes {a.shape} {b.shape}"
     err = float((a - b).abs().max()) if a.numel() else 0.0
     assert err <= TOL * max(1.0, float(b.abs().max()) if b.numel() else 1.0), \
         f"rank {MPI.COMM_WORLD.Get_rank()}: {what}: max error {err:.3g}"
@@ -107,11 +108,13 @@ def check_pipeline(group, cut, x, target):
         out = pm(x if m == 0 else None)
     if pm.is_output:
         close(out, out_ref, "pipeline inference")
-    counts = pm.link.comm.allgather(pm.link.bytes_sent)
-    # forward and inference: activation once each; backward: gradient once (float64)
-    batch = x.shape[0]
-    widths = [8, 8, 5, 3, 3]  # output width of each layer prefix end
-    return counts, batch, widths
+    # traffic: partition m sent its output forward twice (training, inference) and, unless it
+    # is the first, the gradient of its input once; float64, widths after each layer
+    width = [8, 8, 8, 8, 5, 5, 3]
+    w_out, w_in = width[hi - 1], width[lo - 1] if lo else 0
+    expect = (2 * w_out if m < M - 1 else 0) + (w_in if m > 0 else 0)
+    assert pm.link.bytes_sent == x.shape[0] * expect * 8, (m, pm.link.bytes_sent, expect)
+    pm.close()
 
 
 def check_blocks(group, layers_fn, cut, x, target, row_weights):
@@ -172,10 +175,11 @@ def mode_forward():
     for cut in LC_CUTS[M]:
         model = check_blocks(comm, lc_layers, cut, xl, tl, lc_weights)
         halo.append(comm.allreduce(model.link.bytes_sent))
+        model.close()
     xf = torch.from_numpy(rng.standard_normal((4, 10)))
     tf = torch.from_numpy(rng.standard_normal((4, 2)))
     for cut in FC_CUTS[M]:
-        check_blocks(comm, fc_layers, cut, xf, tf, fc_weights)
+        check_blocks(comm, fc_layers, cut, xf, tf, fc_weights).close()
     # even LC cut, traffic counted by hand: layer 2 (stride 2, kernel 3) needs rows
     # [2a, 2b + 1) of layer 1's output; rows needed but owned elsewhere cross once forward and
     # once backward, for training and then once more for inference (forward only); the gather of
