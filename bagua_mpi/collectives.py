@@ -472,7 +472,8 @@ def _allgather_run(rt, topo, tensor):
     signature = ("allgather", ("dtype", dt), ("trailing_shape", shape[1:]))
 
     def run():
-        # One small Allgather carries both the agreement check and the row counts.
+        if consistency._enabled:  # the check message also tells a joined rank what runs
+            consistency.verify(topo.comm, signature)
         header = np.array([consistency.signature_hash(signature), shape[0]], dtype=np.int64)
         table = np.empty((topo.size, 2), dtype=np.int64)
         topo.comm.Allgather(header, table)
@@ -621,6 +622,8 @@ def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
     signature = ("alltoall", ("dtype", dt), ("trailing_shape", shape[1:]))
 
     def run():
+        if consistency._enabled:
+            consistency.verify(topo.comm, signature)
         header = np.empty((topo.size, 2), dtype=np.int64)
         header[:, 0] = consistency.signature_hash(signature)
         header[:, 1] = send_splits
@@ -796,7 +799,8 @@ def join(device=-1) -> int:
 
     Works with ``allreduce``/``grouped_allreduce`` called through this API with the agreement
     check on (the default: the check message carries the join flag). Any other collective
-    while a rank has joined raises ``JoinedRankError`` on every rank. Global process set only.
+    while a rank has joined raises ``JoinedRankError`` on the ranks that called it (this rank
+    stays joined, as in Horovod). Global process set only.
     ``device`` is accepted for Horovod compatibility (zeros are made on the CPU).
     """
     rt = runtime.get()
@@ -821,14 +825,8 @@ def join(device=-1) -> int:
                 return last
             root = int(-buf[3])
             signature, info = comm.bcast(None, root=root)
-            if buf[0] != -buf[1]:
-                raise consistency.MismatchError(
-                    f"ranks disagree on the arguments of {signature[0]} while rank {me} has "
-                    f"joined")
-            if info is None:
-                raise consistency.JoinedRankError(
-                    f"{signature[0]} was called while rank {me} has joined; only allreduce and "
-                    f"grouped_allreduce accept joined ranks")
+            if info is None:  # the working ranks raise (mismatch, or not an allreduce); as in
+                continue      # Horovod, this rank stays joined
             messages, mop, hier = info
             for message in messages:
                 wire_dt, numel = message[0], message[1]
@@ -848,7 +846,13 @@ def barrier(process_set=global_process_set) -> None:
     asynchronous work)."""
     rt = runtime.get()
     topo = _topo(rt, process_set)
-    rt.worker.run(topo.comm.Barrier, ("barrier",))
+
+    def run():
+        if consistency._enabled:
+            consistency.verify(topo.comm, ("barrier",))
+        topo.comm.Barrier()
+
+    rt.worker.run(run, ("barrier",))
 
 
 def broadcast_object(obj, root_rank: int = 0, name=None, process_set=global_process_set):
@@ -856,14 +860,26 @@ def broadcast_object(obj, root_rank: int = 0, name=None, process_set=global_proc
     rt = runtime.get()
     topo = _topo(rt, process_set)
     root = _root(rt, root_rank, process_set)
-    return rt.worker.run(lambda: topo.comm.bcast(obj, root=root), ("broadcast_object", root))
+
+    def run():
+        if consistency._enabled:
+            consistency.verify(topo.comm, ("broadcast_object", ("root", root)))
+        return topo.comm.bcast(obj, root=root)
+
+    return rt.worker.run(run, ("broadcast_object", root))
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """List of every rank's object, in rank order."""
     rt = runtime.get()
     topo = _topo(rt, process_set)
-    return rt.worker.run(lambda: topo.comm.allgather(obj), ("allgather_object",))
+
+    def run():
+        if consistency._enabled:
+            consistency.verify(topo.comm, ("allgather_object",))
+        return topo.comm.allgather(obj)
+
+    return rt.worker.run(run, ("allgather_object",))
 
 
 def poll(handle: Handle) -> bool:

@@ -88,7 +88,8 @@ def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:
     if join is None:
         raise JoinedRankError(f"{signature[0]} was called while some rank has joined "
                               f"(bagua_mpi.join()); only allreduce and grouped_allreduce accept "
-                              f"joined ranks, which contribute zeros")
+                              f"joined ranks, which contribute zeros; the joined ranks stay "
+                              f"joined")
 
 
 def raise_mismatch(comm: MPI.Intracomm, signature: tuple) -> None:

@@ -343,13 +343,22 @@ def mode_join(rank, size):
     assert last == size - 1, f"join returned {last}, expected {size - 1}"
     # everyone is back in step: ordinary collectives work
     same(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)), "after join")
-    if size > 1:  # only allreduce accepts joined ranks: anything else raises on every rank
+    if size > 1:  # only allreduce accepts joined ranks: anything else raises where it was
+        # called, and the joined rank stays joined (Horovod's test_horovod_join_allgather)
         if rank == 0:
-            expect(hvd.JoinedRankError, hvd.join, "broadcast")
+            assert hvd.join() == size - 1
         else:
-            e = expect(hvd.HorovodInternalError, lambda: hvd.broadcast(torch.ones(1), 1),
-                       "joined")
-            assert isinstance(e, hvd.JoinedRankError)
+            for what, fn in (("broadcast", lambda: hvd.broadcast(torch.ones(1), 1)),
+                             ("allgather", lambda: hvd.allgather(torch.ones(2))),
+                             ("alltoall", lambda: hvd.alltoall(torch.ones(size))),
+                             ("reducescatter", lambda: hvd.reducescatter(torch.ones(size))),
+                             ("barrier", hvd.barrier),
+                             ("allgather_object", lambda: hvd.allgather_object(rank))):
+                e = expect(hvd.HorovodInternalError, fn, what, "joined")
+                assert isinstance(e, hvd.JoinedRankError) and isinstance(e, RuntimeError)
+            same(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), size - 1.0),
+                 "allreduce after the errors")
+            assert hvd.join() == size - 1
     same(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(size)), "after error")
     return 0
 
