@@ -12,8 +12,9 @@ in-process is done here in two ways:
   when the job is restarted (Slurm ``--requeue``, see ``slurm/``) ``run`` resumes from the last
   commit, on the same or another number of ranks.
 
-Not supported: adding or removing hosts while running (no host discovery; ``HostsUpdatedInterrupt``
-is never raised), ``ElasticSampler``, and in-process recovery from a dead rank.
+``ElasticSampler`` continues an epoch from the last commit. Not supported: adding or removing
+hosts while running (no host discovery; ``HostsUpdatedInterrupt`` is never raised) and
+in-process recovery from a dead rank.
 """
 from __future__ import annotations
 
@@ -71,15 +72,23 @@ class ObjectState(State):
 
     def __init__(self, bcast_object=None, get_rank=None, **kwargs):
         super().__init__()
-        self._saved_state = dict(kwargs)
-        self._set_attrs()
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._saved_state = dict.fromkeys(kwargs)
+        self._saved_state = self._values()
 
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
-            setattr(self, name, value)
+            current = getattr(self, name, None)
+            if isinstance(current, ElasticSampler):  # samplers keep their object
+                current.load_state_dict(value if isinstance(value, dict)
+                                        else value.state_dict())
+            else:
+                setattr(self, name, value)
 
     def _values(self) -> dict:
-        return {name: getattr(self, name) for name in self._saved_state}
+        return {name: (v.state_dict() if isinstance(v, ElasticSampler) else v)
+                for name, v in ((n, getattr(self, n)) for n in self._saved_state)}
 
     def save(self) -> None:
         self._saved_state = copy.deepcopy(self._values())
@@ -159,6 +168,73 @@ class TorchState(ObjectState):
         return True
 
 
+class ElasticSampler:
+    """Horovod's ``ElasticSampler`` for a fixed set of ranks: this rank's share of the
+    (shuffled) indices of an epoch, minus the batches already processed, so that a restore or a
+    resumed job continues the epoch where its last commit left it.
+
+    Put it in the state (``TorchState(..., sampler=sampler)``): its ``state_dict`` (epoch and
+    processed count) is what gets committed. ``record_batch(batch_idx, batch_size)`` after each
+    step; ``set_epoch(epoch)`` at the start of an epoch resets the processed count.
+    """
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0
+        self.num_replicas = runtime.size()
+        self.rank = runtime.rank()
+        self._indices = []
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """All ranks processed batch ``batch_idx`` of ``batch_size`` samples each."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def record_indices(self, indices) -> None:
+        self.processed_num += len(indices) * self.num_replicas
+
+    def reset(self) -> None:
+        import torch
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        remaining = order[min(self.processed_num, n):]
+        per_rank = -(-len(remaining) // self.num_replicas) if remaining else 0
+        padded = remaining + remaining[:per_rank * self.num_replicas - len(remaining)]
+        self._indices = padded[self.rank:per_rank * self.num_replicas:self.num_replicas]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.processed_num = int(state["processed_num"])
+        self.reset()
+
+    def __iter__(self):
+        return iter(self._indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getstate__(self):  # the state carries the counters, not the dataset
+        return self.state_dict()
+
+    def __deepcopy__(self, memo):
+        return dict(self.state_dict())
+
+
 def run(func=None, *, reset_limit: int = 3):
     """Decorator for ``train(state, ...)``: sync the state from rank 0 (after resuming from the
     last persistent commit, if any) and call ``train``; on an error that every rank raised,
@@ -190,5 +266,5 @@ def run(func=None, *, reset_limit: int = 3):
     return wrapper
 
 
-__all__ = ["run", "State", "ObjectState", "TorchState", "HorovodInternalError",
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HorovodInternalError",
            "HostsUpdatedInterrupt"]

@@ -494,6 +494,15 @@ def mode_elastic(rank, size):
         return "done"
 
     result = train(state)
+    # ElasticSampler: this rank's share of a shuffled epoch, minus what was processed
+    sampler = hvd.elastic.ElasticSampler(list(range(23)), shuffle=True, seed=3)
+    sampler.set_epoch(2)
+    shares = hvd.allgather_object(list(sampler))
+    assert set(sum(shares, [])) == set(range(23)) and len({len(x) for x in shares}) == 1
+    sampler.record_batch(0, 2)
+    sampler.reset()
+    left = set(sum(hvd.allgather_object(list(sampler)), []))
+    assert len(left) == 23 - 2 * size and not left & set(sum([x[:2] for x in shares], []))
     weights = model.weight.detach().numpy().tobytes()
     assert hvd.allgather_object(weights) == [weights] * size
     if rank == 0:
