@@ -45,3 +45,11 @@ def test_sandblaster_with_partitioned_replicas_reaches_the_optimum(nprocs, n_ser
     replicas = (nprocs - 1 - n_servers) // 2
     assert_mpi_ok(result, f"sandblaster OK: {replicas} replicas x 2 partitions, {n_servers} "
                           f"shards")
+
+
+def test_a_failing_partition_ends_the_job_instead_of_hanging():
+    result = run_mpi(SUITE, 3, "fail", timeout=90)
+    assert not result.timed_out, result.describe()
+    assert result.returncode != 0, result.describe()
+    assert "deliberate failure in partition 1" in result.output, result.describe()
+    assert "UNEXPECTED" not in result.output, result.describe()

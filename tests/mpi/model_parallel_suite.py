@@ -15,6 +15,7 @@ Modes:
                    optimum; each partition's fetches and pushes go only to its shards (counted)
   sandblaster M S  coordinator + replicas of M partitions + S shards: Sandblaster L-BFGS reaches
                    the optimum of the same convex problem
+  fail             a partition's step function raises: the whole job ends (no hang)
 Every rank prints nothing unless a check fails; rank 0 prints one summary line.
 """
 import logging
@@ -418,8 +419,28 @@ def mode_sandblaster(M, n_servers):
     return summary
 
 
+def mode_fail():
+    """Partition 1 of the only replica raises at step 3: the job must end (not hang), since
+    partition 0 would otherwise wait for its gradients forever."""
+    roles = db.setup(n_servers=1, n_partitions=MPI.COMM_WORLD.Get_size() - 1)
+    prob = Convex()
+    layout = db.ShardLayout(prob.d_out * (prob.d_in + 1), 1)
+    if roles.is_server:
+        db.ShardServer(roles, layout, db.Adagrad(lr=0.1)).serve()
+    else:
+        pm = db.BlockModel(prob.layers(), roles.group)
+        inner = pm.step_fn(prob.batch_fn(0), half_mse)
+
+        def fn(params, step):
+            if step == 3 and roles.partition_index == 1:
+                raise RuntimeError("deliberate failure in partition 1")
+            return inner(params, step)
+        db.DownpourWorker(roles, layout, init=pm.flat(), param_range=pm.param_range).run(fn, 20)
+    print("UNEXPECTED: the job went on after a partition failed", flush=True)
+
+
 MODES = {"forward": mode_forward, "bad": mode_bad, "exact": mode_exact, "convex": mode_convex,
-         "sandblaster": mode_sandblaster}
+         "sandblaster": mode_sandblaster, "fail": mode_fail}
 
 
 def main():
