@@ -35,6 +35,9 @@ BAGUA_MPI_CHECKPOINT_SCHEME     auto     checkpoint write scheme: auto, mpio (pa
                                          token (one rank writes at a time)
 BAGUA_MPI_CHECKPOINT_FAULT      (unset)  crash tests only: ``<phase>[@rank]`` makes that rank
                                          (default 0) SIGKILL itself at that phase of ``save``
+BAGUA_MPI_ELASTIC_DIR           (unset)  default ``checkpoint_dir`` of ``elastic.TorchState``:
+                                         every commit is also written there, and a restarted
+                                         job resumes from it
 ==============================  =======  =========================================================
 
 Flags accept 1/0, true/false, yes/no, on/off (any case); an empty value means the default.
@@ -57,6 +60,7 @@ KNOWN = (
     "BAGUA_MPI_STALL_WARNING_S", "BAGUA_MPI_STALL_ABORT_S", "BAGUA_MPI_EXIT_TIMEOUT_S",
     "BAGUA_MPI_ABORT_ON_EXCEPTION", "BAGUA_MPI_CUDA_AWARE", "BAGUA_MPI_KERNEL_THREADS",
     "BAGUA_MPI_TIMELINE", "BAGUA_MPI_CHECKPOINT_SCHEME", "BAGUA_MPI_CHECKPOINT_FAULT",
+    "BAGUA_MPI_ELASTIC_DIR",
 )
 TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
 
@@ -180,6 +184,12 @@ def kernel_threads() -> int | None:
     return env_int("BAGUA_MPI_KERNEL_THREADS", None)
 
 
+def elastic_dir() -> str | None:
+    """``BAGUA_MPI_ELASTIC_DIR``: the elastic state's checkpoint directory, or None."""
+    value = _raw("BAGUA_MPI_ELASTIC_DIR")
+    return None if value is None else value.strip()
+
+
 def timeline_prefix() -> str | None:
     """``BAGUA_MPI_TIMELINE``: path prefix of the per-rank timeline files, or None."""
     value = _raw("BAGUA_MPI_TIMELINE")
@@ -220,7 +230,7 @@ _ACCESSORS = {
     "BAGUA_MPI_ABORT_ON_EXCEPTION": abort_on_exception, "BAGUA_MPI_CUDA_AWARE": cuda_aware,
     "BAGUA_MPI_KERNEL_THREADS": kernel_threads, "BAGUA_MPI_TIMELINE": timeline_prefix,
     "BAGUA_MPI_CHECKPOINT_SCHEME": checkpoint_scheme,
-    "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault,
+    "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault, "BAGUA_MPI_ELASTIC_DIR": elastic_dir,
 }
 assert set(_ACCESSORS) == set(KNOWN)
 
