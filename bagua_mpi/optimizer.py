@@ -16,11 +16,10 @@ forwards ``param_groups``, ``state``, ``state_dict`` and ``load_state_dict``. It
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from . import collectives, runtime
+from . import collectives, config, runtime
 from .algorithms import AlgorithmContext, WrapOptions, create
 from .compression import Compression
 from .engine import Engine
@@ -111,7 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param_numels={n: p.numel() for n, p in zip(names, params)})
         self.impl = self.algorithm.reify(ctx)
         self.impl.bind_optimizer(optimizer)
-        prefix = timeline if timeline is not None else os.environ.get("BAGUA_MPI_TIMELINE")
+        prefix = timeline if timeline is not None else config.timeline_prefix()
         self.timeline = Timeline(prefix, rt.topo.rank) if prefix else None
         self._engine = Engine(params, names, self.impl,
                               bucket_bytes=int(bucket_size_mb * 1024 * 1024), overlap=overlap,
@@ -210,6 +209,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss = self.impl.optimizer_step(self.optimizer, closure)
         self.impl.after_step(self.optimizer)
         self.steps += 1
+        self.impl.step = self.steps  # between steps: the index of the next one (as checkpointed)
+        self.impl.check_state_claimed()
         return loss
 
     # -- algorithm state, lifecycle -----------------------------------------------------------------

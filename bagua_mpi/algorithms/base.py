@@ -87,6 +87,7 @@ class AlgorithmImpl:
         self.wire = WireStats()  # bytes this rank sent, for communication_stats()
         self.state = AlgorithmState(ctx.param_numels)
         self.step = 0  # the optimizer's step count, set by the framework
+        self._state_checked = False  # loaded state all claimed (see check_state_claimed)
 
     # -- what the framework offers implementations -------------------------------------------
     @property
@@ -169,7 +170,6 @@ class AlgorithmImpl:
         """Main thread, once: hand the buckets over and apply state held since a load."""
         self.buckets = buckets
         self.init_buckets(buckets)
-        self.state.check_claimed(self.state_allocated_later)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tensors": self.state.state_dict(),
@@ -179,8 +179,15 @@ class AlgorithmImpl:
         self.step = int(state.get("step", 0))
         self.load_extra_state(state.get("extra", {}))
         self.state.load_state_dict(state.get("tensors", {}))
-        if self.buckets:  # loaded into a running optimizer: allocations happened already
+        self._state_checked = False
+
+    def check_state_claimed(self) -> None:
+        """Main thread, at the end of each step until it has run once with buckets: every
+        loaded state tensor must have been claimed by an allocation by then (in
+        ``init_buckets`` or during the step), or the checkpoint does not fit this run."""
+        if self.buckets and not self._state_checked:
             self.state.check_claimed(self.state_allocated_later)
+            self._state_checked = True
 
     # -- hooks for implementations -------------------------------------------------------------
     def bind_optimizer(self, optimizer) -> None:
@@ -218,7 +225,7 @@ class AlgorithmImpl:
         pass
 
     def state_allocated_later(self, kind: str) -> bool:
-        """True for state kinds allocated after ``init_buckets`` (at a stage switch)."""
+        """True for state kinds allocated only after the first step (at a stage switch)."""
         return False
 
     def close(self) -> None:

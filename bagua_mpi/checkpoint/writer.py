@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import runtime
+from .. import config, runtime
 from .errors import CheckpointError, CheckpointWriteError
 from .format import (FORMAT_NAME, FORMAT_VERSION, LIBVER, USERBLOCK_SIZE, Leaf, encode_tree,
                      seal, tree_digest, write_json, write_tree)
@@ -69,11 +69,8 @@ PHASES = ("prepared", "temp_created", "rank_write", "written", "before_replace",
 
 def fault_point(phase: str, rank: int) -> None:
     """SIGKILL this process if ``BAGUA_MPI_CHECKPOINT_FAULT`` names ``phase`` (and this rank)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    name, _, who = spec.partition("@")
-    if name != phase or rank != (int(who) if who else 0):
+    fault = config.checkpoint_fault(PHASES)
+    if fault is None or fault != (phase, rank):
         return
     sys.stderr.write(f"bagua_mpi checkpoint: {FAULT_ENV}: SIGKILL at {phase} on rank {rank}\n")
     sys.stderr.flush()
@@ -82,7 +79,10 @@ def fault_point(phase: str, rank: int) -> None:
 
 def scheme() -> str:
     """The write scheme ``save`` uses here: ``mpio`` with parallel h5py, else ``token``."""
-    wanted = os.environ.get(SCHEME_ENV, "auto").strip().lower() or "auto"
+    try:
+        wanted = config.checkpoint_scheme()
+    except ValueError as exc:  # ConfigError: keep the checkpoint module's one error type
+        raise CheckpointError(f"{exc}; expected auto, mpio or token") from None
     parallel = bool(h5py.get_config().mpi)
     if wanted == "auto":
         return "mpio" if parallel else "token"

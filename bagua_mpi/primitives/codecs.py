@@ -29,10 +29,10 @@ def fit_kernel_threads() -> None:
     """
     global _threads_per_rank
     if _threads_per_rank is None:
-        from .. import runtime
+        from .. import config, runtime
         local = runtime.get().topo.local_size if runtime.is_initialized() else 1
-        forced = os.environ.get("BAGUA_MPI_KERNEL_THREADS")
-        _threads_per_rank = int(forced) if forced else max(1, (os.cpu_count() or 1) // local)
+        forced = config.kernel_threads()
+        _threads_per_rank = forced if forced else max(1, (os.cpu_count() or 1) // local)
         _threads_per_rank = min(_threads_per_rank, numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != _threads_per_rank:
         numba.set_num_threads(_threads_per_rank)
