@@ -115,7 +115,9 @@ def test_resume_in_a_new_job_is_bit_identical(jobs, algorithm, ranks):
     reference = digests(train(ranks)[2], "REF", algorithm, ranks)
     output = resume(ranks)
     assert digests(output, "RES", algorithm, ranks) == reference, output
-    if algorithm not in STATELESS:  # the checkpoint held per-rank state
+    # the checkpoint held per-rank state (decentralized at 2 ranks pairs the two ranks every
+    # step, so their models, and with them the checkpoint, stay replicated)
+    if algorithm not in STATELESS and (algorithm, ranks) != ("decentralized", 2):
         assert re.search(rf"META {re.escape(algorithm)} (per_rank_algorithm_state=True|"
                          r"\S+ model=per_rank)", output), output
 
