@@ -35,3 +35,48 @@ class WireStats:
     def node_broadcast(self, nbytes: int, local_rank: int, local_size: int) -> None:
         if local_size > 1 and local_rank == 0:
             self.add(nbytes * (local_size - 1))
+
+
+class StagingStats:
+    """Bytes the library copied between device and host memory, process-wide.
+
+    Every staging copy of a device tensor goes through here, tagged ``dense`` when it is a
+    whole gradient, model or bucket (``algorithms/staging.py``, dense MPI buffers) and not
+    when it is a compressed payload (C_LP_S, Top-k, PowerSGD's P/Q, D_LP_S). With CUDA
+    tensors the compressed algorithms leave ``dense_d2h_bytes`` at zero: that is how the
+    tests check that no dense gradient makes a host round trip on those paths.
+    """
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.d2h_bytes = 0  # device -> host, all staging copies
+        self.h2d_bytes = 0  # host -> device
+        self.d2h_copies = 0
+        self.largest_d2h = 0  # the largest single device -> host copy, in bytes
+        self.dense_d2h_bytes = 0  # device -> host copies of whole (dense) tensors
+
+    def d2h(self, nbytes: int, dense: bool = False) -> None:
+        with self._lock:
+            self.d2h_bytes += int(nbytes)
+            self.d2h_copies += 1
+            self.largest_d2h = max(self.largest_d2h, int(nbytes))
+            if dense:
+                self.dense_d2h_bytes += int(nbytes)
+
+    def h2d(self, nbytes: int) -> None:
+        with self._lock:
+            self.h2d_bytes += int(nbytes)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"d2h_bytes": self.d2h_bytes, "h2d_bytes": self.h2d_bytes,
+                    "d2h_copies": self.d2h_copies, "largest_d2h": self.largest_d2h,
+                    "dense_d2h_bytes": self.dense_d2h_bytes}
+
+
+staging = StagingStats()

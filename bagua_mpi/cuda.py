@@ -90,3 +90,106 @@ def pinned_empty(shape, dtype):
     import torch
 
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+
+class PinnedPool:
+    """Host staging buffers for compressed payloads, reused across steps.
+
+    ``get(key, nbytes)`` returns a uint8 NumPy view of ``nbytes`` of the buffer kept under
+    ``key`` (e.g. ("clps", "send", thread id)); the buffer is allocated once and only replaced
+    when a larger one is asked for, so a training loop allocates in its first step only
+    (``allocations`` counts them, for the tests). Page-locked where CUDA is present (fast,
+    asynchronous-capable copies); plain host memory otherwise (Numba's CUDA simulator).
+    """
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._bufs: dict = {}
+        self.allocations = 0
+
+    def get(self, key, nbytes: int):
+        import torch
+
+        with self._lock:
+            buf = self._bufs.get(key)
+            if buf is None or buf.numel() < nbytes:
+                size = max(int(nbytes), 1)
+                if torch.cuda.is_available():
+                    buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                else:
+                    buf = torch.empty(size, dtype=torch.uint8)
+                self._bufs[key] = buf
+                self.allocations += 1
+        return buf.numpy()[:nbytes]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs.clear()
+
+
+pinned_pool = PinnedPool()
+
+
+def stage_to_host(dev_array, key, stats=None):
+    """Copy a 1-D/2-D uint8 Numba device array into the pinned pool buffer ``key``; returns
+    the host array (same shape). Counted as a payload copy in ``accounting.staging``."""
+    from .accounting import staging
+
+    host = pinned_pool.get(key, dev_array.nbytes).reshape(dev_array.shape)
+    dev_array.copy_to_host(host)
+    staging.d2h(dev_array.nbytes)
+    return host
+
+
+def stage_to_device(host, dev_array) -> None:
+    """Copy a host array back into the device array of the same shape (counted)."""
+    from .accounting import staging
+
+    dev_array.copy_to_device(host)
+    staging.h2d(host.nbytes)
+
+
+def _mpi_tensor(t):
+    """What mpi4py gets for a CUDA tensor (torch exports no interface for bfloat16)."""
+    import torch
+
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def payload_collective(call, send, recv, key, dense: bool = False) -> None:
+    """``call(send, recv)`` for contiguous CUDA torch tensors holding *payloads* (compressed
+    data, PowerSGD's P/Q, top-k pairs): the device tensors themselves with a CUDA-aware MPI,
+    else through the pinned pool buffers ``key`` (reused across steps; counted as payload
+    copies unless ``dense``). ``recv`` may be ``send`` (an in-place allreduce)."""
+    import torch
+    from mpi4py import MPI
+
+    from .accounting import staging
+
+    if send.is_cuda:
+        torch.cuda.current_stream(send.device).synchronize()  # MPI reads outside torch's stream
+    in_place = recv is send
+    if mpi_is_cuda_aware():
+        call(MPI.IN_PLACE if in_place else _mpi_tensor(send), _mpi_tensor(recv))
+        return
+    host_send = torch.from_numpy(pinned_pool.get((key, "send"), send.nbytes)).view(
+        send.dtype).view(send.shape)
+    host_send.copy_(send)
+    staging.d2h(send.nbytes, dense=dense)
+    if in_place:
+        host_recv = host_send
+        call(MPI.IN_PLACE, _host(host_recv))
+    else:
+        host_recv = torch.from_numpy(pinned_pool.get((key, "recv"), recv.nbytes)).view(
+            recv.dtype).view(recv.shape)
+        call(_host(host_send), _host(host_recv))
+    recv.copy_(host_recv)
+    staging.h2d(recv.nbytes)
+
+
+def _host(t):
+    from .buffers import host_view
+
+    return host_view(t)

@@ -29,7 +29,7 @@ class CompressedAllReduceImpl(AlgorithmImpl):
         self.codec: Codec = algorithm.codec()
         self.error_feedback = bool(getattr(algorithm, "error_feedback", False))
 
-    def error_state(self, key, segments: list[tuple[str, int]]):
+    def error_state(self, key, segments: list[tuple[str, int]], device="cpu"):
         """(worker error, server error) of one exchanged vector, or (None, None) without error
         feedback. The worker error covers the vector padded to n partitions; the server error
         is this rank's partition of it (C_LP_S's "server" part), both keyed by parameter."""
@@ -39,9 +39,10 @@ class CompressedAllReduceImpl(AlgorithmImpl):
         n, r = comm.Get_size(), comm.Get_rank()
         numel = sum(k for _, k in segments)
         part = partition_length(numel, n)
-        worker = self.state.vector("worker_error", key, segments, padded_length(numel, n))
+        worker = self.state.vector("worker_error", key, segments, padded_length(numel, n),
+                                   device=device)
         server = self.state.vector("server_error", key, segments, part * n,
-                                   window=(r * part, (r + 1) * part))
+                                   window=(r * part, (r + 1) * part), device=device)
         worker.zero_padding()  # padding is not checkpointed: keep it zero in every run
         server.zero_padding()
         return worker.data, server.data
@@ -49,13 +50,14 @@ class CompressedAllReduceImpl(AlgorithmImpl):
     def init_buckets(self, buckets) -> None:
         for bucket in buckets:
             for j, segments in enumerate(bucket.communication_segments()):
-                self.error_state((bucket.index, j), segments)
+                self.error_state((bucket.index, j), segments, bucket.device)
 
     def reduce_bucket(self, bucket, step: int) -> None:
         seed = getattr(self.algorithm, "seed", 0)
         for j, (grad, segments) in enumerate(zip(bucket.communication_tensors(),
                                                  bucket.communication_segments())):
-            worker_error, server_error = self.error_state((bucket.index, j), segments)
+            worker_error, server_error = self.error_state((bucket.index, j), segments,
+                                                          bucket.device)
             compressed_allreduce_(grad, self.comm, self.codec, worker_error=worker_error,
                                   server_error=server_error, scale=self.scale,
                                   seed=call_seed(seed, step, bucket.index, j), stats=self.wire)

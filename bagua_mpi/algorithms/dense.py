@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .. import collectives
-from ..accounting import WireStats
+from .. import backends, collectives
+from .. import cuda as cuda_support
+from ..accounting import WireStats, staging
 from ..buffers import scale_
 from ..ops import Sum
 from ..primitives.centralized import cast_allreduce_, wire_bytes_cast_allreduce
@@ -20,13 +21,18 @@ from .staging import reducible
 
 def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postscale: float,
                wire_dtype: torch.dtype | None, stats: WireStats,
-               library_comm: MPI.Intracomm | None = None) -> None:
+               library_comm: MPI.Intracomm | None = None, backend: str | None = None) -> None:
     """In place: ``t <- postscale x sum over comm of (prescale x t)``.
 
     With ``wire_dtype`` (float16/bfloat16) a floating tensor travels as 16-bit words through
     the cast scatter-reduce (sums in float32). On the library's own communicator the
     collectives' allreduce runs (its zero-copy fast path); on another one (node leaders) an
     MPI allreduce of the reducible form of ``t``.
+
+    ``backend`` (default: ``init``'s choice or ``BAGUA_MPI_BACKEND``, see ``backends``): with
+    ``nccl``/``nccl_hierarchical`` a CUDA tensor on the library's communicator is summed by
+    NCCL (in its own dtype) and scaled on the device; a 16-bit ``wire_dtype`` keeps its cast
+    scatter-reduce (float32 sums), and the node leaders' communicator stays MPI.
     """
     if t.numel() == 0:
         return
@@ -35,7 +41,17 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
         cast_allreduce_(t, comm, wire_dtype, prescale * postscale)
         stats.add(wire_bytes_cast_allreduce(t.numel(), n, 2))
         return
-    if comm is library_comm:
+    if comm is library_comm and backends.uses_nccl(t, backend):
+        from .. import runtime
+        work = t if t.is_contiguous() else t.contiguous()
+        backends.allreduce_(work, runtime.get().topo, backend)
+        if work is not t:
+            t.copy_(work)
+        scale_(t, prescale * postscale)
+    elif comm is library_comm:
+        if t.is_cuda and not cuda_support.mpi_is_cuda_aware():
+            staging.d2h(t.numel() * t.element_size(), dense=True)  # collectives stage it
+            staging.h2d(t.numel() * t.element_size())
         collectives.allreduce_(t, Sum, prescale_factor=prescale, postscale_factor=postscale,
                                hierarchical=False, check=False)
     else:

@@ -14,7 +14,7 @@ Hierarchical (``hierarchical=True``): models are first averaged inside each node
 exchange runs among node leaders (peers drawn over nodes), then leaders broadcast in their
 node. ``op`` and ``gradient_predivide_factor`` are refused (no gradient is summed);
 ``compression`` makes ``decentralized`` and ``local_sgd`` send 16-bit models. Models on a GPU
-are staged through host float32 for the exchange (``staging.py``).
+stay there (``staging.exchange_form``; the primitives' device paths).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..primitives.decentralized import (PeerEstimates, decentralized_average_,
                                         low_precision_decentralized_, peers_for)
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import host_float32
+from .staging import exchange_form
 
 
 class ModelAveragingImpl(AlgorithmImpl):
@@ -54,7 +54,7 @@ class ModelAveragingImpl(AlgorithmImpl):
         """``exchange(host model, comm, rank, size)`` among all ranks, or hierarchically: node
         average, the exchange among node leaders, node broadcast."""
         def among(x):
-            with host_float32(x, keep_float64=True) as host:
+            with exchange_form(x, keep_float64=True) as host:
                 exchange(host, *self.exchange_comm())
 
         if not self.ctx.hierarchical:
@@ -119,8 +119,10 @@ class LowPrecisionDecentralizedImpl(ModelAveragingImpl):
         """This rank's public copy of its model and of each ring neighbour's, per parameter."""
         comm, rank, size = self.exchange_comm()
         segments = bucket.segments()
-        own = self.state.vector("estimate_own", bucket.index, segments).data
-        peers = {p: self.state.vector(f"estimate_of_peer_{p}", bucket.index, segments).data
+        dev = bucket.device
+        own = self.state.vector("estimate_own", bucket.index, segments, device=dev).data
+        peers = {p: self.state.vector(f"estimate_of_peer_{p}", bucket.index, segments,
+                                      device=dev).data
                  for p in peers_for("ring", rank, size)}
         return PeerEstimates(bucket.numel, own, peers)
 

@@ -68,7 +68,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         if self.compressed:  # resumed in the compressed stage: claim the loaded moments
             for bucket in buckets:
                 self.moments(bucket)
-                self.error_state((bucket.index, "m"), bucket.segments())
+                self.error_state((bucket.index, "m"), bucket.segments(), bucket.device)
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
@@ -85,7 +85,8 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         if self.l2:
             contribution = contribution + self.l2 * bucket.param_vector()
         m.mul_(self.betas[0]).add_(contribution, alpha=1 - self.betas[0])
-        worker_error, server_error = self.error_state((bucket.index, "m"), bucket.segments())
+        worker_error, server_error = self.error_state((bucket.index, "m"), bucket.segments(),
+                                                      bucket.device)
         compressed_allreduce_(m, self.comm, self.codec, worker_error=worker_error,
                               server_error=server_error, scale=1.0 / c,
                               seed=call_seed(self.algorithm.seed, step, bucket.index, 0),
@@ -114,7 +115,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                 v[offset:offset + n].copy_((state["exp_avg_sq"] / (
                     1 - self.betas[1] ** float(state["step"]))).reshape(-1))
                 offset += n
-            self.error_state((bucket.index, "m"), bucket.segments())
+            self.error_state((bucket.index, "m"), bucket.segments(), bucket.device)
 
     @property
     def l2(self) -> float:

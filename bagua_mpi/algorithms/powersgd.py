@@ -29,7 +29,7 @@ import torch
 from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import host_float32_all
+from .staging import float32_all
 
 
 class PowerSGDImpl(AlgorithmImpl):
@@ -47,8 +47,10 @@ class PowerSGDImpl(AlgorithmImpl):
         """(Q, error memory or None) of compressed parameter ``name``."""
         algo = self.algorithm
         _, m = self.matrix_shape(p)
-        q = self.state.tensor("q", name, lambda: initial_q(m, algo.rank, algo.seed + seed))
-        error = (self.state.tensor("error", name, lambda: torch.zeros(p.numel()))
+        q = self.state.tensor("q", name,
+                              lambda: initial_q(m, algo.rank, algo.seed + seed).to(p.device))
+        error = (self.state.tensor("error", name,
+                                   lambda: torch.zeros(p.numel(), device=p.device))
                  if algo.error_feedback else None)
         return q, error
 
@@ -63,7 +65,7 @@ class PowerSGDImpl(AlgorithmImpl):
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
         grads = bucket.grad_views()
-        with host_float32_all(grads) as flats:
+        with float32_all(grads) as flats:  # where the gradients are
             segments, dense = [], []
             for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.params, flats):
                 shape = self.matrix_shape(p)

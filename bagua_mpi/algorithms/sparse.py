@@ -7,8 +7,8 @@ gTopKAllReduce tree (O(k log P)) and returns dropped pairs to their residuals. A
 ``warmup_steps`` of dense allreduce precedes sparsification (the paper's warm-up). With
 ``hierarchical=True`` the node leaders sparsify their node's summed gradient (the framework's
 two-level form).
-Residuals live where the gradients do; with CUDA tensors and a CUDA-aware MPI, gTop-k's
-payloads stay on the device (Top-k's all-gather stages through host memory).
+Residuals live where the gradients do; with CUDA tensors both keep selection, merges and
+decoding on the device, and MPI moves device payloads (CUDA-aware) or staged payloads only.
 """
 from __future__ import annotations
 

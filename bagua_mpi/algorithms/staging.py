@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from ..accounting import staging
 from ..buffers import mpi_buffer
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -26,9 +27,52 @@ def host_float32(t: torch.Tensor, keep_float64: bool = False):
         yield t.detach().reshape(-1)
         return
     work = t.detach().to(device="cpu", dtype=dtype).contiguous().reshape(-1)
+    if t.is_cuda:
+        staging.d2h(t.numel() * t.element_size(), dense=True)
     yield work
     with torch.no_grad():
         t.copy_(work.view_as(t))
+    if t.is_cuda:
+        staging.h2d(t.numel() * t.element_size())
+
+
+@contextlib.contextmanager
+def float32(t: torch.Tensor):
+    """``t`` as a flat contiguous float32 tensor *where it lives* (itself when it already is
+    one): device tensors stay on their device, for the primitives with device paths."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        yield t.detach().reshape(-1)
+        return
+    work = t.detach().to(dtype=torch.float32).contiguous().reshape(-1)
+    yield work
+    with torch.no_grad():
+        t.copy_(work.view_as(t))
+
+
+@contextlib.contextmanager
+def exchange_form(t: torch.Tensor, keep_float64: bool = False):
+    """The form a model-averaging primitive exchanges: ``host_float32`` for a host tensor,
+    and for a CUDA tensor a flat contiguous float32 (float64 with ``keep_float64``) tensor on
+    its device: the decentralized primitives have device paths, so models stay there."""
+    if not t.is_cuda:
+        with host_float32(t, keep_float64) as work:
+            yield work
+        return
+    dtype = torch.float64 if keep_float64 and t.dtype == torch.float64 else torch.float32
+    if t.dtype == dtype and t.is_contiguous():
+        yield t.detach().reshape(-1)
+        return
+    work = t.detach().to(dtype=dtype).contiguous().reshape(-1)
+    yield work
+    with torch.no_grad():
+        t.copy_(work.view_as(t))
+
+
+@contextlib.contextmanager
+def float32_all(tensors: list[torch.Tensor]):
+    """``float32`` for several tensors at once: yields the list of their float32 forms."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(float32(t)) for t in tensors]
 
 
 @contextlib.contextmanager
@@ -48,6 +92,7 @@ def reducible(t: torch.Tensor):
     elif not work.is_contiguous():
         work = work.contiguous()
     buf = mpi_buffer(work)
+    _count_dense(work, buf)
     yield buf.obj
     buf.writeback()
     if work.data_ptr() != t.data_ptr() or work.dtype != t.dtype:
@@ -59,5 +104,13 @@ def reducible(t: torch.Tensor):
 def movable(t: torch.Tensor):
     """An MPI buffer holding ``t``'s bits (for broadcasts and point-to-point moves)."""
     buf = mpi_buffer(t)
+    _count_dense(t, buf)
     yield buf.obj
     buf.writeback()
+
+
+def _count_dense(t: torch.Tensor, buf) -> None:
+    """A device tensor that MPI gets as a host copy is a dense staging copy: count it."""
+    if t.is_cuda and not isinstance(buf.obj, torch.Tensor):
+        staging.d2h(t.numel() * t.element_size(), dense=True)
+        staging.h2d(t.numel() * t.element_size())

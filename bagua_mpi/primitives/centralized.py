@@ -39,9 +39,12 @@ def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.d
     if length == 0:
         return flat
     if flat.is_cuda and not cuda_support.mpi_is_cuda_aware():
+        from ..accounting import staging
         host = flat.cpu()  # stage through host memory: the MPI cannot read device pointers
+        staging.d2h(host.numel() * host.element_size(), dense=True)
         cast_allreduce_(host, comm, wire_dtype, scale)
         flat.copy_(host)
+        staging.h2d(host.numel() * host.element_size())
         return flat
     if n == 1:
         flat.copy_(flat.to(wire_dtype))  # same rounding as with more ranks

@@ -19,6 +19,12 @@ each peer's, identical on both sides because both decode the same payloads:
 
 With lossless Q and gamma = 1 this is exactly D_FP_S; with a lossy Q the estimates converge to the
 models and so do the models to their average (the spread shrinks geometrically).
+
+Models on a CUDA device stay there (``_device_average_`` / ``_device_lowprec_``): the averaging
+and the estimates' arithmetic run as torch operations on the device, compression and decoding
+as the Numba CUDA kernels, and MPI moves device buffers when it is CUDA-aware, else the
+messages go through reused pinned host buffers (``bagua_mpi.cuda.pinned_pool``). The device
+forms compute the same float32/float64 operations in the same order as the host forms.
 """
 from __future__ import annotations
 
@@ -78,6 +84,8 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
     """
     if not peers or flat.numel() == 0:
         return flat
+    if flat.is_cuda:
+        return _device_average_(flat, comm, peers, stats, wire_dtype)
     x = host_view(flat)
     if wire_dtype is None:
         recvs = _exchange(comm, x.copy(), peers)
@@ -90,6 +98,59 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
     x[:] = total / (1 + len(peers))
     if stats is not None:
         stats.add(recvs[0].size * (x.itemsize if wire_dtype is None else 2) * len(peers))
+    return flat
+
+
+def _exchange_tensors(comm: MPI.Intracomm, send: torch.Tensor, peers: list[int],
+                      dense: bool) -> list[torch.Tensor]:
+    """``_exchange`` of a tensor (contiguous; CPU, or CUDA: device buffers to a CUDA-aware MPI,
+    else staged through the pinned pool, counted ``dense`` or as a payload)."""
+    from .. import cuda as bcuda
+    from ..accounting import staging
+
+    recvs = [torch.empty_like(send) for _ in peers]
+    if not send.is_cuda:
+        got = _exchange(comm, host_view(send), peers)
+        for r, g in zip(recvs, got):
+            host_view(r)[:] = g
+        return recvs
+    torch.cuda.current_stream(send.device).synchronize()
+    if bcuda.mpi_is_cuda_aware():
+        words = [bcuda._mpi_tensor(t) for t in [send] + recvs]
+        reqs = [comm.Irecv(r, source=p, tag=_TAG) for r, p in zip(words[1:], peers)]
+        reqs += [comm.Isend(words[0], dest=p, tag=_TAG) for p in peers]
+        MPI.Request.Waitall(reqs)
+        return recvs
+    import threading
+    tid = threading.get_ident()
+    host = torch.from_numpy(bcuda.pinned_pool.get(("decentralized", "send", tid), send.nbytes))
+    host = host.view(send.dtype).view(send.shape)
+    host.copy_(send)
+    staging.d2h(send.nbytes, dense=dense)
+    got = _exchange(comm, host_view(host), peers)
+    for r, g in zip(recvs, got):
+        r.copy_(torch.from_numpy(g).view(send.dtype).view(send.shape))
+        staging.h2d(send.nbytes)
+    return recvs
+
+
+def _device_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],
+                     stats: WireStats | None, wire_dtype: torch.dtype | None) -> torch.Tensor:
+    """D_FP_S of a device (or, in the tests, any torch) tensor: the host form's operations in
+    torch where the tensor lives."""
+    x = flat.detach()
+    if wire_dtype is None:
+        recvs = _exchange_tensors(comm, x.contiguous().clone(), peers, dense=True)
+    else:
+        recvs = [r.float() for r in _exchange_tensors(comm, x.to(wire_dtype).contiguous(), peers,
+                                                      dense=False)]
+    total = x.to(torch.float64)
+    for r in recvs:
+        total += r
+    with torch.no_grad():
+        flat.copy_(total / (1 + len(peers)))
+    if stats is not None:
+        stats.add(x.numel() * (x.element_size() if wire_dtype is None else 2) * len(peers))
     return flat
 
 
@@ -108,13 +169,24 @@ class PeerEstimates:
 
     def __init__(self, length: int, own=None, peers: dict | None = None):
         self.length = length
-        self.own = _array(own) if own is not None else np.zeros(length, dtype=np.float32)
-        self.peers: dict[int, np.ndarray] = {p: _array(v) for p, v in (peers or {}).items()}
+        # CUDA tensors stay tensors (the device path); host ones are used as NumPy views
+        self.device = own.device if isinstance(own, torch.Tensor) and own.is_cuda else None
+        self.own = (own if self.device is not None else _array(own)) if own is not None \
+            else np.zeros(length, dtype=np.float32)
+        self.peers: dict = {p: (v if self.device is not None else _array(v))
+                            for p, v in (peers or {}).items()}
 
-    def of(self, peer: int) -> np.ndarray:
+    def of(self, peer: int):
         if peer not in self.peers:
-            self.peers[peer] = np.zeros(self.length, dtype=np.float32)
+            self.peers[peer] = (np.zeros(self.length, dtype=np.float32) if self.device is None
+                                else torch.zeros(self.length, device=self.device))
         return self.peers[peer]
+
+    def tensors(self):
+        """(own, {peer: estimate}) as torch tensors sharing the memory."""
+        def t(a):
+            return a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+        return t(self.own), {p: t(v) for p, v in self.peers.items()}
 
 
 def _array(x) -> np.ndarray:
@@ -127,6 +199,8 @@ def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers:
     """D_LP_S in place over ``peers`` (CPU float32), see the module docstring."""
     if not peers or flat.numel() == 0:
         return flat
+    if flat.is_cuda:
+        return _device_lowprec_(flat, comm, peers, codec, estimates, gamma, stats)
     x = host_view(flat)
     n = x.size
     payload = np.empty(codec.format(n).nbytes, dtype=np.uint8)
@@ -143,3 +217,53 @@ def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers:
     if stats is not None:
         stats.add(payload.nbytes * len(peers))
     return flat
+
+
+def _device_lowprec_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int], codec: Codec,
+                     estimates: PeerEstimates, gamma: float,
+                     stats: WireStats | None) -> torch.Tensor:
+    """D_LP_S of a contiguous float32 device tensor (in the tests, any torch tensor): the host
+    form's float32 operations in torch where it lives, the codec's kernels there too, and
+    only the payloads exchanged."""
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        raise ValueError(f"D_LP_S takes a contiguous float32 tensor, got {flat.dtype}")
+    x = flat.detach().view(-1)
+    n = x.numel()
+    own, _ = estimates.tensors()
+    if own.device != x.device:
+        raise ValueError(f"estimates on {own.device}, model on {x.device}: keep them together")
+    payload = torch.empty(codec.format(n).nbytes, dtype=torch.uint8, device=x.device)
+    diff = x - own
+    codec.compress(_kernel_view(diff), _kernel_view(payload))
+    codec.decompress_many(_kernel_view(payload).reshape(1, -1), n, out=_kernel_view(own),
+                          accumulate=True)
+    _ready(x)  # the kernels' writes before MPI or torch read them
+    recvs = _exchange_tensors(comm, payload, peers, dense=False)
+    mix = torch.zeros(n, dtype=torch.float32, device=x.device)
+    for peer, buf in zip(peers, recvs):
+        estimates.of(peer)
+        h = estimates.tensors()[1][peer]
+        codec.decompress_many(_kernel_view(buf).reshape(1, -1), n, out=_kernel_view(h),
+                              accumulate=True)
+        _ready(x)
+        mix += h - own
+    x += mix * np.float32(gamma / (1 + len(peers)))
+    if stats is not None:
+        stats.add(payload.numel() * len(peers))
+    return flat
+
+
+def _kernel_view(t: torch.Tensor):
+    """What the kernels take: the device array of a CUDA tensor (synchronised with torch's
+    stream first), a NumPy view of a CPU one."""
+    if t.is_cuda:
+        from numba import cuda
+        torch.cuda.current_stream(t.device).synchronize()
+        return cuda.as_cuda_array(t)
+    return host_view(t)
+
+
+def _ready(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        from numba import cuda
+        cuda.synchronize()  # the kernels' writes before torch reads them

@@ -39,9 +39,9 @@ def padded_length(length: int, n: int) -> int:
 class Segment:
     """One tensor of a packed C_LP_S exchange, with its own codec and error-feedback state.
 
-    ``flat`` is a contiguous CPU float32 vector; ``worker_error`` (``padded_length``) and
-    ``server_error`` (``partition_length``) are None to switch error feedback off; ``seed``
-    seeds stochastic codecs for this segment.
+    ``flat`` is a contiguous float32 vector (CPU, or CUDA with its errors there too);
+    ``worker_error`` (``padded_length``) and ``server_error`` (``partition_length``) are None
+    to switch error feedback off; ``seed`` seeds stochastic codecs for this segment.
     """
 
     flat: torch.Tensor
@@ -55,9 +55,15 @@ def compressed_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, codec: Codec,
                           worker_error: torch.Tensor | None = None,
                           server_error: torch.Tensor | None = None, scale: float = 1.0,
                           seed: int = 0, stats: WireStats | None = None) -> torch.Tensor:
-    """In place: ``flat`` <- scale x C_LP_S(flat) over ``comm`` (float32 math, host memory)."""
-    if flat.dtype != torch.float32 or flat.is_cuda or not flat.is_contiguous():
-        work = flat.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    """In place: ``flat`` <- scale x C_LP_S(flat) over ``comm`` (float32 math).
+
+    A CUDA ``flat`` stays on its device (errors must be on it too): the kernels run there and
+    only payloads move (see ``packed_compressed_allreduce_``). Other dtypes are worked on as
+    float32 where the tensor lives."""
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        work = flat.detach().to(dtype=torch.float32).contiguous()
+        if not work.is_cuda:
+            work = work.cpu()
         compressed_allreduce_(work, comm, codec, worker_error=worker_error,
                               server_error=server_error, scale=scale, seed=seed, stats=stats)
         flat.copy_(work.view_as(flat))
@@ -76,67 +82,165 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
     every segment's partition-k payload, so a bucket of layers with different compression
     levels (L-GreCo) costs two collectives rather than two per layer. The segment list (sizes
     and codecs) must be the same on every rank.
+
+    Contiguous float32 tensors, all on the host or all on one CUDA device (errors with them).
+    On the device the Numba CUDA kernels compress (error feedback fused), decode, sum and scale
+    there; MPI moves the device payloads when it is CUDA-aware, otherwise only the payloads are
+    staged through pinned host buffers reused across steps (``bagua_mpi.cuda.pinned_pool``).
+    No dense tensor leaves the device.
     """
+    on_device = [seg.flat.is_cuda for seg in segments]
+    device = any(on_device)
+    for seg in segments:
+        if seg.flat.dtype != torch.float32 or not seg.flat.is_contiguous():
+            raise ValueError(f"packed C_LP_S takes contiguous float32 tensors, got "
+                             f"{seg.flat.dtype} on {seg.flat.device}")
+        if seg.flat.is_cuda != device:
+            raise ValueError("packed C_LP_S takes tensors all on the host or all on a CUDA "
+                             f"device, got {[str(s.flat.device) for s in segments]}")
+    xs, wes, ses = [], [], []
+    for seg in segments:
+        length = seg.flat.numel()
+        part = partition_length(length, comm.Get_size())
+        we = None if seg.worker_error is None else _check_error(
+            seg.worker_error, part * comm.Get_size(), "worker", seg.flat.device)
+        se = None if seg.server_error is None else _check_error(seg.server_error, part,
+                                                               "server", seg.flat.device)
+        xs.append(_array(seg.flat))
+        wes.append(we)
+        ses.append(se)
+    if device:
+        torch.cuda.current_stream(segments[0].flat.device).synchronize()  # torch wrote them
+    _clps_arrays(xs, wes, ses, [seg.codec for seg in segments], [seg.seed for seg in segments],
+                 comm, scale, stats, device)
+
+
+def _array(t: torch.Tensor):
+    if t.is_cuda:
+        from numba import cuda
+        return cuda.as_cuda_array(t.detach())
+    return host_view(t)
+
+
+def _clps_arrays(xs, wes, ses, codecs, seeds, comm: MPI.Intracomm, scale: float,
+                 stats: WireStats | None, device: bool) -> None:
+    """C_LP_S on 1-D float32 arrays, all NumPy (host) or all Numba device arrays (device; under
+    ``NUMBA_ENABLE_CUDASIM=1`` this path runs on the CPU in the tests). Both give the same
+    bytes: the kernels are the CPU twins' equals and every sum runs in the same order."""
     n, rank = comm.Get_size(), comm.Get_rank()
     plans = []
     row = 0
-    for seg in segments:
-        length = seg.flat.numel()
-        if seg.flat.dtype != torch.float32 or seg.flat.is_cuda or not seg.flat.is_contiguous():
-            raise ValueError(f"packed C_LP_S takes contiguous CPU float32 tensors, got "
-                             f"{seg.flat.dtype} on {seg.flat.device}")
+    for x, we, se, codec, seed in zip(xs, wes, ses, codecs, seeds):
+        length = x.size
         if length == 0:
             continue
         part = partition_length(length, n)
-        x = host_view(seg.flat)
-        padded = x if part * n == length else np.concatenate(
-            [x, np.zeros(part * n - length, dtype=np.float32)])
-        nbytes = seg.codec.format(part).nbytes
-        we = None if seg.worker_error is None else _check_error(seg.worker_error, part * n,
-                                                               "worker")
-        se = None if seg.server_error is None else _check_error(seg.server_error, part,
-                                                               "server")
-        plans.append((seg, x, padded, part, slice(row, row + nbytes), we, se))
+        padded = x if part * n == length else _padded(x, part * n, device)
+        nbytes = codec.format(part).nbytes
+        plans.append((codec, seed, x, padded, part, slice(row, row + nbytes), we, se))
         row += nbytes
     if not plans:
         return
 
-    send = np.empty((n, row), dtype=np.uint8)
-    for seg, _, padded, part, cols, we, _ in plans:  # phase 1
+    send = _empty((n, row), np.uint8, device)
+    for codec, seed, _, padded, part, cols, we, _ in plans:  # phase 1
         for k in range(n):
-            seg.codec.compress(padded[k * part:(k + 1) * part], send[k, cols],
-                               residual=None if we is None else we[k * part:(k + 1) * part],
-                               seed=call_seed(seg.seed, rank, k, 1))
-    recv = np.empty_like(send)
-    comm.Alltoall(send, recv)
-    mine = np.empty(row, dtype=np.uint8)
-    for seg, _, _, part, cols, _, se in plans:  # server: sum, scale, phase 2
-        merged = seg.codec.decompress_many(_columns(recv, cols), part,
-                                           out=np.empty(part, dtype=np.float32))
+            codec.compress(padded[k * part:(k + 1) * part], send[k, cols],
+                           residual=None if we is None else we[k * part:(k + 1) * part],
+                           seed=call_seed(seed, rank, k, 1))
+    recv = _empty((n, row), np.uint8, device)
+    _collective(comm.Alltoall, send, recv, device, "alltoall")
+    mine = _empty(row, np.uint8, device)
+    for codec, seed, _, _, part, cols, _, se in plans:  # server: sum, scale, phase 2
+        merged = codec.decompress_many(_columns(recv, cols, device), part,
+                                       out=_empty(part, np.float32, device))
         if scale != 1.0:
-            merged *= np.float32(scale)
-        seg.codec.compress(merged, mine[cols], residual=se, seed=call_seed(seg.seed, rank, rank, 2))
+            _scale(merged, scale, device)
+        codec.compress(merged, mine[cols], residual=se, seed=call_seed(seed, rank, rank, 2))
     gathered = send  # phase-1 payloads are no longer needed
-    comm.Allgather(mine, gathered)
-    for seg, x, padded, part, cols, _, _ in plans:
+    _collective(comm.Allgather, mine, gathered, device, "allgather")
+    for codec, _, x, padded, part, cols, _, _ in plans:
         for k in range(n):
-            seg.codec.decompress_many(_columns(gathered[k:k + 1], cols), part,
-                                      out=padded[k * part:(k + 1) * part])
+            codec.decompress_many(_columns(gathered[k:k + 1], cols, device), part,
+                                  out=padded[k * part:(k + 1) * part])
         if padded is not x:
-            x[:] = padded[:x.size]
+            if device:
+                x.copy_to_device(padded[:x.size])
+            else:
+                x[:] = padded[:x.size]
+    if device:
+        _ready()
     if stats is not None:
         stats.add(2 * (n - 1) * row)
 
 
-def _columns(stack: np.ndarray, cols: slice) -> np.ndarray:
+def _empty(shape, dtype, device: bool):
+    if device:
+        from numba import cuda
+        return cuda.device_array(shape, dtype=dtype)
+    return np.empty(shape, dtype=dtype)
+
+
+def _padded(x, length: int, device: bool):
+    """x followed by zeros up to ``length`` (a new array where x lives)."""
+    if not device:
+        return np.concatenate([x, np.zeros(length - x.size, dtype=np.float32)])
+    from numba_kernels._cuda.common import fill
+    out = _empty(length, np.float32, True)
+    out[:x.size].copy_to_device(x)
+    fill(out[x.size:], np.float32(0))
+    return out
+
+
+def _scale(arr, scale: float, device: bool) -> None:
+    if device:
+        from numba_kernels._cuda.common import scale as scale_kernel
+        scale_kernel(arr, np.float32(scale))
+    else:
+        arr *= np.float32(scale)
+
+
+def _ready() -> None:
+    from numba import cuda
+    cuda.synchronize()
+
+
+def _collective(call, send, recv, device: bool, name: str) -> None:
+    """``call(send, recv)`` (Alltoall or Allgather): device buffers straight to a CUDA-aware
+    MPI, else through the pinned pool (payload bytes only; reused across steps)."""
+    if not device:
+        call(send, recv)
+        return
+    from .. import cuda as bcuda
+    _ready()  # kernels done before MPI reads the payloads
+    if bcuda.mpi_is_cuda_aware():
+        call(send, recv)
+        return
+    import threading
+    tid = threading.get_ident()
+    host_send = bcuda.stage_to_host(send, ("clps", name, "send", tid))
+    host_recv = bcuda.pinned_pool.get(("clps", name, "recv", tid), recv.nbytes).reshape(
+        recv.shape)
+    call(host_send, host_recv)
+    bcuda.stage_to_device(host_recv, recv)
+
+
+def _columns(stack, cols: slice, device: bool = False):
     """Rows of ``stack`` restricted to ``cols``, contiguous (a copy unless it spans the rows)."""
     if cols.start == 0 and cols.stop == stack.shape[1]:
         return stack
-    return np.ascontiguousarray(stack[:, cols])
+    if not device:
+        return np.ascontiguousarray(stack[:, cols])
+    out = _empty((stack.shape[0], cols.stop - cols.start), np.uint8, True)
+    for r in range(stack.shape[0]):
+        out[r].copy_to_device(stack[r, cols])
+    return out
 
 
-def _check_error(err: torch.Tensor, length: int, which: str) -> np.ndarray:
-    if err.numel() != length or err.dtype != torch.float32 or err.is_cuda:
-        raise ValueError(f"{which} error must be a CPU float32 tensor of {length} elements, "
-                         f"got {err.dtype} of {err.numel()} on {err.device}")
-    return host_view(err)
+def _check_error(err: torch.Tensor, length: int, which: str, device) -> np.ndarray:
+    if (err.numel() != length or err.dtype != torch.float32 or err.device != device
+            or not err.is_contiguous()):
+        raise ValueError(f"{which} error must be a contiguous float32 tensor of {length} "
+                         f"elements on {device} (where the data is), got {err.dtype} of "
+                         f"{err.numel()} on {err.device}")
+    return _array(err.view(-1))

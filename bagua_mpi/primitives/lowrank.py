@@ -26,10 +26,14 @@ leaves Q unchanged.
 
 Every rank must pass the same segment list (shapes, ranks, order): it decides the packed
 buffers and so the collectives. An empty list makes no MPI call, which is consistent only when
-it is empty on every rank. Host float32 tensors only (callers stage other gradients).
+it is empty on every rank. Float32 tensors, all on the host or all on one CUDA device (with
+their Q and errors there): on a device every product runs there, and only the packed P and Q
+move (device buffers to a CUDA-aware MPI, else through reused pinned host buffers); the small
+P goes to the host for the float64 Gram-Schmidt, so every rank computes the same P^.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,9 +103,8 @@ def orthonormalize(p: np.ndarray) -> np.ndarray:
 def _check_segment(seg: LowRankSegment) -> int:
     """Validate one segment; returns its cols (m)."""
     flat = seg.flat
-    if (flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous()
-            or flat.is_cuda):
-        raise ValueError(f"PowerSGD takes contiguous 1-D float32 CPU tensors, got {flat.dtype} "
+    if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"PowerSGD takes contiguous 1-D float32 tensors, got {flat.dtype} "
                          f"of shape {tuple(flat.shape)} on {flat.device}")
     numel = flat.numel()
     if seg.rows < 1 or numel == 0 or numel % seg.rows:
@@ -112,13 +115,15 @@ def _check_segment(seg: LowRankSegment) -> int:
                          f"for a {seg.rows} x {cols} matrix, got rank={seg.rank}")
     q = seg.q
     if (q.dtype != torch.float32 or q.dim() != 2 or q.shape[0] != cols
-            or q.shape[1] < seg.rank or q.is_cuda):
-        raise ValueError(f"q must be a CPU float32 ({cols}, r_max >= {seg.rank}) tensor, got "
+            or q.shape[1] < seg.rank or q.device != flat.device):
+        raise ValueError(f"q must be a float32 ({cols}, r_max >= {seg.rank}) tensor on "
+                         f"{flat.device}, got "
                          f"{q.dtype} of shape {tuple(q.shape)} on {q.device}")
     e = seg.error
-    if e is not None and (e.dtype != torch.float32 or tuple(e.shape) != (numel,) or e.is_cuda
-                          or not e.is_contiguous()):
-        raise ValueError(f"error must be a contiguous CPU float32 ({numel},) tensor, got "
+    if e is not None and (e.dtype != torch.float32 or tuple(e.shape) != (numel,)
+                          or e.device != flat.device or not e.is_contiguous()):
+        raise ValueError(f"error must be a contiguous float32 ({numel},) tensor on "
+                         f"{flat.device}, got "
                          f"{e.dtype} of shape {tuple(e.shape)} on {e.device}")
     return cols
 
@@ -133,12 +138,16 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm: MPI.Intracomm, *,
     cols = [_check_segment(seg) for seg in segments]
     if not segments:
         return
+    device = segments[0].flat.device
+    if any(seg.flat.device != device for seg in segments):
+        raise ValueError(f"PowerSGD segments must share one device, got "
+                         f"{sorted({str(seg.flat.device) for seg in segments})}")
     p_len = [seg.rows * seg.rank for seg in segments]
     q_len = [m * seg.rank for m, seg in zip(cols, segments)]
     p_off = np.concatenate([[0], np.cumsum(p_len)]).tolist()
     q_off = np.concatenate([[0], np.cumsum(q_len)]).tolist()
-    p_buf = torch.empty(p_off[-1], dtype=torch.float32)
-    q_buf = torch.empty(q_off[-1], dtype=torch.float32)
+    p_buf = torch.empty(p_off[-1], dtype=torch.float32, device=device)
+    q_buf = torch.empty(q_off[-1], dtype=torch.float32, device=device)
 
     mats = []  # M_i per segment: a view of the error memory (holding g + e) or of flat
     for k, (seg, m) in enumerate(zip(segments, cols)):
@@ -152,12 +161,15 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm: MPI.Intracomm, *,
                                                                                   seg.rank))
     _allreduce_sum(p_buf, comm, stats)
 
-    p_host = host_view(p_buf)
+    p_cpu = p_buf if not p_buf.is_cuda else _small_to_host(p_buf)
+    p_host = host_view(p_cpu)
     p_hats = []
     for k, seg in enumerate(segments):
         view = p_host[p_off[k]:p_off[k + 1]].reshape(seg.rows, seg.rank)
         view[:] = orthonormalize(view)  # float64 Gram-Schmidt, cast back to float32
         p_hats.append(p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank))
+    if p_buf.is_cuda:
+        p_buf.copy_(p_cpu)
 
     for k, (seg, mat, p_hat) in enumerate(zip(segments, mats, p_hats)):
         q_mine = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
@@ -178,8 +190,21 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm: MPI.Intracomm, *,
             seg.q[:, :seg.rank][:, live] = q_avg[:, live]
 
 
+def _small_to_host(buf: torch.Tensor) -> torch.Tensor:
+    """The summed P (rows x rank per layer: a payload, not a gradient) on the host."""
+    from ..accounting import staging
+
+    out = buf.cpu()
+    staging.d2h(buf.nbytes)
+    return out
+
+
 def _allreduce_sum(buf: torch.Tensor, comm: MPI.Intracomm, stats: WireStats | None) -> None:
-    if comm.Get_size() > 1:
+    if comm.Get_size() > 1 and buf.is_cuda:
+        from .. import cuda as bcuda
+        bcuda.payload_collective(lambda s, r: comm.Allreduce(s, r, op=MPI.SUM), buf, buf,
+                                 ("powersgd", threading.get_ident()))
+    elif comm.Get_size() > 1:
         comm.Allreduce(MPI.IN_PLACE, host_view(buf), op=MPI.SUM)
     if stats is not None:
         stats.allreduce(buf.numel() * buf.element_size(), comm.Get_size())

@@ -64,26 +64,56 @@ def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: s
 def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: torch.Tensor, *,
                     scale: float = 1.0, index_dtype: str = "int32",
                     stats: WireStats | None = None) -> torch.Tensor:
-    """Top-k S-SGD aggregation in place (see the module docstring). Host memory: device
-    tensors are staged through it."""
-    if flat.is_cuda or residual.is_cuda:
-        host_flat, host_residual = flat.cpu(), residual.cpu()
-        topk_allgather_(host_flat, comm, k, host_residual, scale=scale,
-                        index_dtype=index_dtype, stats=stats)
-        flat.copy_(host_flat)
-        residual.copy_(host_residual)
+    """Top-k S-SGD aggregation in place (see the module docstring).
+
+    Contiguous float32 CUDA tensors (flat and residual) stay on the device: selection,
+    scaling and the scatter-add run as the CUDA kernels, and only the k-pair payloads move
+    (device buffers to a CUDA-aware MPI, else through reused pinned host buffers)."""
+    _check_segment(SparseSegment(flat, k, residual))
+    if flat.is_cuda != residual.is_cuda:
+        raise ValueError(f"flat and residual must live together, got {flat.device} and "
+                         f"{residual.device}")
+    if flat.is_cuda:
+        from numba import cuda
+        torch.cuda.current_stream(flat.device).synchronize()  # gradients written by torch
+        _topk_arrays(cuda.as_cuda_array(flat.detach()), cuda.as_cuda_array(residual.detach()),
+                     k, comm, scale, index_dtype, stats, True)
         return flat
-    mine = _compress(flat, k, residual, index_dtype)
+    fit_kernel_threads()
+    _topk_arrays(host_view(flat), host_view(residual), k, comm, scale, index_dtype, stats,
+                 False)
+    return flat
+
+
+def _topk_arrays(x, res, k: int, comm: MPI.Intracomm, scale: float, index_dtype: str,
+                 stats: WireStats | None, device: bool) -> None:
+    """Top-k all-gather on 1-D float32 arrays, NumPy (host) or Numba device arrays (device;
+    ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in the tests): the same bytes."""
+    mine = nk.compress_topk(x, k, index_dtype=index_dtype, residual=res)
     n = comm.Get_size()
-    gathered = np.empty((n, mine.nbytes), dtype=np.uint8)
-    comm.Allgather(mine.buffer, gathered)
+    gathered = _alloc(n * mine.nbytes, device).reshape(n, mine.nbytes)
+    if not device:
+        comm.Allgather(mine.buffer, gathered)
+    else:
+        from .. import cuda as bcuda
+        _ready(True)
+        if bcuda.mpi_is_cuda_aware():
+            comm.Allgather(mine.buffer, gathered)
+        else:
+            import threading
+            tid = threading.get_ident()
+            host_mine = bcuda.stage_to_host(mine.buffer, ("topk", "send", tid))
+            host_all = bcuda.pinned_pool.get(("topk", "recv", tid), gathered.nbytes).reshape(
+                gathered.shape)
+            comm.Allgather(host_mine, host_all)
+            bcuda.stage_to_device(host_all, gathered)
     if scale != 1.0:  # scale the n x k values, not the whole decoded tensor
-        for row in gathered:
-            nk.scale_topk_values(nk.Payload(mine.format, row), scale)
-    nk.decompress_many(gathered, mine.format, out=host_view(flat))
+        for r in range(n):
+            nk.scale_topk_values(nk.Payload(mine.format, gathered[r]), scale)
+    nk.decompress_many(gathered, mine.format, out=x)
+    _ready(device)
     if stats is not None:
         stats.add((n - 1) * mine.nbytes)
-    return flat
 
 
 def binomial_children(rank: int, size: int) -> list[int]:
@@ -119,9 +149,10 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
     (L-GreCo) costs one tree and one broadcast. The segment list (sizes and k) must be the
     same on every rank.
 
-    Float32 tensors on a CUDA device with a CUDA-aware MPI stay there: the kernels select,
-    merge, restore and decode on the device and MPI moves device buffers. Otherwise device
-    tensors are staged through host memory (``bagua_mpi.cuda``'s probe decides).
+    Float32 tensors on a CUDA device stay there: the kernels select, merge, restore and
+    decode on the device; MPI moves the device payloads when it is CUDA-aware
+    (``bagua_mpi.cuda``'s probe decides), else each payload goes through reused pinned host
+    buffers (``StagedComm``). Only a mix of host and device segments is staged whole.
     """
     for seg in segments:
         _check_segment(seg)
@@ -131,13 +162,14 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
                       [seg.k for seg in segments], comm, scale, index_dtype, stats)
         return
     from .. import cuda as bcuda
-    if bcuda.mpi_is_cuda_aware() and all(seg.flat.is_cuda and seg.residual.is_cuda
-                                         for seg in segments):
+    if all(seg.flat.is_cuda and seg.residual.is_cuda for seg in segments):
         from numba import cuda
         torch.cuda.current_stream().synchronize()  # gradients written by torch's stream
         _gtopk_arrays([cuda.as_cuda_array(seg.flat) for seg in segments],
                       [cuda.as_cuda_array(seg.residual) for seg in segments],
-                      [seg.k for seg in segments], comm, scale, index_dtype, stats)
+                      [seg.k for seg in segments],
+                      comm if bcuda.mpi_is_cuda_aware() else StagedComm(comm), scale,
+                      index_dtype, stats)
         return
     staged = [SparseSegment(seg.flat.cpu(), seg.k, seg.residual.cpu()) for seg in segments]
     packed_gtopk_allreduce_(staged, comm, scale=scale, index_dtype=index_dtype, stats=stats)
@@ -190,6 +222,44 @@ def _gtopk_arrays(flats, residuals, ks, comm: MPI.Intracomm, scale: float, index
             nk.scale_topk_values(selected, scale)
         nk.decompress(selected, out=flat)
     _ready(device)
+
+
+class StagedComm:
+    """A communicator whose point-to-point calls take Numba device arrays (payloads) and
+    move them through the pinned pool (``bagua_mpi.cuda.pinned_pool``, reused across steps):
+    the gTop-k tree's form for an MPI that cannot read device memory."""
+
+    def __init__(self, comm: MPI.Intracomm):
+        import threading
+        self.comm = comm
+        self.tid = threading.get_ident()
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def _host(self, role: str, nbytes: int):
+        from .. import cuda as bcuda
+        return bcuda.pinned_pool.get(("gtopk", role, self.tid), nbytes)
+
+    def Send(self, buf, dest: int, tag: int = 0) -> None:
+        from .. import cuda as bcuda
+        self.comm.Send(bcuda.stage_to_host(buf, ("gtopk", "send", self.tid)), dest=dest,
+                       tag=tag)
+
+    def Recv(self, buf, source: int, tag: int = 0) -> None:
+        from .. import cuda as bcuda
+        host = self._host("recv", buf.nbytes)
+        self.comm.Recv(host, source=source, tag=tag)
+        bcuda.stage_to_device(host, buf)
+
+    def Sendrecv(self, sendbuf, dest: int, sendtag: int = 0, recvbuf=None, source: int = 0,
+                 recvtag: int = 0) -> None:
+        from .. import cuda as bcuda
+        host = self._host("recv", recvbuf.nbytes)
+        self.comm.Sendrecv(bcuda.stage_to_host(sendbuf, ("gtopk", "send", self.tid)),
+                           dest=dest, sendtag=sendtag, recvbuf=host, source=source,
+                           recvtag=recvtag)
+        bcuda.stage_to_device(host, recvbuf)
 
 
 def _alloc(nbytes: int, device: bool):

@@ -1,0 +1,191 @@
+"""The primitives' device paths (Numba device arrays; MPI on device buffers, or payloads
+staged through the pinned pool) against their host paths, byte for byte.
+
+Run with NUMBA_ENABLE_CUDASIM=1: Numba's CUDA simulator runs the device kernels on the CPU and
+its device arrays expose host memory to MPI, so the code a GPU runs (allocation, kernels,
+synchronisation, MPI on device buffers or staging of payloads) runs here. Each check runs
+twice: as with a CUDA-aware MPI, and staged (``set_cuda_aware(False)``), where the staging
+counter must show payload bytes only and the pool must not grow after the first step.
+"""
+import os
+import sys
+
+import numpy as np
+from numba import cuda
+
+import bagua_mpi as bm
+from bagua_mpi import cuda as bcuda
+from bagua_mpi.accounting import WireStats, staging
+from bagua_mpi.primitives.codecs import MinMaxCodec, OneBitCodec, QSGDCodec
+from bagua_mpi.primitives.lowprec import _clps_arrays, partition_length
+
+
+def say(comm, msg):
+    if comm.Get_rank() == 0:
+        print(msg, flush=True)
+
+
+def check_clps(comm, aware: bool):
+    rank, n = comm.Get_rank(), comm.Get_size()
+    bcuda.set_cuda_aware(aware)
+    # uneven lengths (padding), several codecs in one packed exchange, error feedback on some
+    layers = [(300, MinMaxCodec(8, 64), True), (37, QSGDCodec(127, 16), False),
+              (256, OneBitCodec(64), True), (90, MinMaxCodec(4, 32), False)]
+    state = {}
+    for j, (length, _, ef) in enumerate(layers):
+        part = partition_length(length, n)
+        if ef:
+            state[j] = [np.zeros(part * n, np.float32), np.zeros(part, np.float32)]
+    dev_state = {j: [cuda.to_device(a) for a in v] for j, v in state.items()}
+    allocations = None
+    for step in range(2):
+        rng = np.random.default_rng([step, rank, 11])
+        grads = [(rng.standard_normal(length) * (1 + rank)).astype(np.float32)
+                 for length, _, _ in layers]
+        host = [g.copy() for g in grads]
+        dev = [cuda.to_device(g) for g in grads]
+        codecs = [c for _, c, _ in layers]
+        seeds = [step * 10 + j for j in range(len(layers))]
+        hw, hs = [state.get(j, [None, None])[0] for j in range(len(layers))], \
+            [state.get(j, [None, None])[1] for j in range(len(layers))]
+        dw, ds = [dev_state.get(j, [None, None])[0] for j in range(len(layers))], \
+            [dev_state.get(j, [None, None])[1] for j in range(len(layers))]
+        hstats, dstats = WireStats(), WireStats()
+        _clps_arrays(host, hw, hs, codecs, seeds, comm, 1.0 / n, hstats, False)
+        staging.reset()
+        _clps_arrays(dev, dw, ds, codecs, seeds, comm, 1.0 / n, dstats, True)
+        snap = staging.snapshot()
+        for j in range(len(layers)):
+            assert np.array_equal(dev[j].copy_to_host(), host[j]), f"layer {j} step {step}"
+            if j in state:
+                assert np.array_equal(dw[j].copy_to_host(), hw[j]), f"worker error {j}"
+                assert np.array_equal(ds[j].copy_to_host(), hs[j]), f"server error {j}"
+        assert dstats.bytes_sent == hstats.bytes_sent
+        row = sum(c.format(partition_length(length, n)).nbytes for length, c, _ in layers)
+        dense = sum(length for length, _, _ in layers) * 4
+        if aware:
+            assert snap["d2h_bytes"] == 0, snap
+        else:  # the alltoall's n rows and this rank's merged row: payloads, nothing dense
+            assert snap["d2h_bytes"] == n * row + row, (snap, n, row)
+            assert snap["dense_d2h_bytes"] == 0, snap
+            assert snap["largest_d2h"] < dense, (snap, dense)
+            if allocations is None:
+                allocations = bcuda.pinned_pool.allocations
+            else:
+                assert bcuda.pinned_pool.allocations == allocations, "pool grew after step 0"
+        everyone = comm.allgather([h.tobytes() for h in host])
+        assert all(e == everyone[0] for e in everyone), "ranks disagree"
+    say(comm, f"C_LP_S device == host ({'CUDA-aware' if aware else 'staged'}) on {n} ranks")
+
+
+def check_topk(comm, aware: bool):
+    from bagua_mpi.primitives.sparse import _topk_arrays
+    rank, n = comm.Get_rank(), comm.Get_size()
+    bcuda.set_cuda_aware(aware)
+    length, k = 500, 12
+    host_res = np.zeros(length, np.float32)
+    dev_res = cuda.to_device(host_res)
+    allocations = None
+    for step in range(2):
+        rng = np.random.default_rng([step, rank, 5])
+        g = (rng.standard_t(2, length) * (1 + rank)).astype(np.float32)
+        host, dev = g.copy(), cuda.to_device(g)
+        _topk_arrays(host, host_res, k, comm, 1.0 / n, "int32", None, False)
+        staging.reset()
+        _topk_arrays(dev, dev_res, k, comm, 1.0 / n, "int32", None, True)
+        snap = staging.snapshot()
+        assert np.array_equal(dev.copy_to_host(), host), f"topk result step {step}"
+        assert np.array_equal(dev_res.copy_to_host(), host_res), f"topk residual step {step}"
+        if not aware:
+            assert 0 < snap["d2h_bytes"] < length * 4 and snap["dense_d2h_bytes"] == 0, snap
+            if allocations is None:
+                allocations = bcuda.pinned_pool.allocations
+            assert bcuda.pinned_pool.allocations == allocations, "pool grew"
+        else:
+            assert snap["d2h_bytes"] == 0, snap
+    say(comm, f"Top-k device == host ({'CUDA-aware' if aware else 'staged'}) on {n} ranks")
+
+
+def check_gtopk_staged(comm):
+    """gTop-k's device tree through ``StagedComm`` (an MPI that cannot read device memory):
+    the host path's bytes, payload copies only, pool reused."""
+    from bagua_mpi.primitives.sparse import StagedComm, _gtopk_arrays
+    rank, n = comm.Get_rank(), comm.Get_size()
+    layers = [(300, 5), (64, 7)]
+    host_res = [np.zeros(m, np.float32) for m, _ in layers]
+    dev_res = [cuda.to_device(r) for r in host_res]
+    allocations = None
+    for step in range(2):
+        rng = np.random.default_rng([step, rank, 3])
+        grads = [(rng.standard_t(2, m) * (1 + rank)).astype(np.float32) for m, _ in layers]
+        host, dev = [g.copy() for g in grads], [cuda.to_device(g) for g in grads]
+        ks = [k for _, k in layers]
+        _gtopk_arrays(host, host_res, ks, comm, 1.0 / n, "int32", None)
+        staging.reset()
+        _gtopk_arrays(dev, dev_res, ks, StagedComm(comm), 1.0 / n, "int32", None)
+        snap = staging.snapshot()
+        for j in range(len(layers)):
+            assert np.array_equal(dev[j].copy_to_host(), host[j]), f"gtopk {j} step {step}"
+            assert np.array_equal(dev_res[j].copy_to_host(), host_res[j]), f"residual {j}"
+        assert snap["dense_d2h_bytes"] == 0 and snap["largest_d2h"] < 300 * 4, snap
+        assert snap["d2h_bytes"] > 0 or n == 1, snap
+        if allocations is None:
+            allocations = bcuda.pinned_pool.allocations
+        assert bcuda.pinned_pool.allocations == allocations, "pool grew"
+    say(comm, f"gTop-k device == host (staged) on {n} ranks")
+
+
+def check_decentralized(comm, aware: bool):
+    """The torch device forms of D_FP_S and D_LP_S (run here on CPU tensors: the simulator has
+    no torch device) against the NumPy host forms, byte for byte."""
+    import torch
+    from bagua_mpi.primitives import decentralized as dec
+    rank, n = comm.Get_rank(), comm.Get_size()
+    bcuda.set_cuda_aware(aware)
+    peers = dec.ring_peers(rank, n)
+    codec = MinMaxCodec(8, 64)
+    length = 333
+    est_host = dec.PeerEstimates(length)
+    est_dev = dec.PeerEstimates(length, torch.zeros(length))
+    for step in range(3):
+        rng = np.random.default_rng([step, rank, 9])
+        m = (rng.standard_normal(length) + rank).astype(np.float32)
+        a, b = torch.from_numpy(m.copy()), torch.from_numpy(m.copy())
+        dec.decentralized_average_(a, comm, peers)
+        dec._device_average_(b, comm, peers, None, None)
+        assert torch.equal(a, b), f"D_FP_S step {step}"
+        for wire in (torch.float16, torch.bfloat16):
+            a, b = torch.from_numpy(m.copy()), torch.from_numpy(m.copy())
+            dec.decentralized_average_(a, comm, peers, wire_dtype=wire)
+            dec._device_average_(b, comm, peers, None, wire)
+            assert torch.equal(a, b), f"D_FP_S {wire} step {step}"
+        a, b = torch.from_numpy(m.copy()), torch.from_numpy(m.copy())
+        dec.low_precision_decentralized_(a, comm, peers, codec, est_host, gamma=0.5)
+        dec._device_lowprec_(b, comm, peers, codec, est_dev, 0.5, None)
+        assert torch.equal(a, b), f"D_LP_S step {step}"
+        own, others = est_dev.tensors()
+        assert np.array_equal(own.numpy(), est_host.own), "own estimate"
+        for p in peers:
+            assert np.array_equal(others[p].numpy(), est_host.of(p)), f"estimate of {p}"
+    say(comm, f"decentralized device forms == host ({'aware' if aware else 'staged'}) on {n}")
+
+
+def main():
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under the CUDA simulator"
+    bm.init()
+    comm = bm.runtime.get().topo.comm
+    checks = sys.argv[1:] or ["clps", "topk", "gtopk", "decentralized"]
+    if "gtopk" in checks:
+        check_gtopk_staged(comm)
+    for aware in (True, False):
+        if "clps" in checks:
+            check_clps(comm, aware)
+        if "topk" in checks:
+            check_topk(comm, aware)
+        if "decentralized" in checks:
+            check_decentralized(comm, aware)
+    say(comm, f"gpu device suite OK on {comm.Get_size()} ranks")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
