@@ -6,8 +6,9 @@ each option, either ``DistributedOptimizer`` raises ``UnsupportedOptionError`` a
 naming the algorithm and the option, or the option measurably takes effect:
 
 * ``compression=fp16``: fewer bytes than without it, in the same steps;
-* ``hierarchical=True``: a rank that is not a node leader sends only its node-level messages
-  (what the flat run sends is different), and centralized ranks stay identical;
+* ``hierarchical=True``: centralized: a rank that is not a node leader sends only its
+  node-level messages (what the flat run sends is different) and all ranks stay identical;
+  model averaging: the ranks of a node end with the same model (averaged in the node first);
 * ``op=Sum``: the first update is n times the Average one (1-bit Adam, whose Adam update is
   invariant to the gradients' scale, gives the same updates under both);
 * ``gradient_predivide_factor=2``: the same updates as without it.
@@ -99,13 +100,17 @@ def make_cell(name, option):
             assert size == 1 or sent < 0.9 * plain_sent, (sent, plain_sent)
         elif option == "hierarchical":
             topo = bm.runtime.get().topo
-            # a non-leader sends one node-level message per tensor; the flat run 2(n-1)/n of
-            # it per allreduce, the same bytes only at n = 2
-            if topo.local_size > 1 and topo.local_rank != 0 and topo.cross_size > 1:
-                assert sent != plain_sent, ("a non-leader sent what the flat run sends", sent)
+            everyone = bm.allgather_object((topo.cross_rank, final.tolist()))
             if centralized:
-                everyone = bm.allgather_object(final.tolist())
-                assert all(e == everyone[0] for e in everyone), "ranks differ"
+                # a non-leader sends one node-level message per tensor; the flat run 2(n-1)/n
+                # of it per allreduce (the same bytes only at n = 2)
+                if topo.local_size > 1 and topo.local_rank != 0 and topo.cross_size > 1:
+                    assert sent != plain_sent, ("a non-leader sent what the flat run sends", sent)
+                assert all(e[1] == everyone[0][1] for e in everyone), "ranks differ"
+            else:  # models are averaged inside each node first: node-mates end identical
+                for node, model in everyone:
+                    mates = [m for n, m in everyone if n == node]
+                    assert all(m == model for m in mates), f"node {node}: models differ"
         elif option == "op_sum":
             ratio = float(updates[0].norm() / plain_updates[0].norm())
             want = 1.0 if bm.algorithms.create(algorithm).name == "onebit_adam" else size
