@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU check of issue 13, in one command, on a machine with one CUDA GPU:
+#
+#   (a) pytest -m gpu                        (kernels and primitives on the real device)
+#   (b) every registered algorithm trains a CUDA model with DistributedOptimizer at 2 ranks
+#       sharing the GPU: payloads staged through pinned host memory, and again with device
+#       buffers where the MPI is CUDA-aware (the probe decides; skipped with the reason if not);
+#       centralized algorithms must end identical on both ranks, every loss must fall, and the
+#       compressed algorithms must copy no dense tensor to the host
+#   (c) the NCCL backend at world size 1 (NCCL refuses two ranks on one GPU, so its multi-rank
+#       path cannot be checked on a one-GPU machine)
+#   (d) benchmarks/kernels.py with the GPU section at 1e8 elements
+#   (e) results, with the device name, in benchmarks/results/ (gpu_check.md and raw files),
+#       copied to $OUT too when set (the device tool brings $OUT back)
+#
+# Through the device tool (fits one 10-minute call): on the development machine run
+#   bash tests/gpu/fetch_wheels.sh        # once: mpi4py + MPICH wheels into .whl/ (ignored)
+# then  run(command="bash tests/gpu/run.sh", carry=[".whl"], timeout_s=600)
+# and commit benchmarks/results/gpu_check.md from the files that come back.
+# Exit status: 0 when every part that ran passed.
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+RES=$ROOT/benchmarks/results/gpu
+mkdir -p "$RES"
+START=$(date +%s)
+status=0
+note() { echo "[gpu-check $(( $(date +%s) - START ))s] $*"; }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    note "installing the carried wheels"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/mpi4py-*.whl || exit 3
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --ignore-installed --prefix /tmp/mpich .whl/mpich-*.whl || exit 3
+    export PYTHONPATH=/tmp/site PATH=/tmp/mpich/bin:$PATH
+    export LD_LIBRARY_PATH=/tmp/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 PYTHONWARNINGS=ignore::RuntimeWarning
+DEVICE=$(python3 -c "import torch; print(torch.cuda.get_device_name(0))") || {
+    echo "no CUDA device visible to torch"; exit 2; }
+MPIVER=$(python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])")
+note "device: $DEVICE; MPI: $MPIVER; mpiexec: $(command -v mpiexec)"
+rm -f "$RES"/*.jsonl "$RES"/*.log
+
+note "(a) pytest -m gpu"
+timeout 170 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests \
+    > "$RES/pytest_gpu.log" 2>&1
+rc=$?; tail -15 "$RES/pytest_gpu.log"; [ $rc -eq 0 ] || { status=1; note "pytest -m gpu: rc $rc"; }
+
+note "(b) every algorithm at 2 ranks on one GPU, payloads staged"
+BAGUA_MPI_CUDA_AWARE=0 timeout 130 mpiexec -n 2 python3 tests/gpu/train_all.py \
+    --mode staged --out "$RES/train.jsonl" 2>&1 | tail -40
+rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "staged training: rc $rc"; }
+
+if timeout 40 python3 -c "import sys; from bagua_mpi.cuda import probe_cuda_aware as p; sys.exit(0 if p(30) else 1)"; then
+    note "(b) again with device buffers (the MPI is CUDA-aware)"
+    BAGUA_MPI_CUDA_AWARE=1 timeout 130 mpiexec -n 2 python3 tests/gpu/train_all.py \
+        --mode cuda-aware --out "$RES/train.jsonl" 2>&1 | tail -40
+    rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "CUDA-aware training: rc $rc"; }
+else
+    note "(b) CUDA-aware run skipped: the probe says this MPI ($MPIVER) cannot read device memory"
+    echo '{"mode": "cuda-aware", "skipped": "MPI not CUDA-aware (probe failed)"}' >> "$RES/train.jsonl"
+fi
+
+note "(c) NCCL at world size 1"
+timeout 80 mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json" 2>&1 | tail -8
+rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "NCCL check: rc $rc"; }
+
+note "(d) kernel benchmark at 1e8 elements"
+timeout 150 python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
+    --markdown "$RES/kernels_gpu.md" > "$RES/kernels.log" 2>&1
+rc=$?; tail -30 "$RES/kernels.log"; [ $rc -eq 0 ] || { status=1; note "benchmark: rc $rc"; }
+
+note "(e) summary"
+python3 tests/gpu/summarize.py "$RES" "$DEVICE" "$MPIVER" "$status" > "$RES/gpu_check.md"
+cat "$RES/gpu_check.md"
+if [ -n "${OUT:-}" ]; then
+    cp "$RES"/gpu_check.md "$RES"/train.jsonl "$RES"/pytest_gpu.log "$RES"/kernels_gpu.md \
+        "$RES"/nccl.json "$OUT"/ 2>/dev/null
+fi
+note "done, status $status"
+exit $status

@@ -1,0 +1,52 @@
+"""Markdown summary of a ``tests/gpu/run.sh`` run: python3 summarize.py RESDIR DEVICE MPI RC."""
+import json
+import os
+import sys
+
+
+def main():
+    res, device, mpi, rc = sys.argv[1:5]
+    out = [f"# GPU check (tests/gpu/run.sh) on {device}", "",
+           f"MPI: {mpi}. Exit status {rc} (0: every part that ran passed).", ""]
+    rows = []
+    path = os.path.join(res, "train.jsonl")
+    if os.path.exists(path):
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+    out += ["## Every algorithm, 2 ranks sharing the GPU", "",
+            "| mode | algorithm | ok | loss first -> last | identical | step ms (median) | "
+            "d2h bytes/run | dense d2h | problems |", "|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['mode']} | (all) | skipped | | | | | | {r['skipped']} |")
+            continue
+        st = r.get("staging", {})
+        if r["algorithm"] == "gradient_allreduce" and "step_ms_median" in r:
+            base[r["mode"]] = r["step_ms_median"]
+        out.append(f"| {r['mode']} | {r['algorithm']} | {'yes' if r['ok'] else 'NO'} | "
+                   f"{r.get('loss_first', float('nan')):.4f} -> "
+                   f"{r.get('loss_last', float('nan')):.4f} | "
+                   f"{r.get('identical', '')}{'' if r.get('centralized', True) else ' (n/a)'} | "
+                   f"{r.get('step_ms_median', float('nan')):.2f} | {st.get('d2h_bytes', '')} | "
+                   f"{st.get('dense_d2h_bytes', '')} | {'; '.join(r.get('problems', []))} |")
+    out += ["", "Compressed step time / gradient_allreduce's (same run; target <= 1):", ""]
+    for r in rows:
+        if r.get("algorithm") in ("qsgd", "bytegrad", "onebit_adam", "powersgd", "topk",
+                                  "gtopk", "lgreco") and r.get("mode") in base:
+            out.append(f"- {r['mode']} {r['algorithm']}: "
+                       f"{r['step_ms_median'] / base[r['mode']]:.2f}")
+    nccl = os.path.join(res, "nccl.json")
+    out += ["", "## NCCL at world size 1", "",
+            "NCCL refuses two ranks on one GPU: its multi-rank path is not checked here.", "",
+            "```", open(nccl).read() if os.path.exists(nccl) else "(did not finish)", "```"]
+    bench = os.path.join(res, "kernels_gpu.md")
+    out += ["", "## Kernels at 1e8 elements", ""]
+    out += [open(bench).read() if os.path.exists(bench) else "(did not finish)"]
+    log = os.path.join(res, "pytest_gpu.log")
+    tail = open(log).read().splitlines()[-12:] if os.path.exists(log) else ["(no log)"]
+    out += ["", "## pytest -m gpu (tail)", "", "```", *tail, "```"]
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Every registered algorithm trains a small CUDA model with DistributedOptimizer.
+
+Run by ``tests/gpu/run.sh`` under ``mpiexec -n 2`` on one GPU (both ranks on cuda:0), once
+with payloads staged through pinned host memory (``BAGUA_MPI_CUDA_AWARE=0``) and once with
+device buffers handed to MPI where the MPI is CUDA-aware. Per algorithm it checks:
+
+* the loss falls (every rank: final loss on its own shard < ``FALL`` x the first);
+* centralized algorithms end with identical parameters on both ranks (bit for bit);
+* the compressed algorithms make no device->host copy of a dense tensor once compressing
+  (``accounting.staging.dense_d2h_bytes`` stays 0; payload copies are counted separately);
+
+and records the step time, so a compressed algorithm's step can be set against
+``gradient_allreduce``'s on the same run. Rank 0 appends one JSON line per algorithm to
+``--out`` and prints a table. Exit status 1 if any check failed (all algorithms still run).
+"""
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi.accounting import staging
+
+OVERRIDES = {
+    "onebit_adam": dict(warmup_steps=10, chunk=1024),
+    "lgreco": dict(warmup_steps=10, period_steps=20),
+    "topk": dict(density=0.05),
+    "gtopk": dict(density=0.05),
+    "powersgd": dict(rank=2),
+    "async": dict(sync_interval_ms=0, max_staleness=1),
+}
+WARMUP = {"onebit_adam": 10, "lgreco": 10}  # steps before the compressed stage
+# no dense tensor may leave the device once these compress (lgreco keeps host staging: its
+# accumulators and levels live on the host; reported, not checked)
+NO_DENSE_STAGING = {"qsgd", "bytegrad", "onebit_adam", "powersgd", "topk", "gtopk"}
+STEPS, FALL = 80, 0.5
+
+
+def shard(rank, device):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(1024, 64, generator=g)
+    teacher = torch.linspace(-1, 1, 64 * 8).reshape(64, 8)
+    y = torch.tanh(x @ teacher) + 0.05 * torch.randn(1024, 8, generator=g)
+    return x.to(device), y.to(device)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def run_one(name, comm, device, mode):
+    rank = comm.Get_rank()
+    algo = bm.algorithms.create(name, **OVERRIDES.get(name, {}))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 8)).to(device)
+    base = (torch.optim.Adam(model.parameters(), lr=3e-3) if name == "onebit_adam"
+            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                  algorithm=algo)
+    x, y = shard(rank, device)
+    loss_fn = torch.nn.MSELoss()
+    with torch.no_grad():
+        first = loss_fn(model(x), y).item()
+    times, dense_after = [], None
+    for step in range(STEPS):
+        if step == WARMUP.get(name, 0):
+            staging.reset()
+        sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        i = (step * 64) % 1024
+        loss_fn(model(x[i:i + 64]), y[i:i + 64]).backward()
+        opt.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    snap = staging.snapshot()
+    opt.close()
+    with torch.no_grad():
+        last = loss_fn(model(x), y).item()
+    params = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    everyone = comm.allgather(params.numpy().tobytes())
+    identical = all(e == everyone[0] for e in everyone)
+    falls = comm.allgather(last < FALL * first)
+    centralized = not algo.averages_models
+    problems = []
+    if not all(falls):
+        problems.append(f"loss did not fall below {FALL} x start on every rank "
+                        f"(rank {rank}: {first:.4f} -> {last:.4f})")
+    if centralized and not identical:
+        problems.append("ranks' parameters differ (centralized algorithm)")
+    if name in NO_DENSE_STAGING and snap["dense_d2h_bytes"]:
+        problems.append(f"{snap['dense_d2h_bytes']} bytes of dense tensors copied to the host "
+                        f"while compressing")
+    tail = sorted(times[-30:])
+    return {"algorithm": name, "mode": mode, "ranks": comm.Get_size(),
+            "device": device_name(device), "loss_first": first,
+            "loss_last": last, "centralized": centralized, "identical": identical,
+            "step_ms_median": 1e3 * tail[len(tail) // 2], "staging": snap,
+            "ok": not problems, "problems": problems}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True, help="label: staged or cuda-aware")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda (the check); cpu only smoke-tests this script")
+    args = ap.parse_args()
+    bm.init()
+    comm = bm.runtime.get().topo.comm
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # every rank of this check shares the one GPU
+    failed = False
+    rows = []
+    for name in args.only or bm.algorithms.names():
+        try:
+            row = run_one(name, comm, device, args.mode)
+        except Exception as exc:  # noqa: BLE001 - report it, run the other algorithms
+            row = {"algorithm": name, "mode": args.mode, "ok": False,
+                   "problems": [f"{type(exc).__name__}: {exc}"],
+                   "traceback": traceback.format_exc()[-3000:]}
+            # a rank failing alone would leave the other in a collective: end the job
+            print(row["traceback"], file=sys.stderr, flush=True)
+            comm.Abort(2)
+        failed |= not row["ok"]
+        rows.append(row)
+        if comm.Get_rank() == 0:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            print(f"{args.mode:>10} {name:<28} {'OK ' if row['ok'] else 'FAIL'} "
+                  f"loss {row.get('loss_first', 0):.4f}->{row.get('loss_last', 0):.4f} "
+                  f"step {row.get('step_ms_median', 0):.2f} ms "
+                  f"d2h {row.get('staging', {}).get('d2h_bytes', 0)} B "
+                  f"(dense {row.get('staging', {}).get('dense_d2h_bytes', 0)}) "
+                  f"{'; '.join(row['problems'])}", flush=True)
+    bm.shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

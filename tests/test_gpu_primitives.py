@@ -1,0 +1,106 @@
+"""The primitives on real CUDA tensors (marker ``gpu``; skipped with the reason elsewhere).
+
+World size 1 (``MPI.COMM_SELF``): every step of the device paths still runs (kernels,
+partitioning, staging or device MPI buffers, decode), and the result must be the host path's
+bytes. The staged runs must copy payloads only (``accounting.staging``): no dense tensor
+leaves the device. ``tests/gpu/run.sh`` runs these with the multi-rank training check.
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _reason():
+    try:
+        from numba import cuda
+        if not torch.cuda.is_available() or not cuda.is_available():
+            return "no CUDA GPU (torch and numba.cuda must both see one)"
+    except Exception as exc:  # noqa: BLE001
+        return f"numba.cuda unusable: {exc}"
+    return None
+
+
+REASON = _reason()
+needs_gpu = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+@pytest.fixture(params=["staged", "aware"])
+def mode(request):
+    from bagua_mpi import cuda as bcuda
+    if request.param == "aware":
+        if REASON is None and not bcuda.probe_cuda_aware(timeout=30):
+            pytest.skip("this MPI is not CUDA-aware (the probe failed)")
+        bcuda.set_cuda_aware(True)
+    else:
+        bcuda.set_cuda_aware(False)
+    yield request.param
+    bcuda.set_cuda_aware(None)
+
+
+def _comm():
+    from mpi4py import MPI
+    return MPI.COMM_SELF
+
+
+@needs_gpu
+@pytest.mark.parametrize("codec_name", ["minmax", "qsgd", "onebit"])
+def test_clps_on_device_matches_host(codec_name, mode):
+    from bagua_mpi.accounting import staging
+    from bagua_mpi.primitives import MinMaxCodec, OneBitCodec, QSGDCodec
+    from bagua_mpi.primitives.lowprec import Segment, packed_compressed_allreduce_
+    codec = {"minmax": MinMaxCodec(8, 1024), "qsgd": QSGDCodec(127, 1024),
+             "onebit": OneBitCodec(4096)}[codec_name]
+    g = torch.Generator().manual_seed(1)
+    sizes = [1_000_003, 4096, 77]
+    host = [torch.randn(n, generator=g) for n in sizes]
+    dev = [h.cuda() for h in host]
+    he = [torch.zeros(n) for n in sizes]
+    de = [e.cuda() for e in he]
+    hs = [torch.zeros(n) for n in sizes]
+    ds = [e.cuda() for e in hs]
+    for step in range(3):
+        packed_compressed_allreduce_([Segment(x, codec, w, s, seed=step) for x, w, s in
+                                      zip(host, he, hs)], _comm(), scale=0.5)
+        staging.reset()
+        packed_compressed_allreduce_([Segment(x, codec, w, s, seed=step) for x, w, s in
+                                      zip(dev, de, ds)], _comm(), scale=0.5)
+        torch.cuda.synchronize()
+        snap = staging.snapshot()
+        for a, b in zip(host + he + hs, dev + de + ds):
+            assert torch.equal(a, b.cpu())
+        assert snap["dense_d2h_bytes"] == 0, snap
+        assert snap["largest_d2h"] < 1_000_003 * 4 // 3, snap  # payloads only
+        if mode == "aware":
+            assert snap["d2h_bytes"] == 0, snap
+
+
+@needs_gpu
+def test_topk_gtopk_powersgd_on_device_match_host(mode):
+    from bagua_mpi.accounting import staging
+    from bagua_mpi.primitives import (LowRankSegment, gtopk_allreduce_, initial_q,
+                                      powersgd_allreduce_, topk_allgather_)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200_000, generator=g)
+    for fn in (topk_allgather_, gtopk_allreduce_):
+        a, b = x.clone(), x.clone().cuda()
+        ra, rb = torch.zeros_like(a), torch.zeros_like(b)
+        staging.reset()
+        for _ in range(2):
+            fn(a, _comm(), 500, ra, scale=1.0)
+            fn(b, _comm(), 500, rb, scale=1.0)
+        assert torch.equal(a, b.cpu()) and torch.equal(ra, rb.cpu()), fn.__name__
+        assert staging.snapshot()["dense_d2h_bytes"] == 0, (fn.__name__, staging.snapshot())
+    m = torch.randn(512 * 300, generator=g)
+    q = initial_q(300, 4, 0)
+    a, b = m.clone(), m.clone().cuda()
+    ea, eb = torch.zeros_like(a), torch.zeros_like(b)
+    qa, qb = q.clone(), q.clone().cuda()
+    staging.reset()
+    powersgd_allreduce_([LowRankSegment(a, 512, 4, qa, ea)], _comm())
+    powersgd_allreduce_([LowRankSegment(b, 512, 4, qb, eb)], _comm())
+    # torch's CUDA and CPU matrix products round differently: close, not equal
+    torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(qb.cpu(), qa, rtol=1e-4, atol=1e-5)
+    snap = staging.snapshot()
+    assert snap["dense_d2h_bytes"] == 0 and snap["largest_d2h"] <= 512 * 4 * 4, snap
