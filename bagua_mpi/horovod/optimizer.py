@@ -11,8 +11,8 @@ Horovod's public attributes and its warning for ``step()`` after ``synchronize()
   ``groups=[[p, ...], ...]`` (explicit groups) is approximated the same way with
   k = len(groups) and a warning: buckets follow gradient readiness, not the given groups.
 * ``sparse_as_dense``: accepted; gradients are communicated dense either way.
-* ``process_set``: data parallelism inside a sub-communicator; passed to the wrapped class as
-  ``process_set=`` (needs it to accept that keyword).
+* ``process_set``: data parallelism inside the set's sub-communicator (``ps.topology``),
+  passed to the wrapped class as ``process_set=``.
 * ``op=Adasum`` is refused (``ValueError``).
 """
 from __future__ import annotations

@@ -250,6 +250,19 @@ def mode_process_sets(rank, size):
          torch.from_numpy(f64([xs[r] for r in node.ranks]).sum(0)), "node-local allreduce")
     same(hvd.allreduce(xs[rank], op=hvd.Sum, process_set=cross),
          torch.from_numpy(f64([xs[r] for r in cross.ranks]).sum(0)), "cross-node allreduce")
+    # DistributedOptimizer(process_set=): each pair trains its own model (data parallel inside)
+    torch.manual_seed(rank // 2)
+    model = torch.nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), process_set=from_comm)
+    for _ in range(3):
+        opt.zero_grad()
+        model(inp(f"pso{_}", rank, (4, 3), "float32", -1, 1)).sum().backward()
+        opt.step()
+    opt.close()
+    weights = hvd.allgather_object(model.weight.detach().numpy().tobytes())
+    assert all((weights[a] == weights[b]) == (a // 2 == b // 2) or size <= 2
+               for a in range(size) for b in range(size)), "pairs must agree, not more"
     # a set's topology is what DistributedOptimizer(process_set=) uses: hierarchical works too
     got = hvd.allreduce(xs[rank], op=hvd.Sum, process_set=from_comm, hierarchical=True)
     same(got, torch.from_numpy(f64([xs[r] for r in members]).sum(0)), "hierarchical on set")
