@@ -37,7 +37,7 @@ import torch
 from .. import collectives
 from ..algorithms.base import Algorithm, AlgorithmImpl
 from ..algorithms.registry import register
-from ..algorithms.staging import host_float32_all
+from ..algorithms.staging import float32_all
 from ..primitives.codecs import call_seed
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
@@ -66,20 +66,24 @@ class LGreCoImpl(AlgorithmImpl):
     # -- per-layer state (keyed by parameter name, so independent of bucketing) ---------------
     def accumulator(self, name: str) -> torch.Tensor:
         p = self.layers[name][1]
-        return self.state.tensor("accumulator", name, lambda: torch.zeros(p.numel()))
+        return self.state.tensor("accumulator", name,
+                                 lambda: torch.zeros(p.numel(), device=p.device))
 
     def minmax_errors(self, name: str):
         if not self.algorithm.error_feedback:
             return None, None
-        numel, n = self.layers[name][1].numel(), self.comm.Get_size()
+        p, n = self.layers[name][1], self.comm.Get_size()
+        numel = p.numel()
         return (self.state.tensor("worker_error", name,
-                                  lambda: torch.zeros(padded_length(numel, n))),
+                                  lambda: torch.zeros(padded_length(numel, n), device=p.device)),
                 self.state.tensor("server_error", name,
-                                  lambda: torch.zeros(partition_length(numel, n))))
+                                  lambda: torch.zeros(partition_length(numel, n),
+                                                      device=p.device)))
 
     def residual(self, name: str) -> torch.Tensor:
         p = self.layers[name][1]
-        return self.state.tensor("residual", name, lambda: torch.zeros(p.numel()))
+        return self.state.tensor("residual", name,
+                                 lambda: torch.zeros(p.numel(), device=p.device))
 
     def low_rank(self, name: str):
         """(Q at the largest candidate rank, error memory or None), or None when no candidate
@@ -89,8 +93,10 @@ class LGreCoImpl(AlgorithmImpl):
             return None
         rows, cols = matrix_shape(p.shape)
         top = min(max(self.candidates), rows, cols)
-        q = self.state.tensor("q", name, lambda: initial_q(cols, top, self.family.seed + index))
-        error = (self.state.tensor("error", name, lambda: torch.zeros(p.numel()))
+        q = self.state.tensor("q", name, lambda: initial_q(
+            cols, top, self.family.seed + index).to(p.device))
+        error = (self.state.tensor("error", name,
+                                   lambda: torch.zeros(p.numel(), device=p.device))
                  if self.algorithm.error_feedback else None)
         return q, error
 
@@ -121,7 +127,7 @@ class LGreCoImpl(AlgorithmImpl):
     def reduce_bucket(self, bucket, step: int) -> None:
         """One packed exchange for the whole bucket, each layer at its own level."""
         comm = self.comm
-        with host_float32_all(bucket.grad_views()) as grads:
+        with float32_all(bucket.grad_views()) as grads:  # where the gradients are
             layers = list(zip(bucket.indices, bucket.names, grads))
             for _, name, g in layers:
                 self.accumulator(name).add_(g)
@@ -183,7 +189,7 @@ class LGreCoImpl(AlgorithmImpl):
         size = np.empty_like(err)
         for i, name in enumerate(names):
             shape = tuple(self.layers[name][1].shape)
-            err[i] = self.family.errors(self.accumulator(name).numpy(), cands, shape)
+            err[i] = self.family.errors(self.accumulator(name).cpu().numpy(), cands, shape)
             size[i] = [self.family.size(shape, c) for c in cands]
         default = cands.index(self.default_level)
         e_max = float(err[:, default].sum())

@@ -33,9 +33,10 @@ OVERRIDES = {
     "async": dict(sync_interval_ms=0, max_staleness=1),
 }
 WARMUP = {"onebit_adam": 10, "lgreco": 10}  # steps before the compressed stage
-# no dense tensor may leave the device once these compress (lgreco keeps host staging: its
-# accumulators and levels live on the host; reported, not checked)
-NO_DENSE_STAGING = {"qsgd", "bytegrad", "onebit_adam", "powersgd", "topk", "gtopk"}
+# no dense tensor may leave the device once these compress (staged through the library's
+# copies, which ``accounting.staging`` counts; lgreco's rank-0 decision reads its accumulators
+# on the host every period_steps, outside the exchange)
+NO_DENSE_STAGING = {"qsgd", "bytegrad", "onebit_adam", "powersgd", "topk", "gtopk", "lgreco"}
 STEPS, FALL = 80, 0.5
 
 
