@@ -123,10 +123,14 @@ class NCCLGroup:
                                         self.rank, self.size)
         self.comm = comm
 
-    def allreduce_(self, tensor) -> None:
-        """In place: sum over the group (on torch's current stream; returns once queued,
-        ordered before later work on that stream)."""
-        self.pg.allreduce([tensor]).wait()
+    def allreduce_(self, tensor, op: str = "sum") -> None:
+        """In place: reduce over the group with ``op`` (sum, min, max, product), on torch's
+        current stream (ordered before later work on it)."""
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _NCCL_OPS[op]()
+        self.pg.allreduce([tensor], opts).wait()
 
     def broadcast_(self, tensor, root: int = 0) -> None:
         import torch.distributed as dist
@@ -135,6 +139,16 @@ class NCCLGroup:
         opts.rootRank = root
         opts.rootTensor = 0
         self.pg.broadcast([tensor], opts).wait()
+
+
+def _op(name):
+    def make():
+        import torch.distributed as dist
+        return getattr(dist.ReduceOp, name)
+    return make
+
+
+_NCCL_OPS = {"sum": _op("SUM"), "min": _op("MIN"), "max": _op("MAX"), "product": _op("PRODUCT")}
 
 
 def _host_address(comm) -> str:
@@ -158,21 +172,25 @@ def group(comm) -> NCCLGroup:
     return found
 
 
-def allreduce_(tensor, topo, name: str | None = None) -> None:
-    """In place: sum a contiguous CUDA ``tensor`` over every rank of ``topo`` with the NCCL
-    backend ``name`` (flat, or hierarchical: NCCL in the node, MPI among the leaders)."""
+def allreduce_(tensor, topo, name: str | None = None, op: str = "sum") -> None:
+    """In place: reduce a contiguous CUDA ``tensor`` over every rank of ``topo`` with ``op``
+    (sum, min, max, product) and the NCCL backend ``name`` (flat, or hierarchical: NCCL in
+    the node, MPI among the leaders)."""
+    if op not in _NCCL_OPS:
+        raise BackendError(f"op {op!r} has no NCCL reduction; valid: {', '.join(_NCCL_OPS)}")
     backend = resolve(name)
     check_available(backend)
     if backend == "nccl":
-        group(topo.comm).allreduce_(tensor)
+        group(topo.comm).allreduce_(tensor, op)
         return
     local = group(topo.intra)
-    local.allreduce_(tensor)
+    local.allreduce_(tensor, op)
     if topo.leaders is not None and topo.leaders.Get_size() > 1:
         from mpi4py import MPI
 
         from .cuda import payload_collective
-        payload_collective(lambda s, r: topo.leaders.Allreduce(s, r, op=MPI.SUM), tensor,
+        mop = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[op]
+        payload_collective(lambda s, r: topo.leaders.Allreduce(s, r, op=mop), tensor,
                            tensor, ("nccl_hierarchical", threading.get_ident()), dense=True)
     local.broadcast_(tensor, 0)
 

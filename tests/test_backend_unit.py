@@ -55,6 +55,11 @@ def test_nccl_missing_from_torch_is_named(monkeypatch):
         backends.check_available("nccl")
 
 
+def test_nccl_allreduce_refuses_ops_it_cannot_reduce():
+    with pytest.raises(backends.BackendError, match="op 'bitwise_or' has no NCCL reduction"):
+        backends.allreduce_(torch.zeros(1), None, "nccl", op="bitwise_or")
+
+
 def test_cpu_tensors_always_go_through_mpi(monkeypatch):
     monkeypatch.setenv(backends.ENV, "nccl")
     assert not backends.uses_nccl(torch.zeros(3))  # NCCL cannot read host memory
