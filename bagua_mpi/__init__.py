@@ -19,8 +19,8 @@ from .collectives import (allgather, allgather_async, allgather_object, allreduc
                           reducescatter_async, sparse_allreduce_async, synchronize, submit)
 from .consistency import set_enabled as set_consistency_check
 from .cuda import mpi_is_cuda_aware, set_cuda_aware
-from .exceptions import (BaguaMPIError, CommunicationError, MismatchError,
-                         NotInitializedError)
+from .exceptions import (BaguaMPIError, CommunicationError, ConfigError, MismatchError,
+                         MisuseError, NestedAsyncError, NotInitializedError)
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                       mpi_threads_supported, rank, set_hierarchical, shutdown, size)
@@ -29,6 +29,7 @@ from .compression import Compression
 from .optimizer import (DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
                         check_models_agree)
 from . import algorithms
+from .algorithms import UnsupportedOptionError
 from . import lgreco  # registers the 'lgreco' algorithm
 from . import checkpoint, preemption
 
@@ -48,3 +49,37 @@ from .horovod import (Adasum, DistributedOptimizer, HorovodInternalError, HostsU
 from .horovod import exceptions as _horovod_exceptions  # noqa: F401
 
 __version__ = "0.1.0"
+
+# The public surface: what ``import bagua_mpi as bm`` (or ``as hvd``) is meant to offer.
+# Subpackages with their own namespaces (algorithms, checkpoint, preemption, elastic, horovod,
+# distbelief, primitives) are imported as modules; internal modules are not listed.
+__all__ = [
+    # set-up and topology
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "set_hierarchical",
+    "set_consistency_check", "mpi_is_cuda_aware", "set_cuda_aware",
+    # collectives
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "barrier", "join",
+    "broadcast_object", "allgather_object", "poll", "synchronize", "submit", "Handle",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp", "Compression",
+    # process sets
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "node_local_process_set", "cross_node_process_set",
+    # training
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "check_models_agree", "SyncBatchNorm", "algorithms", "lgreco", "checkpoint", "preemption",
+    "elastic", "horovod",
+    # Horovod's build and feature queries, timeline
+    "mpi_built", "mpi_enabled", "nccl_built", "gloo_built", "gloo_enabled", "ccl_built",
+    "ddl_built", "mlsl_built", "cuda_built", "rocm_built", "sycl_built", "start_timeline",
+    "stop_timeline",
+    # errors
+    "BaguaMPIError", "CommunicationError", "ConfigError", "MismatchError", "MisuseError",
+    "NestedAsyncError", "NotInitializedError", "UnsupportedOptionError", "JoinedRankError",
+    "HorovodInternalError", "HostsUpdatedInterrupt",
+]

@@ -26,7 +26,7 @@ from .exceptions import BaguaMPIError, MismatchError
 class JoinedRankError(BaguaMPIError):
     """A collective other than allreduce ran while a rank was inside ``join()``."""
 
-_enabled = config.env_flag("BAGUA_MPI_CHECK", True)
+_enabled = config.consistency_check()
 _hash_cache: dict[tuple, int] = {}
 _HASH_MASK = (1 << 62) - 1
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 
-from . import collectives, consistency, runtime
+from . import collectives, config, consistency, runtime
 from .exceptions import MismatchError
 from .horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
@@ -113,7 +112,7 @@ class TorchState(ObjectState):
     def __init__(self, model=None, optimizer=None, checkpoint_dir: str | None = None, **kwargs):
         self.model = model
         self.optimizer = optimizer
-        self.checkpoint_dir = checkpoint_dir or os.environ.get("BAGUA_MPI_ELASTIC_DIR") or None
+        self.checkpoint_dir = checkpoint_dir or config.elastic_dir()
         self.commits = 0
         super().__init__(**kwargs)
         self._model_state = None
