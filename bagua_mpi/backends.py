@@ -108,19 +108,21 @@ class NCCLGroup:
         import torch.distributed as dist
 
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        torch.cuda.set_device(torch.cuda.current_device())
+        if torch.cuda.is_available():
+            torch.cuda.set_device(torch.cuda.current_device())
         address = None
         store = None
+        host = _host_address(comm)  # collective: every rank takes part
         if self.rank == 0:
-            host = _host_address(comm)
             store = dist.TCPStore(host, 0, self.size, is_master=True, wait_for_workers=False)
             address = (host, store.port)
         address = comm.bcast(address, root=0)
         if store is None:
             store = dist.TCPStore(address[0], address[1], self.size, is_master=False)
         self.store = store  # kept alive: the group's rendezvous lives in it
-        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"bagua_mpi/{id(comm)}/", store),
-                                        self.rank, self.size)
+        # a store of its own per group (rank 0 of each group serves it): no prefix needed
+        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("bagua_mpi/", store), self.rank,
+                                        self.size)
         self.comm = comm
 
     def allreduce_(self, tensor, op: str = "sum") -> None:
@@ -152,12 +154,23 @@ _NCCL_OPS = {"sum": _op("SUM"), "min": _op("MIN"), "max": _op("MAX"), "product":
 
 
 def _host_address(comm) -> str:
-    """An address rank 0's store is reachable at from every rank of ``comm``."""
-    host = socket.gethostname()
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
+    """An address rank 0's store is reachable at from every rank of ``comm``: the loopback
+    when all ranks share rank 0's host, else the address of rank 0's outward interface (the
+    one its default route uses; ``gethostbyname`` often answers 127.0.1.1)."""
+    from mpi4py import MPI
+
+    hosts = comm.allgather(MPI.Get_processor_name())
+    if all(h == hosts[0] for h in hosts):
         return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.255.255.255", 1))  # UDP: no packet is sent
+            address = probe.getsockname()[0]
+        if not address.startswith("127."):
+            return address
+    except OSError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
 
 
 def group(comm) -> NCCLGroup:

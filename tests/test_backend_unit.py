@@ -129,3 +129,10 @@ def test_dense_staging_is_counted_as_dense():
     snap = staging.snapshot()
     assert snap == {"d2h_bytes": 4196, "h2d_bytes": 0, "d2h_copies": 2, "largest_d2h": 4096,
                     "dense_d2h_bytes": 4096}
+
+
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_nccl_bootstrap_over_mpi_meets_in_one_store(nprocs):
+    from mpi_harness import assert_mpi_ok, run_mpi
+    assert_mpi_ok(run_mpi("gpu_backend_suite.py", nprocs, env={"BAGUA_MPI_RANKS_PER_NODE": "2"},
+                          timeout=120), f"NCCL bootstrap over MPI OK on {nprocs} ranks")

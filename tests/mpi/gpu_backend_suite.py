@@ -1,0 +1,41 @@
+"""The NCCL bootstrap over MPI, without NCCL: rank 0 starts the TCPStore, its address goes
+out with mpi4py, every rank joins the same store. ``ProcessGroupNCCL`` is replaced by a stand-in
+that checks, through the store it is given, that all ranks of the group met there (the real
+class needs a GPU per rank; ``tests/gpu/nccl_check.py`` runs it at world size 1).
+"""
+import sys
+
+import torch.distributed as dist
+
+import bagua_mpi as bm
+from bagua_mpi import backends
+
+
+class MeetingPoint:
+    made = []
+
+    def __init__(self, store, rank, size):
+        store.set(f"here/{rank}", str(rank))
+        seen = [int(store.get(f"here/{j}").decode()) for j in range(size)]  # waits for all
+        assert seen == list(range(size)), seen
+        MeetingPoint.made.append((rank, size))
+
+
+def main():
+    bm.init()
+    topo = bm.runtime.get().topo
+    dist.ProcessGroupNCCL = MeetingPoint
+    g = backends.group(topo.comm)
+    assert g is backends.group(topo.comm), "one group per communicator"
+    assert (g.rank, g.size) == (topo.rank, topo.size)
+    backends.group(topo.intra)  # the hierarchical mode's node group: its own store
+    assert MeetingPoint.made == [(topo.rank, topo.size), (topo.local_rank, topo.local_size)]
+    topo.comm.Barrier()
+    if topo.rank == 0:
+        print(f"NCCL bootstrap over MPI OK on {topo.size} ranks", flush=True)
+    backends.reset()
+    bm.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
