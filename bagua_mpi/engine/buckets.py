@@ -59,7 +59,7 @@ class Bucket:
             self.flat_grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
             for k, p in enumerate(self.params):
                 if p.grad is not None:
-                    self._view(self.flat_grad, k).copy_(p.grad)
+                    self._view(self.flat_grad, k).copy_(_dense(p.grad))
                 p.grad = self._view(self.flat_grad, k)
 
     @property
@@ -73,17 +73,22 @@ class Bucket:
     def absorb_grad(self, k: int) -> None:
         """Make parameter k's ``.grad`` the view into the flat buffer again, if it is not.
 
+        A sparse gradient (``nn.Embedding(sparse=True)``) becomes dense here: buckets are
+        communicated dense, as Horovod's ``sparse_as_dense=True`` does.
+
         ``zero_grad(set_to_none=True)`` (PyTorch's default) drops the view; autograd then hands
         the parameter a fresh gradient tensor, which is copied into the bucket here.
         """
-        if self.flat_grad is None:
-            return
         p = self.params[k]
+        if self.flat_grad is None:
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            return
         view = self._view(self.flat_grad, k)
         if p.grad is None:
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        elif p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
+            view.copy_(_dense(p.grad))
         else:
             return
         p.grad = view
@@ -168,3 +173,7 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, {len(self.params)} tensors, {self.nbytes} bytes)"
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.is_sparse else grad

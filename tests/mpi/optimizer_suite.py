@@ -187,6 +187,31 @@ def check_unused_default(size: int) -> int:
     return 2
 
 
+def check_sparse_gradients(size: int) -> int:
+    """nn.Embedding(sparse=True): gradients are averaged dense (Horovod's sparse_as_dense),
+    equal to one process summing the ranks' mean losses over their own indices."""
+    def indices(step, r):
+        return torch.tensor([(step + r) % 10, (3 * r + 1) % 10, 7])
+
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(10, 4, sparse=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                  named_parameters=emb.named_parameters())
+    for step in range(4):
+        ref_opt.zero_grad()
+        (sum(ref(indices(step, r)).square().sum() for r in range(size)) / size).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        emb(indices(step, bm.rank())).square().sum().backward()
+        opt.step()
+    opt.close()
+    torch.testing.assert_close(emb.weight.detach(), ref.weight.detach())
+    return 1
+
+
 def expect_misuse(fn, *needles) -> str:
     try:
         fn()
@@ -311,6 +336,7 @@ def main():
         checks += check_no_sync_and_skip_synchronize(size)
         checks += check_unused_default(size)
         checks += check_misuse(rank, size)
+        checks += check_sparse_gradients(size)
         checks += check_compression(size)
         checks += check_mismatched_models(rank, size)
         checks += check_bucket_order_and_overlap(rank, size, tmp)
