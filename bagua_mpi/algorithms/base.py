@@ -48,8 +48,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from mpi4py import MPI
 
+from .. import consistency
 from ..accounting import WireStats
+from ..buffers import dtype_name, reduce_dtype
 from ..exceptions import BaguaMPIError
 from . import dense
 from .staging import movable, reducible
@@ -151,7 +154,17 @@ class AlgorithmImpl:
 
     # -- entry points the engine and the wrapper call -----------------------------------------
     def communicate_bucket(self, bucket: "Bucket", step: int) -> None:
-        """Comm thread: synchronize ``bucket``'s gradients for ``step``."""
+        """Comm thread: synchronize ``bucket``'s gradients for ``step``.
+
+        With the agreement check on (the default) the ranks first agree on what they exchange
+        (algorithm, bucket, sizes): one 40-byte allreduce per bucket, which turns ranks that
+        disagree into ``MismatchError`` and lets a rank inside ``bagua_mpi.join()`` take part in
+        a dense exchange with zeros (any other exchange raises ``JoinedRankError`` on the ranks
+        still training instead of hanging).
+        """
+        if consistency.enabled() and not self.ctx.hierarchical:
+            self._agree(bucket, step)
+
         def exchange():
             if self.in_dense_stage(step):
                 self.dense_allreduce_(bucket.communication_tensors())
@@ -165,6 +178,19 @@ class AlgorithmImpl:
         if self.ctx.topo.leaders is not None:
             exchange()
         self.node_broadcast_(self.exchanged_tensors(bucket, step))
+
+    def _agree(self, bucket: "Bucket", step: int) -> None:
+        tensors = bucket.communication_tensors()
+        dense_plain = ((self.in_dense_stage(step) or type(self).reduce_bucket is
+                        AlgorithmImpl.reduce_bucket)
+                       and self.ctx.compression.wire_dtype is None)
+        join = None
+        if dense_plain:  # a joined rank adds zeros to each of the bucket's allreduces
+            join = (tuple((reduce_dtype(dtype_name(t)), t.numel()) for t in tensors), MPI.SUM,
+                    False)
+        consistency.verify(self.ctx.topo.comm, ("bucket", self.algorithm.name, bucket.index,
+                                                ("sizes", tuple(t.numel() for t in tensors)),
+                                                ("dense", dense_plain)), join)
 
     def setup_buckets(self, buckets: "list[Bucket]") -> None:
         """Main thread, once: hand the buckets over and apply state held since a load."""

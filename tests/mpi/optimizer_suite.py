@@ -212,6 +212,54 @@ def check_sparse_gradients(size: int) -> int:
     return 1
 
 
+def check_join(rank: int, size: int) -> int:
+    """Uneven data (Horovod's join): the last rank runs out after 2 of 4 steps and joins; the
+    others' gradient allreduces go on with its zeros, averaged over all ranks. A compressed
+    algorithm cannot take zeros from a joined rank: the training ranks get JoinedRankError,
+    never a hang."""
+    if size == 1:
+        return 0
+    last = size - 1
+
+    def grad_of(r, step):  # d/dW of sum(W x + b) over 3 rows of value r + 1 + step
+        return 3.0 * (r + 1 + step)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    seen = []
+    for step in range(2 if rank == last else 4):
+        opt.zero_grad()
+        model(torch.full((3, 4), float(rank + 1 + step))).sum().backward()
+        opt.step()
+        seen.append(model.weight.grad[0, 0].item())
+    joined_last = bm.join()
+    assert joined_last != last and len(set(bm.allgather_object(joined_last))) == 1, joined_last
+    for step, got in enumerate(seen):
+        active = range(size) if step < 2 else range(last)
+        expected = sum(grad_of(r, step) for r in active) / size
+        assert abs(got - expected) < 1e-5, (step, got, expected)
+    opt.close()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), algorithm="qsgd")
+    raised = False
+    for step in range(1 if rank == last else 2):
+        opt.zero_grad()
+        model(torch.ones(2, 64)).sum().backward()
+        try:
+            opt.step()
+        except bm.JoinedRankError:
+            raised = True
+    bm.join()
+    assert raised == (rank != last), (rank, raised)
+    opt.close()
+    return 2
+
+
 def expect_misuse(fn, *needles) -> str:
     try:
         fn()
@@ -337,6 +385,7 @@ def main():
         checks += check_unused_default(size)
         checks += check_misuse(rank, size)
         checks += check_sparse_gradients(size)
+        checks += check_join(rank, size)
         checks += check_compression(size)
         checks += check_mismatched_models(rank, size)
         checks += check_bucket_order_and_overlap(rank, size, tmp)
