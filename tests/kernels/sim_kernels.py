@@ -110,3 +110,18 @@ def test_topk_approx():
 
 def test_merge_and_restore():
     dc.check_merge([(1, 1, "normal"), (200, 20, "ties"), (1025, 40, "normal")])
+
+
+def test_scale_and_fill_as_the_primitives_launch_them():
+    """C_LP_S's device path scales the merged partition and zero-pads with these two kernels
+    (float32 array, float32 scalar): recorded here so the PTX compilation covers them."""
+    from numba import cuda
+
+    from numba_kernels._cuda.common import fill, scale
+    x = np.linspace(-3, 3, 1000, dtype=F32)
+    d = cuda.to_device(x)
+    scale(d, F32(0.25))
+    assert np.array_equal(d.copy_to_host(), x * F32(0.25))
+    fill(d[100:], F32(0))
+    got = d.copy_to_host()
+    assert np.array_equal(got[:100], x[:100] * F32(0.25)) and not got[100:].any()
