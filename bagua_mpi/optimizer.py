@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from . import collectives, config, runtime
+from . import backends, collectives, config, runtime
 from .algorithms import AlgorithmContext, WrapOptions, create
 from .compression import Compression
 from .engine import Engine
@@ -56,6 +56,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         process_set: train over a subset of the ranks (an object with ``.topology``, the
             topology of the set's communicator, such as ``bagua_mpi.ProcessSet``); every rank
             of the set wraps its optimizer, the others do not.
+        backend: ``"mpi"``, ``"nccl"`` or ``"nccl_hierarchical"`` for this optimizer's dense
+            steps on CUDA tensors (default: ``init``'s choice, else ``BAGUA_MPI_BACKEND``, else
+            MPI); ``bagua_mpi.backends`` says what each does and what it needs.
 
     An option the algorithm cannot honour raises ``UnsupportedOptionError`` here, naming the
     option and what to use instead (the README's algorithm x option table lists them all).
@@ -67,7 +70,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, *, bucket_size_mb: float = 25.0,
                  overlap: bool = True, flatten: bool = True, hierarchical: bool | None = None,
                  profile_order: bool = True, find_unused_parameters: bool = False,
-                 timeline: str | None = None, process_set=None):
+                 timeline: str | None = None, process_set=None, backend: str | None = None):
         # Deliberately no super().__init__: the wrapped optimizer holds the real state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
@@ -95,6 +98,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.compression = Compression.parse(compression)
         self.algorithm = create(algorithm)
+        if backend is not None:  # checked at wrap time: a missing GPU or NCCL fails here
+            backend = backends.resolve(backend)
+            backends.check_available(backend)
         hierarchical = rt.hierarchical if hierarchical is None else bool(hierarchical)
         self.algorithm.check_options(WrapOptions(
             compression=self.compression, hierarchical=hierarchical, average=op is Average,
@@ -109,6 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             hierarchical=hierarchical, compression=self.compression,
             param_numels={n: p.numel() for n, p in zip(names, params)})
         self.impl = self.algorithm.reify(ctx)
+        self.impl.backend = backend
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else config.timeline_prefix()
         self.timeline = Timeline(prefix, rt.topo.rank) if prefix else None

@@ -82,6 +82,7 @@ class AlgorithmContext:
 class AlgorithmImpl:
     communicates_gradients: ClassVar[bool] = True
     wants_flat_params: ClassVar[bool] = False
+    backend: str | None = None  # DistributedOptimizer(backend=): the dense steps' library
 
     def __init__(self, algorithm: "Algorithm", ctx: AlgorithmContext):
         self.algorithm = algorithm
@@ -121,7 +122,7 @@ class AlgorithmImpl:
         else:
             pre, post = ctx.prescale, ctx.postscale
         kwargs = dict(prescale=pre, postscale=post, wire_dtype=ctx.compression.wire_dtype,
-                      stats=self.wire, library_comm=ctx.topo.comm)
+                      stats=self.wire, library_comm=ctx.topo.comm, backend=self.backend)
         if fused:
             dense.fused_allreduce_(tensors, comm, **kwargs)
             return

@@ -32,7 +32,8 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     ``backend`` (default: ``init``'s choice or ``BAGUA_MPI_BACKEND``, see ``backends``): with
     ``nccl``/``nccl_hierarchical`` a CUDA tensor on the library's communicator is summed by
     NCCL (in its own dtype) and scaled on the device; a 16-bit ``wire_dtype`` keeps its cast
-    scatter-reduce (float32 sums), and the node leaders' communicator stays MPI.
+    scatter-reduce (float32 sums), and the node leaders' communicator stays MPI. On a
+    process set's communicator NCCL runs flat over the set's ranks.
     """
     if t.numel() == 0:
         return
@@ -44,7 +45,11 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     if comm is library_comm and backends.uses_nccl(t, backend):
         from .. import runtime
         work = t if t.is_contiguous() else t.contiguous()
-        backends.allreduce_(work, runtime.get().topo, backend)
+        topo = runtime.get().topo
+        if comm is topo.comm:
+            backends.allreduce_(work, topo, backend)
+        else:  # a process set's communicator: one NCCL group over its ranks
+            backends.group(comm).allreduce_(work)
         if work is not t:
             t.copy_(work)
         scale_(t, prescale * postscale)

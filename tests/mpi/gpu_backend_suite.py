@@ -21,9 +21,48 @@ class MeetingPoint:
         MeetingPoint.made.append((rank, size))
 
 
+def check_optimizer_choice():
+    """DistributedOptimizer(backend=): unknown names and a missing GPU/NCCL fail at wrap time,
+    naming what is missing; "mpi" trains as before; the choice reaches the dense steps."""
+    import torch
+    model = torch.nn.Linear(4, 2)
+
+    def wrap(backend):
+        return bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       backend=backend)
+    try:
+        wrap("gloo")
+        raise AssertionError("backend='gloo' was accepted")
+    except backends.BackendError as exc:
+        assert "valid: mpi, nccl, nccl_hierarchical" in str(exc), exc
+    if not torch.cuda.is_available():
+        try:
+            wrap("nccl")
+            raise AssertionError("backend='nccl' was accepted without a GPU")
+        except backends.BackendUnavailableError as exc:
+            assert "needs a CUDA GPU" in str(exc), exc
+    opt = wrap("mpi")
+    assert opt.impl.backend == "mpi"
+    seen = []
+    from bagua_mpi.algorithms import dense
+    original = dense.allreduce_
+
+    def spy(t, comm, **kw):
+        seen.append(kw.get("backend"))
+        return original(t, comm, **kw)
+    dense.allreduce_ = spy
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    dense.allreduce_ = original
+    assert seen and set(seen) == {"mpi"}, seen
+
+
 def main():
     bm.init()
     topo = bm.runtime.get().topo
+    check_optimizer_choice()
     dist.ProcessGroupNCCL = MeetingPoint
     g = backends.group(topo.comm)
     assert g is backends.group(topo.comm), "one group per communicator"
