@@ -11,7 +11,8 @@ backend                what runs the dense collectives of CUDA tensors
                        MPI among the node leaders in between
 =====================  ======================================================================
 
-Chosen by ``bagua_mpi.init(backend=...)``, else ``BAGUA_MPI_BACKEND``, else ``mpi``. The NCCL
+Chosen per optimizer (``DistributedOptimizer(backend=...)``), else by
+``bagua_mpi.init(backend=...)``, else ``BAGUA_MPI_BACKEND``, else ``mpi``. The NCCL
 communicators are bootstrapped over MPI, with no launcher besides ``mpiexec``/``srun``: rank 0
 of the group starts a ``TCPStore`` on a free port and broadcasts its address with mpi4py.
 Choosing NCCL without a CUDA GPU, or with a torch built without NCCL, raises
@@ -22,7 +23,6 @@ only (``tests/gpu/run.sh`` checks exactly that).
 """
 from __future__ import annotations
 
-import os
 import socket
 import threading
 
@@ -48,14 +48,13 @@ _groups: dict = {}  # (kind, id of the MPI communicator) -> NCCLGroup
 def resolve(name: str | None = None) -> str:
     """The backend to use: ``name``, else ``init``'s choice, else ``BAGUA_MPI_BACKEND``, else
     ``mpi``. Raises ``BackendError`` for an unknown name."""
-    where = "backend"
     if name is None:
         name = _default
     if name is None:
-        name = os.environ.get(ENV, "").strip() or "mpi"
-        where = ENV
+        from . import config
+        return config.backend()  # ConfigError naming BAGUA_MPI_BACKEND when malformed
     if not isinstance(name, str) or name.lower() not in BACKENDS:
-        raise BackendError(f"{where}={name!r} is not a backend; valid: {', '.join(BACKENDS)}")
+        raise BackendError(f"backend={name!r} is not a backend; valid: {', '.join(BACKENDS)}")
     return name.lower()
 
 

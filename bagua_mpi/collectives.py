@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import consistency, process_sets, runtime, timeline
+from . import backends, consistency, process_sets, runtime, timeline
 from .buffers import (HALF, INTEGER, contiguous, copy_into, dtype_name, empty_like,
                       fast_cpu_view, is_cuda, mpi_buffer, reduce_dtype, scale_, scaled_copy,
                       to_dtype)
@@ -174,6 +174,19 @@ def _reduction(op, dt: str):
 
 # -- allreduce ---------------------------------------------------------------------------------
 
+_NCCL_OPS = ((MPI.SUM, "sum"), (MPI.MIN, "min"), (MPI.MAX, "max"), (MPI.PROD, "product"))
+
+
+def _nccl_allreduce(topo, src, dst, mop, hier, in_place=True) -> None:
+    """In place on a contiguous CUDA tensor with the NCCL backend (``hier`` is the backend's
+    own: ``nccl_hierarchical``)."""
+    work = dst if dst.is_contiguous() else dst.contiguous()
+    op = next((name for m, name in _NCCL_OPS if m == mop), f"MPI op {mop!r}")
+    backends.allreduce_(work, topo, op=op)
+    if work is not dst:
+        dst.copy_(work)
+
+
 def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
                    check=None):
     dt = dtype_name(tensor)
@@ -193,6 +206,9 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
     hier = rt.hierarchical if hierarchical is None else bool(hierarchical)
     shape = tuple(tensor.shape)
     numel = math.prod(shape)
+    reduce_ = _allreduce_buffers
+    if getattr(tensor, "is_cuda", False) and topo is rt.topo and backends.uses_nccl(tensor):
+        reduce_ = _nccl_allreduce  # the chosen NCCL backend (bagua_mpi.backends)
 
     def run():
         if consistency._enabled if check is None else check:
@@ -204,7 +220,7 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
         if dt in HALF:  # reduce in float32, round once at the end
             work = to_dtype(tensor, reduce_dtype(dt))
             scale_(work, pre)
-            _allreduce_buffers(topo, work, work, mop, hier, in_place=True)
+            reduce_(topo, work, work, mop, hier, in_place=True)
             scale_(work, post)
             copy_into(out, work)
             return out
@@ -216,7 +232,7 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
             scale_(out, pre)
         else:
             scaled_copy(out, tensor, pre)
-        _allreduce_buffers(topo, out, out, mop, hier, in_place=True)
+        reduce_(topo, out, out, mop, hier, in_place=True)
         scale_(out, post)
         return out
 

@@ -28,6 +28,8 @@ BAGUA_MPI_EXIT_TIMEOUT_S        600      how long a finishing rank waits at shut
 BAGUA_MPI_ABORT_ON_EXCEPTION    1        an uncaught exception in any thread, or a non-zero
                                          ``sys.exit``, on any rank aborts the whole job
 BAGUA_MPI_CUDA_AWARE            auto     1/0 force CUDA-aware MPI on/off instead of probing
+BAGUA_MPI_BACKEND               mpi      library for device tensors' dense collectives: mpi,
+                                         nccl or nccl_hierarchical (``bagua_mpi.backends``)
 BAGUA_MPI_KERNEL_THREADS        (auto)   Numba threads per rank for the CPU compression kernels
                                          (default: cores / ranks on the node); positive integer
 BAGUA_MPI_TIMELINE              (unset)  path prefix of a Chrome-trace timeline per rank
@@ -60,7 +62,7 @@ KNOWN = (
     "BAGUA_MPI_STALL_WARNING_S", "BAGUA_MPI_STALL_ABORT_S", "BAGUA_MPI_EXIT_TIMEOUT_S",
     "BAGUA_MPI_ABORT_ON_EXCEPTION", "BAGUA_MPI_CUDA_AWARE", "BAGUA_MPI_KERNEL_THREADS",
     "BAGUA_MPI_TIMELINE", "BAGUA_MPI_CHECKPOINT_SCHEME", "BAGUA_MPI_CHECKPOINT_FAULT",
-    "BAGUA_MPI_ELASTIC_DIR",
+    "BAGUA_MPI_ELASTIC_DIR", "BAGUA_MPI_BACKEND",
 )
 TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
 
@@ -179,6 +181,14 @@ def cuda_aware() -> bool | None:
     return env_tristate("BAGUA_MPI_CUDA_AWARE")
 
 
+BACKENDS = ("mpi", "nccl", "nccl_hierarchical")
+
+
+def backend() -> str:
+    """``BAGUA_MPI_BACKEND``: mpi (default), nccl or nccl_hierarchical."""
+    return env_choice("BAGUA_MPI_BACKEND", BACKENDS, "mpi")
+
+
 def kernel_threads() -> int | None:
     """``BAGUA_MPI_KERNEL_THREADS``: Numba threads per rank, or None for cores / local ranks."""
     return env_int("BAGUA_MPI_KERNEL_THREADS", None)
@@ -231,6 +241,7 @@ _ACCESSORS = {
     "BAGUA_MPI_KERNEL_THREADS": kernel_threads, "BAGUA_MPI_TIMELINE": timeline_prefix,
     "BAGUA_MPI_CHECKPOINT_SCHEME": checkpoint_scheme,
     "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault, "BAGUA_MPI_ELASTIC_DIR": elastic_dir,
+    "BAGUA_MPI_BACKEND": backend,
 }
 assert set(_ACCESSORS) == set(KNOWN)
 

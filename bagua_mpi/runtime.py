@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from . import config, faults, topology
+from . import backends, config, faults, topology
 from .exceptions import NotInitializedError
 from .watchdog import Watchdog
 from .worker import CommWorker
@@ -49,7 +49,8 @@ def on_shutdown(callback) -> None:
 
 def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None,
          hierarchical: bool | None = None, stall_warning_s: float | None = None,
-         stall_abort_s: float | None = None, abort_on_exception: bool | None = None) -> None:
+         stall_abort_s: float | None = None, abort_on_exception: bool | None = None,
+         backend: str | None = None) -> None:
     """Initialize bagua_mpi on ``comm`` (default ``MPI.COMM_WORLD``); collective over ``comm``.
 
     Args:
@@ -59,6 +60,9 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
         stall_warning_s / stall_abort_s: watchdog limits; defaults from the environment (60/600).
         abort_on_exception: abort the job on an uncaught exception (any thread) or a non-zero
             ``sys.exit`` on any rank (default ``BAGUA_MPI_ABORT_ON_EXCEPTION``, on).
+        backend: ``"mpi"``, ``"nccl"`` or ``"nccl_hierarchical"`` for device tensors' dense
+            collectives (default ``BAGUA_MPI_BACKEND``, mpi; see ``bagua_mpi.backends``). A
+            NCCL choice without a GPU or NCCL raises ``BackendUnavailableError`` here.
 
     Raises ``ConfigError`` (a ``ValueError``) naming the variable when a ``BAGUA_MPI_*`` setting
     is malformed.
@@ -69,6 +73,8 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
     if _runtime is not None:
         return
     settings = config.check_environment()  # every rank fails alike on a malformed value
+    backends.set_default(backend)  # checked before anything is built: fails alike everywhere
+    backends.check_available(backends.resolve())
     topo = topology.build(comm, ranks_per_node)
     worker = CommWorker(rank=topo.rank)
     warn = stall_warning_s if stall_warning_s is not None else config.stall_warning_s()
@@ -127,6 +133,7 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
     if rt.exit_monitor is not None and not MPI.Is_finalized():
         _agree_on_leaving(rt, _how, _code)
     faults.uninstall()
+    backends.reset()  # NCCL groups and init's choice belong to this runtime
     if not MPI.Is_finalized():
         rt.topo.free()
 

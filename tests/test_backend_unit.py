@@ -30,7 +30,8 @@ def test_default_is_mpi_and_env_and_init_choose(monkeypatch):
 def test_unknown_backend_names_what_is_valid(bad, monkeypatch):
     if bad == "":
         monkeypatch.setenv(backends.ENV, "ncl")
-        with pytest.raises(backends.BackendError, match="BAGUA_MPI_BACKEND='ncl'.*nccl"):
+        from bagua_mpi.exceptions import ConfigError
+        with pytest.raises(ConfigError, match="BAGUA_MPI_BACKEND='ncl'.*nccl"):
             backends.resolve()
         return
     with pytest.raises(backends.BackendError, match="valid: mpi, nccl, nccl_hierarchical"):

@@ -16,7 +16,7 @@ from bagua_mpi.accounting import staging
 
 def main():
     out = sys.argv[1]
-    bm.init()
+    bm.init(backend="nccl")  # init's choice; each round below sets its own
     results = {"device": torch.cuda.get_device_name(0), "world_size": bm.size()}
     topo = bm.runtime.get().topo
     for name in ("nccl", "nccl_hierarchical"):
@@ -27,11 +27,26 @@ def main():
         backends.allreduce_(t, topo)
         assert torch.equal(t, want), f"{name}: allreduce at world size 1 changed the data"
         assert backends._groups, f"{name}: no NCCL group was made"
+        # the public collectives dispatch to NCCL too (Sum, Max; Average scales on the device)
+        used = []
+        original_group_allreduce = backends.NCCLGroup.allreduce_
+
+        def spy(self, tensor, op="sum", _orig=original_group_allreduce):
+            used.append(op)
+            return _orig(self, tensor, op)
+        backends.NCCLGroup.allreduce_ = spy
+        x = torch.randn(1000, device="cuda")
+        assert torch.equal(bm.allreduce(x, op=bm.Sum), x)
+        assert torch.equal(bm.allreduce(x, op=bm.Max), x)
+        torch.testing.assert_close(bm.allreduce(x), x)
+        backends.NCCLGroup.allreduce_ = original_group_allreduce
+        assert used == ["sum", "max", "sum"], used
         # the optimizer's dense steps through NCCL (gradient_allreduce and a warm-up stage)
         torch.manual_seed(0)
         model = torch.nn.Linear(256, 16).cuda()
+        backends.reset()  # the optimizer's own choice must be enough
         opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                      named_parameters=model.named_parameters())
+                                      named_parameters=model.named_parameters(), backend=name)
         calls = []
         original = backends.NCCLGroup.allreduce_
 

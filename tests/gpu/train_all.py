@@ -71,7 +71,7 @@ def run_one(name, comm, device, mode):
     loss_fn = torch.nn.MSELoss()
     with torch.no_grad():
         first = loss_fn(model(x), y).item()
-    times, dense_after = [], None
+    times = []
     for step in range(STEPS):
         if step == WARMUP.get(name, 0):
             staging.reset()

@@ -59,7 +59,39 @@ def check_optimizer_choice():
     assert seen and set(seen) == {"mpi"}, seen
 
 
+def check_init_errors():
+    """init(backend=) and BAGUA_MPI_BACKEND: a NCCL choice without a GPU, an unknown name and
+    a malformed variable fail at init with a named error, leaving nothing initialized."""
+    import os
+
+    import torch
+
+    from bagua_mpi.exceptions import ConfigError
+    if torch.cuda.is_available():
+        return
+    cases = [(dict(backend="nccl"), None, backends.BackendUnavailableError, "needs a CUDA GPU"),
+             (dict(backend="gloo"), None, backends.BackendError, "valid: mpi, nccl"),
+             ({}, "nccl_hierarchical", backends.BackendUnavailableError, "needs a CUDA GPU"),
+             ({}, "ncl", ConfigError, "BAGUA_MPI_BACKEND='ncl'")]
+    for kwargs, env, error, words in cases:
+        if env is not None:
+            os.environ["BAGUA_MPI_BACKEND"] = env
+        try:
+            bm.init(**kwargs)
+            raise AssertionError(f"init({kwargs}) with BAGUA_MPI_BACKEND={env} was accepted")
+        except error as exc:
+            assert words in str(exc), exc
+        finally:
+            os.environ.pop("BAGUA_MPI_BACKEND", None)
+        assert not bm.is_initialized()
+    bm.init(backend="mpi")
+    assert backends.resolve() == "mpi"
+    bm.shutdown()
+    assert backends._default is None, "shutdown forgets init's choice"
+
+
 def main():
+    check_init_errors()
     bm.init()
     topo = bm.runtime.get().topo
     check_optimizer_choice()
