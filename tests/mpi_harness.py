@@ -94,3 +94,12 @@ def assert_check_passed(result: MPIResult, name: str) -> None:
     verdict = check_lines(result.output).get(name)
     assert verdict is not None, f"check {name} did not report: {result.describe()}"
     assert verdict == "PASS", f"check {name}: {verdict}\n{result.describe()}"
+
+
+def library_algorithms() -> set[str]:
+    """Names of the algorithms bagua_mpi itself registers (unit tests register their own in
+    the pytest process; coverage checks are about the library's)."""
+    import bagua_mpi as bm
+    from bagua_mpi.algorithms import registry
+    return {n for n in bm.algorithms.names()
+            if registry._REGISTRY[n].__module__.startswith("bagua_mpi.")}

@@ -213,7 +213,7 @@ class AlgorithmImpl:
         loaded state tensor must have been claimed by an allocation by then (in
         ``init_buckets`` or during the step), or the checkpoint does not fit this run."""
         if self.buckets and not self._state_checked:
-            self.state.check_claimed(self.state_allocated_later)
+            self.state.check_claimed()
             self._state_checked = True
 
     # -- hooks for implementations -------------------------------------------------------------
@@ -250,10 +250,6 @@ class AlgorithmImpl:
 
     def load_extra_state(self, extra: dict) -> None:
         pass
-
-    def state_allocated_later(self, kind: str) -> bool:
-        """True for state kinds allocated only after the first step (at a stage switch)."""
-        return False
 
     def close(self) -> None:
         """Stop background work (threads) cleanly; called by ``DistributedOptimizer.close``."""

@@ -54,7 +54,8 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
 
     @property
     def stage(self) -> str:
-        """'warmup' or 'compressed': the stage the current step runs in."""
+        """'warmup' or 'compressed': the stage of the step being run (between steps, of the
+        next one)."""
         return "compressed" if self.compressed else "warmup"
 
     def moments(self, bucket) -> tuple[torch.Tensor, torch.Tensor]:

@@ -167,7 +167,7 @@ class AlgorithmState:
         if not placed:
             self.pending.setdefault(kind, {})[name] = value
 
-    def check_claimed(self, allow: Callable[[str], bool] = lambda kind: False) -> None:
+    def check_claimed(self) -> None:
         """Raise if held checkpoint state was not claimed by any allocation.
 
         A vector whose window (a server partition) skips a parameter claims nothing for it, so
@@ -177,9 +177,8 @@ class AlgorithmState:
         allocated = {k for k, _ in self.vectors} | set(self.tensors)
         unclaimed = {}
         for kind, held in list(self.pending.items()):
-            if kind in allocated or allow(kind):
-                if kind in allocated:
-                    del self.pending[kind]
+            if kind in allocated:
+                del self.pending[kind]
                 continue
             if held:
                 unclaimed[kind] = sorted(held)

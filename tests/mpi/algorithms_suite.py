@@ -210,8 +210,8 @@ def check_onebit_stage_and_bytes(rank, size):
         stages.append(opt.impl.stage)
         per_step.append(opt.communication_stats()["bytes_sent"] - before)
     opt.close()
-    # the stage after step s: warm-up through step 4, compressed from step 5 on
-    assert stages == ["warmup"] * 5 + ["compressed"] * 4, stages
+    # read between steps, the stage is the next step's: steps 0-4 warm up, 5 on compress
+    assert stages == ["warmup"] * 4 + ["compressed"] * 5, stages
     if size > 1:
         warm, compressed = per_step[1], per_step[-1]
         assert 25 <= warm / compressed <= 33, (warm, compressed)  # ~32x less than float32

@@ -102,7 +102,7 @@ def main():
     # statistics change -> the assignment changes
     _, history, _ = train(algo, 60, rank, boost_after=30)
     before, after = history[29], history[-1]
-    head = max(before)  # the head weight is the last parameter (its own param group)
+    head = "head.weight"  # assignments are keyed by parameter name
     assert before != after, (before, after)
     # its error now dominates the budget: it keeps the most bits, every other layer can drop
     # to the fewest (2 of the 2..8 searched around the default 4)
