@@ -25,8 +25,19 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    """0 (Horovod returns the NCCL version, 0 without NCCL): CUDA tensors go through MPI."""
-    return 0
+    """NCCL's version as an integer (as Horovod) when the optional NCCL backend can run here
+    (``init(backend="nccl")``: torch with NCCL and a GPU), else 0: CUDA tensors go through MPI."""
+    from .. import backends
+    try:
+        backends.check_available("nccl")
+    except backends.BackendUnavailableError:
+        return 0
+    import torch
+    version = torch.cuda.nccl.version()
+    if isinstance(version, tuple):
+        major, minor, patch = (list(version) + [0, 0, 0])[:3]
+        return major * 1000 + minor * 100 + patch
+    return int(version)
 
 
 def ddl_built() -> bool:
