@@ -188,6 +188,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._engine.synchronize()
         self._synchronized = True
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` between steps (Horovod's method); every rank must
+        call it with the same value before the same step."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive integer, got "
+                             f"{passes!r}")
+        pending = self._engine.pending_description()
+        if pending:
+            raise MisuseError(f"rank {runtime.get().topo.rank}: set_backward_passes_per_step() "
+                              f"called while {pending}; call it between step() and the next "
+                              f"backward()")
+        self.backward_passes_per_step = passes
+        self._engine.passes = passes
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """``step()`` inside skips synchronization (call ``synchronize()`` yourself first)."""

@@ -297,8 +297,13 @@ def check_misuse(rank: int, size: int) -> int:
     torch.testing.assert_close(model.weight.grad, expected)
     with opt.skip_synchronize():
         opt.step()
+    opt.set_backward_passes_per_step(2)  # Horovod's method: two passes are fine now
+    opt.zero_grad()
+    for _ in range(2):
+        (model(x).sum() / 2).backward()
+    opt.step()
     opt.close()
-    return 3
+    return 4
 
 
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
