@@ -14,7 +14,7 @@ Hierarchical (``hierarchical=True``): models are first averaged inside each node
 exchange runs among node leaders (peers drawn over nodes), then leaders broadcast in their
 node. ``op`` and ``gradient_predivide_factor`` are refused (no gradient is summed);
 ``compression`` makes ``decentralized`` and ``local_sgd`` send 16-bit models. Models on a GPU
-stay there (``staging.exchange_form``; the primitives' device paths).
+stay there (``staging.float32``; the primitives' device paths).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..primitives.decentralized import (PeerEstimates, decentralized_average_,
                                         low_precision_decentralized_, peers_for)
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import exchange_form
+from .staging import float32
 
 
 class ModelAveragingImpl(AlgorithmImpl):
@@ -51,11 +51,11 @@ class ModelAveragingImpl(AlgorithmImpl):
         return None if comm is None else (comm, comm.Get_rank(), comm.Get_size())
 
     def peer_exchange(self, flat, exchange) -> None:
-        """``exchange(host model, comm, rank, size)`` among all ranks, or hierarchically: node
+        """``exchange(flat float model, comm, rank, size)`` among all ranks, or hierarchically: node
         average, the exchange among node leaders, node broadcast."""
         def among(x):
-            with exchange_form(x, keep_float64=True) as host:
-                exchange(host, *self.exchange_comm())
+            with float32(x, keep_float64=True) as work:
+                exchange(work, *self.exchange_comm())
 
         if not self.ctx.hierarchical:
             among(flat)

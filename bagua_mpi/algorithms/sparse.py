@@ -19,7 +19,7 @@ import torch
 from ..primitives.sparse import gtopk_allreduce_, topk_allgather_, topk_count
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import host_float32
+from .staging import float32
 
 
 class SparseImpl(AlgorithmImpl):
@@ -43,21 +43,11 @@ class SparseImpl(AlgorithmImpl):
         for j, (grad, segments) in enumerate(zip(bucket.communication_tensors(),
                                                  bucket.communication_segments())):
             residual = self.residual(bucket, j, segments)
-            if grad.is_cuda:  # the primitive keeps device payloads on the device
-                work = grad.reshape(-1)
-                staged = work.dtype != torch.float32 or not work.is_contiguous()
-                if staged:
-                    work = work.float().contiguous()
-                self._exchange(work, residual)
-                if staged:
-                    grad.view(-1).copy_(work)
-                continue
-            with host_float32(grad) as work:
-                self._exchange(work, residual)
-
-    def _exchange(self, work: torch.Tensor, residual: torch.Tensor) -> None:
-        self.reduce(work, self.comm, topk_count(work.numel(), self.algorithm.density), residual,
-                    scale=self.scale, index_dtype=self.algorithm.index_dtype, stats=self.wire)
+            # where the gradient lives: gTop-k keeps device payloads on the device
+            with float32(grad) as work:
+                self.reduce(work, self.comm, topk_count(work.numel(), self.algorithm.density),
+                            residual, scale=self.scale, index_dtype=self.algorithm.index_dtype,
+                            stats=self.wire)
 
 
 @dataclass(frozen=True)

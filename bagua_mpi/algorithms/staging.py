@@ -18,54 +18,43 @@ from ..buffers import mpi_buffer
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _work_dtype(t: torch.Tensor, keep_float64: bool) -> torch.dtype:
+    return torch.float64 if keep_float64 and t.dtype == torch.float64 else torch.float32
+
+
 @contextlib.contextmanager
-def host_float32(t: torch.Tensor, keep_float64: bool = False):
-    """``t`` as a flat contiguous CPU float32 tensor (itself when it already is one); with
-    ``keep_float64``, a float64 tensor stays float64 (model averaging keeps its precision)."""
-    dtype = torch.float64 if keep_float64 and t.dtype == torch.float64 else torch.float32
-    if t.dtype == dtype and not t.is_cuda and t.is_contiguous():
+def _flat(t: torch.Tensor, device, dtype: torch.dtype):
+    """``t`` as a flat contiguous ``dtype`` tensor on ``device`` (itself when it already is
+    one); a copy is written back into ``t`` on a clean exit."""
+    if t.dtype == dtype and t.device == device and t.is_contiguous():
         yield t.detach().reshape(-1)
         return
-    work = t.detach().to(device="cpu", dtype=dtype).contiguous().reshape(-1)
+    work = t.detach().to(device=device, dtype=dtype).contiguous().reshape(-1)
+    yield work
+    with torch.no_grad():
+        t.copy_(work.view_as(t))
+
+
+@contextlib.contextmanager
+def float32(t: torch.Tensor, keep_float64: bool = False):
+    """``t`` as a flat contiguous float32 tensor *where it lives* (float64 stays float64 with
+    ``keep_float64``: model averaging keeps its precision). Device tensors stay on their
+    device, for the primitives with device paths."""
+    with _flat(t, t.device, _work_dtype(t, keep_float64)) as work:
+        yield work
+
+
+@contextlib.contextmanager
+def host_float32(t: torch.Tensor):
+    """``t`` as a flat contiguous CPU float32 tensor; a device tensor's copy is counted as a
+    dense staging copy (``accounting.staging``)."""
+    nbytes = t.numel() * t.element_size()
     if t.is_cuda:
-        staging.d2h(t.numel() * t.element_size(), dense=True)
-    yield work
-    with torch.no_grad():
-        t.copy_(work.view_as(t))
+        staging.d2h(nbytes, dense=True)
+    with _flat(t, torch.device("cpu"), torch.float32) as work:
+        yield work
     if t.is_cuda:
-        staging.h2d(t.numel() * t.element_size())
-
-
-@contextlib.contextmanager
-def float32(t: torch.Tensor):
-    """``t`` as a flat contiguous float32 tensor *where it lives* (itself when it already is
-    one): device tensors stay on their device, for the primitives with device paths."""
-    if t.dtype == torch.float32 and t.is_contiguous():
-        yield t.detach().reshape(-1)
-        return
-    work = t.detach().to(dtype=torch.float32).contiguous().reshape(-1)
-    yield work
-    with torch.no_grad():
-        t.copy_(work.view_as(t))
-
-
-@contextlib.contextmanager
-def exchange_form(t: torch.Tensor, keep_float64: bool = False):
-    """The form a model-averaging primitive exchanges: ``host_float32`` for a host tensor,
-    and for a CUDA tensor a flat contiguous float32 (float64 with ``keep_float64``) tensor on
-    its device: the decentralized primitives have device paths, so models stay there."""
-    if not t.is_cuda:
-        with host_float32(t, keep_float64) as work:
-            yield work
-        return
-    dtype = torch.float64 if keep_float64 and t.dtype == torch.float64 else torch.float32
-    if t.dtype == dtype and t.is_contiguous():
-        yield t.detach().reshape(-1)
-        return
-    work = t.detach().to(dtype=dtype).contiguous().reshape(-1)
-    yield work
-    with torch.no_grad():
-        t.copy_(work.view_as(t))
+        staging.h2d(nbytes)
 
 
 @contextlib.contextmanager
@@ -73,13 +62,6 @@ def float32_all(tensors: list[torch.Tensor]):
     """``float32`` for several tensors at once: yields the list of their float32 forms."""
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(float32(t)) for t in tensors]
-
-
-@contextlib.contextmanager
-def host_float32_all(tensors: list[torch.Tensor]):
-    """``host_float32`` for several tensors at once: yields the list of staged forms."""
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(host_float32(t)) for t in tensors]
 
 
 @contextlib.contextmanager
