@@ -137,3 +137,17 @@ def test_nccl_bootstrap_over_mpi_meets_in_one_store(nprocs):
     from mpi_harness import assert_mpi_ok, run_mpi
     assert_mpi_ok(run_mpi("gpu_backend_suite.py", nprocs, env={"BAGUA_MPI_RANKS_PER_NODE": "2"},
                           timeout=120), f"NCCL bootstrap over MPI OK on {nprocs} ranks")
+
+
+def test_async_exchange_buffers_follow_the_model_only_when_mpi_reads_the_device(monkeypatch):
+    """async keeps its snapshot/allreduce/delta on the model's GPU with a CUDA-aware MPI, and in
+    host memory otherwise (a CPU model always on the host)."""
+    from bagua_mpi import cuda as cuda_support
+    from bagua_mpi.algorithms.async_average import exchange_device
+
+    gpu = torch.device("cuda", 1)
+    monkeypatch.setattr(cuda_support, "mpi_is_cuda_aware", lambda: True)
+    assert exchange_device(gpu) == gpu
+    assert exchange_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(cuda_support, "mpi_is_cuda_aware", lambda: False)
+    assert exchange_device(gpu) == torch.device("cpu")

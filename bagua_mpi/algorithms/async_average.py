@@ -18,6 +18,11 @@ copies at step boundaries:
 No torn reads: the background thread never touches the parameters. The training thread reads
 them (snapshot) and writes them (apply) itself, between steps.
 
+Where the buffers live: on the model's GPU when the MPI is CUDA-aware (snapshot, allreduce and
+delta never leave the device), else in page-locked host memory allocated once (a CUDA model's
+snapshot and delta are then the only copies, counted in ``accounting.staging``), or plain host
+memory for a CPU model.
+
 Clean stop: every exchange carries a flag, 1 to continue and 0 from a rank that is closing; the
 exchange in which the flags do not all say continue is the last one on *every* rank, so all
 ranks stop after the same number of exchanges and none waits for a peer that has left. ``close()``
@@ -31,14 +36,22 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import cuda as cuda_support
 from .. import runtime
+from ..accounting import staging
+from ..buffers import host_view
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import host_float32
+
+
+def exchange_device(model_device: torch.device) -> torch.device:
+    """Where the exchange buffers live: the model's GPU if MPI can read it, else the host."""
+    if model_device.type == "cuda" and cuda_support.mpi_is_cuda_aware():
+        return model_device
+    return torch.device("cpu")
 
 
 class AsyncAverageImpl(AlgorithmImpl):
@@ -49,9 +62,10 @@ class AsyncAverageImpl(AlgorithmImpl):
         super().__init__(algorithm, ctx)
         self.exchanges = 0  # completed exchanges
         self._comm: MPI.Intracomm | None = None
-        self._buffer: np.ndarray | None = None  # [flat params of every bucket..., flag]
-        self._snapshot: np.ndarray | None = None
-        self._delta: np.ndarray | None = None
+        self._buffer: torch.Tensor | None = None  # [flat params of every bucket..., flag]
+        self._snapshot: torch.Tensor | None = None
+        self._delta: torch.Tensor | None = None
+        self._model_device = torch.device("cpu")
         self._wake = threading.Event()  # a snapshot is ready for the thread
         self._done = threading.Event()  # the thread finished an exchange; delta is ready
         self._in_flight = False
@@ -69,14 +83,17 @@ class AsyncAverageImpl(AlgorithmImpl):
         topo = self.ctx.topo
         self._comm = runtime.get().worker.run(topo.comm.Dup, ("dup", "async"))
         total = sum(b.numel for b in buckets)
+        self._model_device = buckets[0].device if buckets else torch.device("cpu")
+        home = exchange_device(self._model_device)
+        pin = home.type == "cpu" and self._model_device.type == "cuda"
         # float32 like the models (float64 doubled the bytes); the continue flags sum to at
         # most n, exact in float32
-        self._buffer = np.zeros(total + 1, dtype=np.float32)
-        self._snapshot = np.zeros(total, dtype=np.float32)
+        self._buffer = torch.zeros(total + 1, dtype=torch.float32, device=home, pin_memory=pin)
+        self._snapshot = torch.zeros(total, dtype=torch.float32, device=home, pin_memory=pin)
+        self._delta = torch.zeros(total, dtype=torch.float32, device=home, pin_memory=pin)
         if self._resume_in_flight:  # the saved run had an exchange in flight: its result
-            self._delta = np.concatenate([self.state.vector("in_flight_delta", b.index,
-                                                            b.segments()).data.numpy()
-                                          for b in buckets])
+            torch.cat([self.state.vector("in_flight_delta", b.index, b.segments()).data
+                       .to(home) for b in buckets], out=self._delta)
             self.state.drop("in_flight_delta")
             self._in_flight = True
             self._done.set()
@@ -99,14 +116,21 @@ class AsyncAverageImpl(AlgorithmImpl):
         if not self._in_flight and time.monotonic() - self._last_start >= interval:
             self._start_exchange(continue_flag=1.0)
 
+    def _crosses_to_host(self) -> bool:
+        return self._model_device.type == "cuda" and self._buffer.device.type == "cpu"
+
     def _start_exchange(self, continue_flag: float) -> None:
         offset = 0
-        for b in self.buckets:
-            with host_float32(b.flat_param) as host:  # a copy only for device/other dtypes
-                self._snapshot[offset:offset + b.numel] = host.numpy()
-            offset += b.numel
-        self._buffer[:-1] = self._snapshot
-        self._buffer[-1] = continue_flag
+        with torch.no_grad():
+            for b in self.buckets:
+                self._snapshot[offset:offset + b.numel].copy_(b.flat_param.reshape(-1))
+                offset += b.numel
+            if self._crosses_to_host():
+                staging.d2h(self._snapshot.numel() * 4, dense=True)
+            self._buffer[:-1].copy_(self._snapshot)
+            self._buffer[-1:].fill_(continue_flag)
+        if self._buffer.is_cuda:  # the thread's MPI reads the buffer outside torch's stream
+            torch.cuda.current_stream(self._buffer.device).synchronize()
         self._done.clear()
         self._in_flight = True
         self._started_step = self.step
@@ -117,10 +141,12 @@ class AsyncAverageImpl(AlgorithmImpl):
         offset = 0
         with torch.no_grad():
             for b in self.buckets:
-                delta = torch.from_numpy(self._delta[offset:offset + b.numel])
+                delta = self._delta[offset:offset + b.numel]
                 b.flat_param.add_(delta.to(device=b.flat_param.device,
                                            dtype=b.flat_param.dtype))
                 offset += b.numel
+        if self._crosses_to_host():
+            staging.h2d(self._delta.numel() * 4)
         self._in_flight = False
         self.exchanges += 1
 
@@ -131,14 +157,21 @@ class AsyncAverageImpl(AlgorithmImpl):
     # -- background thread --------------------------------------------------------------------------
     def _loop(self) -> None:
         n = self._comm.Get_size()
+        on_device = self._buffer.is_cuda
+        message = self._buffer if on_device else host_view(self._buffer)
         try:
+            if on_device:
+                torch.cuda.set_device(self._buffer.device)
             while True:
                 self._wake.wait()
                 self._wake.clear()
-                self._comm.Allreduce(MPI.IN_PLACE, self._buffer, op=MPI.SUM)
-                self.wire.allreduce(self._buffer.nbytes, n)
-                everyone_continues = self._buffer[-1] == n
-                self._delta = self._buffer[:-1] / n - self._snapshot
+                self._comm.Allreduce(MPI.IN_PLACE, message, op=MPI.SUM)
+                self.wire.allreduce(self._buffer.numel() * 4, n)
+                everyone_continues = self._buffer[-1].item() == n
+                with torch.no_grad():
+                    torch.div(self._buffer[:-1], n, out=self._delta).sub_(self._snapshot)
+                if on_device:  # the training thread applies it on another stream's time
+                    torch.cuda.current_stream(self._buffer.device).synchronize()
                 self._done.set()
                 if not everyone_continues:
                     self._stopped.set()
@@ -181,7 +214,7 @@ class AsyncAverageImpl(AlgorithmImpl):
             offset = 0
             for b in self.buckets:
                 vec = self.state.vector("in_flight_delta", b.index, b.segments())
-                vec.data.copy_(torch.from_numpy(self._delta[offset:offset + b.numel]))
+                vec.data.copy_(self._delta[offset:offset + b.numel])
                 offset += b.numel
         state = super().state_dict()
         state["extra"]["in_flight"] = in_flight

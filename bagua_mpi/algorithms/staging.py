@@ -45,19 +45,6 @@ def float32(t: torch.Tensor, keep_float64: bool = False):
 
 
 @contextlib.contextmanager
-def host_float32(t: torch.Tensor):
-    """``t`` as a flat contiguous CPU float32 tensor; a device tensor's copy is counted as a
-    dense staging copy (``accounting.staging``)."""
-    nbytes = t.numel() * t.element_size()
-    if t.is_cuda:
-        staging.d2h(nbytes, dense=True)
-    with _flat(t, torch.device("cpu"), torch.float32) as work:
-        yield work
-    if t.is_cuda:
-        staging.h2d(nbytes)
-
-
-@contextlib.contextmanager
 def float32_all(tensors: list[torch.Tensor]):
     """``float32`` for several tensors at once: yields the list of their float32 forms."""
     with contextlib.ExitStack() as stack:
