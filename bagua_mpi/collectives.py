@@ -239,6 +239,42 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
     return run, ("allreduce", op.name, dt, shape)
 
 
+_FAST_OPS = {"Sum": MPI.SUM, "Average": MPI.SUM, "Min": MPI.MIN, "Max": MPI.MAX}
+
+
+def _fast_allreduce_(rt, tensor, op) -> bool:
+    """The plain case of ``allreduce_`` with as little Python as possible (small allreduces
+    are latency-bound): a contiguous CPU float32/float64 tensor, Sum/Average/Min/Max, no
+    scaling factors, no agreement check, flat. False (nothing done) for anything else; the
+    general path then gives the same bits (Average divides before the sum in both).
+
+    MPI gets the tensor's memory by address: a NumPy view costs ~2 us to make and mpi4py's
+    DLPack import of a tensor ~20 us, against ~1.5 us for a small shared-memory allreduce."""
+    if type(tensor) is not torch.Tensor:
+        return False
+    kind = _FAST_DTYPES.get(tensor.dtype)
+    mop = _FAST_OPS.get(op.name)
+    if kind is None or mop is None or tensor.is_cuda or not tensor.is_contiguous():
+        return False
+    datatype, name, np_dtype = kind
+    comm = rt.topo.comm
+
+    def run():
+        memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
+        if op is Average:  # torch's own multiply costs ~8 us of dispatch here, NumPy's ~3
+            view = np.frombuffer(memory, dtype=np_dtype)
+            np.multiply(view, np_dtype(1.0 / comm.Get_size()), out=view)
+        comm.Allreduce(MPI.IN_PLACE, [memory, datatype], op=mop)
+        return tensor
+
+    rt.worker.run(run, ("allreduce", op.name, name, tuple(tensor.shape)))
+    return True
+
+
+_FAST_DTYPES = {torch.float32: (MPI.FLOAT, "float32", np.float32),
+                torch.float64: (MPI.DOUBLE, "float64", np.float64)}
+
+
 def _allreduce_buffers(topo, src, dst, mop, hierarchical: bool, in_place: bool) -> None:
     """MPI allreduce of tensor/array ``src`` into ``dst``, staging where needed."""
     d = fast_cpu_view(dst)
@@ -300,6 +336,11 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     else:
         op = Average
     rt = runtime.get()
+    if (name is None and process_set is _GLOBAL and prescale_factor == 1.0
+            and postscale_factor == 1.0 and not (check or check is None and consistency._enabled)
+            and not (rt.hierarchical if hierarchical is None else hierarchical)
+            and timeline._collective is None and _fast_allreduce_(rt, tensor, op)):
+        return tensor
     topo = rt.topo if process_set is _GLOBAL else _topo(rt, process_set)
     run, d = _allreduce_run(rt, topo, tensor, tensor, op, prescale_factor, postscale_factor,
                             hierarchical, check)

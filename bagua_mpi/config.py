@@ -62,7 +62,7 @@ KNOWN = (
     "BAGUA_MPI_STALL_WARNING_S", "BAGUA_MPI_STALL_ABORT_S", "BAGUA_MPI_EXIT_TIMEOUT_S",
     "BAGUA_MPI_ABORT_ON_EXCEPTION", "BAGUA_MPI_CUDA_AWARE", "BAGUA_MPI_KERNEL_THREADS",
     "BAGUA_MPI_TIMELINE", "BAGUA_MPI_CHECKPOINT_SCHEME", "BAGUA_MPI_CHECKPOINT_FAULT",
-    "BAGUA_MPI_ELASTIC_DIR", "BAGUA_MPI_BACKEND",
+    "BAGUA_MPI_ELASTIC_DIR", "BAGUA_MPI_BACKEND", "BAGUA_MPI_SHARED_BUCKETS",
 )
 TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
 
@@ -149,6 +149,12 @@ def ranks_per_node() -> int | None:
 def consistency_check() -> bool:
     """``BAGUA_MPI_CHECK``: the per-collective agreement check (default on)."""
     return env_flag("BAGUA_MPI_CHECK", True)
+
+
+def shared_buckets() -> bool:
+    """``BAGUA_MPI_SHARED_BUCKETS``: CPU gradient buckets in node-shared memory, reduced in
+    place (``node_shared.py``; default on)."""
+    return env_flag("BAGUA_MPI_SHARED_BUCKETS", True)
 
 
 def hierarchical() -> bool:
@@ -241,7 +247,7 @@ _ACCESSORS = {
     "BAGUA_MPI_KERNEL_THREADS": kernel_threads, "BAGUA_MPI_TIMELINE": timeline_prefix,
     "BAGUA_MPI_CHECKPOINT_SCHEME": checkpoint_scheme,
     "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault, "BAGUA_MPI_ELASTIC_DIR": elastic_dir,
-    "BAGUA_MPI_BACKEND": backend,
+    "BAGUA_MPI_BACKEND": backend, "BAGUA_MPI_SHARED_BUCKETS": shared_buckets,
 }
 assert set(_ACCESSORS) == set(KNOWN)
 

@@ -62,11 +62,12 @@ _I64_MIN = np.iinfo(np.int64).min
 NO_ACTIVE = np.int64(1) << 40
 
 
-def verify(comm: MPI.Intracomm, signature: tuple, join=None) -> None:
+def verify(comm: MPI.Intracomm, signature: tuple, join=None) -> bool:
     """Raise ``MismatchError`` on every rank unless all ranks pass an equal signature.
 
     ``join``: what a rank inside ``join()`` must contribute zeros to (``((wire dtype, count),
     ...), mpi op, hierarchical)``); None for collectives joined ranks cannot take part in.
+    Returns whether some rank is inside ``join()`` (it then takes part through MPI).
     """
     h = signature_hash(signature)
     buf = np.array([h, -h, 0, -comm.Get_rank(), -1], dtype=np.int64)
@@ -75,6 +76,7 @@ def verify(comm: MPI.Intracomm, signature: tuple, join=None) -> None:
         tell_joined(comm, signature, join, bool(buf[0] == -buf[1]), int(-buf[3]))
     if buf[0] != -buf[1]:
         raise_mismatch(comm, signature)
+    return bool(buf[2])
 
 
 def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:

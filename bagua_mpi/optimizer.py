@@ -23,6 +23,7 @@ from . import backends, collectives, config, runtime
 from .algorithms import AlgorithmContext, WrapOptions, create
 from .compression import Compression
 from .engine import Engine
+from .engine.policy import auto_overlap
 from .exceptions import MismatchError, MisuseError
 from .ops import Average, ReduceOp, Sum
 from .timeline import Timeline
@@ -45,7 +46,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             algorithms ran 1.6x faster than allreduce with 4 MB buckets and 2.7-3.1x with
             25 MB, since each bucket costs a few collectives of fixed latency).
         overlap / flatten / hierarchical: the execution optimizer's O, F, H switches
-            (hierarchical=None takes ``bagua_mpi``'s global default).
+            (hierarchical=None takes ``bagua_mpi``'s global default; overlap=None decides
+            from the hardware, see ``execution.auto_overlap``; ``opt.overlap`` tells).
         profile_order: bucket in the profiled order of gradient readiness (else in reverse
             declaration order, as DDP and Horovod assume).
         find_unused_parameters: after each step, parameters that no rank used in the iteration
@@ -68,7 +70,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  algorithm="gradient_allreduce", compression=Compression.none,
                  backward_passes_per_step: int = 1, op=Average,
                  gradient_predivide_factor: float = 1.0, *, bucket_size_mb: float = 25.0,
-                 overlap: bool = True, flatten: bool = True, hierarchical: bool | None = None,
+                 overlap: bool | None = None, flatten: bool = True,
+                 hierarchical: bool | None = None,
                  profile_order: bool = True, find_unused_parameters: bool = False,
                  timeline: str | None = None, process_set=None, backend: str | None = None):
         # Deliberately no super().__init__: the wrapped optimizer holds the real state.
@@ -119,6 +122,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else config.timeline_prefix()
         self.timeline = Timeline(prefix, rt.topo.rank) if prefix else None
+        if overlap is None:
+            overlap = auto_overlap(params, topo)
+        self.overlap = bool(overlap)
         self._engine = Engine(params, names, self.impl,
                               bucket_bytes=int(bucket_size_mb * 1024 * 1024), overlap=overlap,
                               flatten=flatten, profile_order=profile_order,
@@ -162,8 +168,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("parameters cannot be added after wrapping: build the "
                                   "optimizer with all groups, then wrap it")
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Zero the gradients, keeping them views of the flat buckets (cheapest).
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients: ``None`` by default, as ``torch.optim`` does (backward's fresh
+        gradient is then copied into its bucket once, which measured cheaper than zeroing the
+        buckets and letting autograd add into them: -15 ms a step for 84 MB of gradients on
+        2 cores); ``set_to_none=False`` zeroes the buckets and keeps ``.grad`` their views.
 
         Raises ``MisuseError`` between a backward pass and ``step()``/``synchronize()``: the
         gradients are being (or are about to be) communicated, and zeroing them would make this

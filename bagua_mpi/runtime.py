@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from . import backends, config, faults, topology
+from . import backends, config, faults, node_shared, topology
 from .exceptions import NotInitializedError
 from .watchdog import Watchdog
 from .worker import CommWorker
@@ -135,6 +135,7 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
     faults.uninstall()
     backends.reset()  # NCCL groups and init's choice belong to this runtime
     if not MPI.Is_finalized():
+        node_shared.free_all()  # collective on each node, like the communicators below
         rt.topo.free()
 
 

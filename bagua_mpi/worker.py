@@ -83,7 +83,9 @@ class CommWorker:
         self.rank = rank  # for messages only
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._exec_lock = threading.Lock()  # held while any operation runs
-        self._inside = threading.local()  # .active: this thread is running an operation
+        # the thread running an operation (one at a time: ``_exec_lock``); an ident compare is
+        # cheaper than a threading.local lookup on the latency-bound small-collective path
+        self._active: int | None = None
         self._count_lock = threading.Lock()
         self._pending = 0  # queued + running asynchronous operations
         self._ids = itertools.count()
@@ -99,7 +101,7 @@ class CommWorker:
         """Queue ``fn`` to run on the communication thread; return its handle at once."""
         if self._closed:
             raise BaguaMPIError("bagua_mpi has been shut down; call bagua_mpi.init() again")
-        if getattr(self._inside, "active", False):
+        if self._active == threading.get_ident():
             self._refuse_nested(describe)
         handle = Handle(_name_of(describe), owned, finish)
         with self._count_lock:
@@ -126,16 +128,17 @@ class CommWorker:
         communication thread or inline), it runs ``fn`` at once: that operation already holds
         the executor.
         """
-        if getattr(self._inside, "active", False):
+        me = threading.get_ident()
+        if self._active == me:
             return fn()  # nested in an operation that already holds the executor
         with self._exec_lock:
             if self._pending == 0:
                 self.current = (describe, time.monotonic())
-                self._inside.active = True
+                self._active = me
                 try:
                     return fn()
                 finally:
-                    self._inside.active = False
+                    self._active = None
                     self.current = None
         return self.submit(fn, describe).wait()
 
@@ -161,7 +164,7 @@ class CommWorker:
             with self._exec_lock:
                 started = time.monotonic()
                 self.current = (describe, started)
-                self._inside.active = True
+                self._active = threading.get_ident()
                 try:
                     result = fn()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
@@ -169,7 +172,7 @@ class CommWorker:
                 else:
                     handle._complete(result)
                 finally:
-                    self._inside.active = False
+                    self._active = None
                     self.current = None
                     if self.observer is not None:
                         self.observer(describe, started, time.monotonic())

@@ -92,6 +92,7 @@ class AlgorithmImpl:
         self.state = AlgorithmState(ctx.param_numels)
         self.step = 0  # the optimizer's step count, set by the framework
         self._state_checked = False  # loaded state all claimed (see check_state_claimed)
+        self._shared_ok = True  # node-shared buckets may reduce in place (no rank joined)
 
     # -- what the framework offers implementations -------------------------------------------
     @property
@@ -122,7 +123,8 @@ class AlgorithmImpl:
         else:
             pre, post = ctx.prescale, ctx.postscale
         kwargs = dict(prescale=pre, postscale=post, wire_dtype=ctx.compression.wire_dtype,
-                      stats=self.wire, library_comm=ctx.topo.comm, backend=self.backend)
+                      stats=self.wire, library_comm=ctx.topo.comm, backend=self.backend,
+                      shared=self._shared_ok)
         if fused:
             dense.fused_allreduce_(tensors, comm, **kwargs)
             return
@@ -163,8 +165,9 @@ class AlgorithmImpl:
         a dense exchange with zeros (any other exchange raises ``JoinedRankError`` on the ranks
         still training instead of hanging).
         """
-        if consistency.enabled() and not self.ctx.hierarchical:
-            self._agree(bucket, step)
+        # a rank inside join() adds its zeros through MPI: no shared-memory exchange then
+        self._shared_ok = not (consistency.enabled() and not self.ctx.hierarchical
+                               and self._agree(bucket, step))
 
         def exchange():
             if self.in_dense_stage(step):
@@ -180,7 +183,7 @@ class AlgorithmImpl:
             exchange()
         self.node_broadcast_(self.exchanged_tensors(bucket, step))
 
-    def _agree(self, bucket: "Bucket", step: int) -> None:
+    def _agree(self, bucket: "Bucket", step: int) -> bool:
         tensors = bucket.communication_tensors()
         dense_plain = ((self.in_dense_stage(step) or type(self).reduce_bucket is
                         AlgorithmImpl.reduce_bucket)
@@ -189,9 +192,9 @@ class AlgorithmImpl:
         if dense_plain:  # a joined rank adds zeros to each of the bucket's allreduces
             join = (tuple((reduce_dtype(dtype_name(t)), t.numel()) for t in tensors), MPI.SUM,
                     False)
-        consistency.verify(self.ctx.topo.comm, ("bucket", self.algorithm.name, bucket.index,
-                                                ("sizes", tuple(t.numel() for t in tensors)),
-                                                ("dense", dense_plain)), join)
+        signature = ("bucket", self.algorithm.name, bucket.index,
+                     ("sizes", tuple(t.numel() for t in tensors)), ("dense", dense_plain))
+        return consistency.verify(self.ctx.topo.comm, signature, join)
 
     def setup_buckets(self, buckets: "list[Bucket]") -> None:
         """Main thread, once: hand the buckets over and apply state held since a load."""

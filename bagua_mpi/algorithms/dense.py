@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .. import backends, collectives
+from .. import backends, collectives, node_shared
 from .. import cuda as cuda_support
 from ..accounting import WireStats, staging
 from ..buffers import scale_
@@ -21,13 +21,17 @@ from .staging import reducible
 
 def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postscale: float,
                wire_dtype: torch.dtype | None, stats: WireStats,
-               library_comm: MPI.Intracomm | None = None, backend: str | None = None) -> None:
+               library_comm: MPI.Intracomm | None = None, backend: str | None = None,
+               shared: bool = True) -> None:
     """In place: ``t <- postscale x sum over comm of (prescale x t)``.
 
     With ``wire_dtype`` (float16/bfloat16) a floating tensor travels as 16-bit words through
     the cast scatter-reduce (sums in float32). On the library's own communicator the
     collectives' allreduce runs (its zero-copy fast path); on another one (node leaders) an
     MPI allreduce of the reducible form of ``t``.
+
+    ``shared`` (no rank inside ``join()``): a bucket in node-shared memory is reduced in place
+    (``node_shared.py``; full precision inside a node, ``wire_dtype`` for what crosses nodes).
 
     ``backend`` (default: ``init``'s choice or ``BAGUA_MPI_BACKEND``, see ``backends``): with
     ``nccl``/``nccl_hierarchical`` a CUDA tensor on the library's communicator is summed by
@@ -38,6 +42,11 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     if t.numel() == 0:
         return
     n = comm.Get_size()
+    rows = node_shared.rows_of(t, comm) if shared else None
+    if rows is not None:  # a node-shared bucket: reduced in place, 16-bit only across nodes
+        rows.allreduce_(prescale * postscale, wire_dtype=wire_dtype)
+        stats.add(rows.bytes_sent(wire_dtype))
+        return
     if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
         cast_allreduce_(t, comm, wire_dtype, prescale * postscale)
         stats.add(wire_bytes_cast_allreduce(t.numel(), n, 2))

@@ -10,6 +10,7 @@ one tensor per bucket. ``flatten_params()`` does the same for the parameters the
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -40,7 +41,7 @@ class Bucket:
     """Parameters ``indices`` (into the wrapper's parameter list) communicated as one unit."""
 
     def __init__(self, index: int, indices: list[int], params: list[torch.Tensor],
-                 names: list[str], flatten: bool):
+                 names: list[str], flatten: bool, allocate=None):
         self.index = index
         self.indices = indices
         self.params = [params[i] for i in indices]
@@ -55,8 +56,14 @@ class Bucket:
             offset += p.numel()
         self.flat_grad: torch.Tensor | None = None
         self.flat_param: torch.Tensor | None = None
+        self.shared = None  # node_shared.SharedRows holding flat_grad, when it is shared
         if flatten:
-            self.flat_grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            if allocate is not None:  # a row of node-shared memory (zeroed by the allocator)
+                self.shared = allocate(self.numel)
+                self.flat_grad = self.shared.tensor
+                self.shared.on_free.append(self.privatize)
+            else:
+                self.flat_grad = zeros(self.numel, self.dtype, self.device)
             for k, p in enumerate(self.params):
                 if p.grad is not None:
                     self._view(self.flat_grad, k).copy_(_dense(p.grad))
@@ -154,10 +161,23 @@ class Bucket:
                 if p.grad is not None:
                     p.grad.zero_()
 
+    def privatize(self) -> None:
+        """Move the gradients out of node-shared memory into a private buffer (before the
+        window is freed), keeping ``.grad`` views of it."""
+        if self.shared is None:
+            return
+        old = self.flat_grad
+        self.flat_grad = zeros(self.numel, self.dtype, self.device)
+        self.flat_grad.copy_(old)
+        self.shared = None
+        for k, p in enumerate(self.params):
+            if p.grad is not None and p.grad.data_ptr() == self._view(old, k).data_ptr():
+                p.grad = self._view(self.flat_grad, k)
+
     def flatten_params(self) -> torch.Tensor:
         """Move the parameters into one contiguous buffer; ``p.data`` become views of it."""
         if self.flat_param is None:
-            flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            flat = zeros(self.numel, self.dtype, self.device)
             for k, p in enumerate(self.params):
                 view = self._view(flat, k)
                 view.copy_(p.data)
@@ -173,6 +193,19 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, {len(self.params)} tensors, {self.nbytes} bytes)"
+
+
+def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed flat buffer. On the CPU through NumPy, which asks the kernel for transparent
+    huge pages for large arrays (torch's allocator does not): MPI's copies and the optimizer's
+    passes over a bucket measured 10-20% faster on such memory."""
+    if device.type == "cpu" and dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.zeros(numel, dtype=_NUMPY_DTYPES[dtype]))
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64,
+                 torch.float16: np.float16}
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from .. import collectives, runtime
+from .. import collectives, node_shared, runtime
 from ..exceptions import MisuseError
 from ..ops import Max
 from ..timeline import Timeline
@@ -143,8 +143,18 @@ class Engine:
         else:  # what DDP and Horovod assume: gradients arrive in reverse declaration order
             order = list(reversed(range(len(self.params))))
         groups = plan_buckets(self.params, order, self.bucket_bytes)
-        self.buckets = [Bucket(b, idx, self.params, self.names, self.flatten)
-                        for b, idx in enumerate(groups)]
+        allocators = self._shared_allocators(groups)
+        self.buckets = []
+        for b, idx in enumerate(groups):
+            first = self.params[idx[0]]
+            allocate = allocators.get((first.dtype, first.device))
+            if allocate is None:
+                self.buckets.append(Bucket(b, idx, self.params, self.names, self.flatten))
+            else:  # the window is collective on the node: through the serial executor
+                self.buckets.append(self.worker.run(
+                    lambda idx=idx, b=b, allocate=allocate: Bucket(
+                        b, idx, self.params, self.names, self.flatten, allocate),
+                    ("shared bucket", b)))
         for bucket in self.buckets:
             for k, i in enumerate(bucket.indices):
                 self._bucket_of[i] = (bucket, k)
@@ -152,6 +162,25 @@ class Engine:
                 bucket.flatten_params()
         self.impl.setup_buckets(self.buckets)
         self._reset()
+
+    def _shared_allocators(self, groups: list[list[int]]) -> dict:
+        """(dtype, device) -> allocator of node-shared gradient buffers, for the buckets that
+        can use them (``node_shared.py``): flattened CPU float buckets of an algorithm that
+        communicates gradients. Collective: every rank decides alike."""
+        if not (self.flatten and self.impl.communicates_gradients):
+            return {}
+        topo = self.impl.ctx.topo
+        kinds, total = {}, 0
+        for idx in groups:
+            p = self.params[idx[0]]
+            allocate = node_shared.allocator(topo, p.dtype, p.device)
+            if allocate is not None:
+                kinds[(p.dtype, p.device)] = allocate
+                total += sum(self.params[i].numel() * self.params[i].element_size()
+                             for i in idx)
+        usable = self.worker.run(lambda: node_shared.usable(topo, total, bool(kinds)),
+                                 ("shared buckets?",))
+        return kinds if usable else {}
 
     def _reset(self) -> None:
         self._counts = [0] * len(self.params)
@@ -221,6 +250,8 @@ class Engine:
             bucket.zero_grads()
 
     def close(self) -> None:
+        for bucket in self.buckets or ():
+            bucket.privatize()  # p.grad must outlive the shared window (freed at shutdown)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -1,0 +1,24 @@
+"""Node-shared gradient buckets under a real mpiexec, one test per check and world layout."""
+import pytest
+
+from mpi_harness import assert_check_passed, run_mpi
+
+import shared_buckets_suite
+
+LAYOUTS = {"2 ranks": (2, None), "3 ranks": (3, None), "4 ranks": (4, None),
+           "4 ranks as 2 nodes": (4, "2")}
+_RUNS = {}
+
+
+def layout_run(name):
+    if name not in _RUNS:
+        n, per_node = LAYOUTS[name]
+        env = {"BAGUA_MPI_RANKS_PER_NODE": per_node} if per_node else {}
+        _RUNS[name] = run_mpi("shared_buckets_suite.py", n, env=env, timeout=300)
+    return _RUNS[name]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("check", list(shared_buckets_suite.CHECKS))
+def test_shared_buckets(check, layout):
+    assert_check_passed(layout_run(layout), check)
