@@ -32,6 +32,7 @@ BAGUA_MPI_BACKEND               mpi      library for device tensors' dense colle
                                          nccl or nccl_hierarchical (``bagua_mpi.backends``)
 BAGUA_MPI_KERNEL_THREADS        (auto)   Numba threads per rank for the CPU compression kernels
                                          (default: cores / ranks on the node); positive integer
+BAGUA_MPI_SHARED_BUCKETS        1        CPU gradient buckets in node-shared memory (0: via MPI)
 BAGUA_MPI_TIMELINE              (unset)  path prefix of a Chrome-trace timeline per rank
 BAGUA_MPI_CHECKPOINT_SCHEME     auto     checkpoint write scheme: auto, mpio (parallel h5py) or
                                          token (one rank writes at a time)

@@ -102,3 +102,32 @@ def test_wrapper_forwards_and_works_with_lr_scheduler(initialized):
     assert state["steps"] == 3 and state["config"]["name"] == "gradient_allreduce"
     opt.load_algorithm_state_dict(state)
     opt.close()
+
+
+def test_overlap_policy_needs_a_spare_core_on_cpu(monkeypatch):
+    """overlap=None: on for CUDA models; for CPU models only with a core beyond torch's threads."""
+    from types import SimpleNamespace
+
+    from bagua_mpi.engine import policy
+
+    topo = SimpleNamespace(local_size=2)
+    cpu = [torch.zeros(3)]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(policy, "cores_per_rank", lambda local_size: 1.0)
+    assert policy.auto_overlap(cpu, topo) is False  # 2 ranks on 2 cores: no spare core
+    monkeypatch.setattr(policy, "cores_per_rank", lambda local_size: 2.0)
+    assert policy.auto_overlap(cpu, topo) is True
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert policy.auto_overlap(cpu, topo) is False  # torch's two threads use both
+    cuda_like = [SimpleNamespace(is_cuda=True)]
+    assert policy.auto_overlap(cuda_like, topo) is True
+
+
+def test_cores_per_rank_uses_the_binding_when_the_launcher_bound_the_rank(monkeypatch):
+    from bagua_mpi.engine import policy
+
+    monkeypatch.setattr(policy.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert policy.cores_per_rank(4) == 4.0  # unbound: the node's cores shared by its ranks
+    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert policy.cores_per_rank(4) == 3.0  # bound to three cores: those are its own
