@@ -310,7 +310,7 @@ def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     prefix = os.path.join(tmp, "timeline")
-    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), overlap=True,
                                   named_parameters=model.named_parameters(),
                                   bucket_size_mb=0.3, timeline=prefix)
     for step in range(8):
