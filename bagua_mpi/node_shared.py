@@ -31,7 +31,6 @@ parameter a private copy of its gradient, so ``p.grad`` stays valid after either
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
@@ -39,8 +38,6 @@ import torch
 from mpi4py import MPI
 
 from . import config
-
-logger = logging.getLogger(__name__)
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 CHUNK_BYTES = 128 * 1024  # one chunk of the partial sum stays in L2 while the rows stream by
@@ -56,7 +53,6 @@ class SharedRows:
 
     def __init__(self, topo, numel: int, dtype: torch.dtype):
         self.topo = topo
-        self.numel = numel
         self.np_dtype = _NUMPY[dtype]
         itemsize = np.dtype(self.np_dtype).itemsize
         local, n = topo.local_rank, topo.local_size
@@ -85,32 +81,25 @@ class SharedRows:
         n = rows.shape[0]
         cross = topo.cross_size > 1
         self._barrier()
-        tmp = self._tmp
         factor = self.np_dtype(scale)
-        for start in range(lo, hi, self.chunk):
-            end = min(start + self.chunk, hi)
-            part = tmp[:end - start]
-            if n == 1:
-                part[:] = rows[0, start:end]
-            else:
-                np.add(rows[0, start:end], rows[1, start:end], out=part)
-                for q in range(2, n):
-                    np.add(part, rows[q, start:end], out=part)
+        mine = rows[topo.local_rank]
+        for start, end, part in self._chunks():
+            np.copyto(part, rows[0, start:end])
+            for q in range(1, n):
+                np.add(part, rows[q, start:end], out=part)
             if cross:  # the node's partial sum waits in this rank's own row for step 3
-                rows[topo.local_rank, start:end] = part
-                continue
-            self._write_all(part, factor, start, end)
+                mine[start:end] = part
+            else:
+                self._write_all(part, factor, start, end)
         if cross:
-            mine = rows[topo.local_rank, lo:hi]
             if hi > lo and wire_dtype is None:
-                topo.inter.Allreduce(MPI.IN_PLACE, mine, op=MPI.SUM)
+                topo.inter.Allreduce(MPI.IN_PLACE, mine[lo:hi], op=MPI.SUM)
             elif hi > lo:
+                # imported here: primitives -> collectives -> runtime -> this module
                 from .primitives.centralized import cast_allreduce_
-                cast_allreduce_(torch.from_numpy(mine), topo.inter, wire_dtype, 1.0)
-            for start in range(lo, hi, self.chunk):
-                end = min(start + self.chunk, hi)
-                part = tmp[:end - start]
-                part[:] = rows[topo.local_rank, start:end]
+                cast_allreduce_(torch.from_numpy(mine[lo:hi]), topo.inter, wire_dtype, 1.0)
+            for start, end, part in self._chunks():
+                np.copyto(part, mine[start:end])
                 self._write_all(part, factor, start, end)
         self._barrier()
 
@@ -123,6 +112,12 @@ class SharedRows:
         node = count * itemsize * (n - 1)
         wire = 2 if wire_dtype is not None else itemsize
         return node + (2 * (c - 1) * count * wire) // c
+
+    def _chunks(self):
+        """(start, end, scratch) over this rank's slice, in cache-sized pieces."""
+        for start in range(self.lo, self.hi, self.chunk):
+            end = min(start + self.chunk, self.hi)
+            yield start, end, self._tmp[:end - start]
 
     def _write_all(self, part: np.ndarray, factor, start: int, end: int) -> None:
         if factor != 1:
@@ -163,13 +158,11 @@ def usable(topo, total_bytes: int, wanted: bool = True) -> bool:
     """Collective over ``topo.comm``: whether buckets of ``total_bytes`` per rank can live in
     node-shared memory here (every rank gets the same answer; False if any rank is not
     ``wanted``)."""
-    ok = wanted and config.shared_buckets() and topo.local_size > 1
-    if ok:
-        ok = _shm_room() >= total_bytes * topo.local_size * _SHM_HEADROOM
-    if ok and topo.simulated_ranks_per_node is not None:
+    ok = (wanted and config.shared_buckets() and topo.local_size > 1
+          and _shm_room() >= total_bytes * topo.local_size * _SHM_HEADROOM)
+    if topo.simulated_ranks_per_node is not None:  # (every rank takes part: collective)
         # simulated nodes are real shared memory only if every rank of one sits on this host
-        names = topo.intra.allgather(MPI.Get_processor_name())
-        ok = len(set(names)) == 1
+        ok = len(set(topo.intra.allgather(MPI.Get_processor_name()))) == 1 and ok
     sizes = topo.comm.allgather((topo.local_size, bool(ok)))
     return all(flag for _, flag in sizes) and len({s for s, _ in sizes}) == 1
 

@@ -89,24 +89,13 @@ def make_batch(model: str, rank: int, size: int):
 
 
 # -- one job: one variant ---------------------------------------------------------------------------
-def timed_steps(step, steps: int, comm) -> float:
-    """Seconds per step of the slowest rank, after two warm-up steps (bagua_mpi profiles the
-    first one, Horovod negotiates its first)."""
+def timed(fn, iters: int, comm, warmups: int = 1) -> float:
+    """Seconds per call of the slowest rank, after ``warmups`` untimed calls (two for training
+    steps: bagua_mpi profiles the first one, Horovod negotiates its first)."""
     from mpi4py import MPI
 
-    step()
-    step()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return comm.allreduce((time.perf_counter() - t0) / steps, op=MPI.MAX)
-
-
-def timed_call(fn, iters: int, comm) -> float:
-    from mpi4py import MPI
-
-    fn()
+    for _ in range(warmups):
+        fn()
     comm.Barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -141,9 +130,9 @@ def job(variant: str, model_name: str, batch: int, steps: int) -> dict:
             raw = []
             ours = []
             for _ in range(3):  # interleaved
-                raw.append(timed_call(lambda: world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM),
+                raw.append(timed(lambda: world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM),
                                       iters, world))
-                ours.append(timed_call(lambda: bm.allreduce_(t, bm.Sum), iters, world))
+                ours.append(timed(lambda: bm.allreduce_(t, bm.Sum), iters, world))
             out[f"raw_{label}_s"] = statistics.median(raw)
             out[f"bagua_{label}_s"] = statistics.median(ours)
         bm.shutdown()
@@ -195,7 +184,7 @@ def job(variant: str, model_name: str, batch: int, steps: int) -> dict:
         F.cross_entropy(net(x), y).backward()
         opt.step()
 
-    result["step_s"] = timed_steps(step, steps, world)
+    result["step_s"] = timed(step, steps, world, warmups=2)
     if cleanup is not None:
         cleanup()
     return result

@@ -148,13 +148,12 @@ class Engine:
         for b, idx in enumerate(groups):
             first = self.params[idx[0]]
             allocate = allocators.get((first.dtype, first.device))
-            if allocate is None:
-                self.buckets.append(Bucket(b, idx, self.params, self.names, self.flatten))
-            else:  # the window is collective on the node: through the serial executor
-                self.buckets.append(self.worker.run(
-                    lambda idx=idx, b=b, allocate=allocate: Bucket(
-                        b, idx, self.params, self.names, self.flatten, allocate),
-                    ("shared bucket", b)))
+
+            def make(b=b, idx=idx, allocate=allocate):
+                return Bucket(b, idx, self.params, self.names, self.flatten, allocate)
+            # a shared window is collective on the node: made through the serial executor
+            self.buckets.append(make() if allocate is None
+                                else self.worker.run(make, ("shared bucket", b)))
         for bucket in self.buckets:
             for k, i in enumerate(bucket.indices):
                 self._bucket_of[i] = (bucket, k)
