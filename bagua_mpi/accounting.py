@@ -19,11 +19,18 @@ class WireStats:
 
     def __init__(self):
         self.bytes_sent = 0
+        self.shared_bytes = 0  # the part of bytes_sent moved through node-shared memory
         self.calls = 0
 
     def add(self, nbytes: int) -> None:
         self.bytes_sent += int(nbytes)
         self.calls += 1
+
+    def shared(self, node_bytes: int, wire_bytes: int) -> None:
+        """A node-shared bucket exchange (``node_shared.py``): ``node_bytes`` through shared
+        memory (counted as a ring would move them), ``wire_bytes`` through MPI across nodes."""
+        self.add(node_bytes + wire_bytes)
+        self.shared_bytes += int(node_bytes)
 
     def allreduce(self, nbytes: int, n: int) -> None:
         self.add(2 * (n - 1) * nbytes // n if n > 1 else 0)

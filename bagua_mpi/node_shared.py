@@ -103,15 +103,16 @@ class SharedRows:
                 self._write_all(part, factor, start, end)
         self._barrier()
 
-    def bytes_sent(self, wire_dtype: torch.dtype | None = None) -> int:
-        """What one ``allreduce_`` moves from this rank to others: its reduced slice into the
-        node's other rows, plus the slice's allreduce across nodes (as a ring sends it)."""
+    def bytes_moved(self, wire_dtype: torch.dtype | None = None) -> tuple[int, int]:
+        """(through shared memory, through MPI) for one ``allreduce_`` of this rank, counted
+        as a ring allreduce counts it so algorithms compare alike: the peers' parts of its slice
+        that it reads plus its reduced slice written into their rows (2 (n-1)/n of the bucket),
+        and the slice's allreduce across nodes (16-bit words with ``wire_dtype``)."""
         n, c = self.topo.local_size, self.topo.cross_size
         itemsize = self.rows.itemsize
-        count = self.hi - self.lo
-        node = count * itemsize * (n - 1)
+        node = 2 * (n - 1) * self.rows.shape[1] * itemsize // n
         wire = 2 if wire_dtype is not None else itemsize
-        return node + (2 * (c - 1) * count * wire) // c
+        return node, (2 * (c - 1) * (self.hi - self.lo) * wire) // c
 
     def _chunks(self):
         """(start, end, scratch) over this rank's slice, in cache-sized pieces."""

@@ -260,10 +260,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.impl.step = self.steps
 
     def communication_stats(self) -> dict:
-        """Bytes this rank sent to others (counted from MPI message sizes) and per step."""
+        """Bytes this rank sent to others (counted from message sizes) and per step;
+        ``shared_memory_bytes`` is the part that node-shared buckets moved without MPI."""
         steps = max(1, self.steps)
         return {"bytes_sent": self.impl.wire.bytes_sent, "steps": self.steps,
-                "bytes_per_step": self.impl.wire.bytes_sent / steps}
+                "bytes_per_step": self.impl.wire.bytes_sent / steps,
+                "shared_memory_bytes": self.impl.wire.shared_bytes}
 
     @property
     def buckets(self):

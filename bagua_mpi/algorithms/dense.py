@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .. import backends, collectives, node_shared
+from .. import backends, collectives, node_shared, runtime
 from .. import cuda as cuda_support
 from ..accounting import WireStats, staging
 from ..buffers import scale_
@@ -45,14 +45,13 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     rows = node_shared.rows_of(t, comm) if shared else None
     if rows is not None:  # a node-shared bucket: reduced in place, 16-bit only across nodes
         rows.allreduce_(prescale * postscale, wire_dtype=wire_dtype)
-        stats.add(rows.bytes_sent(wire_dtype))
+        stats.shared(*rows.bytes_moved(wire_dtype))
         return
     if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
         cast_allreduce_(t, comm, wire_dtype, prescale * postscale)
         stats.add(wire_bytes_cast_allreduce(t.numel(), n, 2))
         return
     if comm is library_comm and backends.uses_nccl(t, backend):
-        from .. import runtime
         work = t if t.is_contiguous() else t.contiguous()
         topo = runtime.get().topo
         if comm is topo.comm:
@@ -62,7 +61,9 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
         if work is not t:
             t.copy_(work)
         scale_(t, prescale * postscale)
-    elif comm is library_comm:
+    elif comm is library_comm and comm is runtime.get().topo.comm:
+        # the collectives run on the library's global communicator; a process set's own
+        # communicator takes the generic path below (it once summed over every rank)
         if t.is_cuda and not cuda_support.mpi_is_cuda_aware():
             staging.d2h(t.numel() * t.element_size(), dense=True)  # collectives stage it
             staging.h2d(t.numel() * t.element_size())

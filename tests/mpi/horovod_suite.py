@@ -253,6 +253,7 @@ def mode_process_sets(rank, size):
     # DistributedOptimizer(process_set=): each pair trains its own model (data parallel inside)
     torch.manual_seed(rank // 2)
     model = torch.nn.Linear(3, 1)
+    start = model.weight.detach().double().numpy().copy()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    model.named_parameters(), process_set=from_comm)
     for _ in range(3):
@@ -260,6 +261,13 @@ def mode_process_sets(rank, size):
         model(inp(f"pso{_}", rank, (4, 3), "float32", -1, 1)).sum().backward()
         opt.step()
     opt.close()
+    # the loss is linear: d sum(Wx + b) / dW is the sum of the batch's rows, whatever W is, so
+    # three SGD steps move W by -0.1 x (the pair's average of those sums), summed over steps
+    expected = start - 0.1 * sum(
+        np.mean([inp(f"pso{step}", r, (4, 3), "float32", -1, 1).double().numpy().sum(0)
+                 for r in members], axis=0) for step in range(3))
+    np.testing.assert_allclose(model.weight.detach().double().numpy(), expected, rtol=1e-5,
+                               atol=1e-6, err_msg="set training must average over its members only")
     weights = hvd.allgather_object(model.weight.detach().numpy().tobytes())
     assert all((weights[a] == weights[b]) == (a // 2 == b // 2) or size <= 2
                for a in range(size) for b in range(size)), "pairs must agree, not more"

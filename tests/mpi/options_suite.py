@@ -5,7 +5,7 @@
 each option, either ``DistributedOptimizer`` raises ``UnsupportedOptionError`` at wrap time
 naming the algorithm and the option, or the option measurably takes effect:
 
-* ``compression=fp16``: fewer bytes than without it, in the same steps;
+* ``compression=fp16``: fewer bytes through MPI than without it, in the same steps;
 * ``hierarchical=True``: centralized: a rank that is not a node leader sends only its
   node-level messages (what the flat run sends is different) and all ranks stay identical;
   model averaging: the ranks of a node end with the same model (averaged in the node first);
@@ -76,7 +76,10 @@ def run(algorithm, steps=STEPS, **options):
         after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         updates.append(after - before)
     opt.close()
-    return updates, opt.communication_stats()["bytes_sent"], after
+    stats = opt.communication_stats()
+    # what went through MPI: node-shared buckets reduce inside a node without a wire, so a
+    # 16-bit compression acts only on what crosses nodes
+    return updates, stats["bytes_sent"] - stats["shared_memory_bytes"], after
 
 
 def make_cell(name, option):
@@ -97,7 +100,10 @@ def make_cell(name, option):
         plain_updates, plain_sent, _ = run(algorithm)
         centralized = not bm.algorithms.create(algorithm).averages_models
         if option == "compression":
-            assert size == 1 or sent < 0.9 * plain_sent, (sent, plain_sent)
+            # byte counts are exact: any saving shows the option acted (with node-shared
+            # buckets it acts only on the warm-up's cross-node slices, a few percent for the
+            # sparse algorithms here)
+            assert size == 1 or sent < plain_sent, (sent, plain_sent)
         elif option == "hierarchical":
             topo = bm.runtime.get().topo
             everyone = bm.allgather_object((topo.cross_rank, final.tolist()))
