@@ -1,13 +1,15 @@
 """Training step time: bagua_mpi against Horovod and DDP (gloo), interleaved in one run.
 
     python benchmarks/step_time.py [--ranks 2 4] [--models mlp resnet] [--rounds 3]
-                                   [--steps 6] [--markdown benchmarks/results/step_time.md]
+                                   [--steps 6] [--device cpu|cuda]
+                                   [--markdown benchmarks/results/step_time.md]
 
 Each variant runs as its own ``mpiexec -n N`` job (so an idle Horovod background thread never
 competes with another variant for the cores), and the jobs are interleaved: round 1 runs every
 variant once, round 2 again, ... ; the median round is reported. Every variant trains the same
 model from the same initial weights on the same per-rank data, batch ``--batch`` per rank, SGD
-with momentum.
+with momentum. ``--device cuda`` puts every rank's model and data on GPU 0 (the ranks share it;
+DDP's gloo and bagua_mpi's staged payloads go through host memory).
 
 Models: ``mlp`` = Linear 1024->4096->4096->10 (21.0M parameters, three large tensors);
 ``resnet`` = a CIFAR-style ResNet (3 stages x 3 basic blocks, widths 32/64/128, 32x32 inputs:
@@ -80,12 +82,13 @@ def make_model(name: str):
     return nn.Sequential(*layers)
 
 
-def make_batch(model: str, rank: int, size: int):
+def make_batch(model: str, rank: int, size: int, device: str = "cpu"):
     import torch
 
     g = torch.Generator().manual_seed(1000 + rank)
     shape = (size, 1024) if model == "mlp" else (size, 3, 32, 32)
-    return torch.randn(*shape, generator=g), torch.randint(0, 10, (size,), generator=g)
+    return (torch.randn(*shape, generator=g).to(device),
+            torch.randint(0, 10, (size,), generator=g).to(device))
 
 
 # -- one job: one variant ---------------------------------------------------------------------------
@@ -103,17 +106,20 @@ def timed(fn, iters: int, comm, warmups: int = 1) -> float:
     return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
 
 
-def job(variant: str, model_name: str, batch: int, steps: int) -> dict:
+def job(variant: str, model_name: str, batch: int, steps: int, device: str = "cpu") -> dict:
     import torch
     import torch.nn.functional as F
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    model = make_model(model_name)
-    x, y = make_batch(model_name, rank, batch)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = make_model(model_name).to(device)
+    x, y = make_batch(model_name, rank, batch, device)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    result = {"variant": variant, "ranks": size, "model": model_name, "grad_bytes": nbytes}
+    result = {"variant": variant, "ranks": size, "model": model_name, "grad_bytes": nbytes,
+              "device": device}
 
     if variant == "raw-allreduce":
         import numpy as np
@@ -183,6 +189,8 @@ def job(variant: str, model_name: str, batch: int, steps: int) -> dict:
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         opt.step()
+        if device == "cuda":  # the step is done when the GPU has applied it
+            torch.cuda.synchronize()
 
     result["step_s"] = timed(step, steps, world, warmups=2)
     if cleanup is not None:
@@ -195,13 +203,21 @@ def launch(python: str, variant: str, ranks: int, args) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     cmd = ["mpiexec", "-n", str(ranks), python, HERE, "--job", variant, "--model", args.model,
-           "--batch", str(args.batch), "--steps", str(args.steps)]
+           "--batch", str(args.batch), "--steps", str(args.steps), "--device", args.device]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"variant": variant, "error": f"rc {proc.returncode}: " + " | ".join(tail)}
+
+
+def device_label(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)} (every rank on GPU 0)"
 
 
 def horovod_missing(python: str) -> str | None:
@@ -233,10 +249,12 @@ def table(model: str, ranks: int, rounds: list[dict], variants: list[str]) -> li
             out.append(f"| {v} | - ({errors[0] if errors else 'not run'}) | | | | |")
             continue
         over = s - floor if floor is not None else None
-        out.append(f"| {v} | {s * 1e3:.1f} | {ratio(s, ref['horovod'])} | "
+        chosen = [r[v]["overlap"] for r in rounds if "overlap" in r.get(v, {})]
+        label = f"{v} (overlap {'on' if chosen[0] else 'off'})" if chosen else v
+        out.append(f"| {label} | {s * 1e3:.1f} | {ratio(s, ref['horovod'])} | "
                    f"{ratio(s, ref['ddp-gloo'])} | "
                    f"{over * 1e3:.1f} | {ratio(over, wire)} |" if over is not None else
-                   f"| {v} | {s * 1e3:.1f} | | | | |")
+                   f"| {label} | {s * 1e3:.1f} | | | | |")
     if wire is not None:
         small_raw, small_ours = med("raw-allreduce", "raw_4KiB_s"), med("raw-allreduce",
                                                                          "bagua_4KiB_s")
@@ -263,11 +281,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=VARIANTS)
     parser.add_argument("--horovod-python", default=sys.executable)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--markdown")
     args = parser.parse_args()
 
     if args.job:
-        result = job(args.job, args.model, args.batch, args.steps)
+        result = job(args.job, args.model, args.batch, args.steps, args.device)
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.Get_rank() == 0:
@@ -277,7 +296,7 @@ def main() -> None:
     missing = horovod_missing(args.horovod_python)
     lines = [f"command: `python benchmarks/{os.path.basename(HERE)} "
              + " ".join(sys.argv[1:]) + "`",
-             f"cores: {os.cpu_count()}; batch {args.batch} per rank; median of {args.rounds} "
+             f"cores: {os.cpu_count()}; device: {device_label(args.device)}; batch {args.batch} per rank; median of {args.rounds} "
              f"interleaved rounds x {args.steps} timed steps; OMP_NUM_THREADS = cores / ranks",
              f"horovod: {'not importable: ' + missing if missing else 'imported by ' + args.horovod_python}",
              ""]

@@ -8,6 +8,7 @@ data is seen, so the package imports on machines without a GPU.
 """
 import numpy as np
 
+from ._numpy_compat import ensure_numba_cuda_can_load
 from .errors import (CudaUnavailableError, DeviceMismatchError, KernelTypeError,
                      LayoutError)
 
@@ -16,6 +17,7 @@ FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 def cuda():
     """The ``numba.cuda`` module, imported on first use."""
+    ensure_numba_cuda_can_load()
     try:
         from numba import cuda as _cuda
     except ImportError as exc:  # pragma: no cover - depends on the install
