@@ -242,35 +242,53 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
 _FAST_OPS = {"Sum": MPI.SUM, "Average": MPI.SUM, "Min": MPI.MIN, "Max": MPI.MAX}
 
 
-def _fast_allreduce_(rt, tensor, op) -> bool:
-    """The plain case of ``allreduce_`` with as little Python as possible (small allreduces
-    are latency-bound): a contiguous CPU float32/float64 tensor, Sum/Average/Min/Max, no
-    scaling factors, no agreement check, flat. False (nothing done) for anything else; the
-    general path then gives the same bits (Average divides before the sum in both).
+def _fast_allreduce(rt, tensor, op, in_place: bool, check: bool):
+    """The plain case of ``allreduce``/``allreduce_`` with as little Python as possible (small
+    allreduces are latency-bound): a contiguous CPU float32/float64 tensor, Sum/Average/Min/
+    Max, no scaling factors, flat, on the global set; out of place only below 1 MiB (larger
+    outputs come from ``empty_like``'s huge pages). Returns the result, or None (nothing done)
+    for anything else; the general path then gives the same bits (Average divides before the
+    sum in both, by the same float) and the same agreement check.
 
-    MPI gets the tensor's memory by address: a NumPy view costs ~2 us to make and mpi4py's
+    MPI gets the tensors' memory by address: a NumPy view costs ~2 us to make and mpi4py's
     DLPack import of a tensor ~20 us, against ~1.5 us for a small shared-memory allreduce."""
-    if type(tensor) is not torch.Tensor:
-        return False
+    if type(tensor) is not torch.Tensor or type(op) is not ReduceOp:
+        return None  # the general path validates (and names) anything unusual
     kind = _FAST_DTYPES.get(tensor.dtype)
     mop = _FAST_OPS.get(op.name)
     if kind is None or mop is None or tensor.is_cuda or not tensor.is_contiguous():
-        return False
+        return None
+    nbytes = tensor.nbytes
+    if nbytes == 0 or not in_place and nbytes >= _FAST_OUT_OF_PLACE_BYTES:
+        return None
     datatype, name, np_dtype = kind
     comm = rt.topo.comm
+    shape = tuple(tensor.shape)
+    out = tensor if in_place else torch.empty_like(tensor)
 
     def run():
-        memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
+        if check:
+            consistency.verify(comm, ("allreduce", ("op", op.name), ("dtype", name),
+                                      ("shape", shape)),
+                               (((name, tensor.numel()),), mop, False))
+        memory = MPI.buffer.fromaddress(out.data_ptr(), nbytes)
+        send = MPI.IN_PLACE
         if op is Average:  # torch's own multiply costs ~8 us of dispatch here, NumPy's ~3
-            view = np.frombuffer(memory, dtype=np_dtype)
-            np.multiply(view, np_dtype(1.0 / comm.Get_size()), out=view)
-        comm.Allreduce(MPI.IN_PLACE, [memory, datatype], op=mop)
-        return tensor
+            dst = np.frombuffer(memory, dtype=np_dtype)
+            src = dst if in_place else np.frombuffer(
+                MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), dtype=np_dtype)
+            np.multiply(src, np_dtype(1.0 / comm.Get_size()), out=dst)
+        elif not in_place:  # MPI copies the send buffer into the receive buffer first
+            send = [MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), datatype]
+        comm.Allreduce(send, [memory, datatype], op=mop)
+        return out
 
-    rt.worker.run(run, ("allreduce", op.name, name, tuple(tensor.shape)))
-    return True
+    return rt.worker.run(run, ("allreduce", op.name, name, shape))
 
 
+# Out of place, the fast path allocates with torch.empty; from 1 MiB on, ``empty_like``'s
+# NumPy allocation (transparent huge pages) is worth its few microseconds.
+_FAST_OUT_OF_PLACE_BYTES = 1 << 20
 _FAST_DTYPES = {torch.float32: (MPI.FLOAT, "float32", np.float32),
                 torch.float64: (MPI.DOUBLE, "float64", np.float64)}
 
@@ -290,6 +308,13 @@ def _allreduce_buffers(topo, src, dst, mop, hierarchical: bool, in_place: bool) 
         sbuf, buf = mpi_buffer(src), mpi_buffer(dst, load=False)
         _allreduce_mpi(topo, sbuf.obj, buf.obj, mop, hierarchical)
     buf.writeback()
+
+
+def _plain(rt, name, process_set, prescale_factor, postscale_factor, hierarchical) -> bool:
+    """Options that leave an allreduce to ``_fast_allreduce`` (it checks the tensor itself)."""
+    return (name is None and process_set is _GLOBAL and prescale_factor == 1.0
+            and postscale_factor == 1.0 and timeline._collective is None
+            and not (rt.hierarchical if hierarchical is None else hierarchical))
 
 
 def allreduce(tensor, average=None, name=None, compression=_NO_COMPRESSION, op=None,
@@ -319,6 +344,11 @@ def allreduce(tensor, average=None, name=None, compression=_NO_COMPRESSION, op=N
         return allreduce_grad(tensor, op, prescale_factor, postscale_factor, process_set, name,
                               hierarchical)
     rt = runtime.get()
+    if _plain(rt, name, process_set, prescale_factor, postscale_factor, hierarchical):
+        out = _fast_allreduce(rt, tensor, op, False,
+                              check if check is not None else consistency._enabled)
+        if out is not None:
+            return out
     topo = rt.topo if process_set is _GLOBAL else _topo(rt, process_set)
     run, d = _allreduce_run(rt, topo, tensor, empty_like(tensor), op, prescale_factor,
                             postscale_factor, hierarchical, check)
@@ -336,10 +366,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     else:
         op = Average
     rt = runtime.get()
-    if (name is None and process_set is _GLOBAL and prescale_factor == 1.0
-            and postscale_factor == 1.0 and not (check or check is None and consistency._enabled)
-            and not (rt.hierarchical if hierarchical is None else hierarchical)
-            and timeline._collective is None and _fast_allreduce_(rt, tensor, op)):
+    if (_plain(rt, name, process_set, prescale_factor, postscale_factor, hierarchical)
+            and _fast_allreduce(rt, tensor, op, True, check if check is not None
+                                else consistency._enabled) is not None):
         return tensor
     topo = rt.topo if process_set is _GLOBAL else _topo(rt, process_set)
     run, d = _allreduce_run(rt, topo, tensor, tensor, op, prescale_factor, postscale_factor,

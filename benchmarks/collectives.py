@@ -1,6 +1,7 @@
 """Allreduce latency and bus bandwidth: raw mpi4py against bagua_mpi, in the same run.
 
-    mpiexec -n 4 python benchmarks/collectives.py [--max-mib 64] [--markdown out.md]
+    mpiexec -n 4 python benchmarks/collectives.py [--min-bytes 64] [--max-mib 64]
+        [--markdown out.md]
 
 Bus bandwidth follows nccl-tests: algbw = bytes / time, busbw = algbw * 2(n-1)/n for allreduce.
 Each size is measured in interleaved rounds (raw, then each bagua_mpi variant, repeated) and the
@@ -42,6 +43,8 @@ def timed(fn, iters: int, comm) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--min-kib", type=int, default=4)
+    parser.add_argument("--min-bytes", type=int,
+                        help="smallest message in bytes (overrides --min-kib)")
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--markdown", help="also write the table to this file (rank 0)")
@@ -52,7 +55,7 @@ def main() -> None:
     n = world.Get_size()
     rank = world.Get_rank()
     sizes = []
-    nbytes = args.min_kib * 1024
+    nbytes = args.min_bytes or args.min_kib * 1024
     while nbytes <= args.max_mib * 1024 * 1024:
         sizes.append(nbytes)
         nbytes *= 4
@@ -114,16 +117,16 @@ def main() -> None:
             + f" | {busbw['raw']:.3f} | "
             + " | ".join(f"{busbw[k] / busbw[base_of[k]]:.3f}" for k in names[2:])
             + f" | {(med['bm-sum'] - med['bm-sum-nock']) * 1e6:.1f} |")
-    small = rows[0][1]
-    summary = [
-        "",
-        f"ranks: {n}; MPI: {MPI.Get_library_version().splitlines()[0].strip()}",
-        f"per-call overhead at {_human(rows[0][0])}: in place "
-        f"{(small['bm-inplace'] - small['raw']) * 1e6:.1f} µs over raw (check off); "
-        f"out of place {(small['bm-sum-nock'] - small['raw-fresh']) * 1e6:.1f} µs over "
-        f"raw-fresh with the check off, {(small['bm-sum'] - small['raw-fresh']) * 1e6:.1f} µs "
-        f"with it on",
-    ]
+    summary = ["", f"ranks: {n}; MPI: {MPI.Get_library_version().splitlines()[0].strip()}"]
+    for nbytes, small in rows:
+        if nbytes > 4096:
+            break
+        summary.append(
+            f"per-call overhead at {_human(nbytes)}: in place "
+            f"{(small['bm-inplace'] - small['raw']) * 1e6:.1f} µs over raw (check off); "
+            f"out of place {(small['bm-sum-nock'] - small['raw-fresh']) * 1e6:.1f} µs over "
+            f"raw-fresh with the check off, {(small['bm-sum'] - small['raw-fresh']) * 1e6:.1f} "
+            f"µs with it on")
     big = [(nb, m) for nb, m in rows if nb >= 1 << 20]
     if big:
         worst_in = min(m["raw"] / m["bm-inplace"] for _, m in big)

@@ -51,6 +51,10 @@ def mode_mismatch(rank, size):
                ["op=Max", "op=Sum"]),
         "collective": (lambda: bm.broadcast(torch.zeros(4)) if rank == 0 else bm.allreduce(torch.zeros(4)),
                        ["broadcast(", "allreduce("]),
+        # the small-message fast path on one rank, the general path (>= 1 MiB out of place) on
+        # the others: both must send the same check record
+        "fast_vs_general": (lambda: bm.allreduce(torch.zeros(2 if rank == 0 else 300_000), bm.Sum),
+                            ["shape=(2,)", "shape=(300000,)"]),
         "root": (lambda: bm.broadcast(torch.zeros(2), root_rank=rank), ["root=0", f"root={last}"]),
         "allgather": (lambda: bm.allgather(torch.zeros(2, 2 + rank)), ["trailing_shape=(2,)"]),
         "alltoall": (lambda: bm.alltoall(torch.zeros(size, 1, dtype=torch.int32 if rank else torch.int64)),
