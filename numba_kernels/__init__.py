@@ -20,7 +20,7 @@ True
 >>> bool(np.allclose(nk.decompress(p) + e, g, atol=1e-6))
 True
 """
-from .casts import compress_cast
+from .casts import compress_cast, sum_halves
 from .dispatch import decompress, decompress_many
 from .errors import (CudaUnavailableError, DeviceMismatchError, KernelError,
                      KernelParameterError, KernelTypeError, LayoutError, PayloadError)
@@ -33,9 +33,9 @@ from .wire import (ALIGN, CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDF
                    TopKFormat)
 
 __all__ = [
-    "compress_cast", "compress_minmax", "compress_qsgd", "compress_onebit", "compress_topk",
-    "compress_randk", "minmax_errors", "decompress", "decompress_many", "merge_topk",
-    "restore_unselected", "scale_topk_values",
+    "compress_cast", "sum_halves", "compress_minmax", "compress_qsgd", "compress_onebit",
+    "compress_topk", "compress_randk", "minmax_errors", "decompress", "decompress_many",
+    "merge_topk", "restore_unselected", "scale_topk_values",
     "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
     "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",
     "DeviceMismatchError", "CudaUnavailableError",

@@ -11,11 +11,22 @@
 Wire bytes per rank: 2 x (n-1)/n x L x 2 bytes, the same as a ring allreduce of 16-bit data,
 while all additions run in float32 (MPICH's own float16 reduction is ~8x slower here).
 The two-level form is the algorithm framework's (``algorithms/base.py``).
+
+On the host every step writes into buffers kept from call to call (one set per thread and
+size): casts are torch's (hardware conversion), and step 3 decodes and sums the received
+partitions in one pass (``numba_kernels.sum_halves``). Casting into fresh tensors, as the first
+version did, spent 151 ms of compute on 21M floats at 2 ranks, mostly first-touch page faults;
+see ``benchmarks/results/step_time.md`` for step times.
 """
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import torch
 from mpi4py import MPI
+
+import numba_kernels as nk
 
 from .. import cuda as cuda_support
 from ..buffers import host_view
@@ -51,6 +62,9 @@ def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.d
         if scale != 1.0:
             flat.mul_(scale)
         return flat
+    if not flat.is_cuda and flat.is_contiguous() and flat.dtype in _HOST_FLOATS:
+        _host_cast_allreduce_(flat, comm, wire_dtype, scale)
+        return flat
     part = partition_length(length, n)
     send = torch.zeros(n * part, dtype=wire_dtype, device=flat.device)
     send[:length].copy_(flat)
@@ -68,6 +82,46 @@ def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.d
     comm.Allgather(_mpi(merged_wire), _mpi(gathered))
     flat.copy_(gathered[:length])
     return flat
+
+
+_HOST_FLOATS = (torch.float32, torch.float64)
+_KIND = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_buffers = threading.local()  # per thread: (n, part) -> (send, recv, merged, gathered)
+_KEEP = 8  # buffer sets kept per thread (one per bucket size in use)
+
+
+def _host_buffers(n: int, part: int):
+    """Reused buffers for one exchange shape: fresh large arrays cost page faults each step."""
+    sets = getattr(_buffers, "sets", None)
+    if sets is None:
+        sets = _buffers.sets = {}
+    key = (n, part)
+    found = sets.pop(key, None)
+    if found is None:
+        found = (np.zeros(n * part, np.uint16), np.empty(n * part, np.uint16),
+                 np.empty(part, np.float32), np.empty(n * part, np.uint16))
+    sets[key] = found  # most recently used last
+    while len(sets) > _KEEP:
+        sets.pop(next(iter(sets)))
+    return found
+
+
+def _host_cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.dtype,
+                          scale: float) -> None:
+    """``cast_allreduce_`` of a contiguous float32/float64 CPU tensor (steps 1-5 above)."""
+    n, rank, length = comm.Get_size(), comm.Get_rank(), flat.numel()
+    part = partition_length(length, n)
+    send, recv, merged, gathered = _host_buffers(n, part)
+    words = torch.from_numpy(send).view(wire_dtype)
+    words[:length].copy_(flat.detach())  # the padding past length stays zero
+    comm.Alltoall(send, recv)
+    nk.sum_halves(recv.reshape(n, part), merged, _KIND[wire_dtype])
+    if scale != 1.0:
+        np.multiply(merged, np.float32(scale), out=merged)
+    result = torch.from_numpy(gathered).view(wire_dtype)
+    result[rank * part:(rank + 1) * part].copy_(torch.from_numpy(merged))
+    comm.Allgather(MPI.IN_PLACE, gathered)
+    flat.copy_(result[:length])
 
 
 def wire_bytes_cast_allreduce(length: int, n: int, wire_itemsize: int) -> int:

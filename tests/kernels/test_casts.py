@@ -69,3 +69,22 @@ def test_error_feedback_identity(kind, dtype, n, rng):
     xhat = nk.decompress(nk.compress_cast(x, kind, residual=e))
     assert_ef_identity(x, e_old, xhat, e)
     assert not np.array_equal(e, e_old)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
+def test_sum_halves_decodes_and_adds_rows_in_order(kind, out_dtype, rng):
+    rows = np.stack([REFS[kind](data(rng, 1001, np.float32, scale=300.0)) for _ in range(3)])
+    decoded = (rows.view(np.float16).astype(np.float32) if kind == "fp16"
+               else (rows.astype(np.uint32) << 16).view(np.float32))
+    expect = (decoded[0] + decoded[1]) + decoded[2]  # float32, row order
+    out = np.full(1001, np.nan, out_dtype)
+    assert nk.sum_halves(rows, out, kind) is out
+    np.testing.assert_array_equal(out, expect.astype(out_dtype))
+
+
+def test_sum_halves_refuses_mismatched_shapes():
+    with pytest.raises(nk.LayoutError, match="rows of 4 values"):
+        nk.sum_halves(np.zeros((2, 4), np.uint16), np.zeros(5, np.float32))
+    with pytest.raises(nk.KernelTypeError, match="uint16"):
+        nk.sum_halves(np.zeros((2, 4), np.float32), np.zeros(4, np.float32))

@@ -11,7 +11,7 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDCodec, Segment,
-                                  compressed_allreduce_, decentralized_average_,
+                                  cast_allreduce_, compressed_allreduce_, decentralized_average_,
                                   low_precision_decentralized_, packed_compressed_allreduce_,
                                   padded_length, partition_length,
                                   peers_for, random_pairing)
@@ -204,10 +204,53 @@ def check_packed_compressed_allreduce(rank, size):
     return 3 * len(layers)
 
 
+def round_16(x: np.ndarray, kind: str) -> np.ndarray:
+    """x (float32) rounded to fp16/bf16 and back, nearest even (NumPy's float16; bf16 by its
+    float32 bits: add 0x7fff plus the kept lowest bit, drop 16 bits)."""
+    if kind == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    kept = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return (kept & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+
+
+def simulate_cast_allreduce(xs, kind: str, scale: float) -> np.ndarray:
+    """Every rank's casts, partition sums in float32 in rank order, the scaled sum's cast."""
+    n, length = len(xs), xs[0].size
+    part = partition_length(length, n)
+    padded = np.zeros((n, part * n), np.float32)
+    for i, x in enumerate(xs):
+        padded[i, :length] = round_16(x.astype(np.float32), kind)
+    total = padded[0].copy()
+    for i in range(1, n):
+        total += padded[i]
+    return round_16(total * np.float32(scale), kind)[:length]
+
+
+def check_cast_allreduce(rank, size):
+    """The 16-bit wire's scatter-reduce, exact against the simulation (lengths that do not
+    divide by the world size; float64 tensors are cast from their float32 rounding)."""
+    comm = bm.runtime.get().topo.comm
+    checks = 0
+    for kind, wire in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for dtype in (np.float32, np.float64):
+            for length in (1, 5, 1001, 40_003):
+                xs = [x.astype(dtype) for x in inputs(7 + length, size, length)]
+                expected = simulate_cast_allreduce([x.astype(np.float32) for x in xs], kind,
+                                                   1.0 / size)
+                mine = torch.from_numpy(xs[rank].copy())
+                cast_allreduce_(mine, comm, wire, 1.0 / size)
+                what = f"cast_allreduce {kind} {np.dtype(dtype).name} length {length}"
+                assert np.array_equal(mine.numpy().astype(np.float32), expected), what
+                checks += 1
+    return checks
+
+
 def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
-    checks = check_compressed_allreduce(rank, size)
+    checks = check_cast_allreduce(rank, size)
+    checks += check_compressed_allreduce(rank, size)
     checks += check_packed_compressed_allreduce(rank, size)
     checks += check_hierarchical_compressed(rank, size)
     checks += check_decentralized(rank, size)
