@@ -1,7 +1,7 @@
 """Training step time: bagua_mpi against Horovod and DDP (gloo), interleaved in one run.
 
     python benchmarks/step_time.py [--ranks 2 4] [--models mlp resnet] [--rounds 3]
-                                   [--steps 6] [--device cpu|cuda]
+                                   [--steps 6] [--device cpu|cuda] [--gbit 1]
                                    [--markdown benchmarks/results/step_time.md]
 
 Each variant runs as its own ``mpiexec -n N`` job (so an idle Horovod background thread never
@@ -9,7 +9,10 @@ competes with another variant for the cores), and the jobs are interleaved: roun
 variant once, round 2 again, ... ; the median round is reported. Every variant trains the same
 model from the same initial weights on the same per-rank data, batch ``--batch`` per rank, SGD
 with momentum. ``--device cuda`` puts every rank's model and data on GPU 0 (the ranks share it;
-DDP's gloo and bagua_mpi's staged payloads go through host memory).
+DDP's gloo and bagua_mpi's staged payloads go through host memory). ``--gbit G`` (root) runs
+every job in a network namespace whose loopback is shaped to G Gbit/s, all ranks sharing it,
+with MPICH on TCP there and each rank posing as its own node (``BAGUA_MPI_RANKS_PER_NODE=1``),
+so every library's bytes cross the slow link.
 
 Models: ``mlp`` = Linear 1024->4096->4096->10 (21.0M parameters, three large tensors);
 ``resnet`` = a CIFAR-style ResNet (3 stages x 3 basic blocks, widths 32/64/128, 32x32 inputs:
@@ -199,11 +202,16 @@ def job(variant: str, model_name: str, batch: int, steps: int, device: str = "cp
 
 
 # -- the driver --------------------------------------------------------------------------------------
-def launch(python: str, variant: str, ranks: int, args) -> dict:
+def launch(python: str, variant: str, ranks: int, args, link=None) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     cmd = ["mpiexec", "-n", str(ranks), python, HERE, "--job", variant, "--model", args.model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--device", args.device]
+    if link is not None:
+        # every rank its own node, as on a cluster with one rank per node: bagua_mpi's
+        # node-shared buckets would otherwise reduce through memory, past the shaped link
+        env["BAGUA_MPI_RANKS_PER_NODE"] = "1"
+        cmd = link.prefix + ["OMP_NUM_THREADS=" + env["OMP_NUM_THREADS"]] + cmd
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -282,6 +290,8 @@ def main() -> None:
     parser.add_argument("--horovod-python", default=sys.executable)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gbit", type=float,
+                        help="run every job over a loopback shaped to this many Gbit/s (root)")
     parser.add_argument("--markdown")
     args = parser.parse_args()
 
@@ -300,6 +310,25 @@ def main() -> None:
              f"interleaved rounds x {args.steps} timed steps; OMP_NUM_THREADS = cores / ranks",
              f"horovod: {'not importable: ' + missing if missing else 'imported by ' + args.horovod_python}",
              ""]
+    if args.gbit is not None:
+        sys.path.insert(0, os.path.dirname(HERE))
+        from shaped_link import shaped_link
+
+        lines.insert(2, f"link: TCP over one loopback shaped to {args.gbit:g} Gbit/s, shared by "
+                        f"all ranks (benchmarks/shaped_link.py); each rank its own node")
+        with shaped_link(args.gbit) as link:
+            run_all(args, missing, lines, link)
+    else:
+        run_all(args, missing, lines, None)
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(text + "\n")
+
+
+def run_all(args, missing, lines: list[str], link) -> None:
+    """Every model x rank count x round x variant (interleaved), tables appended to lines."""
     for model in args.models:
         args.model = model
         for ranks in args.ranks:
@@ -311,16 +340,11 @@ def main() -> None:
                         got[v] = {"variant": v, "skipped": "Horovod not importable"}
                         continue
                     python = args.horovod_python if v.startswith("horovod") else sys.executable
-                    got[v] = launch(python, v, ranks, args)
+                    got[v] = launch(python, v, ranks, args, link)
                     print(f"[{model} n={ranks} round {r}] {v}: "
                           f"{json.dumps(got[v])[:300]}", file=sys.stderr, flush=True)
                 rounds.append(got)
             lines += table(model, ranks, rounds, args.variants) + [""]
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text + "\n")
 
 
 if __name__ == "__main__":
