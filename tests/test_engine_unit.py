@@ -25,6 +25,20 @@ def test_plan_buckets_follows_order_and_budget():
         plan_buckets(params, [0], 0)
 
 
+def test_plan_buckets_joins_a_tiny_bucket_to_the_next_parameter():
+    # an MLP's reversed order: small last layer, one tensor over the budget, then the rest
+    small, huge, bias, weight = (torch.zeros(40_970), torch.zeros(16_781_312), torch.zeros(4096),
+                                 torch.zeros(4_194_304))
+    budget = 25 * 1024 * 1024
+    # 160 KiB alone would be a bucket of its own; under 1 MiB it takes the 64 MiB tensor along
+    assert plan_buckets([small, huge, bias, weight], [0, 1, 2, 3], budget) == [[0, 1], [2, 3]]
+    # from 1 MiB on, the budget decides again
+    assert plan_buckets([torch.zeros(300_000), huge], [0, 1], budget) == [[0], [1]]
+    # small budgets scale the floor down to 1/16: 100 bytes of a 1600-byte budget
+    assert plan_buckets([torch.zeros(5), torch.zeros(400)], [0, 1], 1600) == [[0, 1]]
+    assert plan_buckets([torch.zeros(30), torch.zeros(400)], [0, 1], 1600) == [[0], [1]]
+
+
 def test_bucket_flattening_makes_grads_views_and_reabsorbs():
     a = torch.nn.Parameter(torch.ones(2, 3))
     b = torch.nn.Parameter(torch.ones(4))

@@ -1,7 +1,12 @@
 """Buckets: groups of parameters communicated together, optionally flattened.
 
 ``plan_buckets`` groups parameters in a given order (the profiled order of gradient readiness)
-by a byte budget, starting a new bucket when the budget is exceeded or the dtype/device changes.
+by a byte budget, starting a new bucket when the budget is exceeded or the dtype/device changes,
+but never closing a bucket still under ``min_bucket_bytes`` (1 MiB or 1/16 of the budget): such
+a bucket's exchange costs a collective's latency and absorbs the ranks' skew, which delays the
+next bucket by more than starting a few hundred KiB early gains. Measured on a 1 Gbit link
+(MLP, fp16 wire): a lone 180 KB first bucket took 30-80 ms and held the 67 MB bucket behind it
+for ~23 ms; joined to it, steps went 795 -> 757 ms at 2 ranks and 2378 -> 2253 ms at 4.
 
 A ``Bucket`` with flattening owns one contiguous gradient buffer; each parameter's ``.grad`` is a
 view into it, so autograd accumulates straight into the buffer and the algorithm communicates
@@ -15,10 +20,19 @@ import torch
 from ..buffers import empty_like
 
 
+MIN_BUCKET_BYTES = 1 << 20
+
+
+def min_bucket_bytes(bucket_bytes: int) -> int:
+    """Below this a bucket takes the next parameter even past the budget (module docstring)."""
+    return min(MIN_BUCKET_BYTES, bucket_bytes // 16)
+
+
 def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int) -> list[list[int]]:
     """Partition parameter indices, taken in ``order``, into buckets of about ``bucket_bytes``."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    floor = min_bucket_bytes(bucket_bytes)
     buckets: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -27,7 +41,7 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int
         p = params[i]
         nbytes = p.numel() * p.element_size()
         this_kind = (p.dtype, p.device)
-        if current and (used + nbytes > bucket_bytes or this_kind != kind):
+        if current and (this_kind != kind or used + nbytes > bucket_bytes and used >= floor):
             buckets.append(current)
             current, used = [], 0
         current.append(i)
