@@ -17,7 +17,7 @@ BAGUA_MPI_RANKS_PER_NODE        (unset)  testing override: pretend each node hol
                                          ranks (consecutive ranks), so hierarchical code runs on
                                          one host; a positive integer
 BAGUA_MPI_CHECK                 1        cross-rank agreement check of op, dtype and shape before
-                                         each collective (one 16-byte allreduce); 0 turns it off
+                                         each collective (one 40-byte allreduce); 0 turns it off
 BAGUA_MPI_HIERARCHICAL          0        default for ``allreduce(..., hierarchical=None)`` and
                                          ``DistributedOptimizer(hierarchical=None)``
 BAGUA_MPI_STALL_WARNING_S       60       a collective waiting longer than this is logged (> 0)

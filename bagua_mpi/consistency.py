@@ -3,14 +3,16 @@
 MPI gives undefined behaviour (a hang, a truncation error, or silently reduced garbage) when
 ranks disagree on count or datatype. Before each collective, each rank hashes its *signature*
 (operation, op, dtype, shape, root, ...) to a 62-bit integer and the ranks allreduce
-``[h, -h]`` with MAX in one 16-byte message: all agree iff ``max(h) == -max(-h)`` (= min h).
+``[h, -h]`` with MAX, plus three words for ``join()``, in one 40-byte message: all agree iff
+``max(h) == -max(-h)`` (= min h).
 Only when they disagree does a second, slower step gather every rank's readable signature, so
 the ``MismatchError`` raised on every rank names what each rank passed.
 
 Cost: one extra small allreduce per collective (measured in ``benchmarks/collectives.py``);
 turn it off with ``BAGUA_MPI_CHECK=0`` or ``bagua_mpi.set_consistency_check(False)`` once a job
 is known to be correct. The execution engine checks bucket layouts once at wrap time and then
-runs its per-step collectives unchecked.
+each bucket's exchange with one such allreduce (which also lets a rank inside ``join()`` take
+part); a step of a few buckets pays a few of them.
 """
 from __future__ import annotations
 
