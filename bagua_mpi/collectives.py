@@ -187,6 +187,13 @@ def _nccl_allreduce(topo, src, dst, mop, hier, in_place=True) -> None:
         dst.copy_(work)
 
 
+def _verify_allreduce(comm, op, dt: str, shape: tuple, mop, hier: bool) -> None:
+    """The agreement check of an allreduce: one record for the general and the fast path, so
+    ranks taking different paths for the same call still agree (and disagreeing calls raise)."""
+    consistency.verify(comm, ("allreduce", ("op", op.name), ("dtype", dt), ("shape", shape)),
+                       (((reduce_dtype(dt), math.prod(shape)),), mop, hier))
+
+
 def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
                    check=None):
     dt = dtype_name(tensor)
@@ -212,9 +219,7 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
 
     def run():
         if consistency._enabled if check is None else check:
-            consistency.verify(topo.comm, ("allreduce", ("op", op.name), ("dtype", dt),
-                                           ("shape", shape)),
-                               (((reduce_dtype(dt), numel),), mop, hier))
+            _verify_allreduce(topo.comm, op, dt, shape, mop, hier)
         if numel == 0:
             return out
         if dt in HALF:  # reduce in float32, round once at the end
@@ -268,9 +273,7 @@ def _fast_allreduce(rt, tensor, op, in_place: bool, check: bool):
 
     def run():
         if check:
-            consistency.verify(comm, ("allreduce", ("op", op.name), ("dtype", name),
-                                      ("shape", shape)),
-                               (((name, tensor.numel()),), mop, False))
+            _verify_allreduce(comm, op, name, shape, mop, False)
         memory = MPI.buffer.fromaddress(out.data_ptr(), nbytes)
         send = MPI.IN_PLACE
         if op is Average:  # torch's own multiply costs ~8 us of dispatch here, NumPy's ~3

@@ -306,8 +306,9 @@ def main() -> None:
     missing = horovod_missing(args.horovod_python)
     lines = [f"command: `python benchmarks/{os.path.basename(HERE)} "
              + " ".join(sys.argv[1:]) + "`",
-             f"cores: {os.cpu_count()}; device: {device_label(args.device)}; batch {args.batch} per rank; median of {args.rounds} "
-             f"interleaved rounds x {args.steps} timed steps; OMP_NUM_THREADS = cores / ranks",
+             f"cores: {os.cpu_count()}; device: {device_label(args.device)}; batch {args.batch} "
+             f"per rank; median of {args.rounds} interleaved rounds x {args.steps} timed steps; "
+             f"OMP_NUM_THREADS = cores / ranks",
              f"horovod: {'not importable: ' + missing if missing else 'imported by ' + args.horovod_python}",
              ""]
     if args.gbit is not None:

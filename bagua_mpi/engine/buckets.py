@@ -2,7 +2,7 @@
 
 ``plan_buckets`` groups parameters in a given order (the profiled order of gradient readiness)
 by a byte budget, starting a new bucket when the budget is exceeded or the dtype/device changes,
-but never closing a bucket still under ``min_bucket_bytes`` (1 MiB or 1/16 of the budget): such
+but never closing a bucket still under ``MIN_BUCKET_BYTES`` (1 MiB, or 1/16 of a smaller budget): such
 a bucket's exchange costs a collective's latency and absorbs the ranks' skew, which delays the
 next bucket by more than starting a few hundred KiB early gains. Measured on a 1 Gbit link
 (MLP, fp16 wire): a lone 180 KB first bucket took 30-80 ms and held the 67 MB bucket behind it
@@ -23,16 +23,11 @@ from ..buffers import empty_like
 MIN_BUCKET_BYTES = 1 << 20
 
 
-def min_bucket_bytes(bucket_bytes: int) -> int:
-    """Below this a bucket takes the next parameter even past the budget (module docstring)."""
-    return min(MIN_BUCKET_BYTES, bucket_bytes // 16)
-
-
 def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int) -> list[list[int]]:
     """Partition parameter indices, taken in ``order``, into buckets of about ``bucket_bytes``."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
-    floor = min_bucket_bytes(bucket_bytes)
+    floor = min(MIN_BUCKET_BYTES, bucket_bytes // 16)  # see the module docstring
     buckets: list[list[int]] = []
     current: list[int] = []
     used = 0

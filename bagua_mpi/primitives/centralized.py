@@ -113,7 +113,9 @@ def _host_cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: t
     part = partition_length(length, n)
     send, recv, merged, gathered = _host_buffers(n, part)
     words = torch.from_numpy(send).view(wire_dtype)
-    words[:length].copy_(flat.detach())  # the padding past length stays zero
+    # past length: zeros, or an earlier call's words (same part, other length); either way only
+    # padding, which the elementwise sums keep apart from the result
+    words[:length].copy_(flat.detach())
     comm.Alltoall(send, recv)
     nk.sum_halves(recv.reshape(n, part), merged, _KIND[wire_dtype])
     if scale != 1.0:
