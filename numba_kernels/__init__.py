@@ -12,6 +12,11 @@ A payload is one flat uint8 buffer whose size follows from ``(n, params)``
 (see ``wire``).  Compressors take ``residual=`` for fused error feedback and
 ``out=`` for a preallocated payload buffer.
 
+Every CUDA kernel launch is counted: ``launch_count()`` and ``sync_count()``
+(device-to-host waits, only top-k's approximate method makes any) give the
+host overhead of a bucket's compression; ``reset_launch_count()`` zeroes both.
+Each compressor documents its launches ("Device launches: ...").
+
 >>> import numpy as np, numba_kernels as nk
 >>> g = np.linspace(-1, 1, 4096, dtype=np.float32); e = np.zeros_like(g)
 >>> p = nk.compress_minmax(g, bits=8, chunk=1024, residual=e)
@@ -20,6 +25,7 @@ True
 >>> bool(np.allclose(nk.decompress(p) + e, g, atol=1e-6))
 True
 """
+from ._counters import launch_count, reset_launch_count, sync_count
 from .casts import compress_cast, sum_halves
 from .dispatch import decompress, decompress_many
 from .errors import (CudaUnavailableError, DeviceMismatchError, KernelError,
@@ -36,6 +42,7 @@ __all__ = [
     "compress_cast", "sum_halves", "compress_minmax", "compress_qsgd", "compress_onebit",
     "compress_topk", "compress_randk", "minmax_errors", "decompress", "decompress_many",
     "merge_topk", "restore_unselected", "scale_topk_values",
+    "launch_count", "sync_count", "reset_launch_count",
     "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
     "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",
     "DeviceMismatchError", "CudaUnavailableError",

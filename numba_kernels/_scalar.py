@@ -14,9 +14,11 @@ compress the same tensor send the same bytes.  Three things make that possible;
   (SplitMix64's finaliser), the same number wherever and in whatever order it
   is processed.
 
-Functions named ``*_py`` here and in the compressor modules are plain
-integer/float code without target-specific calls: the very same Python source
-is compiled by ``njit`` for the CPU and by ``cuda.jit(device=True)`` for the GPU.
+Functions named ``*_py`` here and in the other leaf modules (``_bits``,
+``_half_bits``, ``_chunk_rules``, ``_sparse_rules``) are plain integer/float
+code without target-specific calls: the very same Python source is compiled by
+``njit`` for the CPU and by ``cuda.jit(device=True)`` for the GPU.  The
+``_cuda`` modules import these leaves, never the public modules that use them.
 
 ``segment_sum`` / ``chunk_sum`` define the summation order of every per-chunk
 sum (QSGD norm, 1-bit scale).
@@ -75,7 +77,14 @@ def greater_py(a, b):
     return a if a > b else b
 
 
+def add_or_replace_py(acc, value, add):
+    """A decoded row folded into the output: acc + value, or value where the row replaces acc
+    (the first row of a decode without accumulate).  Rows are folded in order on both targets."""
+    return acc + value if add else value
+
+
 lesser = njit(nogil=True, inline="always")(lesser_py)
+add_or_replace = njit(nogil=True, inline="always")(add_or_replace_py)
 greater = njit(nogil=True, inline="always")(greater_py)
 uniform24 = njit(nogil=True, inline="always")(uniform24_py)
 hash32 = njit(nogil=True, inline="always")(hash32_py)

@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit
 
 from ._scalar import f32_bits
+from ._sparse_rules import keep_entry
 
 _ABS = np.uint32(0x7FFFFFFF)
 _LOW16 = np.uint32(0xFFFF)
@@ -72,12 +73,8 @@ def compact(arr, m, thr, r, out_idx, out_val, resid, has_res, index_map, use_map
             take = eq < r
             eq += 1
         if take:
-            idx = index_map[i] if use_map else i
-            v = np.float32(arr[i])
-            out_idx[pos] = idx
-            out_val[pos] = v
-            if has_res:
-                resid[idx] = resid[idx] - v
+            keep_entry(index_map[i] if use_map else i, np.float32(arr[i]), pos, out_idx, out_val,
+                       resid, has_res)
             pos += 1
     return pos
 

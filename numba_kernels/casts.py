@@ -1,8 +1,8 @@
 """fp16 and bf16 casts: float32 (or float64) -> 16-bit payload -> float32.
 
 Both conversions are done on the bit patterns with integer arithmetic, so the
-CPU twin and the CUDA kernel run literally the same code (``*_py`` functions
-below are compiled for both targets) and agree bit for bit.
+CPU twin and the CUDA kernel run literally the same code (the ``*_py`` functions
+of ``_half_bits``, compiled for both targets) and agree bit for bit.
 
 fp16 (IEEE binary16), from the float32 bits ``u`` with ``a = u & 0x7fffffff``:
   1. NaN -> quiet NaN keeping the top mantissa bits; ``a >= 0x477ff000``
@@ -21,66 +21,13 @@ import numpy as np
 from numba import njit, prange
 
 from ._api import encode_payload
+from ._half_bits import bf16_from_f32bits, half_fields, half_from_f32bits
+from ._scalar import add_or_replace, bits_f32, f32_bits
 from .errors import KernelTypeError, LayoutError
-from ._scalar import bits_f32, f32_bits
 from .wire import CastFormat
 
 U = np.uint32
-_ABS, _INF32 = U(0x7FFFFFFF), U(0x7F800000)
-_U1, _U10, _U13, _U16, _U23 = U(1), U(10), U(13), U(16), U(23)
-_TWO_M24 = np.float32(2.0 ** -24)
-
-
-def half_from_f32bits_py(u):
-    """IEEE binary16 bits (in a uint32) of the float32 with bits u, round to nearest even.
-
-    Every case is computed and the right one selected, so that the CPU loop
-    vectorises; intermediate values of the cases not taken may wrap around.
-    """
-    sign = (u >> _U16) & U(0x8000)
-    a = u & _ABS
-    normal = (a + U(0x0FFF) + ((a >> _U13) & _U1) - U(0x38000000)) >> _U13
-    e = a >> _U23
-    shift = U(126) - (e if e > U(102) else U(102))       # 14..24 in the subnormal range
-    shift = shift if shift > U(14) else U(14)
-    m = (a & U(0x7FFFFF)) | U(0x800000)
-    q = m >> shift
-    rem = m & ((_U1 << shift) - _U1)
-    half = _U1 << (shift - _U1)
-    up = _U1 if (rem > half or (rem == half and (q & _U1) == _U1)) else U(0)
-    h = q + up if a > U(0x33000000) else U(0)
-    h = normal if a >= U(0x38800000) else h
-    h = U(0x7C00) if a >= U(0x477FF000) else h
-    h = (U(0x7E00) | ((a >> _U13) & U(0x3FF))) if a > _INF32 else h
-    return h | sign
-
-
-def half_fields_py(h):
-    """(float32 bits, subnormal?, subnormal value) of the binary16 bits h.
-
-    Normal numbers, infinities and NaNs get their float32 bit pattern (rebias
-    the exponent, widen the mantissa); a subnormal m * 2**-24 is computed as a
-    float, exactly.  The caller picks one with its own bit cast.
-    """
-    sign = (h & U(0x8000)) << _U16
-    e = (h >> _U10) & U(0x1F)
-    m = h & U(0x3FF)
-    exp = U(0xFF) if e == U(0x1F) else e + U(112)
-    bits = sign | (exp << _U23) | (m << _U13)
-    sub = np.float32(m) * _TWO_M24
-    return bits, e == U(0), -sub if sign != U(0) else sub
-
-
-def bf16_from_f32bits_py(u):
-    """bfloat16 bits (in a uint32) of the float32 with bits u, round to nearest even."""
-    if (u & _ABS) > _INF32:
-        return (u >> _U16) | U(0x40)
-    return (u + U(0x7FFF) + ((u >> _U16) & _U1)) >> _U16
-
-
-half_from_f32bits = njit(nogil=True, inline="always")(half_from_f32bits_py)
-half_fields = njit(nogil=True, inline="always")(half_fields_py)
-bf16_from_f32bits = njit(nogil=True, inline="always")(bf16_from_f32bits_py)
+_U16 = U(16)
 
 
 @njit(nogil=True, inline="always")
@@ -114,14 +61,15 @@ def decode_cpu_kernel(halves, col, bf16, out, accumulate):
         add = accumulate or p > 0
         for i in prange(out.size):
             h = U(halves[p, col + i])
-            v = bits_f32(h << _U16) if bf16 else f32_from_half(h)
-            out[i] = out[i] + v if add else v
+            out[i] = add_or_replace(out[i], bits_f32(h << _U16) if bf16 else f32_from_half(h), add)
 
 
 def compress_cast(x, kind="fp16", residual=None, out=None, stream=None):
     """Cast x to fp16 or bf16 (``kind``) into a CastFormat payload.
 
     Example: ``p = compress_cast(grad, "bf16"); decompress(p, out=grad)``.
+    Device launches: 1 (cast, update the residual and zero the padding in one
+    kernel); none for an empty tensor.
     """
     bf16 = kind == "bf16"
 
@@ -139,6 +87,15 @@ def compress_cast(x, kind="fp16", residual=None, out=None, stream=None):
 def decode_cpu(fmt, stack, out, accumulate):
     halves, col = fmt.views2d(stack)["half"]
     decode_cpu_kernel(halves, col, fmt.kind == "bf16", out, accumulate)
+
+
+def decode_device(fmt, stack, out, accumulate, stream):
+    """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
+
+    Device launches: 1 (every row decoded and summed in one pass over out).
+    """
+    from ._cuda import casts as kern
+    kern.decode(fmt, stack, out, accumulate, stream)
 
 
 # -- raw 16-bit words on the host (no payload framing) ----------------------------------------

@@ -3,28 +3,14 @@
 ``decompress`` decodes one payload; ``decompress_many`` decodes a stack of
 payloads of one format (an all-gather's receive buffer) and sums them into
 one output in row order, in a single pass over the output for the dense
-formats.  The format object picks the codec; where the buffer lives picks the
-CPU twin or the CUDA kernel.
+formats.  The format object picks the codec (``registry``); where the buffer
+lives picks the CPU twin or the CUDA kernel.
 """
-import importlib
-
 from ._api import decode_target, payload_stack
 from ._device import stream_of
 from .errors import PayloadError
-from .wire import CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDFormat, TopKFormat
-
-# format -> module name; both numba_kernels.<name> (decode_cpu) and
-# numba_kernels._cuda.<name> (decode) exist for each.
-_CODECS = {CastFormat: "casts", MinMaxFormat: "minmax", QSGDFormat: "qsgd",
-           OneBitFormat: "onebit", TopKFormat: "topk"}
-
-
-def _codec(fmt, dev):
-    name = _CODECS.get(type(fmt))
-    if name is None:
-        raise PayloadError(f"no codec for format {type(fmt).__name__}")
-    package = "numba_kernels._cuda" if dev else "numba_kernels"
-    return importlib.import_module(f"{package}.{name}")
+from .registry import codec_for
+from .wire import Payload
 
 
 def decompress_many(buffers, format, out=None, accumulate=False, stream=None):
@@ -33,13 +19,15 @@ def decompress_many(buffers, format, out=None, accumulate=False, stream=None):
     ``buffers`` may also be flat (P * nbytes bytes).  Without ``accumulate``
     the output is overwritten (a new float32 array when ``out`` is None).
     Rows are added in order, so the result is deterministic.  Returns out.
+    Device launches: those of the format's ``decode_device`` (see ``registry``);
+    1 to zero ``out`` for a stack of no rows, none for an empty tensor.
     """
     stack, dev = payload_stack(buffers, format)
     st = stream_of(stream) if dev else 0
     target = decode_target(out, format.n, dev, st, accumulate)
     if format.n == 0:
         return target if out is None else out
-    codec = _codec(format, dev)
+    codec = codec_for(format)
     if stack.shape[0] == 0 and not accumulate:
         if dev:
             from ._cuda.common import fill
@@ -48,9 +36,9 @@ def decompress_many(buffers, format, out=None, accumulate=False, stream=None):
             target[:] = 0
     elif stack.shape[0]:
         if dev:
-            codec.decode(format, stack, target, accumulate, st)
+            codec.decode_device(format, stack, target, accumulate, st)
         else:
-            codec.decode_cpu(format, stack, target, accumulate)
+            codec.decode_host(format, stack, target, accumulate)
     return target if out is None else out
 
 

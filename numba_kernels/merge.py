@@ -74,6 +74,9 @@ def merge_topk(a, b, k=None, out=None, stream=None):
     ``k`` defaults to a's k and must not exceed max(a.k, b.k), so the union
     always holds k entries.  Example (one tree round):
     ``mine = merge_topk(mine, Payload(mine.format, received))``.
+    Device launches: 16 (prefill the union's two buffers, the union, the exact
+    selection's 13), +1 zeroing the padding (int64 indices, odd k); none but that
+    when k is 0.
     """
     va, vb = _topk_views(a, "a"), _topk_views(b, "b")
     fa, fb = a.format, b.format
@@ -103,7 +106,9 @@ def merge_topk(a, b, k=None, out=None, stream=None):
 
 
 def restore_unselected(residual, sent, selected, stream=None):
-    """residual[i] += v for every (i, v) of ``sent`` whose index is not in ``selected``."""
+    """residual[i] += v for every (i, v) of ``sent`` whose index is not in ``selected``.
+
+    Device launches: 1 (none when ``sent`` is empty)."""
     ss, gs = _topk_views(sent, "sent"), _topk_views(selected, "selected")
     ra, dev = flat(residual, "residual")
     if ra.size != sent.format.n or selected.format.n != sent.format.n:
@@ -123,6 +128,7 @@ def scale_topk_values(payload, factor, stream=None):
     """Multiply a top-k payload's k values by ``factor`` in place (host or device).
 
     Averaging a sparse sum this way touches k values instead of the n-element decoded tensor.
+    Device launches: 1 (none when k is 0).
     """
     values = _topk_views(payload, "payload")["values"]
     if payload.on_device:

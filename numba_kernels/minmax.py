@@ -17,6 +17,8 @@ from numba import njit, prange
 
 from ._api import encode_payload
 from ._bits import read_code
+from ._chunk_rules import minmax_params
+from ._host_chunks import chunk_source
 from ._scalar import fma32, greater, lesser
 from .errors import KernelParameterError
 from .wire import MinMaxFormat
@@ -30,7 +32,7 @@ _S32 = _U64(32)
 def value_range(a):
     """(min, max) of float32(a) for a chunk view.  The fast-math flags let the
     reductions vectorise; they only matter for NaN (not accepted) and for the
-    sign of a zero result, which ``chunk_params`` canonicalises."""
+    sign of a zero result, which ``minmax_params`` canonicalises."""
     mn = np.float32(np.inf)
     mx = np.float32(-np.inf)
     for i in range(a.size):
@@ -41,18 +43,11 @@ def value_range(a):
 
 
 @njit(nogil=True, inline="always")
-def chunk_params(mn, mx, levels):
-    """(mn, scale, inv) of a chunk whose float32 range is [mn, mx]; -0.0 becomes +0.0."""
-    mn = mn + np.float32(0.0)
-    mx = mx + np.float32(0.0)
-    scale = (mx - mn) / np.float32(levels)
-    inv = np.float32(1.0) / scale if scale > np.float32(0.0) else np.float32(0.0)
-    return mn, scale, inv
-
-
-@njit(nogil=True, inline="always")
 def quantize(v, mn, inv, levels):
-    """Nearest level of v as a float32 integer in [0, levels]."""
+    """Nearest level of v as a float32 integer in [0, levels].
+
+    (The device rounds with ``math.floor``: Numba's CUDA target has no
+    ``np.floor``.  Both give the same integer for every finite input.)"""
     q = np.floor(fma32(v - mn, inv, np.float32(0.5)))
     return lesser(greater(q, np.float32(0.0)), np.float32(levels))
 
@@ -110,13 +105,6 @@ def pack_codes(codes, bits, words):
                 nbits -= 32
 
 
-@njit(nogil=True)
-def add_into(e, x):
-    """e += x for views (c = x + e, kept in e until the residual is written)."""
-    for i in range(x.size):
-        e[i] = x[i] + e[i]
-
-
 @njit(nogil=True, parallel=True, cache=True)
 def encode_cpu(x, e, has_res, chunk, bits, params, words):
     """CPU twin.  One chunk per parallel iteration: form c (kept in e), find its
@@ -126,15 +114,9 @@ def encode_cpu(x, e, has_res, chunk, bits, params, words):
     levels = (1 << bits) - 1
     bytes8 = words.view(np.uint8)
     for ci in prange((n + chunk - 1) // chunk):
-        s = ci * chunk
-        t = min(n, s + chunk)
-        xs = x[s:t]
-        es = e[s:t]
-        if has_res:
-            add_into(es, xs)
-        src = es if has_res else xs
+        s, t, src = chunk_source(x, e, has_res, ci, chunk)
         lo, hi = value_range(src)
-        mn, scale, inv = chunk_params(lo, hi, levels)
+        mn, scale, inv = minmax_params(lo, hi, levels)
         params[2 * ci] = mn
         params[2 * ci + 1] = scale
         if bits == 8:
@@ -183,6 +165,9 @@ def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None)
     ``residual`` (same dtype and size as x, updated in place) the payload
     encodes c = x + residual and residual becomes c - decompress(payload).
     Example: ``p = compress_minmax(g, bits=4, residual=e); decompress(p, out=g)``.
+    Device launches: 1 (a block per chunk finds its range and encodes it, block 0
+    zeroing the padding); 3 when chunk > 4096 (segment ranges, chunk parameters,
+    segment encoding); none for an empty tensor.
     """
     def on_device(xa, ea, fmt, v, buf, st):
         from ._cuda import minmax as kern
@@ -204,6 +189,15 @@ def decode_cpu(fmt, stack, out, accumulate):
                       fmt.chunk, out, accumulate)
 
 
+def decode_device(fmt, stack, out, accumulate, stream):
+    """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
+
+    Device launches: 1 (every row decoded and summed in one pass over out).
+    """
+    from ._cuda import minmax as kern
+    kern.decode(fmt, stack, out, accumulate, stream)
+
+
 @njit(nogil=True, parallel=True, cache=True)
 def _minmax_errors_kernel(x, chunk, bits, out):
     """out[ci, j] = sum over chunk ci of (x - x_hat)^2 at bits[j], as compress + decompress."""
@@ -215,7 +209,7 @@ def _minmax_errors_kernel(x, chunk, bits, out):
         lo, hi = value_range(xs)
         for j in range(bits.size):
             levels = (1 << bits[j]) - 1
-            mn, scale, inv = chunk_params(lo, hi, levels)
+            mn, scale, inv = minmax_params(lo, hi, levels)
             acc = 0.0
             for i in range(xs.size):
                 v = np.float32(xs[i])

@@ -9,24 +9,17 @@ For each chunk of length L (c = x + e under error feedback, v = float32(c)):
 ``chunk`` must be a multiple of 32 (each chunk's signs fill whole words);
 ``chunk >= x.size`` gives one scale for the whole tensor.  Payload: ``OneBitFormat``.
 """
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from ._api import encode_payload
-from ._scalar import chunk_sum
-from .minmax import add_into
+from ._chunk_rules import onebit_scale
+from ._host_chunks import chunk_source
+from ._scalar import add_or_replace, chunk_sum
 from .errors import KernelParameterError
 from .wire import OneBitFormat
 
 SCALES = ("l2", "mean_abs")
-
-
-@njit(nogil=True, inline="always")
-def chunk_scale(total, length, square):
-    mean = total / np.float32(length)
-    return np.float32(math.sqrt(mean)) if square else mean
 
 
 @njit(nogil=True)
@@ -51,14 +44,8 @@ def encode_cpu(x, e, has_res, chunk, square, scales, words):
     """CPU twin: per chunk, form c (kept in e), the scale, then signs and residual."""
     n = x.size
     for ci in prange((n + chunk - 1) // chunk):
-        s = ci * chunk
-        t = min(n, s + chunk)
-        xs = x[s:t]
-        es = e[s:t]
-        if has_res:
-            add_into(es, xs)
-        src = es if has_res else xs
-        scale = chunk_scale(chunk_sum(src, square), t - s, square)
+        s, t, src = chunk_source(x, e, has_res, ci, chunk)
+        scale = onebit_scale(chunk_sum(src, square), t - s, square)
         scales[ci] = scale
         encode_chunk(src, has_res, scale, words[s >> 5:(t + 31) >> 5])
 
@@ -68,8 +55,7 @@ def decode_row(words, scale, out, add):
     """out (+)= +-scale for one chunk (views: words start at the chunk) of one row."""
     for i in range(out.size):
         bit = (words[i >> 5] >> np.uint32(i & 31)) & np.uint32(1)
-        xh = -scale if bit else scale
-        out[i] = out[i] + xh if add else xh
+        out[i] = add_or_replace(out[i], -scale if bit else scale, add)
 
 
 @njit(nogil=True, parallel=True, cache=True)
@@ -89,6 +75,9 @@ def compress_onebit(x, chunk=4096, scale="l2", residual=None, out=None, stream=N
 
     Returns a Payload of ``OneBitFormat(x.size, chunk)``.  1-bit Adam uses
     ``scale='l2'`` with error feedback: ``compress_onebit(m, residual=e)``.
+    Device launches: 1 (a block per chunk sums it and writes its signs, block 0
+    zeroing the padding); 3 when chunk > 4096 (segment sums, chunk scales, segment
+    encoding); none for an empty tensor.
     """
     if scale not in SCALES:
         raise KernelParameterError(f"scale must be one of {SCALES}, got {scale!r}")
@@ -110,3 +99,12 @@ def decode_cpu(fmt, stack, out, accumulate):
     scales, scol = v["scales"]
     words, wcol = v["signs"]
     decode_cpu_kernel(scales, scol, words, wcol, fmt.chunk, out, accumulate)
+
+
+def decode_device(fmt, stack, out, accumulate, stream):
+    """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
+
+    Device launches: 1 (every row decoded and summed in one pass over out).
+    """
+    from ._cuda import onebit as kern
+    kern.decode(fmt, stack, out, accumulate, stream)

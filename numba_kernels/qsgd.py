@@ -11,25 +11,20 @@ E[level] = r (u is uniform on a 2**-24 grid, so up to 2**-24), hence
 E[x_hat] = v: the quantizer is unbiased.  The same ``seed`` gives the same
 payload on every run and on host and device.  Payload: ``QSGDFormat``.
 """
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from ._api import encode_payload
+from ._chunk_rules import qsgd_level, qsgd_norm, qsgd_steps
+from ._host_chunks import chunk_source
 from ._scalar import chunk_sum, mul32, rng_key, uniform24
-from .minmax import add_into
 from .wire import QSGDFormat
 
 
 @njit(nogil=True, inline="always")
 def qsgd_code(v, ratio, levels, key, i):
     """Signed stochastic level of v (see module docstring, step 3)."""
-    r = mul32(abs(v), ratio)
-    lo = math.floor(r)
-    level = lo + 1 if uniform24(key, i) < r - np.float32(lo) else lo
-    level = min(level, levels)
-    return -level if v < np.float32(0.0) else level
+    return qsgd_level(v, mul32(abs(v), ratio), uniform24(key, i), levels)
 
 
 @njit(nogil=True)
@@ -53,17 +48,11 @@ def encode_cpu(x, e, has_res, chunk, levels, key, norms, codes):
     """CPU twin: per chunk, form c (kept in e), its norm, then codes and residual."""
     n = x.size
     for ci in prange((n + chunk - 1) // chunk):
-        s = ci * chunk
-        t = min(n, s + chunk)
-        xs = x[s:t]
-        es = e[s:t]
-        if has_res:
-            add_into(es, xs)
-        src = es if has_res else xs
-        norm = np.float32(math.sqrt(chunk_sum(src, True)))
-        ratio = np.float32(levels) / norm if norm > np.float32(0.0) else np.float32(0.0)
+        s, t, src = chunk_source(x, e, has_res, ci, chunk)
+        norm = qsgd_norm(chunk_sum(src, True))
+        ratio, step = qsgd_steps(norm, levels)
         norms[ci] = norm
-        encode_chunk(src, has_res, s, ratio, norm / np.float32(levels), levels, key, codes[s:t])
+        encode_chunk(src, has_res, s, ratio, step, levels, key, codes[s:t])
 
 
 @njit(nogil=True)
@@ -95,6 +84,9 @@ def compress_qsgd(x, levels=127, chunk=1024, seed=0, residual=None, out=None, st
     ``seed`` makes the stochastic rounding reproducible (derive it from the
     step and rank).  Returns a Payload of ``QSGDFormat(x.size, levels, chunk)``.
     Example: ``p = compress_qsgd(g, seed=step); decompress(p, out=g)``.
+    Device launches: 1 (a block per chunk sums its squares and encodes it, block 0
+    zeroing the padding); 3 when chunk > 4096 (segment sums, chunk norms, segment
+    encoding); none for an empty tensor.
     """
     key = rng_key(seed)
 
@@ -114,3 +106,12 @@ def decode_cpu(fmt, stack, out, accumulate):
     norms, ncol = v["norms"]
     codes, ccol = v["codes"]
     decode_cpu_kernel(norms, ncol, codes, ccol, fmt.levels, fmt.chunk, out, accumulate)
+
+
+def decode_device(fmt, stack, out, accumulate, stream):
+    """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
+
+    Device launches: 1 (every row decoded and summed in one pass over out).
+    """
+    from ._cuda import qsgd as kern
+    kern.decode(fmt, stack, out, accumulate, stream)

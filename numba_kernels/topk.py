@@ -28,7 +28,6 @@ Two methods, one result:
   So "approx" is approximate in its threshold, never in its result.
 """
 import logging
-import math
 
 import numpy as np
 from numba import njit
@@ -36,31 +35,12 @@ from numba import njit
 from ._api import prepare
 from ._scalar import hash32, rng_key
 from ._select import key_of, select_exact
+from ._sparse_rules import (REFINEMENTS, SAMPLE_SEED, keep_entry, sample_plan, stratum_position,
+                            uses_approx)
 from .errors import KernelParameterError
 from .wire import Payload, TopKFormat
 
 log = logging.getLogger(__name__)
-REFINEMENTS = 3
-# Below this size the approximate method is not worth its sampling: use exact.
-APPROX_MIN_N = 1 << 15
-_SAMPLE_SEED = 0x5EED
-
-
-def stratum_offset_py(h, size):
-    """Offset in [0, size) for 32 random bits h: the high word of h * size (no division)."""
-    return np.int64((np.uint64(h) * np.uint64(size)) >> np.uint64(32))
-
-
-stratum_offset = njit(nogil=True, inline="always")(stratum_offset_py)
-
-
-def sample_plan(n, k):
-    """(m, ks, cap) of the approximate method for n elements and k kept."""
-    m = int(min(n // 8, max(4096, min(1 << 16, 32 * n // max(k, 1)))))
-    mu = k * m / n
-    ks = int(min(m, math.ceil(mu + 3.0 * math.sqrt(mu) + 2.0)))
-    cap = int(min(n, 3 * ks * (n // m + 1) + 1024))
-    return m, ks, cap
 
 
 @njit(nogil=True, cache=True)
@@ -69,9 +49,7 @@ def select_approx(arr, n, k, m, ks, cap, skey, out_idx, out_val, resid, has_res)
     (REFINEMENTS + 2 means the exact fallback ran)."""
     sample = np.empty(m, np.uint32)
     for j in range(m):
-        lo = (j * n) // m
-        hi = ((j + 1) * n) // m
-        sample[j] = key_of(arr, lo + stratum_offset(hash32(skey, j), hi - lo))
+        sample[j] = key_of(arr, stratum_position(hash32(skey, j), j, n, m))
     sample = np.sort(sample)
     cidx = np.empty(cap, np.int64)
     cval = np.empty(cap, np.float32)
@@ -108,14 +86,8 @@ def add_inplace(e, x):
 def randk_cpu(arr, n, k, rkey, out_idx, out_val, resid, has_res):
     """Stratified random-k: one index per stratum, ascending."""
     for j in range(k):
-        lo = (j * n) // k
-        hi = ((j + 1) * n) // k
-        i = lo + stratum_offset(hash32(rkey, j), hi - lo)
-        v = np.float32(arr[i])
-        out_idx[j] = i
-        out_val[j] = v
-        if has_res:
-            resid[i] = resid[i] - v
+        i = stratum_position(hash32(rkey, j), j, n, k)
+        keep_entry(i, np.float32(arr[i]), j, out_idx, out_val, resid, has_res)
 
 
 def _sparsify(x, k, index_dtype, residual, out, stream, seed, method):
@@ -139,9 +111,9 @@ def _sparsify(x, k, index_dtype, residual, out, stream, seed, method):
     has_res = ea is not None
     if method == "random":
         randk_cpu(arr, fmt.n, fmt.k, rng_key(seed), v["indices"], v["values"], arr, has_res)
-    elif method == "approx" and fmt.n >= APPROX_MIN_N:
+    elif uses_approx(method, fmt.n):
         m, ks, cap = sample_plan(fmt.n, fmt.k)
-        attempts = select_approx(arr, fmt.n, fmt.k, m, ks, cap, rng_key(_SAMPLE_SEED),
+        attempts = select_approx(arr, fmt.n, fmt.k, m, ks, cap, rng_key(SAMPLE_SEED),
                                  v["indices"], v["values"], arr, has_res)
         if attempts > REFINEMENTS + 1:
             log.debug("approximate top-k (n=%d, k=%d) fell back to the exact method",
@@ -158,6 +130,16 @@ def compress_topk(x, k, index_dtype="int32", method="approx", residual=None, out
 
     Returns a Payload of ``TopKFormat(x.size, k, index_dtype)``.
     Example: ``p = compress_topk(g, k=g.numel() // 1000, residual=r)``.
+
+    Device launches: 13 with method='exact', or any method below 32768 elements
+    (zero a histogram, 9 to find the k-th key, count, scan, compact); +1 with
+    ``residual`` (c = x + e), +1 zeroing the padding (int64 indices, odd k); only
+    those two when k is 0.  method='approx' from 32768 elements: 28 when the first
+    sampled threshold holds (sample, zero a histogram, 12 to find and apply the
+    sample's threshold, compact the candidates, 13 to select among them), 12 more
+    per refinement, 63 when it falls back to the exact method; and 1 host
+    synchronisation per attempt (reading the candidate count), the only ones
+    numba_kernels makes.
     """
     if method not in ("exact", "approx"):
         raise KernelParameterError(f"method must be 'exact' or 'approx', got {method!r}")
@@ -165,7 +147,11 @@ def compress_topk(x, k, index_dtype="int32", method="approx", residual=None, out
 
 
 def compress_randk(x, k, seed=0, index_dtype="int32", residual=None, out=None, stream=None):
-    """Keep k random entries of x (+ residual), one per stratum, reproducibly for ``seed``."""
+    """Keep k random entries of x (+ residual), one per stratum, reproducibly for ``seed``.
+
+    Device launches: 1 (a thread per stratum); +1 with ``residual`` (c = x + e), +1
+    zeroing the padding (int64 indices, odd k); only those two when k is 0.
+    """
     return _sparsify(x, k, index_dtype, residual, out, stream, seed, "random")
 
 
@@ -185,3 +171,13 @@ def decode_cpu(fmt, stack, out, accumulate):
     idx, icol = v["indices"]
     vals, vcol = v["values"]
     decode_cpu_kernel(idx, icol, vals, vcol, fmt.k, out, accumulate)
+
+
+def decode_device(fmt, stack, out, accumulate, stream):
+    """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
+
+    Device launches: 2 for one payload (zero out, scatter the k values); P + 1 for a
+    stack of P rows (a scatter-add per row, in order), P with ``accumulate``.
+    """
+    from ._cuda import topk as kern
+    kern.decode(fmt, stack, out, accumulate, stream)

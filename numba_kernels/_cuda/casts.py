@@ -1,12 +1,15 @@
-"""CUDA kernels for the fp16/bf16 casts (same bit arithmetic as the CPU twin)."""
+"""CUDA kernels for the fp16/bf16 casts (the bit arithmetic of ``_half_bits``, as on the CPU)."""
 import numpy as np
 from numba import cuda
 
-from ..casts import bf16_from_f32bits_py, half_fields_py, half_from_f32bits_py
-from .common import THREADS, bits_f32, blocks_for, f32_bits, load_c, zero_tail
+from .._half_bits import bf16_from_f32bits_py, half_fields_py, half_from_f32bits_py
+from .common import add_or_replace, bits_f32, f32_bits, load_c, zero_tail
+from .launch import decode_stack, launch_over
 
 half_from_f32bits = cuda.jit(device=True)(half_from_f32bits_py)
 half_fields = cuda.jit(device=True)(half_fields_py)
+bf16_from_f32bits = cuda.jit(device=True)(bf16_from_f32bits_py)
+_U16 = np.uint32(16)
 
 
 @cuda.jit(device=True)
@@ -15,8 +18,6 @@ def f32_from_half(h):
     if is_sub:
         return sub
     return bits_f32(bits)
-bf16_from_f32bits = cuda.jit(device=True)(bf16_from_f32bits_py)
-_U16 = np.uint32(16)
 
 
 @cuda.jit
@@ -51,21 +52,17 @@ def _decode(halves, col, bf16, out, accumulate):
                 v = bits_f32(h << _U16)
             else:
                 v = f32_from_half(h)
-            if accumulate or p > 0:
-                acc = acc + v
-            else:
-                acc = v
+            acc = add_or_replace(acc, v, accumulate or p > 0)
         out[i] = acc
         i += stride
 
 
 def encode(x, e, bf16, half, buf, fmt, stream):
-    grid = min(blocks_for(x.size, THREADS), 65536)
-    _encode[grid, THREADS, stream](x, x if e is None else e, e is not None, bf16, half,
-                                   buf, fmt.used_nbytes, fmt.nbytes)
+    """1 launch: cast (and update the residual) element-wise, zeroing the padding on the way."""
+    launch_over(_encode, x.size, stream, x, x if e is None else e, e is not None, bf16, half,
+                buf, fmt.used_nbytes, fmt.nbytes)
 
 
 def decode(fmt, stack, out, accumulate, stream):
-    halves, col = fmt.views2d(stack)["half"]
-    grid = min(blocks_for(out.size, THREADS), 65536)
-    _decode[grid, THREADS, stream](halves, col, fmt.kind == "bf16", out, accumulate)
+    """1 launch: every row decoded and summed in one pass over out."""
+    decode_stack(_decode, fmt, stack, ("half",), (fmt.kind == "bf16",), out, accumulate, stream)

@@ -2,23 +2,19 @@
 
 Mirrors ``numba_kernels._scalar``: the same FMA, bit casts and RNG, and the
 block-level version of the wire summation order (thread t of a block owns
-lanes t, t + THREADS, ... of the LANES lanes).  Under the CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``) blocks have 32 threads instead of 256, because the
-simulator runs one Python thread per CUDA thread; the lane count, and hence
-every result, is the same.
+lanes t, t + THREADS, ... of the LANES lanes; see ``geometry`` for the block
+size).  Also the two small utility kernels ``fill`` and ``scale``, which
+bagua_mpi launches on its own device buffers too.
 """
 import math
 
 import numpy as np
-from numba import config, cuda
+from numba import cuda
 
-from .._scalar import LANES, SEGMENT, greater_py, hash32_py, lesser_py, uniform24_py
-
-SIM = bool(config.ENABLE_CUDASIM)
-THREADS = 32 if SIM else 256
-NL = LANES // THREADS          # lanes per thread
-ITEMS = 16                     # elements per thread in tiled (selection) kernels
-TILE = THREADS * ITEMS
+from .._scalar import (LANES, SEGMENT, add_or_replace_py, greater_py, hash32_py, lesser_py,
+                       uniform24_py)
+from .geometry import NL, SIM, THREADS
+from .launch import launch_over
 
 uniform24 = cuda.jit(device=True)(uniform24_py)
 # Numba's builtin min/max are generic overloads that the CUDA target of some
@@ -26,6 +22,7 @@ uniform24 = cuda.jit(device=True)(uniform24_py)
 lesser = cuda.jit(device=True)(lesser_py)
 greater = cuda.jit(device=True)(greater_py)
 hash32 = cuda.jit(device=True)(hash32_py)
+add_or_replace = cuda.jit(device=True)(add_or_replace_py)
 
 
 if SIM:
@@ -100,11 +97,6 @@ else:
     def ballot32(pred, scratch):
         """Bit j = ``pred`` of lane j of the caller's warp (every lane must call)."""
         return np.uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
-
-
-def blocks_for(n, per_block):
-    """Number of blocks that cover n items, at least 1."""
-    return max(1, -(-n // per_block))
 
 
 @cuda.jit(device=True)
@@ -220,9 +212,9 @@ def _fill(arr, value):
 
 
 def fill(arr, value, stream=0):
-    """arr[:] = value for a 1-D device array."""
+    """arr[:] = value for a 1-D device array.  Device launches: 1 (none for an empty array)."""
     if arr.size:
-        _fill[min(blocks_for(arr.size, THREADS), 1024), THREADS, stream](arr, value)
+        launch_over(_fill, arr.size, stream, arr, value, max_blocks=1024)
 
 
 @cuda.jit(device=True)
@@ -256,6 +248,8 @@ def _scale(arr, factor):
 
 
 def scale(arr, factor, stream=0):
-    """arr[:] *= factor (in arr's dtype) for a 1-D device array."""
+    """arr[:] *= factor (in arr's dtype) for a 1-D device array.
+
+    Device launches: 1 (none for an empty array)."""
     if arr.size:
-        _scale[min(blocks_for(arr.size, THREADS), 1024), THREADS, stream](arr, factor)
+        launch_over(_scale, arr.size, stream, arr, factor, max_blocks=1024)

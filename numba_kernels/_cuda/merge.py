@@ -2,9 +2,10 @@
 import numpy as np
 from numba import cuda
 
-from .. import _device
+from .._device import empty
 from . import select
-from .common import THREADS, blocks_for, fill
+from .common import fill
+from .launch import launch_over
 
 
 @cuda.jit(device=True)
@@ -53,25 +54,30 @@ def _restore(resid, sidx, sval, gidx):
 
 
 def merge(va, vb, fmt, out_idx, out_val, buf, stream):
-    """Union of the two payloads' views va, vb, then exact top-k into ``buf``."""
+    """Union of the two payloads' views va, vb, then exact top-k into ``buf``.
+
+    Launches: 16 (prefill the union's indices and values, the union, the exact
+    selection's 13), +1 zeroing the padding (int64 indices, odd k); none but
+    that when k is 0.
+    """
     if fmt.nbytes > fmt.used_nbytes:
         fill(buf[fmt.used_nbytes:], 0, stream)
     if fmt.k == 0:
         return
     m = va["indices"].size + vb["indices"].size
-    c = _device.cuda()
-    uidx = c.device_array(m, np.int64, stream=stream)
-    uval = c.device_array(m, np.float32, stream=stream)
+    uidx = empty(m, np.int64, True, stream)
+    uval = empty(m, np.float32, True, stream)
     # Slots left after removing duplicate indices stay as zero-valued entries
     # past every real one: they lose all ties, and k <= the union size means
     # they are never needed.
     fill(uidx, np.iinfo(np.int64).max, stream)
     fill(uval, 0, stream)
-    _union[blocks_for(m, THREADS), THREADS, stream](va["indices"], va["values"], vb["indices"],
-                                                    vb["values"], uidx, uval)
+    launch_over(_union, m, stream, va["indices"], va["values"], vb["indices"], vb["values"], uidx,
+                uval, max_blocks=None)
     select.select_exact(uval, m, fmt.k, out_idx, out_val, uidx, None, stream)
 
 
 def restore(resid, sidx, sval, gidx, stream):
+    """1 launch (none when nothing was sent): one thread per sent entry."""
     if sidx.size:
-        _restore[blocks_for(sidx.size, THREADS), THREADS, stream](resid, sidx, sval, gidx)
+        launch_over(_restore, sidx.size, stream, resid, sidx, sval, gidx, max_blocks=None)

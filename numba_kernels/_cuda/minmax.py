@@ -10,24 +10,20 @@ import math
 import numpy as np
 from numba import cuda
 
+from .._bits import extract_py
+from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import LANES, SEGMENT
-from .common import (NL, THREADS, block_range, blocks_for, fma32, greater, lesser, load_c, segment,
+from .common import (add_or_replace, block_range, fma32, greater, lesser, load_c, segment,
                      tree_range, zero_tail)
+from .geometry import NL, THREADS
+from .launch import ChunkedEncoder, decode_stack
 
 # Shared words for one row of LANES codes at up to 8 bits each.
 _ROW_WORDS = LANES * 8 // 32
 
-
-@cuda.jit(device=True)
-def _params(mn, mx, levels):
-    """(mn, scale, inv) as in the CPU twin's chunk_params (-0.0 becomes +0.0)."""
-    mn = mn + np.float32(0.0)
-    mx = mx + np.float32(0.0)
-    scale = (mx - mn) / np.float32(levels)
-    inv = np.float32(0.0)
-    if scale > np.float32(0.0):
-        inv = np.float32(1.0) / scale
-    return mn, scale, inv
+minmax_params = cuda.jit(device=True)(minmax_params_py)
+minmax_inverse = cuda.jit(device=True)(minmax_inverse_py)
+extract = cuda.jit(device=True)(extract_py)
 
 
 @cuda.jit(device=True)
@@ -48,6 +44,7 @@ def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, s
             if lane < cnt:
                 i = row + lane
                 c = load_c(x, e, has_res, i)
+                # math.floor: the CUDA target has no np.floor (the CPU's quantize); same integer
                 q = math.floor(fma32(np.float32(c) - mn, inv, np.float32(0.5)))
                 q = lesser(greater(q, 0), levels)
                 if has_res:
@@ -71,7 +68,7 @@ def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, s
 
 
 @cuda.jit
-def _fused(x, e, has_res, chunk, bits, params, words, buf, boff, used, nbytes):
+def _fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
     zero_tail(buf, used, nbytes)
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
@@ -80,7 +77,7 @@ def _fused(x, e, has_res, chunk, bits, params, words, buf, boff, used, nbytes):
     s = ci * chunk
     t = lesser(x.size, s + chunk)
     lo, hi = block_range(x, e, has_res, s, t, shmin, shmax)
-    mn, scale, inv = _params(lo, hi, (1 << bits) - 1)
+    mn, scale, inv = minmax_params(lo, hi, (1 << bits) - 1)
     if cuda.threadIdx.x == 0:
         params[2 * ci] = mn
         params[2 * ci + 1] = scale
@@ -114,23 +111,21 @@ def _chunk_params(part, spc, chunk, n, bits, params):
         mx = greater(mx, part[ci * spc + s, 1])
     mn, mx = tree_range(mn, mx, shmin, shmax)
     if tid == 0:
-        lo, scale, inv = _params(mn, mx, (1 << bits) - 1)
+        lo, scale, inv = minmax_params(mn, mx, (1 << bits) - 1)
         params[2 * ci] = lo
         params[2 * ci + 1] = scale
 
 
 @cuda.jit
-def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, buf, boff, used, nbytes):
+def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used, nbytes):
     zero_tail(buf, used, nbytes)
     sw = cuda.shared.array(_ROW_WORDS, np.uint32)
     ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
     if s < t:
         mn = params[2 * ci]
         scale = params[2 * ci + 1]
-        inv = np.float32(0.0)
-        if scale > np.float32(0.0):
-            inv = np.float32(1.0) / scale
-        _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw)
+        _encode_range(x, e, has_res, s, t, bits, mn, scale, minmax_inverse(scale), words, buf,
+                      boff, sw)
 
 
 @cuda.jit
@@ -152,39 +147,22 @@ def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulat
                 w1 = np.uint32(0)
                 if off + bits > 32:
                     w1 = words[p, wcol + w + 1]
-                both = np.uint64(words[p, wcol + w]) | (np.uint64(w1) << np.uint64(32))
-                q = np.uint32((both >> np.uint64(off)) & np.uint64((1 << bits) - 1))
-            xh = fma32(np.float32(q), scale, mn)
-            if accumulate or p > 0:
-                acc = acc + xh
-            else:
-                acc = xh
+                q = extract(words[p, wcol + w], w1, off, bits)
+            acc = add_or_replace(acc, fma32(np.float32(q), scale, mn), accumulate or p > 0)
         out[i] = acc
         i += stride
 
 
+_ENCODER = ChunkedEncoder(_fused, _seg_range, _chunk_params, _seg_encode, part_shape=(2,))
+
+
 def encode(x, e, fmt, params, words, buf, stream):
-    """Launch the encoder for MinMaxFormat ``fmt`` (x, e flat device arrays)."""
-    ee, has_res = (x, False) if e is None else (e, True)
+    """Encode for MinMaxFormat ``fmt`` (x, e flat device arrays): 1 launch, 3 for long chunks."""
     boff = fmt.section("codes").offset
-    if fmt.chunk <= SEGMENT:
-        _fused[fmt.nchunks, THREADS, stream](x, ee, has_res, fmt.chunk, fmt.bits, params, words,
-                                             buf, boff, fmt.used_nbytes, fmt.nbytes)
-        return
-    from .. import _device
-    spc = -(-fmt.chunk // SEGMENT)
-    nblk = fmt.nchunks * spc
-    part = _device.cuda().device_array((nblk, 2), np.float32, stream=stream)
-    _seg_range[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, part)
-    _chunk_params[fmt.nchunks, THREADS, stream](part, spc, fmt.chunk, x.size, fmt.bits, params)
-    _seg_encode[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, fmt.bits, params, words,
-                                       buf, boff, fmt.used_nbytes, fmt.nbytes)
+    _ENCODER(x, e, fmt, buf, stream, enc=(fmt.bits, params, words, boff), comb=(fmt.bits, params))
 
 
 def decode(fmt, stack, out, accumulate, stream):
-    v = fmt.views2d(stack)
-    params, pcol = v["params"]
-    words, wcol = v["codes"]
-    grid = min(blocks_for(out.size, THREADS), 65536)
-    _decode[grid, THREADS, stream](params, pcol, words, wcol, stack, fmt.section("codes").offset,
-                                   fmt.bits, fmt.chunk, out, accumulate)
+    """1 launch: every row decoded and summed in one pass over out."""
+    decode_stack(_decode, fmt, stack, ("params", "codes"),
+                 (stack, fmt.section("codes").offset, fmt.bits, fmt.chunk), out, accumulate, stream)

@@ -1,19 +1,15 @@
-"""CUDA kernels for 1-bit compression (see numba_kernels.onebit)."""
-import math
-
+"""CUDA kernels for 1-bit compression (see numba_kernels.onebit; scales from ``_chunk_rules``)."""
 import numpy as np
 from numba import cuda
 
+from .._chunk_rules import onebit_scale_py
 from .._scalar import LANES, SEGMENT
-from .common import (NL, THREADS, ballot32, block_lane_combine, block_lane_sum, blocks_for, lesser,
-                     load_c, seg_sums, segment, zero_tail)
+from .common import (add_or_replace, ballot32, block_lane_combine, block_lane_sum, lesser, load_c,
+                     seg_sums, segment, zero_tail)
+from .geometry import NL, THREADS
+from .launch import ChunkedEncoder, decode_stack
 
-@cuda.jit(device=True)
-def _scale(total, length, square):
-    mean = total / np.float32(length)
-    if square:
-        return np.float32(math.sqrt(mean))
-    return mean
+onebit_scale = cuda.jit(device=True)(onebit_scale_py)
 
 
 @cuda.jit(device=True)
@@ -51,7 +47,7 @@ def _fused(x, e, has_res, chunk, square, scales, words, buf, used, nbytes):
     ci = cuda.blockIdx.x
     s = ci * chunk
     t = lesser(x.size, s + chunk)
-    scale = _scale(block_lane_sum(x, e, has_res, s, t, square, sh), t - s, square)
+    scale = onebit_scale(block_lane_sum(x, e, has_res, s, t, square, sh), t - s, square)
     if cuda.threadIdx.x == 0:
         scales[ci] = scale
     _encode_range(x, e, has_res, s, t, scale, words, scratch)
@@ -64,11 +60,13 @@ def _chunk_scales(part, spc, chunk, n, square, scales):
     length = lesser(n - ci * chunk, chunk)
     total = block_lane_combine(part, ci * spc, (length + SEGMENT - 1) // SEGMENT, sh)
     if cuda.threadIdx.x == 0:
-        scales[ci] = _scale(total, length, square)
+        scales[ci] = onebit_scale(total, length, square)
 
 
 @cuda.jit
-def _seg_encode(x, e, has_res, chunk, spc, scales, words, buf, used, nbytes):
+def _seg_encode(x, e, has_res, chunk, spc, square, scales, words, buf, used, nbytes):
+    # ``square`` is unused (the scale is already known): the arguments follow ChunkedEncoder's
+    # convention of passing the fused kernel's own arguments to the segment encoder.
     zero_tail(buf, used, nbytes)
     scratch = cuda.shared.array(THREADS, np.uint32)
     ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
@@ -84,38 +82,23 @@ def _decode(scales, scol, words, wcol, chunk, out, accumulate):
         ci = i // chunk
         acc = out[i]
         for p in range(scales.shape[0]):
-            scale = scales[p, scol + ci]
-            xh = scale
+            xh = scales[p, scol + ci]
             if (words[p, wcol + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1):
-                xh = -scale
-            if accumulate or p > 0:
-                acc = acc + xh
-            else:
-                acc = xh
+                xh = -xh
+            acc = add_or_replace(acc, xh, accumulate or p > 0)
         out[i] = acc
         i += stride
 
 
+_ENCODER = ChunkedEncoder(_fused, seg_sums, _chunk_scales, _seg_encode)
+
+
 def encode(x, e, fmt, square, scales, words, buf, stream):
-    """Launch the 1-bit encoder for ``fmt`` (x, e flat device arrays)."""
-    ee, has_res = (x, False) if e is None else (e, True)
-    if fmt.chunk <= SEGMENT:
-        _fused[fmt.nchunks, THREADS, stream](x, ee, has_res, fmt.chunk, square, scales, words,
-                                             buf, fmt.used_nbytes, fmt.nbytes)
-        return
-    from .. import _device
-    spc = -(-fmt.chunk // SEGMENT)
-    nblk = fmt.nchunks * spc
-    part = _device.cuda().device_array(nblk, np.float32, stream=stream)
-    seg_sums[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, square, part)
-    _chunk_scales[fmt.nchunks, THREADS, stream](part, spc, fmt.chunk, x.size, square, scales)
-    _seg_encode[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, scales, words, buf,
-                                       fmt.used_nbytes, fmt.nbytes)
+    """Encode for OneBitFormat ``fmt`` (x, e flat device arrays): 1 launch, 3 for long chunks."""
+    _ENCODER(x, e, fmt, buf, stream, enc=(square, scales, words), red=(square,),
+             comb=(square, scales))
 
 
 def decode(fmt, stack, out, accumulate, stream):
-    v = fmt.views2d(stack)
-    scales, scol = v["scales"]
-    words, wcol = v["signs"]
-    grid = min(blocks_for(out.size, THREADS), 65536)
-    _decode[grid, THREADS, stream](scales, scol, words, wcol, fmt.chunk, out, accumulate)
+    """1 launch: every row decoded and summed in one pass over out."""
+    decode_stack(_decode, fmt, stack, ("scales", "signs"), (fmt.chunk,), out, accumulate, stream)

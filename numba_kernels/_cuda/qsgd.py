@@ -1,34 +1,23 @@
-"""CUDA kernels for QSGD (see numba_kernels.qsgd)."""
-import math
-
+"""CUDA kernels for QSGD (see numba_kernels.qsgd; chunk norms and levels from ``_chunk_rules``)."""
 import numpy as np
 from numba import cuda
 
+from .._chunk_rules import qsgd_level_py, qsgd_norm_py, qsgd_steps_py
 from .._scalar import LANES, SEGMENT
-from .common import (THREADS, block_lane_combine, block_lane_sum, blocks_for, lesser, load_c, mul32,
+from .common import (add_or_replace, block_lane_combine, block_lane_sum, lesser, load_c, mul32,
                      seg_sums, segment, uniform24, zero_tail)
+from .geometry import THREADS
+from .launch import ChunkedEncoder, decode_stack
+
+qsgd_level = cuda.jit(device=True)(qsgd_level_py)
+qsgd_norm = cuda.jit(device=True)(qsgd_norm_py)
+qsgd_steps = cuda.jit(device=True)(qsgd_steps_py)
 
 
 @cuda.jit(device=True)
 def _code(v, ratio, levels, key, i):
-    r = mul32(abs(v), ratio)
-    lo = math.floor(r)
-    level = lo
-    if uniform24(key, i) < r - np.float32(lo):
-        level = lo + 1
-    level = lesser(level, levels)
-    if v < np.float32(0.0):
-        return -level
-    return level
-
-
-@cuda.jit(device=True)
-def _norm_params(sumsq, levels):
-    norm = np.float32(math.sqrt(sumsq))
-    ratio = np.float32(0.0)
-    if norm > np.float32(0.0):
-        ratio = np.float32(levels) / norm
-    return norm, ratio, norm / np.float32(levels)
+    """Signed stochastic level of v, as the CPU twin's qsgd_code."""
+    return qsgd_level(v, mul32(abs(v), ratio), uniform24(key, i), levels)
 
 
 @cuda.jit(device=True)
@@ -50,7 +39,8 @@ def _fused(x, e, has_res, chunk, levels, key, norms, codes, buf, used, nbytes):
     ci = cuda.blockIdx.x
     s = ci * chunk
     t = lesser(x.size, s + chunk)
-    norm, ratio, step = _norm_params(block_lane_sum(x, e, has_res, s, t, True, sh), levels)
+    norm = qsgd_norm(block_lane_sum(x, e, has_res, s, t, True, sh))
+    ratio, step = qsgd_steps(norm, levels)
     if cuda.threadIdx.x == 0:
         norms[ci] = norm
     _encode_range(x, e, has_res, s, t, levels, key, ratio, step, codes)
@@ -63,7 +53,7 @@ def _chunk_norms(part, spc, chunk, n, norms):
     nseg = (lesser(n - ci * chunk, chunk) + SEGMENT - 1) // SEGMENT
     total = block_lane_combine(part, ci * spc, nseg, sh)
     if cuda.threadIdx.x == 0:
-        norms[ci] = np.float32(math.sqrt(total))
+        norms[ci] = qsgd_norm(total)
 
 
 @cuda.jit
@@ -71,11 +61,8 @@ def _seg_encode(x, e, has_res, chunk, spc, levels, key, norms, codes, buf, used,
     zero_tail(buf, used, nbytes)
     ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
     if s < t:
-        norm = norms[ci]
-        ratio = np.float32(0.0)
-        if norm > np.float32(0.0):
-            ratio = np.float32(levels) / norm
-        _encode_range(x, e, has_res, s, t, levels, key, ratio, norm / np.float32(levels), codes)
+        ratio, step = qsgd_steps(norms[ci], levels)
+        _encode_range(x, e, has_res, s, t, levels, key, ratio, step, codes)
 
 
 @cuda.jit
@@ -87,35 +74,22 @@ def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
         acc = out[i]
         for p in range(norms.shape[0]):
             step = norms[p, ncol + ci] / np.float32(levels)
-            xh = mul32(np.float32(codes[p, ccol + i]), step)
-            if accumulate or p > 0:
-                acc = acc + xh
-            else:
-                acc = xh
+            acc = add_or_replace(acc, mul32(np.float32(codes[p, ccol + i]), step),
+                                 accumulate or p > 0)
         out[i] = acc
         i += stride
 
 
+_ENCODER = ChunkedEncoder(_fused, seg_sums, _chunk_norms, _seg_encode)
+
+
 def encode(x, e, fmt, key, norms, codes, buf, stream):
-    """Launch the QSGD encoder for ``fmt`` (x, e flat device arrays)."""
-    ee, has_res = (x, False) if e is None else (e, True)
-    if fmt.chunk <= SEGMENT:
-        _fused[fmt.nchunks, THREADS, stream](x, ee, has_res, fmt.chunk, fmt.levels, key, norms,
-                                             codes, buf, fmt.used_nbytes, fmt.nbytes)
-        return
-    from .. import _device
-    spc = -(-fmt.chunk // SEGMENT)
-    nblk = fmt.nchunks * spc
-    part = _device.cuda().device_array(nblk, np.float32, stream=stream)
-    seg_sums[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, True, part)
-    _chunk_norms[fmt.nchunks, THREADS, stream](part, spc, fmt.chunk, x.size, norms)
-    _seg_encode[nblk, THREADS, stream](x, ee, has_res, fmt.chunk, spc, fmt.levels, key, norms,
-                                       codes, buf, fmt.used_nbytes, fmt.nbytes)
+    """Encode for QSGDFormat ``fmt`` (x, e flat device arrays): 1 launch, 3 for long chunks."""
+    _ENCODER(x, e, fmt, buf, stream, enc=(fmt.levels, key, norms, codes), red=(True,),
+             comb=(norms,))
 
 
 def decode(fmt, stack, out, accumulate, stream):
-    v = fmt.views2d(stack)
-    norms, ncol = v["norms"]
-    codes, ccol = v["codes"]
-    grid = min(blocks_for(out.size, THREADS), 65536)
-    _decode[grid, THREADS, stream](norms, ncol, codes, ccol, fmt.levels, fmt.chunk, out, accumulate)
+    """1 launch: every row decoded and summed in one pass over out."""
+    decode_stack(_decode, fmt, stack, ("norms", "codes"), (fmt.levels, fmt.chunk), out,
+                 accumulate, stream)

@@ -20,10 +20,15 @@ Kernels, all on one stream and with no host round trip:
 import numpy as np
 from numba import cuda
 
-from .common import ITEMS, THREADS, TILE, blocks_for, f32_bits, lesser
+from .._device import empty
+from .._sparse_rules import keep_entry_py
+from .common import f32_bits, fill, lesser
+from .geometry import ITEMS, THREADS, TILE, blocks_for
+from .launch import launch
 
 _ABS = np.uint32(0x7FFFFFFF)
 _HIST_BLOCKS = 2048
+keep_entry = cuda.jit(device=True)(keep_entry_py)
 
 
 @cuda.jit(device=True)
@@ -74,7 +79,7 @@ def _pick(hist, state, shift):
 
 
 @cuda.jit
-def _set_threshold(sample_state, state):
+def set_threshold(sample_state, state):
     """Select keys >= the sample's threshold: T = threshold - 1, take no ties."""
     state[0] = sample_state[0] - 1
     state[1] = 0
@@ -189,15 +194,11 @@ def _compact(arr, m, state, blk, out_idx, out_val, index_map, use_map, resid,
             if key == thr:
                 take = eq < r
             if take:
-                pos = gt + lesser(eq, r)
                 idx = i
                 if use_map:
                     idx = index_map[i]
-                v = np.float32(arr[i])
-                out_idx[pos] = idx
-                out_val[pos] = v
-                if has_res:
-                    resid[idx] = resid[idx] - v
+                keep_entry(idx, np.float32(arr[i]), gt + lesser(eq, r), out_idx, out_val, resid,
+                           has_res)
             if key > thr:
                 gt += 1
             elif key == thr:
@@ -205,48 +206,49 @@ def _compact(arr, m, state, blk, out_idx, out_val, index_map, use_map, resid,
 
 
 def new_state(stream):
-    from .. import _device
-    return _device.cuda().device_array(4, np.int64, stream=stream)
+    """The selection's [T, r, count, .] state on the device (no launch: set by ``_init``)."""
+    return empty(4, np.int64, True, stream)
 
 
 def find_threshold(arr, m, k, state, hist, stream):
-    """Steps 1-2: leave [T, r] of the k largest keys of arr[:m] in ``state``."""
-    _init[1, 1, stream](state, k)
+    """Steps 1-2, 9 launches: leave [T, r] of the k largest keys of arr[:m] in ``state``."""
+    launch(_init, 1, 1, stream, state, k)
     grid = min(blocks_for(m, THREADS * 8), _HIST_BLOCKS)
     for shift in (24, 16, 8, 0):
-        _hist[grid, THREADS, stream](arr, m, state, shift, hist)
-        _pick[1, 1, stream](hist, state, shift)
+        launch(_hist, grid, THREADS, stream, arr, m, state, shift, hist)
+        launch(_pick, 1, 1, stream, hist, state, shift)
 
 
 def count_and_scan(arr, m, state, stream):
-    """Steps 3-4: per-tile offsets for ``state``'s threshold; state[2] = number taken."""
-    from .. import _device
+    """Steps 3-4, 2 launches: per-tile offsets for ``state``'s threshold; state[2] = count taken."""
     nblk = blocks_for(m, TILE)
-    blk = _device.cuda().device_array((nblk, 2), np.int64, stream=stream)
-    _count[nblk, THREADS, stream](arr, m, state, blk)
-    _scan[1, THREADS, stream](blk, nblk, state)
+    blk = empty((nblk, 2), np.int64, True, stream)
+    launch(_count, nblk, THREADS, stream, arr, m, state, blk)
+    launch(_scan, 1, THREADS, stream, blk, nblk, state)
     return blk
 
 
 def compact(arr, m, state, blk, out_idx, out_val, index_map, resid, stream):
-    """Step 5 (index_map None: output positions themselves; resid None: no feedback)."""
+    """Step 5, 1 launch (index_map None: output positions themselves; resid None: no feedback)."""
     use_map = index_map is not None
     has_res = resid is not None
-    _compact[blk.shape[0], THREADS, stream](arr, m, state, blk, out_idx, out_val,
-                                            index_map if use_map else out_idx, use_map,
-                                            resid if has_res else arr, has_res)
+    launch(_compact, blk.shape[0], THREADS, stream, arr, m, state, blk, out_idx, out_val,
+           index_map if use_map else out_idx, use_map, resid if has_res else arr, has_res)
 
 
 def zeroed_hist(stream):
-    from .. import _device
-    from .common import fill
-    hist = _device.cuda().device_array(256, np.int64, stream=stream)
+    """A zeroed 256-bin histogram (1 launch; ``_pick`` leaves it zeroed for the next round)."""
+    hist = empty(256, np.int64, True, stream)
     fill(hist, 0, stream)
     return hist
 
 
 def select_exact(arr, m, k, out_idx, out_val, index_map, resid, stream):
-    """The k largest keys of arr[:m] into (out_idx, out_val), in position order."""
+    """The k largest keys of arr[:m] into (out_idx, out_val), in position order.
+
+    Launches: 13 (zero the histogram, ``find_threshold``'s 9, ``count_and_scan``'s 2,
+    ``compact``); none when k or m is 0.  No host synchronisation.
+    """
     if k == 0 or m == 0:
         return
     state = new_state(stream)

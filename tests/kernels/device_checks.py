@@ -9,7 +9,7 @@ import numpy as np
 from numba import cuda
 
 import numba_kernels as nk
-from numba_kernels import topk as host_topk
+from numba_kernels import _sparse_rules
 from numba_kernels.wire import Payload
 
 
@@ -94,11 +94,12 @@ def check_onebit(cases, many=True):
 
 
 def check_topk(cases, approx_min_n=None, many=True):
-    """(n, k, kind, dtype, method, residual) cases; method 'exact', 'approx' or 'randk'."""
-    from numba_kernels._cuda import topk as dev_topk
-    saved = host_topk.APPROX_MIN_N, dev_topk.APPROX_MIN_N
+    """(n, k, kind, dtype, method, residual) cases; method 'exact', 'approx' or 'randk'.
+
+    ``approx_min_n`` lowers the size from which both targets take the approximate method."""
+    saved = _sparse_rules.APPROX_MIN_N
     if approx_min_n is not None:
-        host_topk.APPROX_MIN_N = dev_topk.APPROX_MIN_N = approx_min_n
+        _sparse_rules.APPROX_MIN_N = approx_min_n
     try:
         for n, k, kind, dtype, method, res in cases:
             x = _data(n + k, n, dtype, kind)
@@ -110,7 +111,7 @@ def check_topk(cases, approx_min_n=None, many=True):
             if many:
                 check_decode_many(ph)
     finally:
-        host_topk.APPROX_MIN_N, dev_topk.APPROX_MIN_N = saved
+        _sparse_rules.APPROX_MIN_N = saved
 
 
 def check_approx_path(n, k, kind="normal"):

@@ -7,6 +7,8 @@ import pytest
 
 import numba_kernels as nk
 from conftest import data
+from numba_kernels.registry import CODECS, codec_for
+from numba_kernels.wire import FORMATS
 
 COMPRESSORS = {
     "cast": lambda x, **kw: nk.compress_cast(x, "bf16", **kw),
@@ -15,6 +17,11 @@ COMPRESSORS = {
     "onebit": lambda x, **kw: nk.compress_onebit(x, chunk=64, **kw),
     "topk": lambda x, **kw: nk.compress_topk(x, 17, **kw),
 }
+
+
+def test_the_registry_covers_every_format():
+    assert [codec.format for codec in CODECS] == list(FORMATS)
+    assert codec_for(nk.TopKFormat(10, 2)).compressors == (nk.compress_topk, nk.compress_randk)
 
 
 def test_import_does_not_load_numba_cuda():

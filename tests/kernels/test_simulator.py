@@ -1,10 +1,12 @@
 """CUDA kernels in Numba's simulator, and their compilation for a real GPU.
 
 The simulator must be switched on before numba.cuda is first imported, so it
-runs ``sim_kernels.py`` in a subprocess with NUMBA_ENABLE_CUDASIM=1; the rest
-of the suite keeps the real numba.cuda.  The subprocess also records the
-argument types of every kernel launch, which ``ptx_compile.py`` then compiles
-to PTX with the real CUDA compiler where libNVVM is installed (no GPU needed).
+runs ``sim_kernels.py`` (kernels against their CPU twins) and
+``sim_launches.py`` (launch and sync counts) in a subprocess with
+NUMBA_ENABLE_CUDASIM=1; the rest of the suite keeps the real numba.cuda.  The
+subprocess also records the argument types of every kernel launch of
+``sim_kernels.py``, which ``ptx_compile.py`` then compiles to PTX with the real
+CUDA compiler where libNVVM is installed (no GPU needed).
 """
 import os
 import subprocess
@@ -22,7 +24,7 @@ def simulator_run(tmp_path_factory):
     record = tmp_path_factory.mktemp("simulator") / "launches.json"
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", NUMBA_KERNELS_RECORD=str(record))
     cmd = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "pytest", "-q",
-           "-p", "no:cacheprovider", str(HERE / "sim_kernels.py")]
+           "-p", "no:cacheprovider", str(HERE / "sim_kernels.py"), str(HERE / "sim_launches.py")]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     return proc, record
 

@@ -1,0 +1,22 @@
+"""Block shapes of every CUDA kernel in numba_kernels.
+
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) blocks have 32 threads
+instead of 256, because the simulator runs one Python thread per CUDA thread;
+the lane count (``_scalar.LANES``), and hence every result, is the same.
+Kept apart from the device functions so that ``launch.py`` can size grids
+without importing the kernels that launch through it.
+"""
+from numba import config
+
+from .._scalar import LANES
+
+SIM = bool(config.ENABLE_CUDASIM)
+THREADS = 32 if SIM else 256
+NL = LANES // THREADS          # lanes per thread
+ITEMS = 16                     # elements per thread in tiled (selection) kernels
+TILE = THREADS * ITEMS
+
+
+def blocks_for(n, per_block):
+    """Number of blocks that cover n items, at least 1."""
+    return max(1, -(-n // per_block))

@@ -1,0 +1,105 @@
+"""Every kernel launch and every host wait of numba_kernels goes through this module.
+
+``launch`` is the only place a kernel is started, so ``numba_kernels.launch_count()``
+sees them all; ``read_scalar`` is the only place the host waits for the device
+(``numba_kernels.sync_count()``).  On top of them sit the launch shapes that
+several formats share:
+
+* ``launch_over``: THREADS-thread blocks enough to cover n items;
+* ``ChunkedEncoder``: min-max, QSGD and 1-bit encode chunk by chunk, in one
+  fused kernel, or in three when a chunk is longer than one block's SEGMENT;
+* ``decode_stack``: every dense decoder sums all rows of a payload stack in
+  one grid-stride pass over the output.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _counters
+from .._device import empty
+from .._scalar import SEGMENT
+from .geometry import THREADS, blocks_for
+
+# Grid-stride kernels never need more blocks than this to keep a GPU busy.
+GRID_LIMIT = 65536
+
+
+def launch(kernel, blocks, threads, stream, *args):
+    """Launch ``kernel[blocks, threads, stream](*args)`` and count it."""
+    kernel[blocks, threads, stream](*args)
+    _counters.count_launch()
+
+
+def launch_over(kernel, n, stream, *args, max_blocks=GRID_LIMIT):
+    """Launch ``kernel`` on THREADS-thread blocks covering n items.
+
+    At most ``max_blocks`` blocks (grid-stride kernels loop over the rest);
+    ``max_blocks=None`` for kernels that handle one item per thread.
+    """
+    blocks = blocks_for(n, THREADS)
+    if max_blocks is not None:
+        blocks = min(blocks, max_blocks)
+    launch(kernel, blocks, THREADS, stream, *args)
+
+
+def read_scalar(arr, i, stream):
+    """arr[i] on the host: one device-to-host copy the host waits for (counted as a sync).
+
+    A copy on a non-default stream is asynchronous, so wait for the stream too.
+    """
+    host = arr[i:i + 1].copy_to_host(stream=stream)
+    if stream != 0:
+        stream.synchronize()
+    _counters.count_sync()
+    return host[0]
+
+
+@dataclass(frozen=True)
+class ChunkedEncoder:
+    """The kernels of a chunked format's encoder, and how it launches them.
+
+    Argument conventions (``enc``, ``red``, ``comb``: the format's own arguments):
+
+    * ``fused(x, e, has_res, chunk, *enc, buf, used, nbytes)``: one block per
+      chunk reduces it, computes its parameters and encodes it;
+    * for chunks longer than SEGMENT, ``spc`` = segments per chunk:
+      ``reduce(x, e, has_res, chunk, spc, *red, part)``, one block per segment,
+      writes the segment's partial result to ``part[g]``;
+      ``combine(part, spc, chunk, n, *comb)``, one block per chunk, turns the
+      partials into the chunk's parameters;
+      ``encode(x, e, has_res, chunk, spc, *enc, buf, used, nbytes)``, one block
+      per segment, encodes with them.
+
+    Every encoding kernel's block 0 zeroes the payload's padding
+    ``buf[used:nbytes]``, so padding costs no launch of its own.
+    """
+    fused: object
+    reduce: object
+    combine: object
+    encode: object
+    part_shape: tuple = ()      # shape of one segment's partial: () a sum, (2,) a (min, max)
+
+    def __call__(self, x, e, fmt, buf, stream, enc, red=(), comb=()):
+        """Encode x (+ e, updated in place) into ``buf``: 1 launch, 3 when fmt.chunk > SEGMENT."""
+        ee, has_res = (x, False) if e is None else (e, True)
+        tail = (buf, fmt.used_nbytes, fmt.nbytes)
+        if fmt.chunk <= SEGMENT:
+            launch(self.fused, fmt.nchunks, THREADS, stream, x, ee, has_res, fmt.chunk, *enc, *tail)
+            return
+        spc = -(-fmt.chunk // SEGMENT)
+        nblk = fmt.nchunks * spc
+        part = empty((nblk,) + self.part_shape, np.float32, True, stream)
+        launch(self.reduce, nblk, THREADS, stream, x, ee, has_res, fmt.chunk, spc, *red, part)
+        launch(self.combine, fmt.nchunks, THREADS, stream, part, spc, fmt.chunk, x.size, *comb)
+        launch(self.encode, nblk, THREADS, stream, x, ee, has_res, fmt.chunk, spc, *enc, *tail)
+
+
+def decode_stack(kernel, fmt, stack, sections, params, out, accumulate, stream):
+    """1 launch: ``kernel(view, col, ..., *params, out, accumulate)`` over the output.
+
+    ``sections`` names the payload sections the kernel reads; each is passed as
+    its 2-D view of the (P, nbytes) stack and the column it starts at.
+    """
+    views = fmt.views2d(stack)
+    columns = [item for name in sections for item in views[name]]
+    launch_over(kernel, out.size, stream, *columns, *params, out, accumulate)

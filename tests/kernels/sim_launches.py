@@ -1,0 +1,143 @@
+"""Kernel launches and host syncs of every format, counted under Numba's CUDA simulator.
+
+Not collected by the normal run (the simulator must be enabled before numba.cuda
+is imported): ``test_simulator.py`` runs this file in its simulator subprocess,
+next to ``sim_kernels.py``.  The formats and their compressors come from
+``numba_kernels.registry``; the count each call must make is the one its
+docstring documents ("Device launches: N ..."), so the documentation the
+library's host-overhead accounting relies on cannot drift from the code.
+Launch counts do not depend on the block size, so they hold on a real GPU too.
+"""
+import inspect
+import re
+
+import numpy as np
+import pytest
+from numba import config
+
+if not config.ENABLE_CUDASIM:
+    pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (see test_simulator.py)", allow_module_level=True)
+
+from numba import cuda  # noqa: E402
+
+import numba_kernels as nk  # noqa: E402
+from numba_kernels import _sparse_rules  # noqa: E402
+from numba_kernels.registry import CODECS  # noqa: E402
+from numba_kernels.wire import Payload  # noqa: E402
+
+N = 1000
+# Values for compressor parameters that have no default (k of top-k and random-k).
+REQUIRED = {"k": 10}
+CALLS = [(codec, compress) for codec in CODECS for compress in codec.compressors]
+
+
+def documented_launches(fn):
+    """N of the "Device launches: N" line in fn's docstring."""
+    found = re.search(r"Device launches: (\d+)", inspect.getdoc(fn) or "")
+    assert found, f"{fn.__module__}.{fn.__qualname__} does not document its device launches"
+    return int(found.group(1))
+
+
+def required_arguments(compress):
+    after_x = list(inspect.signature(compress).parameters.values())[1:]
+    return {p.name: REQUIRED[p.name] for p in after_x if p.default is inspect.Parameter.empty}
+
+
+def device_data(n=N, seed=0):
+    return cuda.to_device(np.random.default_rng(seed).standard_normal(n).astype(np.float32))
+
+
+def counts():
+    return nk.launch_count(), nk.sync_count()
+
+
+@pytest.fixture(autouse=True)
+def zeroed_counters():
+    nk.reset_launch_count()
+    yield
+
+
+@pytest.mark.parametrize("codec, compress", CALLS, ids=[fn.__name__ for _, fn in CALLS])
+def test_each_call_launches_what_its_docstring_says(codec, compress):
+    encode = documented_launches(compress)
+    decode = documented_launches(codec.decode_device)
+    x = device_data()
+    kwargs = required_arguments(compress)
+    assert counts() == (0, 0)
+    p = compress(x, **kwargs)
+    assert isinstance(p.format, codec.format)
+    assert counts() == (encode, 0)
+    compress(x, out=p.buffer, **kwargs)              # every call adds the same again
+    assert counts() == (2 * encode, 0)
+    out = cuda.device_array(N, np.float32)
+    nk.decompress(p, out=out)
+    assert counts() == (2 * encode + decode, 0)
+    nk.decompress(p, out=out)
+    assert counts() == (2 * (encode + decode), 0)
+    nk.reset_launch_count()
+    assert counts() == (0, 0)
+
+
+# The documented variants of the calls above (the numbers after the first in the docstrings).
+
+@pytest.mark.parametrize("compress", [
+    lambda x: nk.compress_minmax(x, bits=4, chunk=4128),
+    lambda x: nk.compress_qsgd(x, chunk=4100),
+    lambda x: nk.compress_onebit(x, chunk=4128),
+], ids=["minmax", "qsgd", "onebit"])
+def test_chunks_longer_than_a_segment_take_three_launches(compress):
+    compress(device_data(5000))
+    assert counts() == (3, 0)
+
+
+def test_residual_and_padding_add_a_launch_each_to_the_sparse_formats():
+    x, e = device_data(), cuda.to_device(np.zeros(N, np.float32))
+    nk.compress_topk(x, 10, residual=e)
+    assert counts() == (13 + 1, 0)
+    nk.reset_launch_count()
+    nk.compress_topk(x, 11, index_dtype="int64")     # 11 * 12 bytes: 4 bytes of padding
+    assert counts() == (13 + 1, 0)
+    nk.reset_launch_count()
+    nk.compress_randk(x, 11, index_dtype="int64", residual=e)
+    assert counts() == (1 + 2, 0)
+    nk.reset_launch_count()
+    nk.compress_topk(x, 0, residual=e)
+    assert counts() == (1, 0)
+
+
+def test_decoding_a_stack():
+    x = device_data()
+    for compress, rows, one_pass in [(nk.compress_minmax, 3, True),
+                                     (lambda x: nk.compress_topk(x, 10), 3, False)]:
+        p = compress(x)
+        stack = cuda.to_device(np.stack([p.buffer.copy_to_host()] * rows))
+        out = cuda.device_array(N, np.float32)
+        nk.reset_launch_count()
+        nk.decompress_many(stack, p.format, out=out)
+        assert nk.launch_count() == (1 if one_pass else rows + 1)
+        nk.reset_launch_count()
+        nk.decompress_many(stack, p.format, out=out, accumulate=True)
+        assert nk.launch_count() == (1 if one_pass else rows)
+        nk.reset_launch_count()
+        nk.decompress_many(stack[:0], p.format, out=out)
+        assert nk.launch_count() == 1                 # no rows: zero out
+    assert nk.sync_count() == 0
+
+
+def test_the_approximate_method_reads_its_count_once_per_attempt(monkeypatch):
+    monkeypatch.setattr(_sparse_rules, "APPROX_MIN_N", 1000)
+    nk.compress_topk(device_data(2000, seed=11), 20, method="approx")
+    assert counts() == (28, 1)                        # the first sampled threshold holds
+
+
+def test_merge_restore_and_scale():
+    a, b = nk.compress_topk(device_data(seed=1), 10), nk.compress_topk(device_data(seed=2), 10)
+    nk.reset_launch_count()
+    merged = nk.merge_topk(a, b)
+    assert counts() == (documented_launches(nk.merge_topk), 0)
+    nk.reset_launch_count()
+    nk.restore_unselected(cuda.device_array(N, np.float32), a, merged)
+    assert counts() == (documented_launches(nk.restore_unselected), 0)
+    nk.reset_launch_count()
+    nk.scale_topk_values(Payload(merged.format, merged.buffer), 0.5)
+    assert counts() == (documented_launches(nk.scale_topk_values), 0)
