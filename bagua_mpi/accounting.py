@@ -87,3 +87,32 @@ class StagingStats:
 
 
 staging = StagingStats()
+
+
+class HostOverhead:
+    """The host's cost of driving the device, process-wide: the times the library made the host
+    wait for the device (``syncs``) and the compression kernels launched (``launches``, counted
+    by ``numba_kernels``, which also reports the waits it makes itself).
+
+    ``AlgorithmImpl.communicate_bucket`` reads the counters around each bucket's exchange, so
+    ``DistributedOptimizer.communication_stats()`` can report launches and syncs per bucket.
+    Counts are process-wide: work on another thread (the async algorithm's) during a bucket's
+    exchange counts towards that bucket.
+    """
+
+    def __init__(self):
+        self.syncs = 0
+
+    def sync(self) -> None:
+        self.syncs += 1  # one bytecode-level add under the GIL; a lost update only undercounts
+
+    def snapshot(self) -> tuple[int, int]:
+        """(launches, syncs) so far."""
+        import numba_kernels as nk
+
+        launches = getattr(nk, "launch_count", lambda: 0)()
+        kernel_syncs = getattr(nk, "sync_count", lambda: 0)()
+        return launches, self.syncs + kernel_syncs
+
+
+overhead = HostOverhead()

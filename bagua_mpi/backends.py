@@ -1,34 +1,49 @@
-"""Which library moves device tensors: MPI (the default), or NCCL bootstrapped over MPI.
+"""Which library carries the payloads: the backend choice, checked and explained.
 
-=====================  ======================================================================
-backend                what runs the dense collectives of CUDA tensors
-=====================  ======================================================================
-``mpi``                MPI (device buffers when it is CUDA-aware, else pinned host staging)
-``nccl``               one NCCL communicator over every rank (torch.distributed's
-                       ``ProcessGroupNCCL``, made directly: ``torch.distributed``'s global
-                       default group is left alone)
-``nccl_hierarchical``  NCCL inside each node (sum, then broadcast from the node's first rank),
-                       MPI among the node leaders in between
-=====================  ======================================================================
+=====================  ===============================  ==========================================
+backend                device (CUDA) payloads           host payloads
+=====================  ===============================  ==========================================
+``auto`` (default)     NCCL when torch has it and each   MPI
+                       local rank has a GPU of its own,
+                       else MPI as below
+``mpi``                MPI: device buffers when it is    MPI
+                       CUDA-aware, else through pinned
+                       host buffers
+``nccl``               NCCL                              MPI
+``nccl_hierarchical``  NCCL; a dense gradient            MPI
+                       allreduce on every rank runs
+                       NCCL inside each node and MPI
+                       among the node leaders
+``gloo``               MPI, as ``mpi``                   torch.distributed's gloo: the process-
+                                                         group plane NCCL runs, on host tensors
+                                                         (how CI tests that code without a GPU)
+=====================  ===============================  ==========================================
 
-Chosen per optimizer (``DistributedOptimizer(backend=...)``), else by
-``bagua_mpi.init(backend=...)``, else ``BAGUA_MPI_BACKEND``, else ``mpi``. The NCCL
-communicators are bootstrapped over MPI, with no launcher besides ``mpiexec``/``srun``: rank 0
-of the group starts a ``TCPStore`` on a free port and broadcasts its address with mpi4py.
-Choosing NCCL without a CUDA GPU, or with a torch built without NCCL, raises
-``BackendUnavailableError`` naming what is missing; nothing falls back to MPI silently. CPU
-tensors always go through MPI (NCCL cannot read host memory); the choice is about device
-tensors. NCCL refuses two ranks on one GPU, so on a one-GPU machine NCCL runs at world size 1
-only (``tests/gpu/run.sh`` checks exactly that).
+"Payload" is everything an algorithm exchanges: dense gradients, compressed chunks, top-k
+pairs, low-rank factors, models. ``transport.py`` routes each exchange by where its buffers
+live and what this module decides. The choice is made per optimizer
+(``DistributedOptimizer(backend=...)``), else by ``bagua_mpi.init(backend=...)``, else
+``BAGUA_MPI_BACKEND``, else ``auto``. An explicit choice that cannot run here (``nccl`` without
+a GPU or without NCCL in torch, ``gloo`` without torch.distributed) raises
+``BackendUnavailableError`` naming what is missing; only ``auto`` falls back, and it says why
+(``describe``, logged once and shown as ``DistributedOptimizer.backend``). NCCL refuses two
+ranks on one GPU, so ``auto`` picks MPI when a node has more ranks than GPUs.
+
+The user-facing collectives (``bagua_mpi.allreduce`` and friends) follow the same device rule
+for dense allreduces of CUDA tensors on the global set; host tensors go through MPI there
+whatever the backend.
 """
 from __future__ import annotations
 
-import socket
-import threading
+import logging
+import os
 
 from .exceptions import BaguaMPIError
 
-BACKENDS = ("mpi", "nccl", "nccl_hierarchical")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "mpi", "nccl", "nccl_hierarchical", "gloo")
+NCCL_BACKENDS = ("nccl", "nccl_hierarchical")
 ENV = "BAGUA_MPI_BACKEND"
 
 
@@ -40,14 +55,14 @@ class BackendUnavailableError(BaguaMPIError):
     """The chosen backend cannot run here: no CUDA GPU, or no NCCL in this torch build."""
 
 
-_lock = threading.Lock()
 _default: str | None = None  # set by init(backend=); None: the environment decides
-_groups: dict = {}  # (kind, id of the MPI communicator) -> NCCLGroup
+_described: set = set()  # choices already logged (each is logged once per process)
+_node_ranks: int | None = None  # ranks on this node, told by init (None: ask the launcher)
 
 
 def resolve(name: str | None = None) -> str:
     """The backend to use: ``name``, else ``init``'s choice, else ``BAGUA_MPI_BACKEND``, else
-    ``mpi``. Raises ``BackendError`` for an unknown name."""
+    ``auto``. Raises ``BackendError`` for an unknown name."""
     if name is None:
         name = _default
     if name is None:
@@ -58,23 +73,38 @@ def resolve(name: str | None = None) -> str:
     return name.lower()
 
 
-def check_available(name: str) -> None:
-    """Raise ``BackendUnavailableError`` when backend ``name`` cannot run in this process."""
-    if name == "mpi":
-        return
+def nccl_missing() -> str | None:
+    """Why NCCL cannot run in this process (None: it can)."""
     import torch
 
     if not torch.cuda.is_available():
-        raise BackendUnavailableError(
-            f"backend={name!r} needs a CUDA GPU, and torch.cuda.is_available() is False here "
-            f"(torch {torch.__version__}); use backend='mpi'")
+        return (f"no CUDA GPU (torch.cuda.is_available() is False; torch "
+                f"{torch.__version__})")
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_nccl_available() or not hasattr(
             dist, "ProcessGroupNCCL"):
-        raise BackendUnavailableError(
-            f"backend={name!r} needs NCCL, and this torch ({torch.__version__}) was built "
-            f"without it (torch.distributed.is_nccl_available() is False); use backend='mpi'")
+        return (f"this torch ({torch.__version__}) was built without NCCL "
+                f"(torch.distributed.is_nccl_available() is False)")
+    return None
+
+
+def check_available(name: str) -> None:
+    """Raise ``BackendUnavailableError`` when backend ``name`` cannot run in this process."""
+    if name in ("mpi", "auto"):
+        return
+    if name == "gloo":
+        import torch.distributed as dist
+
+        if not dist.is_available() or not hasattr(dist, "ProcessGroupGloo"):
+            raise BackendUnavailableError("backend='gloo' needs torch.distributed with gloo, "
+                                          "and this torch has none; use backend='mpi'")
+        return
+    missing = nccl_missing()
+    if missing is not None:
+        need = "a CUDA GPU" if "GPU" in missing else "NCCL"
+        raise BackendUnavailableError(f"backend={name!r} needs {need}, and there is {missing}"
+                                      f"; use backend='mpi' or 'auto'")
 
 
 def set_default(name: str | None) -> None:
@@ -87,129 +117,101 @@ def set_default(name: str | None) -> None:
     _default = name
 
 
-def uses_nccl(tensor, name: str | None = None) -> bool:
-    """Whether a dense collective of ``tensor`` goes through NCCL (a CUDA tensor and a NCCL
-    backend). Raises when NCCL was chosen but cannot run."""
-    if not getattr(tensor, "is_cuda", False):
-        return False
-    backend = resolve(name)
-    if backend == "mpi":
-        return False
-    check_available(backend)
-    return True
+def set_node_ranks(count: int | None) -> None:
+    """``init`` tells how many ranks share this node (NCCL needs a GPU for each)."""
+    global _node_ranks
+    _node_ranks = count
 
 
-class NCCLGroup:
-    """A ``ProcessGroupNCCL`` over the ranks of an MPI communicator, bootstrapped over it."""
-
-    def __init__(self, comm):
-        import torch
-        import torch.distributed as dist
-
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        if torch.cuda.is_available():
-            torch.cuda.set_device(torch.cuda.current_device())
-        address = None
-        store = None
-        host = _host_address(comm)  # collective: every rank takes part
-        if self.rank == 0:
-            store = dist.TCPStore(host, 0, self.size, is_master=True, wait_for_workers=False)
-            address = (host, store.port)
-        address = comm.bcast(address, root=0)
-        if store is None:
-            store = dist.TCPStore(address[0], address[1], self.size, is_master=False)
-        self.store = store  # kept alive: the group's rendezvous lives in it
-        # a store of its own per group (rank 0 of each group serves it): no prefix needed
-        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("bagua_mpi/", store), self.rank,
-                                        self.size)
-        self.comm = comm
-
-    def allreduce_(self, tensor, op: str = "sum") -> None:
-        """In place: reduce over the group with ``op`` (sum, min, max, product), on torch's
-        current stream (ordered before later work on it)."""
-        import torch.distributed as dist
-
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _NCCL_OPS[op]()
-        self.pg.allreduce([tensor], opts).wait()
-
-    def broadcast_(self, tensor, root: int = 0) -> None:
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+def _local_ranks() -> int:
+    """Ranks on this node: as ``init`` found them, else what the launcher says, else 1."""
+    if _node_ranks is not None:
+        return _node_ranks
+    for var in ("SLURM_NTASKS_PER_NODE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(var, "").split("(")[0]
+        if value.isdigit():
+            return int(value)
+    return 1
 
 
-def _op(name):
-    def make():
-        import torch.distributed as dist
-        return getattr(dist.ReduceOp, name)
-    return make
+def auto_device_backend() -> tuple[str, str]:
+    """What ``auto`` uses for device payloads here: (``"nccl"`` or ``"mpi"``, why)."""
+    missing = nccl_missing()
+    if missing is not None:
+        return "mpi", f"NCCL cannot run: {missing}"
+    import torch
+
+    gpus, ranks = torch.cuda.device_count(), _local_ranks()
+    if ranks > gpus:
+        return "mpi", (f"{ranks} ranks share this node's {gpus} GPU(s), and NCCL refuses two "
+                       f"ranks on one GPU")
+    return "nccl", f"torch has NCCL {_nccl_version()} and each of {ranks} local rank(s) has a GPU"
 
 
-_NCCL_OPS = {"sum": _op("SUM"), "min": _op("MIN"), "max": _op("MAX"), "product": _op("PRODUCT")}
+def auto_backend() -> tuple[str, str]:
+    """(backend, one-line reason) that ``auto`` picks for a CUDA model here."""
+    name, why = auto_device_backend()
+    if name == "mpi":
+        return "mpi", f"{why}; MPI carries device payloads ({_mpi_device_form()})"
+    return name, why
 
 
-def _host_address(comm) -> str:
-    """An address rank 0's store is reachable at from every rank of ``comm``: the loopback
-    when all ranks share rank 0's host, else the address of rank 0's outward interface (the
-    one its default route uses; ``gethostbyname`` often answers 127.0.1.1)."""
-    from mpi4py import MPI
+def device_carrier(name: str) -> str:
+    """Who moves device payloads under backend ``name``: ``"nccl"``, ``"mpi_device"``
+    (CUDA-aware MPI) or ``"mpi_staged"`` (pinned host buffers)."""
+    if name in NCCL_BACKENDS:
+        check_available(name)
+        return "nccl"
+    if name == "auto" and auto_device_backend()[0] == "nccl":
+        return "nccl"
+    from .cuda import mpi_is_cuda_aware
 
-    hosts = comm.allgather(MPI.Get_processor_name())
-    if all(h == hosts[0] for h in hosts):
-        return "127.0.0.1"
+    return "mpi_device" if mpi_is_cuda_aware() else "mpi_staged"
+
+
+def host_carrier(name: str) -> str:
+    """Who moves host payloads under backend ``name``: ``"gloo"`` or ``"mpi"``."""
+    return "gloo" if name == "gloo" else "mpi"
+
+
+def describe(name: str, device_type: str) -> str:
+    """What backend ``name`` means for a model on ``device_type`` (e.g. ``"nccl"``, ``"mpi
+    (pinned host staging)"``); logged once per distinct answer."""
+    if device_type == "cuda":
+        carrier = device_carrier(name)
+        text = "nccl" if carrier == "nccl" else f"mpi ({_mpi_device_form()})"
+        if name == "auto":
+            text = f"auto: {text}"
+    else:
+        text = "gloo" if host_carrier(name) == "gloo" else "mpi"
+    if text not in _described:
+        _described.add(text)
+        reason = f" ({auto_backend()[1]})" if name == "auto" and device_type == "cuda" else ""
+        logger.info("bagua_mpi: payloads of %s models go through %s%s", device_type, text,
+                    reason)
+    return text
+
+
+def _mpi_device_form() -> str:
+    from .cuda import mpi_is_cuda_aware
+
+    return "CUDA-aware" if mpi_is_cuda_aware() else "pinned host staging"
+
+
+def _nccl_version() -> str:
+    import torch
+
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("10.255.255.255", 1))  # UDP: no packet is sent
-            address = probe.getsockname()[0]
-        if not address.startswith("127."):
-            return address
-    except OSError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
-
-
-def group(comm) -> NCCLGroup:
-    """The NCCL group over ``comm`` (made once per communicator; collective on first use)."""
-    key = id(comm)
-    with _lock:
-        found = _groups.get(key)
-    if found is None:
-        found = NCCLGroup(comm)
-        with _lock:
-            _groups[key] = found
-    return found
-
-
-def allreduce_(tensor, topo, name: str | None = None, op: str = "sum") -> None:
-    """In place: reduce a contiguous CUDA ``tensor`` over every rank of ``topo`` with ``op``
-    (sum, min, max, product) and the NCCL backend ``name`` (flat, or hierarchical: NCCL in
-    the node, MPI among the leaders)."""
-    if op not in _NCCL_OPS:
-        raise BackendError(f"op {op!r} has no NCCL reduction; valid: {', '.join(_NCCL_OPS)}")
-    backend = resolve(name)
-    check_available(backend)
-    if backend == "nccl":
-        group(topo.comm).allreduce_(tensor, op)
-        return
-    local = group(topo.intra)
-    local.allreduce_(tensor, op)
-    if topo.leaders is not None and topo.leaders.Get_size() > 1:
-        from mpi4py import MPI
-
-        from .cuda import payload_collective
-        mop = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[op]
-        payload_collective(lambda s, r: topo.leaders.Allreduce(s, r, op=mop), tensor,
-                           tensor, ("nccl_hierarchical", threading.get_ident()), dense=True)
-    local.broadcast_(tensor, 0)
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a build without the version query
+        return "(version unknown)"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def reset() -> None:
-    """Forget the NCCL groups and ``init``'s choice (``shutdown``)."""
-    global _default
-    with _lock:
-        _groups.clear()
-    _default = None
+    """Forget ``init``'s choice and the process groups (``shutdown``)."""
+    global _default, _node_ranks
+    from . import process_groups
+
+    process_groups.reset()
+    _default = _node_ranks = None

@@ -1,21 +1,18 @@
-"""How tensors and arrays reach MPI: dtypes, zero-copy views, CUDA staging.
+"""Tensors and arrays as MPI sees them: dtypes, zero-copy views, allocation, scaling.
 
 * NumPy arrays and contiguous CPU torch tensors go to MPI as they are (a NumPy view shares the
   tensor's memory: no copy).
 * bfloat16 has no MPI datatype: data movement (broadcast, gathers, alltoall) sends its bits as
   2-byte words, exactly. Reductions of float16 and bfloat16 run in float32 (see ``reduce_dtype``).
-* CUDA tensors go to MPI directly only when the MPI is CUDA-aware (see ``cuda.py``); otherwise
-  they are staged through pinned host memory.
+* Device memory is ``transport.py``'s business (this module is below it and knows nothing of
+  CUDA-aware MPI or staging).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import numpy as np
 import torch
-
-from . import cuda as cuda_support
 
 # Canonical dtype names the collectives accept, with their NumPy storage dtype for MPI.
 _TORCH_DTYPES = {
@@ -169,55 +166,3 @@ def fast_cpu_view(x) -> np.ndarray | None:
     if x.is_cuda or not x.is_contiguous() or x.dtype == torch.bfloat16:
         return None
     return x.detach().numpy()
-
-
-class MPIBuffer:
-    """A contiguous buffer MPI may read and write, tied to a user tensor or array.
-
-    ``obj`` is what goes to mpi4py (a NumPy array, or a CUDA tensor when MPI is CUDA-aware).
-    For a CUDA tensor without CUDA-aware MPI, ``obj`` is a pinned host copy and ``writeback()``
-    copies MPI's result back to the device. For a non-contiguous input, ``obj`` is a contiguous
-    copy and ``writeback()`` copies it into the original.
-    """
-
-    __slots__ = ("source", "obj", "_back")
-
-    def __init__(self, source, obj, back: Callable[[], None] | None):
-        self.source = source
-        self.obj = obj
-        self._back = back
-
-    def writeback(self) -> None:
-        if self._back is not None:
-            self._back()
-
-
-def mpi_buffer(x, *, load: bool = True) -> MPIBuffer:
-    """Wrap x for MPI. ``load=False`` skips copying x's contents in (pure receive buffers)."""
-    if isinstance(x, np.ndarray):
-        if x.flags.c_contiguous:
-            return MPIBuffer(x, x, None)
-        tmp = np.ascontiguousarray(x) if load else np.empty(x.shape, x.dtype)
-        return MPIBuffer(x, tmp, lambda: np.copyto(x, tmp))
-    if x.is_cuda:
-        return _cuda_buffer(x, load)
-    t = x.detach()
-    if t.is_contiguous():
-        return MPIBuffer(x, host_view(t), None)
-    tmp = t.contiguous() if load else torch.empty(t.shape, dtype=t.dtype)
-    return MPIBuffer(x, host_view(tmp), lambda: t.copy_(tmp))
-
-
-def _cuda_buffer(x: torch.Tensor, load: bool) -> MPIBuffer:
-    t = x.detach()
-    if cuda_support.mpi_is_cuda_aware():
-        dev = t if t.is_contiguous() else (t.contiguous() if load else torch.empty_like(t))
-        # torch exports no __cuda_array_interface__ for bfloat16: pass its bits as int16.
-        obj = dev.view(torch.int16) if dev.dtype == torch.bfloat16 else dev
-        torch.cuda.current_stream(t.device).synchronize()  # MPI reads outside torch's stream
-        back = None if dev is t else (lambda: t.copy_(dev))
-        return MPIBuffer(x, obj, back)
-    host = cuda_support.pinned_empty(t.shape, t.dtype)
-    if load:
-        host.copy_(t)  # blocking D2H copy: MPI may read as soon as this returns
-    return MPIBuffer(x, host_view(host), lambda: t.copy_(host))

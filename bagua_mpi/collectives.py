@@ -27,10 +27,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import backends, consistency, process_sets, runtime, timeline
+from . import consistency, process_sets, runtime, timeline, transport
 from .buffers import (HALF, INTEGER, contiguous, copy_into, dtype_name, empty_like,
-                      fast_cpu_view, is_cuda, mpi_buffer, reduce_dtype, scale_, scaled_copy,
-                      to_dtype)
+                      fast_cpu_view, is_cuda, reduce_dtype, scale_, scaled_copy, to_dtype)
 from .compression import Compression
 from .exceptions import BaguaMPIError
 from .ops import Average, ReduceOp, Sum, UnsupportedOp, mpi_op
@@ -182,7 +181,7 @@ def _nccl_allreduce(topo, src, dst, mop, hier, in_place=True) -> None:
     own: ``nccl_hierarchical``)."""
     work = dst if dst.is_contiguous() else dst.contiguous()
     op = next((name for m, name in _NCCL_OPS if m == mop), f"MPI op {mop!r}")
-    backends.allreduce_(work, topo, op=op)
+    transport.nccl_allreduce_(work, topo, op=op)
     if work is not dst:
         dst.copy_(work)
 
@@ -214,7 +213,7 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
     shape = tuple(tensor.shape)
     numel = math.prod(shape)
     reduce_ = _allreduce_buffers
-    if getattr(tensor, "is_cuda", False) and topo is rt.topo and backends.uses_nccl(tensor):
+    if getattr(tensor, "is_cuda", False) and topo is rt.topo and transport.uses_nccl(tensor):
         reduce_ = _nccl_allreduce  # the chosen NCCL backend (bagua_mpi.backends)
 
     def run():
@@ -305,10 +304,10 @@ def _allreduce_buffers(topo, src, dst, mop, hierarchical: bool, in_place: bool) 
             topo.comm.Allreduce(MPI.IN_PLACE if in_place else s, d, op=mop)
             return
     if in_place:
-        buf = mpi_buffer(dst)
+        buf = transport.mpi_buffer(dst)
         _allreduce_mpi(topo, buf.obj, buf.obj, mop, hierarchical)
     else:
-        sbuf, buf = mpi_buffer(src), mpi_buffer(dst, load=False)
+        sbuf, buf = transport.mpi_buffer(src), transport.mpi_buffer(dst, load=False)
         _allreduce_mpi(topo, sbuf.obj, buf.obj, mop, hierarchical)
     buf.writeback()
 
@@ -569,7 +568,7 @@ def _allgather_run(rt, topo, tensor):
         consistency.verify_hashes(topo.comm, table[:, 0], signature)
         counts = table[:, 1]
         out = empty_like(x, (int(counts.sum()),) + shape[1:])
-        src, dst = mpi_buffer(contiguous(x)), mpi_buffer(out, load=False)
+        src, dst = transport.mpi_buffer(contiguous(x)), transport.mpi_buffer(out, load=False)
         topo.comm.Allgatherv(src.obj, [dst.obj, counts * row])
         dst.writeback()
         return out, counts
@@ -637,7 +636,7 @@ def _broadcast_run(rt, topo, tensor, out, root):
             consistency.verify(topo.comm, signature)
         if out is not tensor and topo.rank == root:
             copy_into(out, tensor)
-        buf = mpi_buffer(out, load=topo.rank == root)
+        buf = transport.mpi_buffer(out, load=topo.rank == root)
         topo.comm.Bcast(buf.obj, root=root)
         buf.writeback()
         return out
@@ -721,7 +720,8 @@ def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
         consistency.verify_hashes(topo.comm, received[:, 0], signature)
         recv_splits = received[:, 1].copy()
         out = empty_like(tensor, (int(recv_splits.sum()),) + shape[1:])
-        src, dst = mpi_buffer(contiguous(tensor)), mpi_buffer(out, load=False)
+        src = transport.mpi_buffer(contiguous(tensor))
+        dst = transport.mpi_buffer(out, load=False)
         topo.comm.Alltoallv([src.obj, send_splits * row], [dst.obj, recv_splits * row])
         dst.writeback()
         if not with_splits:
@@ -792,7 +792,7 @@ def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
         work = to_dtype(tensor, wire) if (wire != dt or pre != 1.0) else contiguous(tensor)
         scale_(work, pre)
         result = out if wire == dt else empty_like(out, dtype=wire)
-        src, dst = mpi_buffer(work), mpi_buffer(result, load=False)
+        src, dst = transport.mpi_buffer(work), transport.mpi_buffer(result, load=False)
         topo.comm.Reduce_scatter(src.obj, dst.obj, recvcounts=[r * row for r in rows], op=mop)
         dst.writeback()
         scale_(result, post)

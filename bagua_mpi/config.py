@@ -28,8 +28,8 @@ BAGUA_MPI_EXIT_TIMEOUT_S        600      how long a finishing rank waits at shut
 BAGUA_MPI_ABORT_ON_EXCEPTION    1        an uncaught exception in any thread, or a non-zero
                                          ``sys.exit``, on any rank aborts the whole job
 BAGUA_MPI_CUDA_AWARE            auto     1/0 force CUDA-aware MPI on/off instead of probing
-BAGUA_MPI_BACKEND               mpi      library for device tensors' dense collectives: mpi,
-                                         nccl or nccl_hierarchical (``bagua_mpi.backends``)
+BAGUA_MPI_BACKEND               auto     who carries the payloads: auto, mpi, nccl,
+                                         nccl_hierarchical or gloo (``bagua_mpi.backends``)
 BAGUA_MPI_KERNEL_THREADS        (auto)   Numba threads per rank for the CPU compression kernels
                                          (default: cores / ranks on the node); positive integer
 BAGUA_MPI_SHARED_BUCKETS        1        CPU gradient buckets in node-shared memory (0: via MPI)
@@ -188,12 +188,12 @@ def cuda_aware() -> bool | None:
     return env_tristate("BAGUA_MPI_CUDA_AWARE")
 
 
-BACKENDS = ("mpi", "nccl", "nccl_hierarchical")
+BACKENDS = ("auto", "mpi", "nccl", "nccl_hierarchical", "gloo")
 
 
 def backend() -> str:
-    """``BAGUA_MPI_BACKEND``: mpi (default), nccl or nccl_hierarchical."""
-    return env_choice("BAGUA_MPI_BACKEND", BACKENDS, "mpi")
+    """``BAGUA_MPI_BACKEND``: auto (default), mpi, nccl, nccl_hierarchical or gloo."""
+    return env_choice("BAGUA_MPI_BACKEND", BACKENDS, "auto")
 
 
 def kernel_threads() -> int | None:

@@ -58,9 +58,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         process_set: train over a subset of the ranks (an object with ``.topology``, the
             topology of the set's communicator, such as ``bagua_mpi.ProcessSet``); every rank
             of the set wraps its optimizer, the others do not.
-        backend: ``"mpi"``, ``"nccl"`` or ``"nccl_hierarchical"`` for this optimizer's dense
-            steps on CUDA tensors (default: ``init``'s choice, else ``BAGUA_MPI_BACKEND``, else
-            MPI); ``bagua_mpi.backends`` says what each does and what it needs.
+        backend: who carries this optimizer's payloads: ``"auto"``, ``"mpi"``, ``"nccl"``,
+            ``"nccl_hierarchical"`` or ``"gloo"`` (default: ``init``'s choice, else
+            ``BAGUA_MPI_BACKEND``, else auto: NCCL for a CUDA model where it can run, MPI
+            otherwise); ``bagua_mpi.backends`` says what each does and what it needs.
+            ``opt.backend`` tells what was chosen.
 
     An option the algorithm cannot honour raises ``UnsupportedOptionError`` here, naming the
     option and what to use instead (the README's algorithm x option table lists them all).
@@ -119,6 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param_numels={n: p.numel() for n, p in zip(names, params)})
         self.impl = self.algorithm.reify(ctx)
         self.impl.backend = backend
+        _ = self.backend  # decided and logged once, at wrap time
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else config.timeline_prefix()
         self.timeline = Timeline(prefix, rt.topo.rank) if prefix else None
@@ -261,11 +264,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def communication_stats(self) -> dict:
         """Bytes this rank sent to others (counted from message sizes) and per step;
-        ``shared_memory_bytes`` is the part that node-shared buckets moved without MPI."""
+        ``shared_memory_bytes`` is the part that node-shared buckets moved without MPI;
+        ``launches_per_bucket`` / ``syncs_per_bucket``: the compression kernels launched and
+        the times the host waited for the device in each bucket's last exchange (by bucket
+        index: the host cost of driving a GPU, zero waits being the aim)."""
         steps = max(1, self.steps)
+        per_bucket = self.impl.bucket_overhead
         return {"bytes_sent": self.impl.wire.bytes_sent, "steps": self.steps,
                 "bytes_per_step": self.impl.wire.bytes_sent / steps,
-                "shared_memory_bytes": self.impl.wire.shared_bytes}
+                "shared_memory_bytes": self.impl.wire.shared_bytes,
+                "launches_per_bucket": {i: c[0] for i, c in sorted(per_bucket.items())},
+                "syncs_per_bucket": {i: c[1] for i, c in sorted(per_bucket.items())}}
+
+    @property
+    def backend(self) -> str:
+        """Who carries this optimizer's payloads, e.g. ``"auto: nccl"``, ``"mpi (pinned host
+        staging)"`` or ``"mpi"`` for a CPU model (``bagua_mpi.backends``)."""
+        device = next((p.device.type for g in self.optimizer.param_groups for p in g["params"]),
+                      "cpu")
+        return backends.describe(backends.resolve(self.impl.backend), device)
 
     @property
     def buckets(self):

@@ -60,9 +60,10 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
         stall_warning_s / stall_abort_s: watchdog limits; defaults from the environment (60/600).
         abort_on_exception: abort the job on an uncaught exception (any thread) or a non-zero
             ``sys.exit`` on any rank (default ``BAGUA_MPI_ABORT_ON_EXCEPTION``, on).
-        backend: ``"mpi"``, ``"nccl"`` or ``"nccl_hierarchical"`` for device tensors' dense
-            collectives (default ``BAGUA_MPI_BACKEND``, mpi; see ``bagua_mpi.backends``). A
-            NCCL choice without a GPU or NCCL raises ``BackendUnavailableError`` here.
+        backend: who carries the payloads: ``"auto"``, ``"mpi"``, ``"nccl"``,
+            ``"nccl_hierarchical"`` or ``"gloo"`` (default ``BAGUA_MPI_BACKEND``, auto; see
+            ``bagua_mpi.backends``). A NCCL choice without a GPU or NCCL raises
+            ``BackendUnavailableError`` here.
 
     Raises ``ConfigError`` (a ``ValueError``) naming the variable when a ``BAGUA_MPI_*`` setting
     is malformed.
@@ -76,6 +77,7 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
     backends.set_default(backend)  # checked before anything is built: fails alike everywhere
     backends.check_available(backends.resolve())
     topo = topology.build(comm, ranks_per_node)
+    backends.set_node_ranks(topo.local_size)
     worker = CommWorker(rank=topo.rank)
     warn = stall_warning_s if stall_warning_s is not None else config.stall_warning_s()
     abort = stall_abort_s if stall_abort_s is not None else config.stall_abort_s()
@@ -133,7 +135,7 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
     if rt.exit_monitor is not None and not MPI.Is_finalized():
         _agree_on_leaving(rt, _how, _code)
     faults.uninstall()
-    backends.reset()  # NCCL groups and init's choice belong to this runtime
+    backends.reset()  # the process groups and init's choice belong to this runtime
     if not MPI.Is_finalized():
         node_shared.free_all()  # collective on each node, like the communicators below
         rt.topo.free()

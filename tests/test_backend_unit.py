@@ -1,12 +1,14 @@
-"""Backend selection (MPI / NCCL) and its errors, and the payload staging's reuse and counting,
-on a machine without a GPU. The NCCL collectives themselves run in ``tests/gpu/run.sh``."""
+"""Backend choice (auto / MPI / NCCL / gloo) and its errors, and the transport's routing,
+staging reuse and counting, on a machine without a GPU. The NCCL collectives themselves run in
+``tests/gpu/run.sh``; the gloo process-group plane runs under mpiexec in
+``tests/mpi/transport_suite.py``."""
 import numpy as np
 import pytest
 import torch
 
-from bagua_mpi import backends
+from bagua_mpi import backends, transport
 from bagua_mpi import cuda as bcuda
-from bagua_mpi.accounting import staging
+from bagua_mpi.accounting import overhead, staging
 from bagua_mpi.exceptions import BaguaMPIError
 
 
@@ -19,14 +21,16 @@ def clean(monkeypatch):
     bcuda.set_cuda_aware(None)
 
 
-def test_default_is_mpi_and_env_and_init_choose(monkeypatch):
-    assert backends.resolve() == "mpi"
+def test_default_is_auto_and_env_and_init_choose(monkeypatch):
+    assert backends.resolve() == "auto"
     monkeypatch.setenv(backends.ENV, "NCCL")
     assert backends.resolve() == "nccl"
     assert backends.resolve("mpi") == "mpi"  # an explicit choice (per optimizer) wins
+    monkeypatch.setenv(backends.ENV, "gloo")
+    assert backends.resolve() == "gloo"
 
 
-@pytest.mark.parametrize("bad", ["gloo", "", 3])
+@pytest.mark.parametrize("bad", ["ucc", "", 3])
 def test_unknown_backend_names_what_is_valid(bad, monkeypatch):
     if bad == "":
         monkeypatch.setenv(backends.ENV, "ncl")
@@ -34,7 +38,8 @@ def test_unknown_backend_names_what_is_valid(bad, monkeypatch):
         with pytest.raises(ConfigError, match="BAGUA_MPI_BACKEND='ncl'.*nccl"):
             backends.resolve()
         return
-    with pytest.raises(backends.BackendError, match="valid: mpi, nccl, nccl_hierarchical"):
+    with pytest.raises(backends.BackendError,
+                       match="valid: auto, mpi, nccl, nccl_hierarchical, gloo"):
         backends.resolve(bad)
     assert issubclass(backends.BackendError, BaguaMPIError)
 
@@ -44,8 +49,15 @@ def test_unknown_backend_names_what_is_valid(bad, monkeypatch):
 def test_nccl_without_gpu_is_a_clear_error_not_a_fallback(name):
     with pytest.raises(backends.BackendUnavailableError, match="needs a CUDA GPU"):
         backends.set_default(name)
-    assert backends.resolve() == "mpi"  # the failed choice left nothing behind
+    assert backends.resolve() == "auto"  # the failed choice left nothing behind
     assert issubclass(backends.BackendUnavailableError, BaguaMPIError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where no GPU is present")
+def test_auto_without_gpu_falls_back_to_mpi_and_says_why():
+    name, why = backends.auto_backend()
+    assert name == "mpi" and "no CUDA GPU" in why
+    assert backends.device_carrier("auto") == "mpi_staged"
 
 
 def test_nccl_missing_from_torch_is_named(monkeypatch):
@@ -54,34 +66,51 @@ def test_nccl_missing_from_torch_is_named(monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     with pytest.raises(backends.BackendUnavailableError, match="needs NCCL.*is_nccl_available"):
         backends.check_available("nccl")
+    assert backends.auto_backend()[0] == "mpi"
+
+
+@pytest.mark.parametrize("gpus,ranks,expected", [(1, 2, "mpi"), (2, 2, "nccl"), (8, 4, "nccl")])
+def test_auto_picks_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, ranks, expected):
+    monkeypatch.setattr(backends, "nccl_missing", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    backends.set_node_ranks(ranks)
+    name, why = backends.auto_device_backend()
+    assert name == expected, why
+    if expected == "mpi":
+        assert f"{ranks} ranks share this node's {gpus} GPU" in why
 
 
 def test_nccl_allreduce_refuses_ops_it_cannot_reduce():
     with pytest.raises(backends.BackendError, match="op 'bitwise_or' has no NCCL reduction"):
-        backends.allreduce_(torch.zeros(1), None, "nccl", op="bitwise_or")
+        transport.nccl_allreduce_(torch.zeros(1), None, "nccl", op="bitwise_or")
 
 
-def test_cpu_tensors_always_go_through_mpi(monkeypatch):
-    monkeypatch.setenv(backends.ENV, "nccl")
-    assert not backends.uses_nccl(torch.zeros(3))  # NCCL cannot read host memory
+class FakeDeviceArray:
+    """Stands for a device buffer (a Numba device array's copy methods) without a GPU."""
 
+    def __init__(self, values):
+        self.data = np.array(values)
+        self.dtype, self.shape, self.size = self.data.dtype, self.data.shape, self.data.size
+        self.nbytes = self.data.nbytes
 
-def test_device_tensor_with_nccl_chosen_but_unavailable_raises(monkeypatch):
-    class FakeCuda:
-        is_cuda = True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv(backends.ENV, "nccl")
-    with pytest.raises(backends.BackendUnavailableError):
-        backends.uses_nccl(FakeCuda())
-    monkeypatch.setenv(backends.ENV, "mpi")
-    assert not backends.uses_nccl(FakeCuda())
+    def copy_to_host(self, host):
+        host[...] = self.data
+
+    def copy_to_device(self, host):
+        self.data[...] = host
 
 
 class FakeComm:
-    """An allreduce of one rank that doubles the data (so the copy back is visible)."""
+    """A one-rank communicator whose allreduce doubles the data (so the copy back is visible)."""
 
     def __init__(self):
         self.seen = []
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2  # claims two ranks, so the transport does not skip the call
 
     def Allreduce(self, send, recv, op=None):
         from mpi4py import MPI
@@ -92,35 +121,77 @@ class FakeComm:
             recv[...] = send * 2
 
 
-def test_payload_staging_reuses_pool_buffers_and_counts_payload_bytes():
-    bcuda.set_cuda_aware(False)
+def test_host_tensors_never_go_to_nccl_and_gloo_takes_host_payloads(monkeypatch):
     comm = FakeComm()
+    assert transport.Transport(comm, "nccl").carrier(torch.zeros(3)) == "mpi"
+    assert transport.Transport(comm, "gloo").carrier(np.zeros(3)) == "gloo"
+    assert transport.Transport(comm, "mpi").carrier(torch.zeros(3)) == "mpi"
+    bcuda.set_cuda_aware(False)
+    assert transport.Transport(comm, "gloo").carrier(FakeDeviceArray([1.0])) == "mpi_staged"
+    bcuda.set_cuda_aware(True)
+    assert transport.Transport(comm, "mpi").carrier(FakeDeviceArray([1.0])) == "mpi_device"
+
+
+def test_device_payload_with_nccl_chosen_but_unavailable_raises(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(backends.BackendUnavailableError, match="needs a CUDA GPU"):
+        transport.Transport(FakeComm(), "nccl").carrier(FakeDeviceArray([1.0]))
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_staging_reuses_pool_buffers_and_counts_bytes(dense):
+    bcuda.set_cuda_aware(False)
+    transport.pinned_pool.clear()
+    comm = FakeComm()
+    wire = transport.Transport(comm, "mpi")
     allocations = None
     for step in range(4):
-        payload = torch.arange(100 - step, dtype=torch.float32)  # same or smaller each step
+        values = np.arange(100 - step, dtype=np.float32)  # same or smaller each step
+        payload = FakeDeviceArray(values)
         staging.reset()
-        bcuda.payload_collective(lambda s, r: comm.Allreduce(s, r), payload, payload,
-                                 ("test", "p"))
-        assert torch.equal(payload, 2 * torch.arange(100 - step, dtype=torch.float32))
+        wire.allreduce_(payload, dense=dense)
+        assert np.array_equal(payload.data, 2 * values)
         snap = staging.snapshot()
         assert snap["d2h_bytes"] == payload.nbytes and snap["h2d_bytes"] == payload.nbytes
-        assert snap["dense_d2h_bytes"] == 0  # a payload, not a dense tensor
+        assert snap["dense_d2h_bytes"] == (payload.nbytes if dense else 0)
         assert comm.seen[-1] is np.ndarray  # MPI got the host (pool) buffer
         if allocations is None:
-            allocations = bcuda.pinned_pool.allocations
-        assert bcuda.pinned_pool.allocations == allocations, "a buffer allocated per step"
-    bigger = torch.ones(1000)
-    bcuda.payload_collective(lambda s, r: comm.Allreduce(s, r), bigger, bigger, ("test", "p"))
-    assert bcuda.pinned_pool.allocations == allocations + 1  # grown once, then reused
-    assert torch.equal(bigger, torch.full((1000,), 2.0))
+            allocations = transport.pinned_pool.allocations
+        assert transport.pinned_pool.allocations == allocations, "a buffer allocated per step"
+    bigger = FakeDeviceArray(np.ones(1000, dtype=np.float32))
+    wire.allreduce_(bigger)
+    assert transport.pinned_pool.allocations == allocations + 1  # grown once, then reused
+    assert np.array_equal(bigger.data, np.full(1000, 2.0, dtype=np.float32))
+
+
+def test_cuda_aware_mpi_reads_device_memory_after_one_counted_wait():
+    bcuda.set_cuda_aware(True)
+    comm = FakeComm()
+    payload = FakeDeviceArray(np.ones(8, dtype=np.float32))
+    staging.reset()
+    before = overhead.snapshot()[1]
+    transport.Transport(comm, "mpi")._mover(payload).allreduce_(payload.data, "sum", False)
+    assert overhead.snapshot()[1] == before + 1, "one host wait before MPI reads the device"
+    assert staging.snapshot()["d2h_bytes"] == 0, "nothing staged"
 
 
 def test_pool_views_are_independent_per_key():
-    a = bcuda.pinned_pool.get(("k", 1), 16)
-    b = bcuda.pinned_pool.get(("k", 2), 16)
+    a = transport.pinned_pool.get(("k", 1), 16)
+    b = transport.pinned_pool.get(("k", 2), 16)
     a[:] = 1
     b[:] = 2
-    assert (a == 1).all() and bcuda.pinned_pool.get(("k", 1), 8).base is not None
+    assert (a == 1).all() and transport.pinned_pool.get(("k", 1), 8).base is not None
+
+
+def test_receive_buffers_of_the_wrong_size_are_refused():
+    wire = transport.Transport(FakeComm(), "mpi")
+    with pytest.raises(ValueError, match="allgather over 2 ranks: the receive buffer must hold "
+                                         "8 elements, got 6"):
+        wire.allgather(np.zeros(4), np.zeros(6))
+    with pytest.raises(ValueError, match="live together"):
+        wire.alltoall(FakeDeviceArray(np.zeros(4)), np.zeros(4))
+    with pytest.raises(ValueError, match="one receive buffer per peer"):
+        wire.exchange(np.zeros(4), [np.zeros(4)], [1, 0])
 
 
 def test_dense_staging_is_counted_as_dense():
@@ -132,6 +203,17 @@ def test_dense_staging_is_counted_as_dense():
                     "dense_d2h_bytes": 4096}
 
 
+def test_cuda_aware_probe_says_how_it_decided(monkeypatch):
+    monkeypatch.setenv("BAGUA_MPI_CUDA_AWARE", "0")
+    bcuda.set_cuda_aware(None)
+    assert bcuda.mpi_is_cuda_aware() is False
+    assert bcuda.how_decided() == "forced by BAGUA_MPI_CUDA_AWARE=0"
+    monkeypatch.delenv("BAGUA_MPI_CUDA_AWARE")
+    bcuda.set_cuda_aware(None)
+    if not torch.cuda.is_available():
+        assert bcuda.mpi_is_cuda_aware() is False and bcuda.how_decided() == "no CUDA GPU"
+
+
 @pytest.mark.parametrize("nprocs", [1, 3])
 def test_nccl_bootstrap_over_mpi_meets_in_one_store(nprocs):
     from mpi_harness import assert_mpi_ok, run_mpi
@@ -139,15 +221,17 @@ def test_nccl_bootstrap_over_mpi_meets_in_one_store(nprocs):
                           timeout=120), f"NCCL bootstrap over MPI OK on {nprocs} ranks")
 
 
-def test_async_exchange_buffers_follow_the_model_only_when_mpi_reads_the_device(monkeypatch):
-    """async keeps its snapshot/allreduce/delta on the model's GPU with a CUDA-aware MPI, and in
-    host memory otherwise (a CPU model always on the host)."""
-    from bagua_mpi import cuda as cuda_support
+def test_async_exchange_buffers_follow_the_model_only_when_its_payloads_leave_from_it(
+        monkeypatch):
+    """async keeps its snapshot/allreduce/delta on the model's GPU with NCCL or a CUDA-aware
+    MPI, and in host memory otherwise (a CPU model always on the host)."""
     from bagua_mpi.algorithms.async_average import exchange_device
 
     gpu = torch.device("cuda", 1)
-    monkeypatch.setattr(cuda_support, "mpi_is_cuda_aware", lambda: True)
-    assert exchange_device(gpu) == gpu
-    assert exchange_device(torch.device("cpu")) == torch.device("cpu")
-    monkeypatch.setattr(cuda_support, "mpi_is_cuda_aware", lambda: False)
-    assert exchange_device(gpu) == torch.device("cpu")
+    bcuda.set_cuda_aware(True)
+    assert exchange_device(gpu, "mpi") == gpu
+    assert exchange_device(torch.device("cpu"), "mpi") == torch.device("cpu")
+    bcuda.set_cuda_aware(False)
+    assert exchange_device(gpu, "mpi") == torch.device("cpu")
+    monkeypatch.setattr(backends, "check_available", lambda name: None)
+    assert exchange_device(gpu, "nccl") == gpu

@@ -18,8 +18,9 @@ copies at step boundaries:
 No torn reads: the background thread never touches the parameters. The training thread reads
 them (snapshot) and writes them (apply) itself, between steps.
 
-Where the buffers live: on the model's GPU when the MPI is CUDA-aware (snapshot, allreduce and
-delta never leave the device), else in page-locked host memory allocated once (a CUDA model's
+Where the buffers live: on the model's GPU when its payloads travel from there, over NCCL or a
+CUDA-aware MPI (snapshot, allreduce and delta never leave the device; the exchange thread has
+its own communicator and stream), else in page-locked host memory allocated once (a CUDA model's
 snapshot and delta are then the only copies, counted in ``accounting.staging``), or plain host
 memory for a CPU model.
 
@@ -32,6 +33,7 @@ end with identical models.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -39,17 +41,18 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
-from .. import cuda as cuda_support
-from .. import runtime
+from .. import backends, runtime
 from ..accounting import staging
-from ..buffers import host_view
+from ..transport import Transport
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 
 
-def exchange_device(model_device: torch.device) -> torch.device:
-    """Where the exchange buffers live: the model's GPU if MPI can read it, else the host."""
-    if model_device.type == "cuda" and cuda_support.mpi_is_cuda_aware():
+def exchange_device(model_device: torch.device, backend: str | None = None) -> torch.device:
+    """Where the exchange buffers live: the model's GPU if its payloads travel from there
+    (NCCL or a CUDA-aware MPI), else the host."""
+    if model_device.type == "cuda" and backends.device_carrier(
+            backends.resolve(backend)) in ("nccl", "mpi_device"):
         return model_device
     return torch.device("cpu")
 
@@ -84,7 +87,7 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._comm = runtime.get().worker.run(topo.comm.Dup, ("dup", "async"))
         total = sum(b.numel for b in buckets)
         self._model_device = buckets[0].device if buckets else torch.device("cpu")
-        home = exchange_device(self._model_device)
+        home = exchange_device(self._model_device, self.backend)
         pin = home.type == "cpu" and self._model_device.type == "cuda"
         # float32 like the models (float64 doubled the bytes); the continue flags sum to at
         # most n, exact in float32
@@ -129,7 +132,7 @@ class AsyncAverageImpl(AlgorithmImpl):
                 staging.d2h(self._snapshot.numel() * 4, dense=True)
             self._buffer[:-1].copy_(self._snapshot)
             self._buffer[-1:].fill_(continue_flag)
-        if self._buffer.is_cuda:  # the thread's MPI reads the buffer outside torch's stream
+        if self._buffer.is_cuda:  # the exchange thread reads it on a stream of its own
             torch.cuda.current_stream(self._buffer.device).synchronize()
         self._done.clear()
         self._in_flight = True
@@ -156,22 +159,29 @@ class AsyncAverageImpl(AlgorithmImpl):
 
     # -- background thread --------------------------------------------------------------------------
     def _loop(self) -> None:
+        """The exchange thread: its own communicator (``self._comm``, so its own NCCL or gloo
+        group too) and, on a GPU, its own stream, so the exchange never queues behind the
+        training thread's kernels."""
         n = self._comm.Get_size()
+        wire = Transport(self._comm, self.backend)
         on_device = self._buffer.is_cuda
-        message = self._buffer if on_device else host_view(self._buffer)
         try:
+            stream = None
             if on_device:
                 torch.cuda.set_device(self._buffer.device)
+                stream = torch.cuda.Stream(self._buffer.device)
             while True:
                 self._wake.wait()
                 self._wake.clear()
-                self._comm.Allreduce(MPI.IN_PLACE, message, op=MPI.SUM)
-                self.wire.allreduce(self._buffer.numel() * 4, n)
-                everyone_continues = self._buffer[-1].item() == n
-                with torch.no_grad():
-                    torch.div(self._buffer[:-1], n, out=self._delta).sub_(self._snapshot)
-                if on_device:  # the training thread applies it on another stream's time
-                    torch.cuda.current_stream(self._buffer.device).synchronize()
+                with (torch.cuda.stream(stream) if stream is not None
+                      else contextlib.nullcontext()):
+                    wire.allreduce_(self._buffer)
+                    self.wire.allreduce(self._buffer.numel() * 4, n)
+                    everyone_continues = self._buffer[-1].item() == n
+                    with torch.no_grad():
+                        torch.div(self._buffer[:-1], n, out=self._delta).sub_(self._snapshot)
+                    if stream is not None:  # the training thread reads the delta next
+                        stream.synchronize()
                 self._done.set()
                 if not everyone_continues:
                     self._stopped.set()

@@ -33,8 +33,9 @@ What the framework does so that no algorithm re-solves it:
   precision, ``reduce_bucket`` runs among the leaders (``self.comm``), and the leader broadcasts
   the result in its node. Algorithms that average models do their own two-level exchange with
   ``node_average_`` / ``node_broadcast_``.
-* **device placement**: ``staging.py`` gives each primitive the form it reads; device tensors
-  never reach NumPy.
+* **device placement**: ``forms.py`` gives each primitive the dtype and layout it reads where
+  the tensor lives, and ``self.transport`` (``transport.py``) moves every payload; device
+  tensors never reach NumPy.
 * **bytes**: ``self.wire`` counts what is handed to MPI, node-level messages included.
 * **state**: ``self.state`` keys every per-rank tensor by parameter name (``state.py``), holds
   state loaded before the buckets exist, and checkpoints it independently of bucketing.
@@ -51,11 +52,11 @@ import torch
 from mpi4py import MPI
 
 from .. import consistency
-from ..accounting import WireStats
+from ..accounting import WireStats, overhead
 from ..buffers import dtype_name, reduce_dtype
 from ..exceptions import BaguaMPIError
+from ..transport import Transport
 from . import dense
-from .staging import movable, reducible
 from .state import AlgorithmState
 
 if TYPE_CHECKING:
@@ -93,6 +94,8 @@ class AlgorithmImpl:
         self.step = 0  # the optimizer's step count, set by the framework
         self._state_checked = False  # loaded state all claimed (see check_state_claimed)
         self._shared_ok = True  # node-shared buckets may reduce in place (no rank joined)
+        # bucket index -> (kernel launches, host waits for the device) of its last exchange
+        self.bucket_overhead: dict[int, tuple[int, int]] = {}
 
     # -- what the framework offers implementations -------------------------------------------
     @property
@@ -101,6 +104,13 @@ class AlgorithmImpl:
         hierarchical (None on the other ranks of a node: they take no part)."""
         topo = self.ctx.topo
         return topo.leaders if self.ctx.hierarchical else topo.comm
+
+    @property
+    def transport(self):
+        """``self.comm`` with this optimizer's backend: what the primitives send through (None
+        where ``self.comm`` is None)."""
+        comm = self.comm
+        return None if comm is None else Transport(comm, self.backend)
 
     @property
     def scale(self) -> float:
@@ -134,17 +144,17 @@ class AlgorithmImpl:
     def node_sum_(self, tensors: list[torch.Tensor]) -> None:
         """Sum ``tensors`` into this node's leader (full precision)."""
         topo = self.ctx.topo
+        node = Transport(topo.intra, self.backend)
         for t in tensors:
-            with reducible(t) as buf:
-                topo.node_reduce_(buf)
+            node.reduce_(t, 0, dense=True)
             self.wire.node_reduce(t.numel() * t.element_size(), topo.local_rank, topo.local_size)
 
     def node_broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """Give every rank of the node its leader's ``tensors``."""
         topo = self.ctx.topo
+        node = Transport(topo.intra, self.backend)
         for t in tensors:
-            with movable(t) as buf:
-                topo.node_broadcast_(buf)
+            node.broadcast_(t, 0, dense=True)
             self.wire.node_broadcast(t.numel() * t.element_size(), topo.local_rank,
                                      topo.local_size)
 
@@ -168,6 +178,12 @@ class AlgorithmImpl:
         # a rank inside join() adds its zeros through MPI: no shared-memory exchange then
         self._shared_ok = not (consistency.enabled() and not self.ctx.hierarchical
                                and self._agree(bucket, step))
+        launches, syncs = overhead.snapshot()
+        self._exchange_bucket(bucket, step)
+        launched, synced = overhead.snapshot()
+        self.bucket_overhead[bucket.index] = (launched - launches, synced - syncs)
+
+    def _exchange_bucket(self, bucket: "Bucket", step: int) -> None:
 
         def exchange():
             if self.in_dense_stage(step):

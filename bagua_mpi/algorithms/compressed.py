@@ -58,7 +58,7 @@ class CompressedAllReduceImpl(AlgorithmImpl):
                                                  bucket.communication_segments())):
             worker_error, server_error = self.error_state((bucket.index, j), segments,
                                                           bucket.device)
-            compressed_allreduce_(grad, self.comm, self.codec, worker_error=worker_error,
+            compressed_allreduce_(grad, self.transport, self.codec, worker_error=worker_error,
                                   server_error=server_error, scale=self.scale,
                                   seed=call_seed(seed, step, bucket.index, j), stats=self.wire)
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .. import backends, collectives, node_shared, runtime
-from .. import cuda as cuda_support
-from ..accounting import WireStats, staging
+from .. import collectives, node_shared, runtime, transport
+from ..accounting import WireStats
 from ..buffers import scale_
 from ..ops import Sum
 from ..primitives.centralized import cast_allreduce_, wire_bytes_cast_allreduce
-from .staging import reducible
+from ..transport import Transport
 
 
 def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postscale: float,
@@ -26,53 +25,49 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     """In place: ``t <- postscale x sum over comm of (prescale x t)``.
 
     With ``wire_dtype`` (float16/bfloat16) a floating tensor travels as 16-bit words through
-    the cast scatter-reduce (sums in float32). On the library's own communicator the
-    collectives' allreduce runs (its zero-copy fast path); on another one (node leaders) an
-    MPI allreduce of the reducible form of ``t``.
+    the cast scatter-reduce (sums in float32). A host tensor that MPI carries, on the library's
+    own communicator, goes through the collectives' allreduce (its zero-copy fast path); every
+    other case through the transport (``transport.py``): NCCL or gloo in the tensor's own
+    dtype, MPI with 16-bit floats summed in float32; then scaled where the tensor lives.
 
     ``shared`` (no rank inside ``join()``): a bucket in node-shared memory is reduced in place
-    (``node_shared.py``; full precision inside a node, ``wire_dtype`` for what crosses nodes).
+    (``node_shared.py``; full precision inside a node, ``wire_dtype`` for what crosses nodes),
+    when MPI carries host payloads.
 
-    ``backend`` (default: ``init``'s choice or ``BAGUA_MPI_BACKEND``, see ``backends``): with
-    ``nccl``/``nccl_hierarchical`` a CUDA tensor on the library's communicator is summed by
-    NCCL (in its own dtype) and scaled on the device; a 16-bit ``wire_dtype`` keeps its cast
-    scatter-reduce (float32 sums), and the node leaders' communicator stays MPI. On a
-    process set's communicator NCCL runs flat over the set's ranks.
+    ``backend`` (default: ``init``'s choice or ``BAGUA_MPI_BACKEND``, see ``backends``):
+    ``nccl_hierarchical`` sums a CUDA tensor on the library's communicator with NCCL inside
+    each node and MPI among the node leaders; on a process set's communicator NCCL runs flat
+    over the set's ranks.
     """
     if t.numel() == 0:
         return
-    n = comm.Get_size()
-    rows = node_shared.rows_of(t, comm) if shared else None
+    wire = Transport(comm, backend)
+    n = wire.size
+    host_mpi = wire.carrier(t) == "mpi"
+    rows = node_shared.rows_of(t, comm) if shared and host_mpi else None
     if rows is not None:  # a node-shared bucket: reduced in place, 16-bit only across nodes
         rows.allreduce_(prescale * postscale, wire_dtype=wire_dtype)
         stats.shared(*rows.bytes_moved(wire_dtype))
         return
     if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
-        cast_allreduce_(t, comm, wire_dtype, prescale * postscale)
+        cast_allreduce_(t, wire, wire_dtype, prescale * postscale)
         stats.add(wire_bytes_cast_allreduce(t.numel(), n, 2))
         return
-    if comm is library_comm and backends.uses_nccl(t, backend):
-        work = t if t.is_contiguous() else t.contiguous()
-        topo = runtime.get().topo
-        if comm is topo.comm:
-            backends.allreduce_(work, topo, backend)
-        else:  # a process set's communicator: one NCCL group over its ranks
-            backends.group(comm).allreduce_(work)
-        if work is not t:
-            t.copy_(work)
-        scale_(t, prescale * postscale)
-    elif comm is library_comm and comm is runtime.get().topo.comm:
-        # the collectives run on the library's global communicator; a process set's own
-        # communicator takes the generic path below (it once summed over every rank)
-        if t.is_cuda and not cuda_support.mpi_is_cuda_aware():
-            staging.d2h(t.numel() * t.element_size(), dense=True)  # collectives stage it
-            staging.h2d(t.numel() * t.element_size())
+    topo = runtime.get().topo
+    if host_mpi and comm is library_comm and comm is topo.comm:
+        # the collectives' zero-copy fast path, on the library's global communicator only: a
+        # process set's own communicator takes the transport below (it once summed over every
+        # rank)
         collectives.allreduce_(t, Sum, prescale_factor=prescale, postscale_factor=postscale,
                                hierarchical=False, check=False)
     else:
-        with reducible(t) as buf:
-            if n > 1:
-                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        work = t if t.is_contiguous() else t.contiguous()
+        if comm is library_comm and comm is topo.comm and transport.uses_nccl(work, backend):
+            transport.nccl_allreduce_(work, topo, backend)  # flat, or NCCL in the node
+        else:
+            wire.allreduce_(work)
+        if work is not t:
+            t.copy_(work)
         scale_(t, prescale * postscale)
     stats.allreduce(t.numel() * t.element_size(), n)
 

@@ -26,7 +26,7 @@ from ..primitives.decentralized import (PeerEstimates, decentralized_average_,
                                         low_precision_decentralized_, peers_for)
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import float32
+from .forms import float32
 
 
 class ModelAveragingImpl(AlgorithmImpl):
@@ -47,8 +47,8 @@ class ModelAveragingImpl(AlgorithmImpl):
 
     def exchange_comm(self):
         """(communicator, rank, size) of the peer exchange, or None off the leaders."""
-        comm = self.comm
-        return None if comm is None else (comm, comm.Get_rank(), comm.Get_size())
+        wire = self.transport
+        return None if wire is None else (wire, wire.rank, wire.size)
 
     def peer_exchange(self, flat, exchange) -> None:
         """``exchange(flat float model, comm, rank, size)`` among all ranks, or hierarchically: node

@@ -88,7 +88,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         m.mul_(self.betas[0]).add_(contribution, alpha=1 - self.betas[0])
         worker_error, server_error = self.error_state((bucket.index, "m"), bucket.segments(),
                                                       bucket.device)
-        compressed_allreduce_(m, self.comm, self.codec, worker_error=worker_error,
+        compressed_allreduce_(m, self.transport, self.codec, worker_error=worker_error,
                               server_error=server_error, scale=1.0 / c,
                               seed=call_seed(self.algorithm.seed, step, bucket.index, 0),
                               stats=self.wire)

@@ -29,7 +29,7 @@ import torch
 from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import float32_all
+from .forms import float32_all
 
 
 class PowerSGDImpl(AlgorithmImpl):
@@ -76,7 +76,7 @@ class PowerSGDImpl(AlgorithmImpl):
                 segments.append(LowRankSegment(g, shape[0], self.algorithm.rank, q, error))
             self.dense_allreduce_(dense, fused=True)
             if segments:
-                powersgd_allreduce_(segments, self.comm, scale=self.scale, stats=self.wire)
+                powersgd_allreduce_(segments, self.transport, scale=self.scale, stats=self.wire)
 
 
 @register

@@ -19,7 +19,7 @@ import torch
 from ..primitives.sparse import gtopk_allreduce_, topk_allgather_, topk_count
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .staging import float32
+from .forms import float32
 
 
 class SparseImpl(AlgorithmImpl):
@@ -45,7 +45,7 @@ class SparseImpl(AlgorithmImpl):
             residual = self.residual(bucket, j, segments)
             # where the gradient lives: gTop-k keeps device payloads on the device
             with float32(grad) as work:
-                self.reduce(work, self.comm, topk_count(work.numel(), self.algorithm.density),
+                self.reduce(work, self.transport, topk_count(work.numel(), self.algorithm.density),
                             residual, scale=self.scale, index_dtype=self.algorithm.index_dtype,
                             stats=self.wire)
 

@@ -121,8 +121,8 @@ class Engine:
         step = self.iteration
 
         def task():
-            if event is not None:
-                event.synchronize()
+            if event is not None:  # a wait in stream order, not on the host
+                torch.cuda.current_stream(bucket.device).wait_event(event)
             self.impl.communicate_bucket(bucket, step)
 
         if self.timeline is not None:

@@ -37,7 +37,7 @@ import torch
 from .. import collectives
 from ..algorithms.base import Algorithm, AlgorithmImpl
 from ..algorithms.registry import register
-from ..algorithms.staging import float32_all
+from ..algorithms.forms import float32_all
 from ..primitives.codecs import call_seed
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
@@ -126,7 +126,7 @@ class LGreCoImpl(AlgorithmImpl):
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
         """One packed exchange for the whole bucket, each layer at its own level."""
-        comm = self.comm
+        comm = self.transport
         with float32_all(bucket.grad_views()) as grads:  # where the gradients are
             layers = list(zip(bucket.indices, bucket.names, grads))
             for _, name, g in layers:

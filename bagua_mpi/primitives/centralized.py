@@ -24,12 +24,9 @@ import threading
 
 import numpy as np
 import torch
-from mpi4py import MPI
-
 import numba_kernels as nk
 
-from .. import cuda as cuda_support
-from ..buffers import host_view
+from .. import transport
 
 
 def partition_length(length: int, parts: int) -> int:
@@ -37,25 +34,15 @@ def partition_length(length: int, parts: int) -> int:
     return -(-length // parts) if length else 0
 
 
-def _mpi(t: torch.Tensor):
-    return host_view(t) if not t.is_cuda else (t.view(torch.int16) if t.dtype == torch.bfloat16
-                                                 else t)
-
-
-def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.dtype,
+def cast_allreduce_(flat: torch.Tensor, comm, wire_dtype: torch.dtype,
                     scale: float = 1.0) -> torch.Tensor:
-    """In place: ``flat <- scale * sum over ranks of flat``, sending ``wire_dtype`` words."""
-    n = comm.Get_size()
+    """In place: ``flat <- scale * sum over ranks of flat``, sending ``wire_dtype`` words over
+    ``comm`` (a communicator or a ``transport.Transport``). A CUDA tensor is cast and summed on
+    its device; only the 16-bit words travel (staged, where they must be, as dense data)."""
+    wire = transport.of(comm)
+    n = wire.size
     length = flat.numel()
     if length == 0:
-        return flat
-    if flat.is_cuda and not cuda_support.mpi_is_cuda_aware():
-        from ..accounting import staging
-        host = flat.cpu()  # stage through host memory: the MPI cannot read device pointers
-        staging.d2h(host.numel() * host.element_size(), dense=True)
-        cast_allreduce_(host, comm, wire_dtype, scale)
-        flat.copy_(host)
-        staging.h2d(host.numel() * host.element_size())
         return flat
     if n == 1:
         flat.copy_(flat.to(wire_dtype))  # same rounding as with more ranks
@@ -63,23 +50,19 @@ def cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.d
             flat.mul_(scale)
         return flat
     if not flat.is_cuda and flat.is_contiguous() and flat.dtype in _HOST_FLOATS:
-        _host_cast_allreduce_(flat, comm, wire_dtype, scale)
+        _host_cast_allreduce_(flat, wire, wire_dtype, scale)
         return flat
     part = partition_length(length, n)
     send = torch.zeros(n * part, dtype=wire_dtype, device=flat.device)
     send[:length].copy_(flat)
     recv = torch.empty_like(send)
-    if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()
-    comm.Alltoall(_mpi(send), _mpi(recv))
+    wire.alltoall(send, recv, dense=True)
     merged = recv.view(n, part).to(torch.float32).sum(0)
     if scale != 1.0:
         merged.mul_(scale)
     merged_wire = merged.to(wire_dtype)
     gathered = torch.empty_like(send)
-    if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()
-    comm.Allgather(_mpi(merged_wire), _mpi(gathered))
+    wire.allgather(merged_wire, gathered, dense=True)
     flat.copy_(gathered[:length])
     return flat
 
@@ -106,23 +89,23 @@ def _host_buffers(n: int, part: int):
     return found
 
 
-def _host_cast_allreduce_(flat: torch.Tensor, comm: MPI.Intracomm, wire_dtype: torch.dtype,
+def _host_cast_allreduce_(flat: torch.Tensor, wire, wire_dtype: torch.dtype,
                           scale: float) -> None:
     """``cast_allreduce_`` of a contiguous float32/float64 CPU tensor (steps 1-5 above)."""
-    n, rank, length = comm.Get_size(), comm.Get_rank(), flat.numel()
+    n, rank, length = wire.size, wire.rank, flat.numel()
     part = partition_length(length, n)
     send, recv, merged, gathered = _host_buffers(n, part)
     words = torch.from_numpy(send).view(wire_dtype)
     # past length: zeros, or an earlier call's words (same part, other length); either way only
     # padding, which the elementwise sums keep apart from the result
     words[:length].copy_(flat.detach())
-    comm.Alltoall(send, recv)
+    wire.alltoall(send, recv)
     nk.sum_halves(recv.reshape(n, part), merged, _KIND[wire_dtype])
     if scale != 1.0:
         np.multiply(merged, np.float32(scale), out=merged)
     result = torch.from_numpy(gathered).view(wire_dtype)
     result[rank * part:(rank + 1) * part].copy_(torch.from_numpy(merged))
-    comm.Allgather(MPI.IN_PLACE, gathered)
+    wire.allgather(gathered[rank * part:(rank + 1) * part], gathered)  # in place
     flat.copy_(result[:length])
 
 

@@ -22,9 +22,10 @@ models and so do the models to their average (the spread shrinks geometrically).
 
 Models on a CUDA device stay there (``_device_average_`` / ``_device_lowprec_``): the averaging
 and the estimates' arithmetic run as torch operations on the device, compression and decoding
-as the Numba CUDA kernels, and MPI moves device buffers when it is CUDA-aware, else the
-messages go through reused pinned host buffers (``bagua_mpi.cuda.pinned_pool``). The device
-forms compute the same float32/float64 operations in the same order as the host forms.
+as the Numba CUDA kernels, and the transport moves the messages (``comm`` may be a
+communicator or a ``transport.Transport``): NCCL send/receive or a CUDA-aware MPI on the device
+buffers, else reused pinned host buffers. The device forms compute the same float32/float64
+operations in the same order as the host forms.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..buffers import host_view
+from .. import transport
 from ..accounting import WireStats
+from ..buffers import host_view
 from .codecs import Codec
 
 _TAG = 7301
@@ -65,12 +67,13 @@ def peers_for(topology: str, rank: int, size: int, step: int = 0, seed: int = 0)
     raise ValueError(f"unknown peer topology {topology!r}; valid: ring, random")
 
 
-def _exchange(comm: MPI.Intracomm, send: np.ndarray, peers: list[int]) -> list[np.ndarray]:
-    """Send ``send`` to every peer and receive one equal-sized buffer from each."""
-    recvs = [np.empty_like(send) for _ in peers]
-    reqs = [comm.Irecv(r, source=p, tag=_TAG) for r, p in zip(recvs, peers)]
-    reqs += [comm.Isend(send, dest=p, tag=_TAG) for p in peers]
-    MPI.Request.Waitall(reqs)
+def _exchange(comm, send, peers: list[int], dense: bool = False) -> list:
+    """Send ``send`` (a NumPy array or a tensor) to every peer and receive one buffer of the
+    same kind and size from each, through the transport (device tensors stay on the device on
+    NCCL or a CUDA-aware MPI; staged ones are counted ``dense`` or as a payload)."""
+    empty = np.empty_like if isinstance(send, np.ndarray) else torch.empty_like
+    recvs = [empty(send) for _ in peers]
+    transport.of(comm).exchange(send, recvs, peers, tag=_TAG, dense=dense)
     return recvs
 
 
@@ -101,49 +104,15 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
     return flat
 
 
-def _exchange_tensors(comm: MPI.Intracomm, send: torch.Tensor, peers: list[int],
-                      dense: bool) -> list[torch.Tensor]:
-    """``_exchange`` of a tensor (contiguous; CPU, or CUDA: device buffers to a CUDA-aware MPI,
-    else staged through the pinned pool, counted ``dense`` or as a payload)."""
-    from .. import cuda as bcuda
-    from ..accounting import staging
-
-    recvs = [torch.empty_like(send) for _ in peers]
-    if not send.is_cuda:
-        got = _exchange(comm, host_view(send), peers)
-        for r, g in zip(recvs, got):
-            host_view(r)[:] = g
-        return recvs
-    torch.cuda.current_stream(send.device).synchronize()
-    if bcuda.mpi_is_cuda_aware():
-        words = [bcuda._mpi_tensor(t) for t in [send] + recvs]
-        reqs = [comm.Irecv(r, source=p, tag=_TAG) for r, p in zip(words[1:], peers)]
-        reqs += [comm.Isend(words[0], dest=p, tag=_TAG) for p in peers]
-        MPI.Request.Waitall(reqs)
-        return recvs
-    import threading
-    tid = threading.get_ident()
-    host = torch.from_numpy(bcuda.pinned_pool.get(("decentralized", "send", tid), send.nbytes))
-    host = host.view(send.dtype).view(send.shape)
-    host.copy_(send)
-    staging.d2h(send.nbytes, dense=dense)
-    got = _exchange(comm, host_view(host), peers)
-    for r, g in zip(recvs, got):
-        r.copy_(torch.from_numpy(g).view(send.dtype).view(send.shape))
-        staging.h2d(send.nbytes)
-    return recvs
-
-
 def _device_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],
                      stats: WireStats | None, wire_dtype: torch.dtype | None) -> torch.Tensor:
     """D_FP_S of a device (or, in the tests, any torch) tensor: the host form's operations in
     torch where the tensor lives."""
     x = flat.detach()
     if wire_dtype is None:
-        recvs = _exchange_tensors(comm, x.contiguous().clone(), peers, dense=True)
+        recvs = _exchange(comm, x.contiguous().clone(), peers, dense=True)
     else:
-        recvs = [r.float() for r in _exchange_tensors(comm, x.to(wire_dtype).contiguous(), peers,
-                                                      dense=False)]
+        recvs = [r.float() for r in _exchange(comm, x.to(wire_dtype).contiguous(), peers)]
     total = x.to(torch.float64)
     for r in recvs:
         total += r
@@ -237,15 +206,13 @@ def _device_lowprec_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int], 
     codec.compress(_kernel_view(diff), _kernel_view(payload))
     codec.decompress_many(_kernel_view(payload).reshape(1, -1), n, out=_kernel_view(own),
                           accumulate=True)
-    _ready(x)  # the kernels' writes before MPI or torch read them
-    recvs = _exchange_tensors(comm, payload, peers, dense=False)
+    recvs = _exchange(comm, payload, peers)
     mix = torch.zeros(n, dtype=torch.float32, device=x.device)
     for peer, buf in zip(peers, recvs):
         estimates.of(peer)
         h = estimates.tensors()[1][peer]
         codec.decompress_many(_kernel_view(buf).reshape(1, -1), n, out=_kernel_view(h),
                               accumulate=True)
-        _ready(x)
         mix += h - own
     x += mix * np.float32(gamma / (1 + len(peers)))
     if stats is not None:
@@ -254,16 +221,9 @@ def _device_lowprec_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int], 
 
 
 def _kernel_view(t: torch.Tensor):
-    """What the kernels take: the device array of a CUDA tensor (synchronised with torch's
-    stream first), a NumPy view of a CPU one."""
+    """What the kernels take: the device array of a CUDA tensor (its kernels run in stream
+    order with torch's), a NumPy view of a CPU one."""
     if t.is_cuda:
         from numba import cuda
-        torch.cuda.current_stream(t.device).synchronize()
         return cuda.as_cuda_array(t)
     return host_view(t)
-
-
-def _ready(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        from numba import cuda
-        cuda.synchronize()  # the kernels' writes before torch reads them

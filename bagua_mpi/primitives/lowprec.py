@@ -25,9 +25,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import transport
 from ..buffers import host_view
 from .centralized import partition_length
 from ..accounting import WireStats
+from . import device_arrays
 from .codecs import Codec, call_seed
 
 
@@ -85,9 +87,9 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
 
     Contiguous float32 tensors, all on the host or all on one CUDA device (errors with them).
     On the device the Numba CUDA kernels compress (error feedback fused), decode, sum and scale
-    there; MPI moves the device payloads when it is CUDA-aware, otherwise only the payloads are
-    staged through pinned host buffers reused across steps (``bagua_mpi.cuda.pinned_pool``).
-    No dense tensor leaves the device.
+    there, and ``comm`` (a communicator or a ``transport.Transport``) moves only the payloads:
+    on NCCL or a CUDA-aware MPI they stay on the device, otherwise they cross through pinned
+    host buffers reused across steps. No dense tensor leaves the device.
     """
     on_device = [seg.flat.is_cuda for seg in segments]
     device = any(on_device)
@@ -109,8 +111,6 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
         xs.append(_array(seg.flat))
         wes.append(we)
         ses.append(se)
-    if device:
-        torch.cuda.current_stream(segments[0].flat.device).synchronize()  # torch wrote them
     _clps_arrays(xs, wes, ses, [seg.codec for seg in segments], [seg.seed for seg in segments],
                  comm, scale, stats, device)
 
@@ -122,12 +122,15 @@ def _array(t: torch.Tensor):
     return host_view(t)
 
 
-def _clps_arrays(xs, wes, ses, codecs, seeds, comm: MPI.Intracomm, scale: float,
+def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
                  stats: WireStats | None, device: bool) -> None:
     """C_LP_S on 1-D float32 arrays, all NumPy (host) or all Numba device arrays (device; under
     ``NUMBA_ENABLE_CUDASIM=1`` this path runs on the CPU in the tests). Both give the same
-    bytes: the kernels are the CPU twins' equals and every sum runs in the same order."""
-    n, rank = comm.Get_size(), comm.Get_rank()
+    bytes: the kernels are the CPU twins' equals and every sum runs in the same order. The
+    kernels run in stream order with torch's; ``transport`` waits for them only where an MPI
+    must read device memory."""
+    wire = transport.of(comm)
+    n, rank = wire.size, wire.rank
     plans = []
     row = 0
     for x, we, se, codec, seed in zip(xs, wes, ses, codecs, seeds):
@@ -149,7 +152,7 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm: MPI.Intracomm, scale: float,
                            residual=None if we is None else we[k * part:(k + 1) * part],
                            seed=call_seed(seed, rank, k, 1))
     recv = _empty((n, row), np.uint8, device)
-    _collective(comm.Alltoall, send, recv, device, "alltoall")
+    wire.alltoall(send, recv)
     mine = _empty(row, np.uint8, device)
     for codec, seed, _, _, part, cols, _, se in plans:  # server: sum, scale, phase 2
         merged = codec.decompress_many(_columns(recv, cols, device), part,
@@ -158,7 +161,7 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm: MPI.Intracomm, scale: float,
             _scale(merged, scale, device)
         codec.compress(merged, mine[cols], residual=se, seed=call_seed(seed, rank, rank, 2))
     gathered = send  # phase-1 payloads are no longer needed
-    _collective(comm.Allgather, mine, gathered, device, "allgather")
+    wire.allgather(mine, gathered)
     for codec, _, x, padded, part, cols, _, _ in plans:
         for k in range(n):
             codec.decompress_many(_columns(gathered[k:k + 1], cols, device), part,
@@ -168,17 +171,11 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm: MPI.Intracomm, scale: float,
                 x.copy_to_device(padded[:x.size])
             else:
                 x[:] = padded[:x.size]
-    if device:
-        _ready()
     if stats is not None:
         stats.add(2 * (n - 1) * row)
 
 
-def _empty(shape, dtype, device: bool):
-    if device:
-        from numba import cuda
-        return cuda.device_array(shape, dtype=dtype)
-    return np.empty(shape, dtype=dtype)
+_empty = device_arrays.empty
 
 
 def _padded(x, length: int, device: bool):
@@ -198,31 +195,6 @@ def _scale(arr, scale: float, device: bool) -> None:
         scale_kernel(arr, np.float32(scale))
     else:
         arr *= np.float32(scale)
-
-
-def _ready() -> None:
-    from numba import cuda
-    cuda.synchronize()
-
-
-def _collective(call, send, recv, device: bool, name: str) -> None:
-    """``call(send, recv)`` (Alltoall or Allgather): device buffers straight to a CUDA-aware
-    MPI, else through the pinned pool (payload bytes only; reused across steps)."""
-    if not device:
-        call(send, recv)
-        return
-    from .. import cuda as bcuda
-    _ready()  # kernels done before MPI reads the payloads
-    if bcuda.mpi_is_cuda_aware():
-        call(send, recv)
-        return
-    import threading
-    tid = threading.get_ident()
-    host_send = bcuda.stage_to_host(send, ("clps", name, "send", tid))
-    host_recv = bcuda.pinned_pool.get(("clps", name, "recv", tid), recv.nbytes).reshape(
-        recv.shape)
-    call(host_send, host_recv)
-    bcuda.stage_to_device(host_recv, recv)
 
 
 def _columns(stack, cols: slice, device: bool = False):

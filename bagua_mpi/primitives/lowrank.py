@@ -27,21 +27,19 @@ leaves Q unchanged.
 Every rank must pass the same segment list (shapes, ranks, order): it decides the packed
 buffers and so the collectives. An empty list makes no MPI call, which is consistent only when
 it is empty on every rank. Float32 tensors, all on the host or all on one CUDA device (with
-their Q and errors there): on a device every product runs there, and only the packed P and Q
-move (device buffers to a CUDA-aware MPI, else through reused pinned host buffers); the small
-P goes to the host for the float64 Gram-Schmidt, so every rank computes the same P^.
+their Q and errors there): on a device every product runs there, the float64 Gram-Schmidt
+too (``orthonormalize_device``), and only the packed P and Q move (through the transport: NCCL
+or a CUDA-aware MPI on the device, else reused pinned host buffers).
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from mpi4py import MPI
-
-from ..buffers import host_view
+from .. import transport
 from ..accounting import WireStats
+from ..buffers import host_view
 
 # A Gram-Schmidt residual at most this fraction of the column's own norm is roundoff of a
 # column that lies in the span of the earlier ones: it is zeroed rather than normalized. P
@@ -73,6 +71,25 @@ def initial_q(cols: int, max_rank: int, seed: int) -> torch.Tensor:
     identical on every rank (all ranks must start from the same Q)."""
     gen = torch.Generator().manual_seed(int(seed))
     return torch.randn(cols, max_rank, generator=gen, dtype=torch.float32)
+
+
+def orthonormalize_device(p: torch.Tensor) -> torch.Tensor:
+    """``orthonormalize`` in torch float64 where ``p`` lives (a GPU), as a new tensor: the same
+    steps, with the dependent-column test a select instead of a branch, so the host never
+    waits for the device. Every rank holds the same summed P and runs the same kernels, so
+    every rank gets the same P^."""
+    out = p.to(torch.float64).clone()
+    for j in range(out.shape[1]):
+        col = out[:, j]
+        norm0 = torch.linalg.vector_norm(col)
+        if j:
+            done = out[:, :j]
+            for _ in range(2):
+                col -= done @ (done.T @ col)
+        norm = torch.linalg.vector_norm(col)
+        keep = (norm > 0.0) & (norm > _DEPENDENT * norm0)
+        col.copy_(torch.where(keep, col / torch.where(keep, norm, 1.0), 0.0))
+    return out
 
 
 def orthonormalize(p: np.ndarray) -> np.ndarray:
@@ -128,7 +145,7 @@ def _check_segment(seg: LowRankSegment) -> int:
     return cols
 
 
-def powersgd_allreduce_(segments: list[LowRankSegment], comm: MPI.Intracomm, *,
+def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
                         scale: float = 1.0, stats: WireStats | None = None) -> None:
     """PowerSGD of every segment in place, in two allreduces in all (module docstring).
 
@@ -161,15 +178,15 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm: MPI.Intracomm, *,
                                                                                   seg.rank))
     _allreduce_sum(p_buf, comm, stats)
 
-    p_cpu = p_buf if not p_buf.is_cuda else _small_to_host(p_buf)
-    p_host = host_view(p_cpu)
     p_hats = []
     for k, seg in enumerate(segments):
-        view = p_host[p_off[k]:p_off[k + 1]].reshape(seg.rows, seg.rank)
-        view[:] = orthonormalize(view)  # float64 Gram-Schmidt, cast back to float32
-        p_hats.append(p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank))
-    if p_buf.is_cuda:
-        p_buf.copy_(p_cpu)
+        p_hat = p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank)
+        if p_buf.is_cuda:  # float64 Gram-Schmidt where P is: no host round trip, no wait
+            p_hat.copy_(orthonormalize_device(p_hat))
+        else:
+            view = host_view(p_hat)
+            view[:] = orthonormalize(view)  # float64 Gram-Schmidt, cast back to float32
+        p_hats.append(p_hat)
 
     for k, (seg, mat, p_hat) in enumerate(zip(segments, mats, p_hats)):
         q_mine = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
@@ -184,27 +201,11 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm: MPI.Intracomm, *,
         q_avg = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
         torch.mm(p_hat, q_avg.t(), out=seg.flat.view(seg.rows, cols[k]))
         live = p_hat.abs().amax(dim=0) > 0  # zero P^ columns (same on all ranks) keep their Q
-        if bool(live.all()):
-            seg.q[:, :seg.rank].copy_(q_avg)
-        else:
-            seg.q[:, :seg.rank][:, live] = q_avg[:, live]
+        q = seg.q[:, :seg.rank]
+        q.copy_(torch.where(live, q_avg, q))  # a select, not a branch: no wait on the device
 
 
-def _small_to_host(buf: torch.Tensor) -> torch.Tensor:
-    """The summed P (rows x rank per layer: a payload, not a gradient) on the host."""
-    from ..accounting import staging
-
-    out = buf.cpu()
-    staging.d2h(buf.nbytes)
-    return out
-
-
-def _allreduce_sum(buf: torch.Tensor, comm: MPI.Intracomm, stats: WireStats | None) -> None:
-    if comm.Get_size() > 1 and buf.is_cuda:
-        from .. import cuda as bcuda
-        bcuda.payload_collective(lambda s, r: comm.Allreduce(s, r, op=MPI.SUM), buf, buf,
-                                 ("powersgd", threading.get_ident()))
-    elif comm.Get_size() > 1:
-        comm.Allreduce(MPI.IN_PLACE, host_view(buf), op=MPI.SUM)
+def _allreduce_sum(buf: torch.Tensor, comm, stats: WireStats | None) -> None:
+    transport.of(comm).allreduce_(buf, dense=False)  # P and Q are payloads, not gradients
     if stats is not None:
         stats.allreduce(buf.numel() * buf.element_size(), comm.Get_size())

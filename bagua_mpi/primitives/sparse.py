@@ -29,8 +29,10 @@ from mpi4py import MPI
 
 import numba_kernels as nk
 
-from ..buffers import host_view
+from .. import transport
 from ..accounting import WireStats
+from ..buffers import host_view
+from . import device_arrays
 from .codecs import fit_kernel_threads
 
 _TAG = 7401
@@ -75,7 +77,6 @@ def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: t
                          f"{residual.device}")
     if flat.is_cuda:
         from numba import cuda
-        torch.cuda.current_stream(flat.device).synchronize()  # gradients written by torch
         _topk_arrays(cuda.as_cuda_array(flat.detach()), cuda.as_cuda_array(residual.detach()),
                      k, comm, scale, index_dtype, stats, True)
         return flat
@@ -85,33 +86,19 @@ def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: t
     return flat
 
 
-def _topk_arrays(x, res, k: int, comm: MPI.Intracomm, scale: float, index_dtype: str,
+def _topk_arrays(x, res, k: int, comm, scale: float, index_dtype: str,
                  stats: WireStats | None, device: bool) -> None:
     """Top-k all-gather on 1-D float32 arrays, NumPy (host) or Numba device arrays (device;
     ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in the tests): the same bytes."""
+    wire = transport.of(comm)
     mine = nk.compress_topk(x, k, index_dtype=index_dtype, residual=res)
-    n = comm.Get_size()
+    n = wire.size
     gathered = _alloc(n * mine.nbytes, device).reshape(n, mine.nbytes)
-    if not device:
-        comm.Allgather(mine.buffer, gathered)
-    else:
-        from .. import cuda as bcuda
-        _ready(True)
-        if bcuda.mpi_is_cuda_aware():
-            comm.Allgather(mine.buffer, gathered)
-        else:
-            import threading
-            tid = threading.get_ident()
-            host_mine = bcuda.stage_to_host(mine.buffer, ("topk", "send", tid))
-            host_all = bcuda.pinned_pool.get(("topk", "recv", tid), gathered.nbytes).reshape(
-                gathered.shape)
-            comm.Allgather(host_mine, host_all)
-            bcuda.stage_to_device(host_all, gathered)
+    wire.allgather(mine.buffer, gathered)
     if scale != 1.0:  # scale the n x k values, not the whole decoded tensor
         for r in range(n):
             nk.scale_topk_values(nk.Payload(mine.format, gathered[r]), scale)
     nk.decompress_many(gathered, mine.format, out=x)
-    _ready(device)
     if stats is not None:
         stats.add((n - 1) * mine.nbytes)
 
@@ -150,9 +137,9 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
     same on every rank.
 
     Float32 tensors on a CUDA device stay there: the kernels select, merge, restore and
-    decode on the device; MPI moves the device payloads when it is CUDA-aware
-    (``bagua_mpi.cuda``'s probe decides), else each payload goes through reused pinned host
-    buffers (``StagedComm``). Only a mix of host and device segments is staged whole.
+    decode on the device, and ``comm`` (a communicator or a ``transport.Transport``) moves the
+    payloads: NCCL send/receive or a CUDA-aware MPI on the device buffers, else reused pinned
+    host buffers. Only a mix of host and device segments is staged whole.
     """
     for seg in segments:
         _check_segment(seg)
@@ -161,15 +148,11 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
                       [host_view(seg.residual) for seg in segments],
                       [seg.k for seg in segments], comm, scale, index_dtype, stats)
         return
-    from .. import cuda as bcuda
     if all(seg.flat.is_cuda and seg.residual.is_cuda for seg in segments):
         from numba import cuda
-        torch.cuda.current_stream().synchronize()  # gradients written by torch's stream
         _gtopk_arrays([cuda.as_cuda_array(seg.flat) for seg in segments],
                       [cuda.as_cuda_array(seg.residual) for seg in segments],
-                      [seg.k for seg in segments],
-                      comm if bcuda.mpi_is_cuda_aware() else StagedComm(comm), scale,
-                      index_dtype, stats)
+                      [seg.k for seg in segments], comm, scale, index_dtype, stats)
         return
     staged = [SparseSegment(seg.flat.cpu(), seg.k, seg.residual.cpu()) for seg in segments]
     packed_gtopk_allreduce_(staged, comm, scale=scale, index_dtype=index_dtype, stats=stats)
@@ -189,10 +172,11 @@ def _check_segment(seg: SparseSegment) -> None:
         raise ValueError(f"k must be in [0, {seg.flat.numel()}], got {seg.k}")
 
 
-def _gtopk_arrays(flats, residuals, ks, comm: MPI.Intracomm, scale: float, index_dtype: str,
+def _gtopk_arrays(flats, residuals, ks, comm, scale: float, index_dtype: str,
                   stats: WireStats | None) -> None:
     """The gTop-k exchange on 1-D float32 arrays, all on the host (NumPy) or all on the device
     (numba device arrays; ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in tests)."""
+    wire = transport.of(comm)
     device = bool(flats) and not isinstance(flats[0], np.ndarray)
     layout, row = [], 0
     for flat, k in zip(flats, ks):
@@ -207,75 +191,26 @@ def _gtopk_arrays(flats, residuals, ks, comm: MPI.Intracomm, scale: float, index
     # ``message`` stays as sent: the tree and the swap merge into new buffers, and where the
     # global set is ``message`` itself (one rank) each segment is restored before it is scaled
     sent = message
-    _ready(device)  # kernels done before MPI reads the buffers
-    rank, n = comm.Get_rank(), comm.Get_size()
+    rank, n = wire.rank, wire.size
     if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
-        glob = _pair_exchange(message, layout, comm, stats, device)
+        glob = _pair_exchange(message, layout, wire, stats, device)
     else:
-        root = gtopk_tree_reduce(message, layout, comm, stats, device)
+        root = gtopk_tree_reduce(message, layout, wire, stats, device)
         glob = root if rank == 0 else _alloc(row, device)
-        binomial_broadcast(glob, comm, stats)
+        binomial_broadcast(glob, wire, stats)
     for flat, res, (fmt, cols, _) in zip(flats, residuals, layout):
         selected = nk.Payload(fmt, glob[cols])
         nk.restore_unselected(res, nk.Payload(fmt, sent[cols]), selected)
         if scale != 1.0:  # k values rather than the whole decoded tensor
             nk.scale_topk_values(selected, scale)
         nk.decompress(selected, out=flat)
-    _ready(device)
-
-
-class StagedComm:
-    """A communicator whose point-to-point calls take Numba device arrays (payloads) and
-    move them through the pinned pool (``bagua_mpi.cuda.pinned_pool``, reused across steps):
-    the gTop-k tree's form for an MPI that cannot read device memory."""
-
-    def __init__(self, comm: MPI.Intracomm):
-        import threading
-        self.comm = comm
-        self.tid = threading.get_ident()
-
-    def __getattr__(self, name):
-        return getattr(self.comm, name)
-
-    def _host(self, role: str, nbytes: int):
-        from .. import cuda as bcuda
-        return bcuda.pinned_pool.get(("gtopk", role, self.tid), nbytes)
-
-    def Send(self, buf, dest: int, tag: int = 0) -> None:
-        from .. import cuda as bcuda
-        self.comm.Send(bcuda.stage_to_host(buf, ("gtopk", "send", self.tid)), dest=dest,
-                       tag=tag)
-
-    def Recv(self, buf, source: int, tag: int = 0) -> None:
-        from .. import cuda as bcuda
-        host = self._host("recv", buf.nbytes)
-        self.comm.Recv(host, source=source, tag=tag)
-        bcuda.stage_to_device(host, buf)
-
-    def Sendrecv(self, sendbuf, dest: int, sendtag: int = 0, recvbuf=None, source: int = 0,
-                 recvtag: int = 0) -> None:
-        from .. import cuda as bcuda
-        host = self._host("recv", recvbuf.nbytes)
-        self.comm.Sendrecv(bcuda.stage_to_host(sendbuf, ("gtopk", "send", self.tid)),
-                           dest=dest, sendtag=sendtag, recvbuf=host, source=source,
-                           recvtag=recvtag)
-        bcuda.stage_to_device(host, recvbuf)
 
 
 def _alloc(nbytes: int, device: bool):
-    if device:
-        from numba import cuda
-        return cuda.device_array(nbytes, dtype=np.uint8)
-    return np.empty(nbytes, dtype=np.uint8)
+    return device_arrays.empty(nbytes, np.uint8, device)
 
 
-def _ready(device: bool) -> None:
-    if device:
-        from numba import cuda
-        cuda.synchronize()
-
-
-def gtopk_tree_reduce(message, layout, comm: MPI.Intracomm, stats: WireStats | None = None,
+def gtopk_tree_reduce(message, layout, comm, stats: WireStats | None = None,
                       device: bool = False):
     """The gTop-k tree on a message of concatenated top-k payloads (``layout``: one
     (format, byte slice, k) per segment); rank 0 returns the merged message, others None.
@@ -283,59 +218,58 @@ def gtopk_tree_reduce(message, layout, comm: MPI.Intracomm, stats: WireStats | N
     In round j (mask = 2^j) a rank with bit j set sends and leaves; the receiver merges the
     partner's pairs into its own, segment by segment, keeping each segment's top-k.
     """
-    rank, n = comm.Get_rank(), comm.Get_size()
+    wire = transport.of(comm)
+    rank, n = wire.rank, wire.size
     acc = message
     mask = 1
     while mask < n:
         if rank & mask:
-            comm.Send(acc, dest=rank - mask, tag=_TAG)
+            wire.send(acc, rank - mask, tag=_TAG)
             if stats is not None:
                 stats.add(acc.size)
             return None
         partner = rank + mask
         if partner < n:
             received = _alloc(acc.size, device)
-            comm.Recv(received, source=partner, tag=_TAG)
+            wire.recv(received, partner, tag=_TAG)
             merged = _alloc(acc.size, device)
             for fmt, cols, k in layout:
                 nk.merge_topk(nk.Payload(fmt, acc[cols]), nk.Payload(fmt, received[cols]), k,
                               out=merged[cols])
-            _ready(device)
             acc = merged
         mask <<= 1
     return acc
 
 
-def _pair_exchange(message, layout, comm: MPI.Intracomm, stats: WireStats | None,
-                   device: bool = False):
+def _pair_exchange(message, layout, wire, stats: WireStats | None, device: bool = False):
     """P = 2: swap payloads and merge on both ranks, rank 0's payload first on both (so the
     two merges are the same computation and give the same bytes)."""
     other = _alloc(message.size, device)
-    peer = 1 - comm.Get_rank()
-    comm.Sendrecv(message, dest=peer, sendtag=_TAG, recvbuf=other, source=peer, recvtag=_TAG)
+    peer = 1 - wire.rank
+    wire.exchange(message, [other], [peer], tag=_TAG)
     if stats is not None:
         stats.add(message.size)
-    first, second = (message, other) if comm.Get_rank() == 0 else (other, message)
+    first, second = (message, other) if wire.rank == 0 else (other, message)
     merged = _alloc(message.size, device)
     for fmt, cols, k in layout:
         nk.merge_topk(nk.Payload(fmt, first[cols]), nk.Payload(fmt, second[cols]), k,
                       out=merged[cols])
-    _ready(device)
     return merged
 
 
-def binomial_broadcast(buf, comm: MPI.Intracomm, stats: WireStats | None = None) -> None:
+def binomial_broadcast(buf, comm, stats: WireStats | None = None) -> None:
     """Broadcast ``buf`` from rank 0 down the binomial tree, one Send per edge.
 
     Each byte crosses P - 1 edges, the fewest possible; MPICH's Bcast at these sizes
     scatters then all-gathers, which puts more bytes on a shared link (measured in
     ``benchmarks/results/sparse_timing.md``).
     """
-    rank = comm.Get_rank()
+    wire = transport.of(comm)
+    rank = wire.rank
     if rank:
-        comm.Recv(buf, source=rank & (rank - 1), tag=_TAG + 1)  # parent: lowest set bit off
-    children = binomial_children(rank, comm.Get_size())
+        wire.recv(buf, rank & (rank - 1), tag=_TAG + 1)  # parent: lowest set bit off
+    children = binomial_children(rank, wire.size)
     for child in children:  # largest subtree first
-        comm.Send(buf, dest=child, tag=_TAG + 1)
+        wire.send(buf, child, tag=_TAG + 1)
     if stats is not None:
         stats.add(len(children) * buf.size)

@@ -1,6 +1,8 @@
 """NCCL at world size 1 on a one-GPU machine (NCCL refuses two ranks on one GPU, so its
 multi-rank path cannot run here; this checks the bootstrap over MPI, the collectives and the
-optimizer's dense steps through ``ProcessGroupNCCL``, and that the choice really took NCCL).
+optimizer's dense steps through ``ProcessGroupNCCL``, that the choice really took NCCL, and
+that every registered algorithm trains on it with no payload byte through the host and no host
+wait for the device in its exchanges).
 
 Run by ``tests/gpu/run.sh`` as ``mpiexec -n 1 python tests/gpu/nccl_check.py OUT``.
 """
@@ -10,7 +12,7 @@ import sys
 import torch
 
 import bagua_mpi as bm
-from bagua_mpi import backends
+from bagua_mpi import backends, process_groups, transport
 from bagua_mpi.accounting import staging
 
 
@@ -24,22 +26,22 @@ def main():
         backends.set_default(name)
         t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
         want = t.clone()
-        backends.allreduce_(t, topo)
+        transport.nccl_allreduce_(t, topo)
         assert torch.equal(t, want), f"{name}: allreduce at world size 1 changed the data"
-        assert backends._groups, f"{name}: no NCCL group was made"
+        assert process_groups.groups(), f"{name}: no NCCL group was made"
         # the public collectives dispatch to NCCL too (Sum, Max; Average scales on the device)
         used = []
-        original_group_allreduce = backends.NCCLGroup.allreduce_
+        original_group_allreduce = process_groups.ProcessGroup.allreduce_
 
         def spy(self, tensor, op="sum", _orig=original_group_allreduce):
             used.append(op)
             return _orig(self, tensor, op)
-        backends.NCCLGroup.allreduce_ = spy
+        process_groups.ProcessGroup.allreduce_ = spy
         x = torch.randn(1000, device="cuda")
         assert torch.equal(bm.allreduce(x, op=bm.Sum), x)
         assert torch.equal(bm.allreduce(x, op=bm.Max), x)
         torch.testing.assert_close(bm.allreduce(x), x)
-        backends.NCCLGroup.allreduce_ = original_group_allreduce
+        process_groups.ProcessGroup.allreduce_ = original_group_allreduce
         assert used == ["sum", "max", "sum"], used
         # the optimizer's dense steps through NCCL (gradient_allreduce and a warm-up stage)
         torch.manual_seed(0)
@@ -48,12 +50,12 @@ def main():
         opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                       named_parameters=model.named_parameters(), backend=name)
         calls = []
-        original = backends.NCCLGroup.allreduce_
+        original = process_groups.ProcessGroup.allreduce_
 
         def counting(self, tensor, op="sum", _orig=original):
             calls.append(tensor.numel())
             return _orig(self, tensor, op)
-        backends.NCCLGroup.allreduce_ = counting
+        process_groups.ProcessGroup.allreduce_ = counting
         staging.reset()
         x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 16, device="cuda")
         first = None
@@ -64,7 +66,7 @@ def main():
             loss.backward()
             opt.step()
         opt.close()
-        backends.NCCLGroup.allreduce_ = original
+        process_groups.ProcessGroup.allreduce_ = original
         assert calls, f"{name}: the optimizer's dense steps did not go through NCCL"
         assert staging.snapshot()["dense_d2h_bytes"] == 0, staging.snapshot()
         assert loss.item() < first, (first, loss.item())
@@ -72,9 +74,50 @@ def main():
                          "loss": [first, loss.item()]}
         print(f"NCCL backend {name!r} at world size 1: OK ({len(calls)} NCCL allreduces in "
               f"30 steps, loss {first:.4f} -> {loss.item():.4f})", flush=True)
+    results["algorithms"] = every_algorithm_on_nccl()
     with open(out, "w") as fh:
         json.dump(results, fh, indent=1)
     bm.shutdown()
+
+
+def every_algorithm_on_nccl() -> dict:
+    """Each registered algorithm, 20 steps of a CUDA model with backend="nccl": the loss falls,
+    nothing is staged through the host, and the exchanges make the host wait for the device
+    zero times (``communication_stats()["syncs_per_bucket"]``)."""
+    found = {}
+    for algo in bm.algorithms.names():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 16)).cuda()
+        kwargs = {"onebit_adam": dict(warmup_steps=5), "lgreco": dict(warmup_steps=5,
+                                                                     period_steps=10)}
+        inner = (torch.optim.Adam(model.parameters(), lr=1e-3) if algo == "onebit_adam"
+                 else torch.optim.SGD(model.parameters(), lr=0.05))
+        opt = bm.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                      algorithm=bm.algorithms.create(algo, **kwargs.get(algo, {})),
+                                      backend="nccl")
+        x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 16, device="cuda")
+        staging.reset()
+        losses = []
+        for _ in range(20):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+        stats = opt.communication_stats()
+        opt.close()
+        snap = staging.snapshot()
+        waits = sum(stats["syncs_per_bucket"].values())
+        ok = snap["d2h_bytes"] == 0 and waits == 0 and losses[-1] < losses[0]
+        found[algo] = {"ok": ok, "backend": opt.backend, "d2h_bytes": snap["d2h_bytes"],
+                       "syncs_per_bucket": stats["syncs_per_bucket"],
+                       "launches_per_bucket": stats["launches_per_bucket"],
+                       "loss": [losses[0], losses[-1]]}
+        print(f"NCCL {algo}: {'OK' if ok else 'FAIL'} {found[algo]}", flush=True)
+    failed = [a for a, r in found.items() if not r["ok"]]
+    assert not failed, f"on NCCL, these staged bytes, waited or did not learn: {failed}"
+    return found
 
 
 if __name__ == "__main__":

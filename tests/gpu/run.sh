@@ -7,14 +7,20 @@
 #       buffers where the MPI is CUDA-aware (the probe decides; skipped with the reason if not);
 #       centralized algorithms must end identical on both ranks, every loss must fall, and the
 #       compressed algorithms must copy no dense tensor to the host
+#       and again with a 21.5M-parameter MLP (timing only): compressed steps against
+#       gradient_allreduce's over staged MPI
+#   (b') with Intel MPI (impi-rt, CUDA-aware on GPU nodes) when .whl/impi-slim.tar.xz was
+#       carried: every algorithm with device buffers, no payload byte through the host
 #   (c) the NCCL backend at world size 1 (NCCL refuses two ranks on one GPU, so its multi-rank
-#       path cannot be checked on a one-GPU machine)
+#       path cannot be checked on a one-GPU machine): every algorithm on NCCL with no payload
+#       byte through the host and no host wait in its exchanges
 #   (d) benchmarks/kernels.py with the GPU section at 1e8 elements
 #   (e) results, with the device name, in benchmarks/results/ (gpu_check.md and raw files),
 #       copied to $OUT too when set (the device tool brings $OUT back)
 #
 # Through the device tool (fits one 10-minute call): on the development machine run
-#   bash tests/gpu/fetch_wheels.sh        # once: mpi4py + MPICH wheels into .whl/ (ignored)
+#   bash tests/gpu/fetch_wheels.sh        # once: mpi4py + MPICH wheels, a slim Intel MPI, into
+#                                         # .whl/ (ignored; ~45 MB of the 64 MiB carry limit)
 # then  run(command="bash tests/gpu/run.sh", carry=[".whl"], timeout_s=600)
 # and commit benchmarks/results/gpu_check.md from the files that come back.
 # Exit status: 0 when every part that ran passed.
@@ -54,6 +60,36 @@ BAGUA_MPI_CUDA_AWARE=0 timeout 130 mpiexec -n 2 python3 tests/gpu/train_all.py \
     --mode staged --out "$RES/train.jsonl" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "staged training: rc $rc"; }
 
+note "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)"
+BAGUA_MPI_CUDA_AWARE=0 timeout 150 mpiexec -n 2 python3 tests/gpu/train_all.py --width 4608 \
+    --timing-only --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \
+    --mode staged-21M --out "$RES/train.jsonl" 2>&1 | tail -12
+rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "21M staged timing: rc $rc"; }
+
+if [ -f .whl/impi-slim.tar.xz ]; then
+    note "(b') Intel MPI, CUDA offload on"
+    rm -rf /tmp/impi && mkdir -p /tmp/impi && tar -xJf .whl/impi-slim.tar.xz -C /tmp/impi
+    ln -sf mpiexec.hydra /tmp/impi/bin/mpiexec
+    (   # its own environment: Intel MPI and MPICH both ship libmpi.so.12 and mpiexec
+        export PATH=/tmp/impi/bin:${PATH#/tmp/mpich/bin:} LD_LIBRARY_PATH=/tmp/impi/lib
+        export I_MPI_ROOT=/tmp/impi FI_PROVIDER_PATH=/tmp/impi/lib
+        export I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda I_MPI_OFFLOAD_CUDA_LIBRARY=libcuda.so.1
+        WHY=$(timeout 60 mpiexec -n 1 python3 -c "from bagua_mpi import cuda; print(cuda.mpi_is_cuda_aware(), cuda.how_decided())" 2>&1 | tail -1)
+        note "Intel MPI: CUDA-aware: $WHY"
+        case "$WHY" in
+        True*)
+            timeout 150 mpiexec -n 2 python3 tests/gpu/train_all.py --mode cuda-aware-impi \
+                --out "$RES/train.jsonl" 2>&1 | tail -14
+            exit ${PIPESTATUS[0]} ;;
+        *)  echo "{\"mode\": \"cuda-aware-impi\", \"skipped\": \"$WHY\"}" >> "$RES/train.jsonl"
+            exit 0 ;;
+        esac
+    )
+    rc=$?; [ $rc -eq 0 ] || { status=1; note "Intel MPI training: rc $rc"; }
+else
+    note "(b') Intel MPI row skipped: .whl/impi-slim.tar.xz not carried (tests/gpu/fetch_wheels.sh)"
+fi
+
 if timeout 40 python3 -c "import sys; from bagua_mpi.cuda import probe_cuda_aware as p; sys.exit(0 if p(30) else 1)"; then
     note "(b) again with device buffers (the MPI is CUDA-aware)"
     BAGUA_MPI_CUDA_AWARE=1 timeout 130 mpiexec -n 2 python3 tests/gpu/train_all.py \
@@ -65,7 +101,7 @@ else
 fi
 
 note "(c) NCCL at world size 1"
-timeout 80 mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json" 2>&1 | tail -8
+timeout 120 mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json" 2>&1 | tail -16
 rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "NCCL check: rc $rc"; }
 
 note "(d) kernel benchmark at 1e8 elements"

@@ -4,6 +4,12 @@ import os
 import sys
 
 
+def per_bucket(row) -> str:
+    """'launches, waits' of each bucket's last exchange, e.g. '12, 2 / 3, 0'."""
+    launches, waits = row.get("launches_per_bucket", {}), row.get("syncs_per_bucket", {})
+    return " / ".join(f"{launches[k]}, {waits.get(k, '')}" for k in sorted(launches))
+
+
 def main():
     res, device, mpi, rc = sys.argv[1:5]
     out = [f"# GPU check (tests/gpu/run.sh) on {device}", "",
@@ -14,11 +20,12 @@ def main():
         rows = [json.loads(line) for line in open(path) if line.strip()]
     out += ["## Every algorithm, 2 ranks sharing the GPU", "",
             "| mode | algorithm | ok | loss first -> last | identical | step ms (median) | "
-            "d2h bytes/run | dense d2h | problems |", "|---|---|---|---|---|---|---|---|---|"]
+            "d2h bytes/run | dense d2h | launches, host waits per bucket | problems |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['mode']} | (all) | skipped | | | | | | {r['skipped']} |")
+            out.append(f"| {r['mode']} | (all) | skipped | | | | | | | {r['skipped']} |")
             continue
         st = r.get("staging", {})
         if r["algorithm"] == "gradient_allreduce" and "step_ms_median" in r:
@@ -28,7 +35,8 @@ def main():
                    f"{r.get('loss_last', float('nan')):.4f} | "
                    f"{r.get('identical', '')}{'' if r.get('centralized', True) else ' (n/a)'} | "
                    f"{r.get('step_ms_median', float('nan')):.2f} | {st.get('d2h_bytes', '')} | "
-                   f"{st.get('dense_d2h_bytes', '')} | {'; '.join(r.get('problems', []))} |")
+                   f"{st.get('dense_d2h_bytes', '')} | {per_bucket(r)} | "
+                   f"{'; '.join(r.get('problems', []))} |")
     out += ["", "Compressed step time / gradient_allreduce's (same run; target <= 1):", ""]
     for r in rows:
         if r.get("algorithm") in ("qsgd", "bytegrad", "onebit_adam", "powersgd", "topk",

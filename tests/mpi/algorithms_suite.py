@@ -17,6 +17,7 @@ import sys
 import torch
 
 import bagua_mpi as bm
+from bagua_mpi import backends, transport
 from bagua_mpi.algorithms import (AsyncModelAverage, ByteGrad, Decentralized, GTopK, LocalSGD,
                                   LowPrecisionDecentralized, OneBitAdam, PowerSGD, QSGD, TopK)
 from bagua_mpi.lgreco import LGreCo
@@ -141,11 +142,25 @@ def make_train_check(name):
         start = global_loss(new_model().weight.detach(), size) - best
         ref = global_loss(train("gradient_allreduce", adam=adam), size) - best
         assert ref < 0.05 * start, ("gradient_allreduce did not converge", ref, start)
+        carried = dict(transport.carried)
         weight = train(algo, adam=adam, identical=name in CENTRALIZED)
         excess = global_loss(weight, size) - best
         limit = 1.5 * ref + OWN_LIMIT.get(name, 0.02) * start
         assert excess <= limit, f"{name}: excess loss {excess:.5f} > {limit:.5f} (start {start:.3f})"
+        if size > 1:
+            check_plane(name, carried)
     return check
+
+
+def check_plane(name: str, before: dict) -> None:
+    """Every payload went through the plane the backend chose: with BAGUA_MPI_BACKEND=gloo
+    (torch.distributed's process group, the code NCCL runs) not one transport call on MPI."""
+    used = {k: v - before.get(k, 0) for k, v in transport.carried.items()
+            if v != before.get(k, 0)}
+    if backends.resolve() == "gloo":
+        assert used.get("gloo", 0) > 0 and "mpi" not in used, f"{name}: carriers used {used}"
+    else:
+        assert "gloo" not in used, f"{name}: carriers used {used}"
 
 
 def make_first_step_check(name):

@@ -8,7 +8,7 @@ import sys
 import torch.distributed as dist
 
 import bagua_mpi as bm
-from bagua_mpi import backends
+from bagua_mpi import backends, process_groups
 
 
 class MeetingPoint:
@@ -32,10 +32,10 @@ def check_optimizer_choice():
                                        named_parameters=model.named_parameters(),
                                        backend=backend)
     try:
-        wrap("gloo")
-        raise AssertionError("backend='gloo' was accepted")
+        wrap("ucc")
+        raise AssertionError("backend='ucc' was accepted")
     except backends.BackendError as exc:
-        assert "valid: mpi, nccl, nccl_hierarchical" in str(exc), exc
+        assert "valid: auto, mpi, nccl, nccl_hierarchical, gloo" in str(exc), exc
     if not torch.cuda.is_available():
         try:
             wrap("nccl")
@@ -70,7 +70,7 @@ def check_init_errors():
     if torch.cuda.is_available():
         return
     cases = [(dict(backend="nccl"), None, backends.BackendUnavailableError, "needs a CUDA GPU"),
-             (dict(backend="gloo"), None, backends.BackendError, "valid: mpi, nccl"),
+             (dict(backend="ucc"), None, backends.BackendError, "valid: auto, mpi, nccl"),
              ({}, "nccl_hierarchical", backends.BackendUnavailableError, "needs a CUDA GPU"),
              ({}, "ncl", ConfigError, "BAGUA_MPI_BACKEND='ncl'")]
     for kwargs, env, error, words in cases:
@@ -96,10 +96,10 @@ def main():
     topo = bm.runtime.get().topo
     check_optimizer_choice()
     dist.ProcessGroupNCCL = MeetingPoint
-    g = backends.group(topo.comm)
-    assert g is backends.group(topo.comm), "one group per communicator"
+    g = process_groups.group(topo.comm, "nccl")
+    assert g is process_groups.group(topo.comm, "nccl"), "one group per communicator"
     assert (g.rank, g.size) == (topo.rank, topo.size)
-    backends.group(topo.intra)  # the hierarchical mode's node group: its own store
+    process_groups.group(topo.intra, "nccl")  # the hierarchical mode's node group: its own store
     assert MeetingPoint.made == [(topo.rank, topo.size), (topo.local_rank, topo.local_size)]
     topo.comm.Barrier()
     if topo.rank == 0:

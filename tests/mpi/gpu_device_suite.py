@@ -1,5 +1,5 @@
 """The primitives' device paths (Numba device arrays; MPI on device buffers, or payloads
-staged through the pinned pool) against their host paths, byte for byte.
+staged through the transport's pinned pool) against their host paths, byte for byte.
 
 Run with NUMBA_ENABLE_CUDASIM=1: Numba's CUDA simulator runs the device kernels on the CPU and
 its device arrays expose host memory to MPI, so the code a GPU runs (allocation, kernels,
@@ -15,7 +15,8 @@ from numba import cuda
 
 import bagua_mpi as bm
 from bagua_mpi import cuda as bcuda
-from bagua_mpi.accounting import WireStats, staging
+from bagua_mpi import transport
+from bagua_mpi.accounting import WireStats, overhead, staging
 from bagua_mpi.primitives.codecs import MinMaxCodec, OneBitCodec, QSGDCodec
 from bagua_mpi.primitives.lowprec import _clps_arrays, partition_length
 
@@ -53,8 +54,19 @@ def check_clps(comm, aware: bool):
         hstats, dstats = WireStats(), WireStats()
         _clps_arrays(host, hw, hs, codecs, seeds, comm, 1.0 / n, hstats, False)
         staging.reset()
+        launches, syncs = overhead.snapshot()
         _clps_arrays(dev, dw, ds, codecs, seeds, comm, 1.0 / n, dstats, True)
         snap = staging.snapshot()
+        # the host waits for the device exactly once per collective (alltoall, allgather):
+        # before a CUDA-aware MPI reads device memory, or in the staging copy out
+        waits = overhead.snapshot()[1] - syncs
+        assert waits == (2 if n > 1 else 0), f"{waits} host waits for one C_LP_S exchange"
+        # launches per segment: n encodes, the server's decode-and-sum, its scale, its encode,
+        # one decode per partition, and a zero fill where the segment is padded
+        expected = sum(2 * n + 3 + (partition_length(length, n) * n != length)
+                       for length, _, _ in layers)
+        launched = overhead.snapshot()[0] - launches
+        assert launched == expected, f"{launched} kernel launches, expected {expected}"
         for j in range(len(layers)):
             assert np.array_equal(dev[j].copy_to_host(), host[j]), f"layer {j} step {step}"
             if j in state:
@@ -70,9 +82,9 @@ def check_clps(comm, aware: bool):
             assert snap["dense_d2h_bytes"] == 0, snap
             assert snap["largest_d2h"] < dense, (snap, dense)
             if allocations is None:
-                allocations = bcuda.pinned_pool.allocations
+                allocations = transport.pinned_pool.allocations
             else:
-                assert bcuda.pinned_pool.allocations == allocations, "pool grew after step 0"
+                assert transport.pinned_pool.allocations == allocations, "pool grew after step 0"
         everyone = comm.allgather([h.tobytes() for h in host])
         assert all(e == everyone[0] for e in everyone), "ranks disagree"
     say(comm, f"C_LP_S device == host ({'CUDA-aware' if aware else 'staged'}) on {n} ranks")
@@ -99,18 +111,19 @@ def check_topk(comm, aware: bool):
         if not aware:
             assert 0 < snap["d2h_bytes"] < length * 4 and snap["dense_d2h_bytes"] == 0, snap
             if allocations is None:
-                allocations = bcuda.pinned_pool.allocations
-            assert bcuda.pinned_pool.allocations == allocations, "pool grew"
+                allocations = transport.pinned_pool.allocations
+            assert transport.pinned_pool.allocations == allocations, "pool grew"
         else:
             assert snap["d2h_bytes"] == 0, snap
     say(comm, f"Top-k device == host ({'CUDA-aware' if aware else 'staged'}) on {n} ranks")
 
 
 def check_gtopk_staged(comm):
-    """gTop-k's device tree through ``StagedComm`` (an MPI that cannot read device memory):
-    the host path's bytes, payload copies only, pool reused."""
-    from bagua_mpi.primitives.sparse import StagedComm, _gtopk_arrays
+    """gTop-k's device tree through staged point-to-point messages (an MPI that cannot read
+    device memory): the host path's bytes, payload copies only, pool reused."""
+    from bagua_mpi.primitives.sparse import _gtopk_arrays
     rank, n = comm.Get_rank(), comm.Get_size()
+    bcuda.set_cuda_aware(False)
     layers = [(300, 5), (64, 7)]
     host_res = [np.zeros(m, np.float32) for m, _ in layers]
     dev_res = [cuda.to_device(r) for r in host_res]
@@ -122,7 +135,7 @@ def check_gtopk_staged(comm):
         ks = [k for _, k in layers]
         _gtopk_arrays(host, host_res, ks, comm, 1.0 / n, "int32", None)
         staging.reset()
-        _gtopk_arrays(dev, dev_res, ks, StagedComm(comm), 1.0 / n, "int32", None)
+        _gtopk_arrays(dev, dev_res, ks, comm, 1.0 / n, "int32", None)
         snap = staging.snapshot()
         for j in range(len(layers)):
             assert np.array_equal(dev[j].copy_to_host(), host[j]), f"gtopk {j} step {step}"
@@ -130,8 +143,8 @@ def check_gtopk_staged(comm):
         assert snap["dense_d2h_bytes"] == 0 and snap["largest_d2h"] < 300 * 4, snap
         assert snap["d2h_bytes"] > 0 or n == 1, snap
         if allocations is None:
-            allocations = bcuda.pinned_pool.allocations
-        assert bcuda.pinned_pool.allocations == allocations, "pool grew"
+            allocations = transport.pinned_pool.allocations
+        assert transport.pinned_pool.allocations == allocations, "pool grew"
     say(comm, f"gTop-k device == host (staged) on {n} ranks")
 
 

@@ -13,7 +13,7 @@ import torch
 import bagua_mpi as bm
 from bagua_mpi.algorithms import PowerSGD
 from bagua_mpi.primitives import LowRankSegment, initial_q, powersgd_allreduce_
-from bagua_mpi.primitives.lowrank import orthonormalize
+from bagua_mpi.primitives.lowrank import orthonormalize, orthonormalize_device
 
 # (rows, cols, rank, error feedback, r_max): r < min, r = min with rows < cols and with
 # cols < rows, a 1-row matrix, and a segment without error feedback whose Q state is wider
@@ -182,6 +182,13 @@ def check_exact_cases(rank, size):
     expected[:, 3] = np.array([0.64, -0.48, 2.0]) / np.linalg.norm([0.64, -0.48, 2.0])
     np.testing.assert_allclose(got, expected, atol=1e-15)
     assert np.array_equal(p[:, 1], [6.0, 8.0, 0.0])  # the input is not modified
+    # the device form (torch float64, selects instead of branches) gives the same columns
+    device_form = orthonormalize_device(torch.from_numpy(p)).numpy()
+    np.testing.assert_allclose(device_form, expected, atol=1e-15)
+    ill = np.random.default_rng(rank).standard_normal((40, 3))
+    ill[:, 2] = ill[:, 0] - 1e-9 * ill[:, 1]  # nearly dependent: re-orthogonalization matters
+    np.testing.assert_allclose(orthonormalize_device(torch.from_numpy(ill)).numpy(),
+                               orthonormalize(ill), atol=1e-12)
     # an empty list is a no-op on every rank
     powersgd_allreduce_([], comm)
     return checks + 3

@@ -1,0 +1,144 @@
+"""torch.distributed process groups over the ranks of an MPI communicator, bootstrapped by MPI.
+
+``srun``/``mpiexec`` stay the only launchers: rank 0 of the communicator starts a ``TCPStore``
+on a free port and broadcasts its address with mpi4py, and every rank builds the group
+(``ProcessGroupNCCL`` for device payloads, ``ProcessGroupGloo`` for host ones) directly over
+that store. ``torch.distributed``'s global default group is left alone, so a user's own
+``init_process_group`` does not clash with the library's.
+
+Groups are made once per (library, communicator), on first use: the first call is collective
+over the communicator, which holds because every use is inside a collective over it. Each
+group keeps its communicator alive, so the ``id`` that keys it cannot be reused while it lives.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+
+LIBRARIES = ("nccl", "gloo")
+
+_lock = threading.Lock()
+_groups: dict = {}  # (library, id of the MPI communicator) -> ProcessGroup
+made = 0  # groups made in this process (a test reads it: one per communicator and library)
+
+
+class ProcessGroup:
+    """A torch.distributed process group of ``library`` over the ranks of ``comm``; the verbs
+    take contiguous torch tensors the library can read and block until they are usable on
+    torch's current stream (NCCL: stream order, not a host wait)."""
+
+    def __init__(self, comm, library: str):
+        import torch
+        import torch.distributed as dist
+
+        global made
+        self.library = library
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        if library == "nccl" and torch.cuda.is_available():
+            torch.cuda.set_device(torch.cuda.current_device())
+        host = _host_address(comm)  # collective: every rank takes part
+        store = address = None
+        if self.rank == 0:
+            store = dist.TCPStore(host, 0, self.size, is_master=True, wait_for_workers=False)
+            address = (host, store.port)
+        address = comm.bcast(address, root=0)
+        if store is None:
+            store = dist.TCPStore(address[0], address[1], self.size, is_master=False)
+        self.store = store  # kept alive: the group's rendezvous lives in it
+        # a store of its own per group (rank 0 of each group serves it): no prefix clash
+        prefixed = dist.PrefixStore(f"bagua_mpi/{library}/", store)
+        if library == "nccl":
+            self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size)
+        self.comm = comm
+        made += 1
+
+    def allreduce_(self, tensor, op: str = "sum") -> None:
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, REDUCE_OPS[op])
+        self.pg.allreduce([tensor], opts).wait()
+
+    def reduce_(self, tensor, root: int = 0) -> None:
+        import torch.distributed as dist
+
+        opts = dist.ReduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.rootRank = root
+        opts.rootTensor = 0
+        self.pg.reduce([tensor], opts).wait()
+
+    def broadcast_(self, tensor, root: int = 0) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def alltoall(self, send, recv) -> None:
+        """Equal blocks: block k of ``send`` goes to rank k, block j of ``recv`` came from j."""
+        self.pg.alltoall_base(recv, send, [], []).wait()
+
+    def allgather(self, send, recv) -> None:
+        """``recv`` (size x ``send``'s elements) <- every rank's ``send`` in rank order."""
+        self.pg._allgather_base(recv, send).wait()
+
+    def send(self, tensor, dest: int, tag: int) -> None:
+        self.pg.send([tensor], dest, tag).wait()
+
+    def recv(self, tensor, source: int, tag: int) -> None:
+        self.pg.recv([tensor], source, tag).wait()
+
+
+# ReduceOp member names; torch resolves them when a verb runs (import kept lazy)
+REDUCE_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "product": "PRODUCT"}
+
+
+def _host_address(comm) -> str:
+    """An address rank 0's store is reachable at from every rank of ``comm``: the loopback
+    when all ranks share rank 0's host, else the address of rank 0's outward interface (the
+    one its default route uses; ``gethostbyname`` often answers 127.0.1.1)."""
+    from mpi4py import MPI
+
+    hosts = comm.allgather(MPI.Get_processor_name())
+    if all(h == hosts[0] for h in hosts):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.255.255.255", 1))  # UDP: no packet is sent
+            address = probe.getsockname()[0]
+        if not address.startswith("127."):
+            return address
+    except OSError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def group(comm, library: str = "nccl") -> ProcessGroup:
+    """The ``library`` group over ``comm`` (made once per communicator; collective on first
+    use)."""
+    if library not in LIBRARIES:
+        raise ValueError(f"process-group library must be one of {LIBRARIES}, got {library!r}")
+    key = (library, id(comm))
+    with _lock:
+        found = _groups.get(key)
+    if found is None:
+        found = ProcessGroup(comm, library)
+        with _lock:
+            _groups[key] = found
+    return found
+
+
+def groups() -> list[ProcessGroup]:
+    """The groups made so far (tests and the GPU check look at them)."""
+    with _lock:
+        return list(_groups.values())
+
+
+def reset() -> None:
+    """Forget every group (``shutdown``)."""
+    with _lock:
+        _groups.clear()

@@ -1,0 +1,153 @@
+"""Every verb of ``bagua_mpi.transport`` against a NumPy oracle, under the backend in
+``BAGUA_MPI_BACKEND`` (``mpi``: mpi4py; ``gloo``: torch.distributed's process group, the code
+NCCL runs). With ``NUMBA_ENABLE_CUDASIM=1`` the simulator's device arrays take the staged-MPI
+carrier (pinned host buffers) as well.
+
+Each rank's data is a function of its rank (``data(rank)``), so every rank builds the oracle of
+the whole job itself. One line per check (``checks.py``).
+"""
+import os
+import sys
+
+import numpy as np
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi import backends, transport
+from bagua_mpi.accounting import staging
+from bagua_mpi.primitives.decentralized import random_peers, ring_peers
+from checks import run_checks
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def data(rank: int, n: int = 37, dtype=np.float32) -> np.ndarray:
+    """Small integers, different on every rank: sums are exact in every dtype used here."""
+    return ((np.arange(n) * (rank + 3)) % 11 - 5).astype(dtype)
+
+
+def wire():
+    return transport.Transport(bm.runtime.get().topo.comm)
+
+
+def forms(values: np.ndarray):
+    """The buffer kinds a primitive hands the transport, each holding ``values``."""
+    yield "numpy", values.copy()
+    yield "torch", torch.from_numpy(values.copy())
+    if SIM:
+        from numba import cuda
+        yield "device", cuda.to_device(values.copy())
+
+
+def as_numpy(buf) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf
+    if isinstance(buf, torch.Tensor):
+        return buf.float().numpy() if buf.dtype == torch.bfloat16 else buf.numpy()
+    return buf.copy_to_host()
+
+
+def expect_carrier(buf) -> str:
+    if transport.on_device(buf):
+        return "mpi_staged"
+    return "gloo" if backends.resolve() == "gloo" else "mpi"
+
+
+def check_allreduce(rank, size):
+    everyone = np.stack([data(r) for r in range(size)])
+    oracles = {"sum": everyone.sum(0), "min": everyone.min(0), "max": everyone.max(0)}
+    for op, expected in oracles.items():
+        for kind, buf in forms(data(rank)):
+            assert wire().carrier(buf) == expect_carrier(buf), (kind, wire().carrier(buf))
+            wire().allreduce_(buf, op)
+            assert np.array_equal(as_numpy(buf), expected), (op, kind, as_numpy(buf), expected)
+    half = torch.from_numpy(data(rank)).to(torch.bfloat16)  # MPI sums it in float32
+    wire().allreduce_(half)
+    assert np.array_equal(half.float().numpy(), oracles["sum"]), "bfloat16 sum"
+
+
+def check_reduce_and_broadcast(rank, size):
+    total = np.sum([data(r) for r in range(size)], axis=0)
+    root = size - 1
+    for kind, buf in forms(data(rank)):
+        wire().reduce_(buf, 0)
+        if rank == 0:
+            assert np.array_equal(as_numpy(buf), total), (kind, "reduce")
+    for kind, buf in forms(data(rank)):
+        wire().broadcast_(buf, root)
+        assert np.array_equal(as_numpy(buf), data(root)), (kind, "broadcast")
+
+
+def check_alltoall(rank, size):
+    block = 24
+    send = np.stack([np.full(block, 16 * rank + k, np.uint8) for k in range(size)])
+    expected = np.stack([np.full(block, 16 * j + rank, np.uint8) for j in range(size)])
+    for kind, buf in forms(send):
+        recv = next(b for k, b in forms(np.zeros_like(send)) if k == kind)
+        wire().alltoall(buf, recv)
+        assert np.array_equal(as_numpy(recv), expected), kind
+
+
+def check_allgather(rank, size):
+    expected = np.concatenate([data(r) for r in range(size)])
+    for kind, buf in forms(data(rank)):
+        recv = next(b for k, b in forms(np.zeros_like(expected)) if k == kind)
+        wire().allgather(buf, recv)
+        assert np.array_equal(as_numpy(recv), expected), kind
+    n = data(0).size  # in place: this rank's block of the receive buffer is the send buffer
+    whole = np.zeros(n * size, np.float32)
+    whole[rank * n:(rank + 1) * n] = data(rank)
+    for kind, buf in forms(whole):
+        if kind == "device":
+            continue  # device slices are copies in the simulator: in place needs real memory
+        wire().allgather(buf[rank * n:(rank + 1) * n], buf)
+        assert np.array_equal(as_numpy(buf), expected), (kind, "in place")
+
+
+def check_send_recv(rank, size):
+    for kind, buf in forms(data(rank)):
+        if rank == 0:
+            for dest in range(1, size):
+                wire().send(buf, dest, tag=11)
+        else:
+            wire().recv(buf, 0, tag=11)
+        assert np.array_equal(as_numpy(buf), data(0)), kind
+
+
+def check_exchange(rank, size):
+    for peers in (ring_peers(rank, size), random_peers(rank, size, step=3, seed=5)):
+        for kind, buf in forms(data(rank)):
+            recvs = [next(b for k, b in forms(np.zeros_like(data(rank))) if k == kind)
+                     for _ in peers]
+            wire().exchange(buf, recvs, peers)
+            for peer, got in zip(peers, recvs):
+                assert np.array_equal(as_numpy(got), data(peer)), (kind, peer)
+
+
+def check_staging_counted(rank, size):
+    """Host payloads are never counted as staging; simulated device ones are, as payloads
+    unless the caller says dense."""
+    staging.reset()
+    for kind, buf in forms(data(rank)):
+        wire().allreduce_(buf, dense=False)
+    snap = staging.snapshot()
+    staged = data(rank).nbytes if SIM and size > 1 else 0
+    assert snap["d2h_bytes"] == staged and snap["dense_d2h_bytes"] == 0, snap
+
+
+def main():
+    bm.init()
+    failures = run_checks({"allreduce": check_allreduce,
+                           "reduce_broadcast": check_reduce_and_broadcast,
+                           "alltoall": check_alltoall, "allgather": check_allgather,
+                           "send_recv": check_send_recv, "exchange": check_exchange,
+                           "staging_counted": check_staging_counted})
+    if bm.rank() == 0 and not failures:
+        print(f"transport suite OK on {bm.size()} ranks, backend {backends.resolve()}, "
+              f"simulator {SIM}", flush=True)
+    bm.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
