@@ -198,6 +198,12 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
     dt = dtype_name(tensor)
     if type(op) is not ReduceOp:
         op = ReduceOp.parse(op)
+    if op is ReduceOp.Adasum:  # Horovod's adaptive summation, flat (hierarchical= ignored)
+        from .primitives import adasum
+        return adasum.allreduce_run(topo.comm, [tensor], [out],
+                                    _check_factor("prescale_factor", prescale_factor, dt),
+                                    _check_factor("postscale_factor", postscale_factor, dt),
+                                    check)
     int_average = op is Average and dt in INTEGER
     mop = MPI.SUM if int_average else mpi_op(op, dt)
     pre = 1.0 if prescale_factor == 1.0 else _check_factor("prescale_factor", prescale_factor, dt)
@@ -324,7 +330,8 @@ def allreduce(tensor, average=None, name=None, compression=_NO_COMPRESSION, op=N
               hierarchical=None, check=None):
     """Reduce ``tensor`` over all ranks (of ``process_set``); return the result as a new tensor.
 
-    ``op`` is one of Average (default), Sum, Min, Max, Product; the result is
+    ``op`` is one of Average (default), Sum, Min, Max, Product, Adasum (Horovod's adaptive
+    summation: float tensors, power-of-two rank counts; ``primitives/adasum.py``); the result is
     ``postscale * op(prescale * x_i)``. Average of integer tensors sums, then scales by 1/n and
     truncates toward zero (as Horovod). ``average`` is Horovod's deprecated flag; ``name`` labels
     the operation (timeline, duplicate detection); ``compression`` (``Compression.fp16``...)
@@ -417,6 +424,12 @@ def _grouped_run(rt, topo, tensors, outs, op, prescale_factor, postscale_factor,
         raise TypeError(f"grouped_allreduce needs tensors of one kind and device, got {kinds}")
     dts = [dtype_name(t) for t in tensors]
     op = ReduceOp.parse(op)
+    if op is ReduceOp.Adasum:  # each tensor combined on its own, as Horovod
+        from .primitives import adasum
+        return adasum.allreduce_run(topo.comm, tensors, outs,
+                                    _check_factor("prescale_factor", prescale_factor, "float32"),
+                                    _check_factor("postscale_factor", postscale_factor, "float32"),
+                                    grouped=True)
     groups: dict[tuple, list[int]] = {}
     for i, dt in enumerate(dts):
         _, mop, int_average = _reduction(op, dt)
@@ -774,6 +787,9 @@ def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
     dt = dtype_name(tensor)
     if tensor.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
+    if ReduceOp.parse(op) is ReduceOp.Adasum:  # Horovod's core refuses it too
+        raise BaguaMPIError("reducescatter does not support op=Adasum (Horovod's reducescatter "
+                            "takes Sum and Average only); use allreduce(op=Adasum)")
     op, mop, int_average = _reduction(op, dt)
     pre = _check_factor("prescale_factor", prescale_factor, dt)
     post = _check_factor("postscale_factor", postscale_factor, dt)

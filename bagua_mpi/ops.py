@@ -1,4 +1,8 @@
-"""Reduction operations (Horovod's names) and how each maps to MPI for each dtype."""
+"""Reduction operations (Horovod's names) and how each maps to MPI for each dtype.
+
+``Adasum`` (Horovod's adaptive summation) is no MPI reduction: ``allreduce`` and
+``grouped_allreduce`` run it themselves (``primitives/adasum.py``); ``mpi_op`` refuses it.
+"""
 from __future__ import annotations
 
 import enum
@@ -14,6 +18,7 @@ class ReduceOp(enum.Enum):
     Min = "min"
     Max = "max"
     Product = "product"
+    Adasum = "adasum"
 
     @classmethod
     def parse(cls, op) -> "ReduceOp":
@@ -40,15 +45,12 @@ class UnsupportedOp:
         return self.name
 
 
-# Horovod's Adasum (adaptive summation) has no MPI equivalent here.
-Adasum = UnsupportedOp("Adasum", "op=Adasum is not supported by bagua_mpi (Horovod's adaptive "
-                       "summation); use Average or Sum")
-
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
 Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
+Adasum = ReduceOp.Adasum
 
 _NUMERIC = {ReduceOp.Average: MPI.SUM, ReduceOp.Sum: MPI.SUM, ReduceOp.Min: MPI.MIN,
             ReduceOp.Max: MPI.MAX, ReduceOp.Product: MPI.PROD}
@@ -57,7 +59,11 @@ _BOOLEAN = {ReduceOp.Min: MPI.LAND, ReduceOp.Max: MPI.LOR, ReduceOp.Product: MPI
 
 
 def mpi_op(op: ReduceOp, dtype: str) -> MPI.Op:
-    """The MPI operation for ``op`` on ``dtype``; ``TypeError`` where it has no meaning."""
+    """The MPI operation for ``op`` on ``dtype``; ``TypeError`` where it has no meaning,
+    ``ValueError`` for Adasum (no MPI operation: only the allreduce family implements it)."""
+    if op is ReduceOp.Adasum:
+        raise ValueError("op=Adasum is not an MPI reduction: only allreduce and grouped_allreduce "
+                         "(and their in-place and async forms) implement it")
     if dtype == "bool":
         if op not in _BOOLEAN:
             raise TypeError(f"{op.name} is not defined for bool tensors; use Min (logical and), "

@@ -13,16 +13,32 @@ Horovod's public attributes and its warning for ``step()`` after ``synchronize()
 * ``sparse_as_dense``: accepted; gradients are communicated dense either way.
 * ``process_set``: data parallelism inside the set's sub-communicator (``ps.topology``),
   passed to the wrapped class as ``process_set=``.
-* ``op=Adasum`` is refused (``ValueError``).
+* ``op=Adasum`` gives an ``AdasumDistributedOptimizer`` (a subclass), with the semantics of
+  Horovod's ``_DistributedAdasumOptimizer``: Adasum combines the *deltas* of a local
+  optimizer step, not the gradients. ``step()`` runs the wrapped optimizer on this rank's own
+  gradients (its state, e.g. momentum, stays local), takes ``delta = new - start`` of every
+  trainable parameter, reduces the deltas with ``grouped_allreduce(op=Adasum)`` (each
+  parameter on its own, as Horovod's per-tensor coefficients) and sets every parameter to
+  ``start + adasum(delta)``. Power-of-two rank counts only (``NotImplementedError`` at wrap
+  time otherwise, where Horovod raises at the first allreduce); ``gradient_predivide_factor``
+  must be 1 (``ValueError``, as Horovod). Unlike Horovod: the deltas are exchanged in
+  ``step()`` (not overlapped with backward), ``skip_synchronize()`` is accepted (Horovod
+  raises; ``synchronize()`` does nothing in both), a ``process_set`` of power-of-two size
+  works (Horovod refuses non-global sets), and the bagua extras (``algorithm=``, bucket and
+  overlap options) are refused.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
+import torch
+
+from .. import collectives, runtime
 from .. import optimizer as _base
 from ..compression import Compression, Compressor
-from ..ops import Average
+from ..ops import Adasum, Average, ReduceOp
 from ..process_sets import ProcessSet, global_process_set
 
 
@@ -35,8 +51,24 @@ def _is_compression(value) -> bool:
     return "compress" in name or "fp16" in name or "bf16" in name or "none" in name
 
 
+def _is_adasum(op) -> bool:
+    try:
+        return ReduceOp.parse(op) is Adasum
+    except ValueError:
+        return False
+
+
 class DistributedOptimizer(_base.DistributedOptimizer):
     __doc__ = _base.DistributedOptimizer.__doc__
+
+    # (the same parameters as __init__, which is what inspect.signature shows)
+    def __new__(cls, optimizer, named_parameters=None, compression=Compression.none,
+                backward_passes_per_step: int = 1, op=Average,
+                gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                sparse_as_dense: bool = False, process_set=global_process_set, **kwargs):
+        if cls is DistributedOptimizer and _is_adasum(op):
+            cls = AdasumDistributedOptimizer  # Horovod's factory picks its Adasum class too
+        return super().__new__(cls)
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
                  backward_passes_per_step: int = 1, op=Average,
@@ -107,3 +139,145 @@ class DistributedOptimizer(_base.DistributedOptimizer):
                           "but use skip_synchronize() to say so (as in Horovod)", UserWarning,
                           stacklevel=2)
         return super().step(closure)
+
+
+class _AdasumAlgorithm:
+    """What checkpoints read of an optimizer's algorithm (``name``, ``config()``)."""
+
+    name = "adasum"
+
+    def config(self) -> dict:
+        return {"name": self.name}
+
+
+class AdasumDistributedOptimizer(DistributedOptimizer):
+    """``DistributedOptimizer(op=Adasum)``: Horovod's delta optimizer (see the module docstring).
+
+    Nothing is communicated during backward: ``step()`` takes a local optimizer step, then
+    combines every parameter's delta over the ranks with Adasum and applies the result.
+    """
+
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step: int = 1, op=Adasum,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 sparse_as_dense: bool = False, process_set=global_process_set, **kwargs):
+        # Deliberately not the bucketed engine's __init__: no hooks, no buckets.
+        from ..primitives import adasum
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        if isinstance(optimizer, _base.DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer")
+        if not _is_compression(compression):
+            kwargs["algorithm"] = compression
+        if kwargs:
+            raise ValueError(f"op=Adasum runs Horovod's delta optimizer: "
+                             f"{', '.join(sorted(kwargs))} do not apply to it")
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1):
+            raise ValueError("backward_passes_per_step must be a positive integer, got "
+                             f"{backward_passes_per_step!r}")
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor not supported with op != Average "
+                             "(as Horovod)")
+        if not isinstance(sparse_as_dense, bool):
+            raise ValueError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+        rt = runtime.get()
+        if process_set is None or process_set is global_process_set:
+            process_set, topo = global_process_set, rt.topo
+        else:
+            if not isinstance(process_set, ProcessSet):
+                raise TypeError(f"process_set must be a ProcessSet, got {process_set!r}")
+            topo = process_set.topology
+            if topo is None:
+                raise ValueError(f"rank {rt.topo.rank} is not in {process_set!r}: only its "
+                                 f"ranks may wrap an optimizer for it")
+        adasum.check_size(topo.size)
+        self.optimizer = optimizer
+        self.compression = Compression.parse(compression)
+        self.algorithm = _AdasumAlgorithm()
+        params, names = _base._trainable_parameters(optimizer, named_parameters)
+        if process_set is global_process_set:  # the other ranks' models: checked at step()
+            _base.check_models_agree(names, params)
+        self._params = params
+        self.timeline = None
+        self.overlap = False
+        self.steps = 0
+        self._synchronized = self._skip_sync = False
+        # Horovod's public arguments, readable as attributes.
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = Adasum
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.num_groups = num_groups
+        self.groups = groups
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._parameter_names = dict(zip(params, names))
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            starts = [p.detach().clone() for p in self._params]
+            self.optimizer.step()
+            deltas = [p.detach() - s for p, s in zip(self._params, starts)]
+        if deltas:
+            deltas = collectives.grouped_allreduce(deltas, None, None, self.compression, Adasum,
+                                                   process_set=self.process_set)
+            with torch.no_grad():
+                for p, start, delta in zip(self._params, starts, deltas):
+                    p.copy_(start.add_(delta.to(start.dtype)))
+        self.steps += 1
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the deltas are exchanged inside ``step()`` (as Horovod)."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield  # backward never communicates here
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive integer, got "
+                             f"{passes!r}")
+        self.backward_passes_per_step = passes  # gradients accumulate in .grad meanwhile
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def algorithm_state_dict(self) -> dict:
+        return {"config": self.algorithm.config(), "steps": self.steps, "state": {}}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        if state.get("config", {}).get("name") != self.algorithm.name:
+            raise ValueError(f"algorithm state of {state.get('config', {}).get('name')!r} "
+                             f"cannot be loaded into {self.algorithm.name!r}")
+        self.steps = int(state["steps"])
+
+    def communication_stats(self) -> dict:
+        raise NotImplementedError("communication_stats() counts the bucketed engine's traffic; "
+                                  "op=Adasum exchanges its deltas through grouped_allreduce")
+
+    @property
+    def backend(self) -> str:
+        return "mpi (Adasum; CUDA deltas staged through host memory)"
+
+    @property
+    def buckets(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, op=Adasum, "
+                f"compression={self.compression!r})")

@@ -70,3 +70,33 @@ def assert_same(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
                                    rtol=TOLERANCE[name], atol=TOLERANCE[name], msg=what)
     else:
         assert torch.equal(got, expected), f"{what}: {got} != {expected}"
+
+
+# -- Adasum (Horovod's adaptive summation) -------------------------------------------------------
+# The whole vectors, combined as a binary tree over ranks in rank order, in extended precision
+# (np.longdouble: a 15-bit exponent, so 1e300**2 neither overflows nor 1e-300**2 underflows).
+# No vector halving and no partial sums: independent of how bagua_mpi distributes the work.
+
+def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(1 - a.b/(2|a|^2)) a + (1 - a.b/(2|b|^2)) b; a zero vector's coefficient is 1."""
+    dot = np.sum(a * b)
+    aa, bb = np.sum(a * a), np.sum(b * b)
+    ca = 1 - dot / (2 * aa) if aa != 0 else 1
+    cb = 1 - dot / (2 * bb) if bb != 0 else 1
+    return ca * a + cb * b
+
+
+def adasum_tree(vectors: list) -> np.ndarray:
+    assert len(vectors) & (len(vectors) - 1) == 0, "Adasum needs a power-of-two rank count"
+    while len(vectors) > 1:
+        vectors = [adasum_pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
+def adasum_all(inputs: list, prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
+    """Expected ``allreduce(op=Adasum)`` of every rank's tensor, as float64 (one tensor = one
+    vector: grouped allreduces combine each tensor on its own)."""
+    vectors = [np.asarray(as_f64(t) if isinstance(t, torch.Tensor) else t,
+                          dtype=np.longdouble).reshape(-1) * prescale for t in inputs]
+    shape = tuple(inputs[0].shape)
+    return (adasum_tree(vectors) * postscale).astype(np.float64).reshape(shape)

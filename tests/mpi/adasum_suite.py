@@ -1,0 +1,447 @@
+"""Adasum (``op=hvd.Adasum``) against an independent NumPy simulation of all ranks.
+
+Run by every rank under mpiexec (tests/test_adasum_mpi.py); each check reports on its own line
+(tests/mpi/checks.py). The simulation (``simulate.adasum_all``) combines whole vectors in a
+binary tree over ranks in extended precision; bagua_mpi distributes the work by vector halving,
+so the two share the formula and nothing else.
+
+Adasum needs a power-of-two number of ranks (Horovod's rule). With 2^k ranks the checks run on
+the global set; with any other count they run on a process set of the first 2^k ranks (the
+others skip them), and ``non_power_of_two`` checks that the global set refuses.
+"""
+import sys
+
+import numpy as np
+import torch
+
+import bagua_mpi as hvd
+from checks import run_checks
+from simulate import TORCH_DTYPES, adasum_all, as_f64, reduce_all
+
+SEED = 20261124
+# relative to the largest element of the expected result
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-12}
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+SETS = {}  # "math": where Adasum runs (power-of-two size); "odd": a set of 3 ranks, if any
+
+
+def member():
+    """(process set, rank in it, its size) for a rank of the math set, else None."""
+    ps = SETS["math"]
+    if not ps.included():
+        return None
+    return ps, ps.rank(), ps.size()
+
+
+def inp(tag, r, shape, dtype="float32", scale=1.0):
+    """Rank r's input for ``tag`` (every rank can build every rank's), rounded to ``dtype``."""
+    rng = np.random.default_rng([SEED, r, sum(map(ord, tag))])
+    return torch.from_numpy(rng.standard_normal(shape) * scale).to(TORCH_DTYPES[dtype])
+
+
+def close(got, inputs, what, pre=1.0, post=1.0, expected=None):
+    """``got`` (tensor or array) against the simulation of ``inputs``, to TOL of its dtype."""
+    if isinstance(got, np.ndarray):
+        got = torch.from_numpy(got)
+    dtype = str(inputs[0].dtype).replace("torch.", "")
+    assert got.dtype == inputs[0].dtype, f"{what}: dtype {got.dtype} != {inputs[0].dtype}"
+    assert tuple(got.shape) == tuple(inputs[0].shape), f"{what}: shape {tuple(got.shape)}"
+    want = adasum_all(inputs, pre, post) if expected is None else np.asarray(expected)
+    have = as_f64(got)
+    scale = np.max(np.abs(want)) if want.size else 0.0
+    if scale == 0.0:
+        assert not np.any(have), f"{what}: expected zeros, got {have}"
+        return
+    err = np.max(np.abs(have - want)) / scale
+    assert np.all(np.isfinite(have)) and err <= TOL[dtype], (
+        f"{what}: relative error {err:.3g} > {TOL[dtype]} (largest |expected| {scale:.3g})")
+
+
+def expect(exc, fn, needle):
+    try:
+        fn()
+    except exc as e:
+        assert needle in str(e), f"{exc.__name__} without {needle!r}: {e}"
+        return e
+    raise AssertionError(f"expected {exc.__name__} ({needle!r})")
+
+
+# -- the checks ----------------------------------------------------------------------------------
+
+def random_vs_simulation(rank, size):
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    for dtype in ("float32", "float64"):
+        for shape in ((0,), (1,), (2,), (7,), (5, 33), (100_003,)):
+            what = f"{dtype} {shape}"
+            xs = [inp("random" + what, q, shape, dtype) for q in range(n)]
+            mine = xs[r].clone()
+            close(hvd.allreduce(mine, op=hvd.Adasum, process_set=ps), xs, what)
+            assert torch.equal(mine, xs[r]), f"{what}: input modified"
+            assert hvd.allreduce_(mine, op=hvd.Adasum, process_set=ps) is mine
+            close(mine, xs, what + " in place")
+            arr = xs[r].numpy().copy()
+            got = hvd.allreduce(arr, op=hvd.Adasum, process_set=ps)
+            assert isinstance(got, np.ndarray)
+            close(got, xs, what + " numpy")
+    xs = [inp("hier", q, (70,), "float64") for q in range(n)]  # flat either way
+    close(hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps, hierarchical=True), xs,
+          "hierarchical=True")
+    # a non-contiguous view, in place
+    xs = [inp("strided", q, (9, 4), "float64") for q in range(n)]
+    mine = xs[r].clone().t()
+    hvd.allreduce_(mine, op="adasum", process_set=ps)
+    close(mine.t(), xs, "non-contiguous in place")
+
+
+def dtypes(rank, size):
+    """float16/bfloat16 computed in float32 and rounded once; float32/float64 as they are."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    for dtype in FLOATS:
+        xs = [inp("dtype" + dtype, q, (1000,), dtype) for q in range(n)]
+        got = hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps)
+        close(got, xs, dtype)
+        if dtype != "bfloat16":  # NumPy has no bfloat16
+            got = hvd.allreduce(xs[r].numpy(), op=hvd.Adasum, process_set=ps)
+            assert got.dtype == xs[r].numpy().dtype
+            close(got, xs, dtype + " numpy")
+    # Compression.fp16: float16 on the wire (Adasum of the rounded inputs), float32 back
+    xs = [inp("fp16wire", q, (300,), "float32") for q in range(n)]
+    got = hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps, compression=hvd.Compression.fp16)
+    assert got.dtype == torch.float32
+    close(got.half(), [x.half() for x in xs], "Compression.fp16")
+
+
+def orthogonal_is_sum(rank, size):
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    for dtype in ("float32", "float64"):
+        xs = []
+        for q in range(n):  # rank q's values only in block q: orthogonal at every level
+            x = torch.zeros(n, 5, dtype=TORCH_DTYPES[dtype])
+            x[q] = inp("orth", q, (5,), dtype)
+            xs.append(x)
+        got = hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps)
+        assert torch.equal(got, sum(xs)), f"{dtype}: {got} != plain sum {sum(xs)}"
+
+
+def parallel_is_mean(rank, size):
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    for dtype in ("float32", "float64"):
+        v = inp("parallel", 0, (257,), dtype)
+        got = hvd.allreduce(v.clone(), op=hvd.Adasum, process_set=ps)
+        close(got, [v] * n, f"{dtype} identical", expected=as_f64(v))
+        xs = [v * (q + 1) for q in range(n)]  # parallel, different lengths: their mean
+        mean = as_f64(v) * (n + 1) / 2
+        close(hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps), xs, f"{dtype} scaled",
+              expected=mean)
+
+
+def magnitudes(rank, size):
+    """Squared norms beyond the dtype's range (float32 at 1e+-30, float64 at 1e+-300), and
+    norms hundreds of orders of magnitude apart (float64)."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    cases = [("float32", 1e30), ("float32", 1e-30), ("float64", 1e300), ("float64", 1e-300),
+             ("float64", 1e-310)]  # the last: subnormal inputs
+    for dtype, scale in cases:
+        what = f"{dtype} at {scale:g}"
+        xs = [inp("mag" + what, q, (301,), dtype, scale) for q in range(n)]
+        close(hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps), xs, what)
+        v = inp("magpar" + what, 0, (64,), dtype, scale)
+        close(hvd.allreduce(v.clone(), op=hvd.Adasum, process_set=ps), [v] * n,
+              what + " parallel", expected=as_f64(v))
+    spread = [10.0 ** (300 - 600 * q / max(n - 1, 1)) for q in range(n)]
+    xs = [inp("spread", q, (99,), "float64", spread[q]) for q in range(n)]
+    close(hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps), xs, f"norms {spread}")
+
+
+def zero_vector(rank, size):
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    for dtype in ("float16", "float32", "float64"):
+        xs = [inp("zero" + dtype, q, (50,), dtype) for q in range(n)]
+        xs[0] = torch.zeros_like(xs[0])
+        close(hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps), xs, f"{dtype} rank 0 zero")
+        only = [x if q == n - 1 else torch.zeros_like(x) for q, x in enumerate(xs)]
+        got = hvd.allreduce(only[r], op=hvd.Adasum, process_set=ps)
+        assert torch.equal(got, only[-1]), f"{dtype}: one nonzero rank must give its vector"
+        got = hvd.allreduce(torch.zeros_like(xs[0]), op=hvd.Adasum, process_set=ps)
+        assert not got.any(), f"{dtype}: all zero must give zero"
+
+
+def prescale_postscale(rank, size):
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    xs = [inp("scale", q, (40,), "float64") for q in range(n)]
+    got = hvd.allreduce(xs[r], op=hvd.Adasum, prescale_factor=0.5, postscale_factor=3.0,
+                        process_set=ps)
+    close(got, xs, "pre 0.5 post 3", pre=0.5, post=3.0)
+    ys = [inp("scale16", q, (40,), "float16") for q in range(n)]
+    got = hvd.allreduce(ys[r], op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.25,
+                        process_set=ps)
+    close(got, ys, "float16 pre 2 post 0.25", pre=2.0, post=0.25)
+
+
+def async_variants(rank, size):
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    xs = [inp("async", q, (3, 11), "float32") for q in range(n)]
+    ys = [inp("async2", q, (20,), "float64") for q in range(n)]
+    h1 = hvd.allreduce_async(xs[r], name="ada.out", op=hvd.Adasum, process_set=ps)
+    mine = ys[r].clone()
+    h2 = hvd.allreduce_async_(mine, name="ada.in", op=hvd.Adasum, postscale_factor=2.0,
+                              process_set=ps)
+    close(hvd.synchronize(h1), xs, "allreduce_async")
+    assert hvd.synchronize(h2) is mine
+    close(mine, ys, "allreduce_async_", post=2.0)
+    assert hvd.poll(h1) and hvd.poll(h2)
+
+
+def grouped_variants(rank, size):
+    """Each tensor of a group is combined on its own (Horovod's per-tensor coefficients)."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    shapes = [((4, 3), "float32"), ((1,), "float32"), ((0,), "float32"), ((25,), "float64"),
+              ((6,), "float16"), ((2, 2, 2), "float32")]
+    per_rank = [[inp(f"grouped{i}", q, s, dt) for i, (s, dt) in enumerate(shapes)]
+                for q in range(n)]
+    # one tensor zero on rank 0 only: its coefficients must not leak into the others'
+    per_rank[0][0] = torch.zeros_like(per_rank[0][0])
+    expected = [[per_rank[q][i] for q in range(n)] for i in range(len(shapes))]
+
+    def verify(outs, what):
+        assert len(outs) == len(shapes), what
+        for i, out in enumerate(outs):
+            close(out, expected[i], f"{what} tensor {i}")
+
+    mine = per_rank[r]
+    verify(hvd.grouped_allreduce(mine, op=hvd.Adasum, process_set=ps), "grouped_allreduce")
+    copies = [t.clone() for t in mine]
+    outs = hvd.grouped_allreduce_(copies, op=hvd.Adasum, process_set=ps)
+    assert all(o is c for o, c in zip(outs, copies))
+    verify(copies, "grouped_allreduce_")
+    h = hvd.grouped_allreduce_async(mine, op=hvd.Adasum, process_set=ps)
+    verify(hvd.synchronize(h), "grouped_allreduce_async")
+    copies = [t.clone() for t in mine]
+    h = hvd.grouped_allreduce_async_(copies, op=hvd.Adasum, process_set=ps)
+    hvd.synchronize(h)
+    verify(copies, "grouped_allreduce_async_")
+    # fusing is invisible: the same as one allreduce per tensor
+    for i, t in enumerate(mine):
+        close(hvd.allreduce(t, op=hvd.Adasum, process_set=ps), expected[i], f"single {i}")
+
+
+def autograd(rank, size):
+    """As Horovod's: the gradient of allreduce(op=Adasum) is the Adasum of the gradients."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    xs = [inp("ag_x", q, (12,), "float64") for q in range(n)]
+    ws = [inp("ag_w", q, (12,), "float64") for q in range(n)]
+    x = xs[r].clone().requires_grad_()
+    y = hvd.allreduce(x, op=hvd.Adasum, process_set=ps)
+    close(y.detach(), xs, "forward")
+    (y * ws[r]).sum().backward()
+    close(x.grad, ws, "backward")
+
+
+def _model():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                               torch.nn.Linear(5, 2)).double()
+
+
+def _batch(q, step):
+    rng = np.random.default_rng([SEED, q, step, 99])
+    return torch.from_numpy(rng.standard_normal((8, 6))), torch.from_numpy(
+        rng.standard_normal((8, 2)))
+
+
+def optimizer_matches_simulation(rank, size):
+    """Horovod's delta optimizer: each rank steps its own optimizer (its own momentum) on its
+    own gradients; the parameters become start + Adasum of the ranks' deltas, per parameter."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    makers = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+              "adam": lambda p: torch.optim.Adam(p, lr=0.01)}
+    for name, make_opt in makers.items():
+        model = _model()
+        opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                       named_parameters=model.named_parameters(),
+                                       op=hvd.Adasum, process_set=ps)
+        assert isinstance(opt, hvd.DistributedOptimizer) and opt.op is hvd.Adasum
+        for step in range(3):
+            x, y = _batch(r, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        # the simulation: one replica (model + optimizer state) per rank
+        replicas = [_model() for _ in range(n)]
+        ropts = [make_opt(rep.parameters()) for rep in replicas]
+        theta = [p.detach().clone() for p in _model().parameters()]
+        for step in range(3):
+            deltas = []
+            for q in range(n):
+                with torch.no_grad():
+                    for p, t in zip(replicas[q].parameters(), theta):
+                        p.copy_(t)
+                ropts[q].zero_grad()
+                x, y = _batch(q, step)
+                torch.nn.functional.mse_loss(replicas[q](x), y).backward()
+                ropts[q].step()
+                deltas.append([p.detach() - t for p, t in zip(replicas[q].parameters(), theta)])
+            theta = [t + torch.from_numpy(adasum_all([d[i] for d in deltas]))
+                     for i, t in enumerate(theta)]
+        for (pname, p), t in zip(model.named_parameters(), theta):
+            close(p.detach(), [t], f"{name} {pname} after 3 steps", expected=t.numpy())
+
+
+def reducescatter_raises(rank, size):
+    """As Horovod, whose reducescatter takes Sum/Average only (HorovodInternalError there)."""
+    t = inp("rs", rank, (size * 2, 3))
+    calls = {
+        "reducescatter": lambda: hvd.reducescatter(t, op=hvd.Adasum),
+        "reducescatter_async": lambda: hvd.reducescatter_async(t, op=hvd.Adasum),
+        "grouped_reducescatter": lambda: hvd.grouped_reducescatter([t, t], op=hvd.Adasum),
+        "grouped_reducescatter_async": lambda: hvd.grouped_reducescatter_async(
+            [t], op=hvd.Adasum),
+        "positional op": lambda: hvd.reducescatter(t, hvd.Adasum),
+        "autograd": lambda: hvd.reducescatter(t.clone().requires_grad_(), op=hvd.Adasum),
+    }
+    for what, call in calls.items():
+        e = expect(hvd.HorovodInternalError, call, "Adasum")
+        assert isinstance(e, RuntimeError), what
+    # nothing was left in flight: the next collective still pairs up
+    hvd.barrier()
+
+
+def other_ops_unchanged(rank, size):
+    for op_name, op in (("sum", hvd.Sum), ("average", hvd.Average), ("min", hvd.Min),
+                        ("max", hvd.Max), ("product", hvd.Product)):
+        xs = [inp("ops" + op_name, q, (2 * size, 3), "float64") for q in range(size)]
+        want = reduce_all(xs, op_name)
+        torch.testing.assert_close(hvd.allreduce(xs[rank], op=op), want, rtol=1e-12,
+                                   atol=1e-12)
+        if op_name in ("sum", "average"):  # reducescatter takes these (Horovod: Sum, Average)
+            got = hvd.reducescatter(xs[rank], op=op)
+            torch.testing.assert_close(got, want[2 * rank:2 * rank + 2], rtol=1e-12,
+                                       atol=1e-12)
+    expect(ValueError, lambda: hvd.sparse_allreduce_async(
+        torch.zeros(3, 2).to_sparse(), op=hvd.Adasum), "Average and Sum")
+
+
+def non_power_of_two(rank, size):
+    """Horovod's rule: NotImplementedError, raised at the call on every rank of the set."""
+    ps = hvd.global_process_set if size & (size - 1) else SETS.get("odd")
+    if ps is None or not ps.included():
+        return
+    t = inp("odd", rank, (6,))
+    calls = {
+        "allreduce": lambda: hvd.allreduce(t, op=hvd.Adasum, process_set=ps),
+        "allreduce_": lambda: hvd.allreduce_(t.clone(), op=hvd.Adasum, process_set=ps),
+        "allreduce_async": lambda: hvd.allreduce_async(t, op=hvd.Adasum, process_set=ps),
+        "allreduce_async_": lambda: hvd.allreduce_async_(t.clone(), op=hvd.Adasum,
+                                                         process_set=ps),
+        "grouped_allreduce": lambda: hvd.grouped_allreduce([t], op=hvd.Adasum, process_set=ps),
+        "grouped_allreduce_": lambda: hvd.grouped_allreduce_([t.clone()], op=hvd.Adasum,
+                                                             process_set=ps),
+        "grouped_allreduce_async": lambda: hvd.grouped_allreduce_async([t], op=hvd.Adasum,
+                                                                       process_set=ps),
+        "grouped_allreduce_async_": lambda: hvd.grouped_allreduce_async_(
+            [t.clone()], op=hvd.Adasum, process_set=ps),
+        "compressed": lambda: hvd.allreduce(t, op=hvd.Adasum, process_set=ps,
+                                            compression=hvd.Compression.fp16),
+        "autograd": lambda: hvd.allreduce(t.clone().requires_grad_(), op=hvd.Adasum,
+                                          process_set=ps),
+        "DistributedOptimizer": lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(_model().parameters(), lr=0.1), op=hvd.Adasum, process_set=ps),
+    }
+    for what, call in calls.items():
+        expect(NotImplementedError, call, "non-power of 2")
+    hvd.barrier(process_set=ps)  # nothing was left in flight
+
+
+def bad_arguments(rank, size):
+    """Refused at the call, on every rank, before anything is sent."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    for dtype in ("int32", "int64", "uint8", "bool"):
+        t = torch.zeros(4, dtype=TORCH_DTYPES[dtype])
+        expect(TypeError, lambda: hvd.allreduce(t, op=hvd.Adasum, process_set=ps), "floating")
+        expect(TypeError, lambda: hvd.grouped_allreduce([torch.zeros(2), t], op=hvd.Adasum,
+                                                        process_set=ps), "floating")
+    expect(ValueError, lambda: hvd.allreduce(torch.zeros(2), op=hvd.Adasum, process_set=ps,
+                                             prescale_factor=float("nan")), "prescale")
+    model = _model()
+    expect(ValueError, lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, process_set=ps,
+        gradient_predivide_factor=2.0), "gradient_predivide_factor")
+    expect(ValueError, lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, process_set=ps,
+        algorithm="qsgd"), "algorithm")
+    hvd.barrier(process_set=ps)
+
+
+def mismatch_raises(rank, size):
+    """Ranks that disagree (Adasum here, Sum there) get MismatchError, not a hang."""
+    m = member()
+    if m is None or m[2] < 2:
+        return
+    ps, r, n = m
+    op = hvd.Adasum if r == 0 else hvd.Sum
+    expect(hvd.MismatchError, lambda: hvd.allreduce(torch.ones(3), op=op, process_set=ps),
+           "Adasum")
+
+
+CHECKS = {f.__name__: f for f in (
+    random_vs_simulation, dtypes, orthogonal_is_sum, parallel_is_mean, magnitudes, zero_vector,
+    prescale_postscale, async_variants, grouped_variants, autograd,
+    optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
+    bad_arguments, mismatch_raises)}
+
+
+def main():
+    hvd.init()
+    size = hvd.size()
+    if size & (size - 1):  # Adasum runs on the first 2^k ranks
+        SETS["math"] = hvd.add_process_set(list(range(1 << (size.bit_length() - 1))))
+    else:
+        SETS["math"] = hvd.global_process_set
+    if size >= 4:
+        SETS["odd"] = hvd.add_process_set([0, 1, 2])
+    failures = run_checks(CHECKS)
+    if hvd.rank() == 0 and not failures:
+        print(f"adasum suite OK on {size} ranks", flush=True)
+    hvd.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
