@@ -235,3 +235,40 @@ def test_async_exchange_buffers_follow_the_model_only_when_its_payloads_leave_fr
     assert exchange_device(gpu, "mpi") == torch.device("cpu")
     monkeypatch.setattr(backends, "check_available", lambda name: None)
     assert exchange_device(gpu, "nccl") == gpu
+
+
+def test_per_bucket_launches_and_waits_reach_communication_stats(monkeypatch):
+    """The framework reads the counters around each bucket's exchange: a CPU model makes no
+    kernel launch and no host wait, and a counted wait inside an exchange shows up in that
+    bucket's entry."""
+    import bagua_mpi as bm
+    from bagua_mpi.algorithms import dense
+
+    bm.init(abort_on_exception=False)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      bucket_size_mb=1e-4)  # one bucket per parameter
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+        stats = opt.communication_stats()
+        assert set(stats["launches_per_bucket"]) == {b.index for b in opt.buckets}
+        assert set(stats["launches_per_bucket"].values()) == {0}
+        assert set(stats["syncs_per_bucket"].values()) == {0}
+        original = dense.allreduce_
+
+        def waiting(*args, **kwargs):
+            overhead.sync()
+            return original(*args, **kwargs)
+        monkeypatch.setattr(dense, "allreduce_", waiting)
+        opt.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        assert set(opt.communication_stats()["syncs_per_bucket"].values()) == {1}
+        assert opt.backend == "mpi"
+        opt.close()
+    finally:
+        bm.shutdown()

@@ -104,8 +104,11 @@ def check_topk(comm, aware: bool):
         host, dev = g.copy(), cuda.to_device(g)
         _topk_arrays(host, host_res, k, comm, 1.0 / n, "int32", None, False)
         staging.reset()
+        syncs = overhead.snapshot()[1]
         _topk_arrays(dev, dev_res, k, comm, 1.0 / n, "int32", None, True)
         snap = staging.snapshot()
+        waits = overhead.snapshot()[1] - syncs  # exact selection at this size: no wait of its own
+        assert waits == (1 if n > 1 else 0), f"{waits} host waits for one top-k allgather"
         assert np.array_equal(dev.copy_to_host(), host), f"topk result step {step}"
         assert np.array_equal(dev_res.copy_to_host(), host_res), f"topk residual step {step}"
         if not aware:
