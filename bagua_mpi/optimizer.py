@@ -16,6 +16,7 @@ forwards ``param_groups``, ``state``, ``state_dict`` and ``load_state_dict``. It
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -240,7 +241,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self.impl.before_step(self.optimizer)
         loss = self.impl.optimizer_step(self.optimizer, closure)
+        exchange_start = time.perf_counter()
         self.impl.after_step(self.optimizer)
+        if not self.impl.communicates_gradients:  # their exchange (of weights) happens here
+            self._engine.wait_seconds += time.perf_counter() - exchange_start
         self.steps += 1
         self.impl.step = self.steps  # between steps: the index of the next one (as checkpointed)
         self.impl.check_state_claimed()
@@ -267,12 +271,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``shared_memory_bytes`` is the part that node-shared buckets moved without MPI;
         ``launches_per_bucket`` / ``syncs_per_bucket``: the compression kernels launched and
         the times the host waited for the device in each bucket's last exchange (by bucket
-        index: the host cost of driving a GPU, zero waits being the aim)."""
+        index: the host cost of driving a GPU, zero waits being the aim); ``wait_seconds``: the
+        time the training thread spent blocked on communication, summed over steps (waiting
+        for gradient buckets in ``synchronize()``, or for algorithms that communicate no
+        gradients, their exchange after the step): the communication overlap did not hide."""
         steps = max(1, self.steps)
         per_bucket = self.impl.bucket_overhead
         return {"bytes_sent": self.impl.wire.bytes_sent, "steps": self.steps,
                 "bytes_per_step": self.impl.wire.bytes_sent / steps,
                 "shared_memory_bytes": self.impl.wire.shared_bytes,
+                "wait_seconds": self._engine.wait_seconds,
                 "launches_per_bucket": {i: c[0] for i, c in sorted(per_bucket.items())},
                 "syncs_per_bucket": {i: c[1] for i, c in sorted(per_bucket.items())}}
 

@@ -1,20 +1,24 @@
 """Data-parallel training of an MLP on synthetic data: the README's main job.
 
     mpiexec -n 4 python examples/train_mlp.py [--steps 50] [--hidden 1024] [--batch 64]
+                                              [--plot mlp_loss.png] [--progress auto]
 
 Each rank generates its own shard of a fixed synthetic regression problem (no downloads); the
 optimizer is wrapped in ``bagua_mpi.DistributedOptimizer``, whose communication algorithm is
-chosen with ``--algorithm`` (``--list-algorithms`` shows the registered ones). Rank 0 prints the
-loss and the throughput.
+chosen with ``--algorithm`` (``--list-algorithms`` shows the registered ones). Rank 0 shows the
+progress (``bagua_mpi.progress``: a tqdm bar on a terminal, plain lines in a log) with the loss
+averaged over ranks, then a summary (throughput, time spent waiting for communication, bytes
+sent per step) and writes the loss curve to a PNG. tqdm and matplotlib (the ``examples``
+extra) are optional here: without them, plain lines and no plot.
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import bagua_mpi as bm
+from bagua_mpi.progress import Progress, plot_loss_curve
 
 
 def make_model(inputs: int, hidden: int, layers: int, outputs: int) -> torch.nn.Module:
@@ -46,6 +50,10 @@ def main() -> None:
     parser.add_argument("--algorithm", default="gradient_allreduce")
     parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     parser.add_argument("--list-algorithms", action="store_true")
+    parser.add_argument("--plot", default="mlp_loss.png",
+                        help="where rank 0 writes the loss curve PNG ('' for none)")
+    parser.add_argument("--progress", default="auto", choices=["auto", "bar", "plain"],
+                        help="a bar on a terminal and plain lines elsewhere, or either always")
     args = parser.parse_args()
     if args.list_algorithms:
         print("\n".join(bm.algorithms.names()))
@@ -66,21 +74,38 @@ def main() -> None:
         print(f"{bm.size()} ranks, MLP with {n_params / 1e6:.2f}M parameters, "
               f"{args.batch} samples per rank per step", flush=True)
 
-    start = time.perf_counter()
-    for step in range(args.steps):
-        x, y = synthetic_batch(step, bm.rank(), args.batch, args.inputs, teacher)
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()  # gradient buckets are communicated while backward runs
-        optimizer.step()
-        if step % 10 == 0 or step == args.steps - 1:
-            mean_loss = bm.allreduce(loss.detach()).item()
-            if bm.rank() == 0:
-                elapsed = time.perf_counter() - start
-                rate = (step + 1) * args.batch * bm.size() / elapsed
-                print(f"step {step:4d}  loss {mean_loss:.5f}  {rate:9.1f} samples/s", flush=True)
+    # every 10 steps the loss is averaged over ranks (one tiny allreduce) for the display
+    with Progress(args.steps, samples_per_step=args.batch * bm.size(), optimizer=optimizer,
+                  every=10, reduce_loss=bm.allreduce, mode=args.progress,
+                  desc=f"MLP on {bm.size()} ranks") as progress:
+        for step in range(args.steps):
+            x, y = synthetic_batch(step, bm.rank(), args.batch, args.inputs, teacher)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()  # gradient buckets are communicated while backward runs
+            optimizer.step()
+            progress.step(loss)
+    if args.plot:  # the same on every rank: all of them take part in the allreduce
+        losses = bm.allreduce(progress.losses())  # every step's loss, averaged over ranks
+        if bm.rank() == 0:
+            write_plot(args, losses)
     optimizer.close()
     bm.shutdown()
+
+
+def write_plot(args, losses: torch.Tensor) -> None:
+    """Rank 0's loss curve PNG; skipped with a note where matplotlib is not installed (the
+    main job runs with the core dependencies alone)."""
+    title = (f"MLP {args.layers}x{args.hidden}, {bm.size()} ranks x {args.batch} samples, "
+             f"{args.algorithm}")
+    try:
+        path = plot_loss_curve(args.plot, losses.tolist(), title=title,
+                               ylabel="MSE (mean over ranks)")
+    except ImportError:
+        print("no loss plot: matplotlib is not installed (pip install 'bagua_mpi[examples]')",
+              flush=True)
+        return
+    print(f"loss plot {path}", flush=True)
 
 
 if __name__ == "__main__":

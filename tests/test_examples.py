@@ -1,5 +1,7 @@
 """The examples run as documented (small sizes) and produce what they promise."""
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -8,10 +10,14 @@ import pytest
 from mpi_harness import REPO, mpiexec_path
 
 
+def example_command(script: str, ranks: int, *args: str) -> list[str]:
+    return [mpiexec_path(), "-n", str(ranks), "-genv", "OMP_NUM_THREADS", "1",
+            sys.executable, str(REPO / "examples" / script), *args]
+
+
 def run_example(script: str, ranks: int, *args: str, timeout: float = 240):
-    env_cmd = [mpiexec_path(), "-n", str(ranks), "-genv", "OMP_NUM_THREADS", "1",
-               sys.executable, str(REPO / "examples" / script), *args]
-    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    proc = subprocess.run(example_command(script, ranks, *args), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 
@@ -32,12 +38,71 @@ def losses_of(out: str) -> list[float]:
     return [float(v) for v in re.findall(r"step +\d+  loss ([0-9.]+)", out)]
 
 
-def test_readme_main_job_trains_on_4_ranks():
+# -- the README's main job: one run (4 ranks, smaller sizes), each behaviour its own test --------
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """(output, plot path) of ``train_mlp.py`` on 4 ranks; its output is a pipe here, so rank 0
+    prints plain lines, as in a Slurm log."""
+    plot = tmp_path_factory.mktemp("main_job") / "mlp_loss.png"
+    out = run_example("train_mlp.py", 4, "--steps", "30", "--hidden", "128", "--batch", "16",
+                      "--plot", str(plot))
+    return out, plot
+
+
+def test_readme_main_job_trains_on_4_ranks(main_job):
     """The README's main job, as documented (4 ranks), at a smaller size: the loss falls."""
-    out = run_example("train_mlp.py", 4, "--steps", "30", "--hidden", "128", "--batch", "16")
+    out, _ = main_job
     losses = losses_of(out)
     assert "4 ranks, MLP with" in out and len(losses) >= 3, out
     assert losses[-1] < 0.7 * losses[0], out
+
+
+def test_main_job_prints_progress_lines_from_rank_0_only(main_job):
+    out, _ = main_job
+    steps = [int(s) for s in re.findall(r"step +(\d+)  loss [0-9.e+-]+ +[0-9.]+ samples/s  "
+                                        r"elapsed", out)]
+    assert steps == [0, 10, 20, 29], out  # every 10 steps and the last, once (not per rank)
+    assert out.count("summary:") == 1, out
+
+
+def test_main_job_prints_the_summary(main_job):
+    out, _ = main_job
+    assert re.search(r"^summary: 30 steps in [0-9.]+ s on 4 ranks$", out, re.M), out
+    rate = re.search(r"^  throughput: ([0-9.]+) samples/s over all ranks \(64 samples per "
+                     r"step\)$", out, re.M)
+    assert rate and float(rate.group(1)) > 0, out
+    wait = re.search(r"^  waiting for communication: ([0-9.]+)% of the time \(([0-9.]+) s on "
+                     r"rank 0\)$", out, re.M)
+    assert wait and 0 <= float(wait.group(1)) <= 100, out
+    sent = re.search(r"^  sent per step: [0-9.]+ [KMG]?i?B \(([0-9]+) bytes, rank 0\)$", out,
+                     re.M)
+    assert sent and int(sent.group(1)) > 0, out  # 4 ranks: every rank sends gradients
+    assert re.search(r"^  algorithm: gradient_allreduce, backend: mpi$", out, re.M), out
+
+
+def test_main_job_writes_the_loss_plot(main_job):
+    pytest.importorskip("matplotlib", reason="the plot needs the examples extra (matplotlib)")
+    out, plot = main_job
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", out
+    assert f"loss plot {plot}" in out
+
+
+def test_main_job_draws_a_bar_when_mpiexec_writes_to_a_terminal(tmp_path):
+    """Under mpiexec a rank's output is a pipe; the bar must appear anyway when mpiexec's own
+    output is a terminal (``script`` gives it one here)."""
+    pytest.importorskip("tqdm", reason="the bar needs the examples extra (tqdm)")
+    if shutil.which("script") is None:
+        pytest.skip("needs util-linux's script to give mpiexec a terminal")
+    cmd = example_command("train_mlp.py", 2, "--steps", "5", "--hidden", "32", "--batch", "8",
+                          "--plot", "")
+    # bytes, not text: text mode would turn the bar's carriage returns into newlines
+    proc = subprocess.run(["script", "-q", "-e", "-c", shlex.join(cmd), "/dev/null"],
+                          capture_output=True, timeout=240, cwd=tmp_path)
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == 0, out
+    assert "5/5 [" in out and "\r" in out, out  # tqdm's bar, redrawn in place
+    assert not re.search(r"step +\d+  loss", out), out  # and no plain lines
+    assert "summary: 5 steps" in out, out
 
 
 def test_downpour_example_beats_predicting_zero():

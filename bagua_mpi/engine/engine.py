@@ -61,6 +61,9 @@ class Engine:
         self.iteration = 0  # completed synchronizations; passed to reduce_bucket at launch
         self.communicating = True  # False inside DistributedOptimizer.no_sync()
         self.worker_rank = runtime.get().topo.rank
+        # seconds the training thread spent blocked on communication (the handles below, and
+        # DistributedOptimizer's after-step exchanges): what overlap did not hide
+        self.wait_seconds = 0.0
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(params)]
 
@@ -205,11 +208,13 @@ class Engine:
                 self._remaining[b] = 0
                 self._note_ready(self.buckets[b])
         self._launch_in_order()
-        started = time.monotonic()
+        started = time.monotonic()  # the timeline's clock
+        wait_start = time.perf_counter()
         try:
             for handle in self._handles:
                 handle.wait()
         finally:
+            self.wait_seconds += time.perf_counter() - wait_start
             if self.timeline is not None:
                 self.timeline.span("wait", started, time.monotonic(), handles=len(self._handles))
         if self.find_unused:
