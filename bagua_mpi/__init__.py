@@ -33,8 +33,8 @@ from .algorithms import UnsupportedOptionError
 from . import lgreco  # registers the 'lgreco' algorithm
 from . import checkpoint, preemption
 
-# Horovod compatibility (``import bagua_mpi as hvd``): see bagua_mpi/horovod and the README's
-# "Coming from Horovod". ``init`` accepts Horovod's ``process_sets=``; ``DistributedOptimizer``
+# Horovod compatibility (``import bagua_mpi as hvd``): see bagua_mpi/horovod and
+# docs/horovod.md. ``init`` accepts Horovod's ``process_sets=``; ``DistributedOptimizer``
 # accepts Horovod's full signature (a subclass of optimizer.DistributedOptimizer);
 # ``broadcast_parameters``/``broadcast_optimizer_state`` accept what Horovod's do.
 from . import elastic, horovod

@@ -66,7 +66,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``opt.backend`` tells what was chosen.
 
     An option the algorithm cannot honour raises ``UnsupportedOptionError`` here, naming the
-    option and what to use instead (the README's algorithm x option table lists them all).
+    option and what to use instead (docs/training.md's algorithm x option table lists them).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,

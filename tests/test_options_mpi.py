@@ -1,4 +1,4 @@
-"""The README's algorithm x option table, cell by cell, under a real mpiexec: every option
+"""The algorithm x option table of docs/training.md, cell by cell, under a real mpiexec: every option
 works with every algorithm (its effect measured) or is refused at wrap time, by name.
 
 One 4-rank job posing as two nodes (``BAGUA_MPI_RANKS_PER_NODE=2``, so the hierarchical cells

@@ -1,7 +1,7 @@
 """Horovod compatibility: ``import bagua_mpi.horovod as hvd`` (or simply ``import bagua_mpi as
 hvd``: every name here is also at the top level of ``bagua_mpi``) runs ``horovod.torch`` code.
 
-See the README section "Coming from Horovod" for the name-by-name table of what is the same,
+See docs/horovod.md ("Coming from Horovod") for the name-by-name table of what is the same,
 what differs and what is not supported.
 """
 

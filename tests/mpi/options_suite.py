@@ -13,8 +13,8 @@ naming the algorithm and the option, or the option measurably takes effect:
   invariant to the gradients' scale, gives the same updates under both);
 * ``gradient_predivide_factor=2``: the same updates as without it.
 
-The expected outcome of every cell is the README's table (``EXPECTED``); a cell that behaves
-otherwise, or an algorithm without a row, fails.
+The expected outcome of every cell is the table in docs/training.md (``EXPECTED``); a cell that
+behaves otherwise, or an algorithm without a row, fails.
 """
 import sys
 
@@ -42,7 +42,7 @@ OPTIONS = {"compression": {"compression": bm.Compression.fp16},
            "op_sum": {"op": bm.Sum},
            "predivide": {"gradient_predivide_factor": 2.0}}
 R = "refused"
-# algorithm -> option -> "works" or "refused" (the README's table)
+# algorithm -> option -> "works" or "refused" (the table in docs/training.md)
 EXPECTED = {name: dict.fromkeys(OPTIONS, "works") for name in ALGORITHMS}
 for _name in ("qsgd", "bytegrad", "low_precision_decentralized", "async", "lgreco"):
     EXPECTED[_name]["compression"] = R
