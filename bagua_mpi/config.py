@@ -41,6 +41,13 @@ BAGUA_MPI_CHECKPOINT_FAULT      (unset)  crash tests only: ``<phase>[@rank]`` ma
 BAGUA_MPI_ELASTIC_DIR           (unset)  default ``checkpoint_dir`` of ``elastic.TorchState``:
                                          every commit is also written there, and a restarted
                                          job resumes from it
+BAGUA_MPI_FLIGHT_RECORDER_SIZE  256      library operations each rank remembers for the hang
+                                         reports and the dump at a stall abort (0: off; the
+                                         stall messages then name only this rank's operation)
+BAGUA_MPI_HANG_DIR              (unset)  directory every rank can read where ranks leave their
+                                         state and flight records (``docs/hangs.md``); default
+                                         ``/dev/shm`` (else the temp dir), which only ranks on
+                                         one node share: set a shared one for multi-node jobs
 ==============================  =======  =========================================================
 
 Flags accept 1/0, true/false, yes/no, on/off (any case); an empty value means the default.
@@ -64,6 +71,7 @@ KNOWN = (
     "BAGUA_MPI_ABORT_ON_EXCEPTION", "BAGUA_MPI_CUDA_AWARE", "BAGUA_MPI_KERNEL_THREADS",
     "BAGUA_MPI_TIMELINE", "BAGUA_MPI_CHECKPOINT_SCHEME", "BAGUA_MPI_CHECKPOINT_FAULT",
     "BAGUA_MPI_ELASTIC_DIR", "BAGUA_MPI_BACKEND", "BAGUA_MPI_SHARED_BUCKETS",
+    "BAGUA_MPI_FLIGHT_RECORDER_SIZE", "BAGUA_MPI_HANG_DIR",
 )
 TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
 
@@ -207,6 +215,30 @@ def elastic_dir() -> str | None:
     return None if value is None else value.strip()
 
 
+DEFAULT_FLIGHT_RECORDER_SIZE = 256
+
+
+def flight_recorder_size() -> int:
+    """``BAGUA_MPI_FLIGHT_RECORDER_SIZE``: operations remembered per rank (0: recorder off)."""
+    name = "BAGUA_MPI_FLIGHT_RECORDER_SIZE"
+    value = _raw(name)
+    if value is None:
+        return DEFAULT_FLIGHT_RECORDER_SIZE
+    try:
+        parsed = int(value)
+    except ValueError:
+        parsed = -1
+    if parsed < 0:
+        raise ConfigError(f"{name}={value!r}: expected a number of operations >= 0 (0: off)")
+    return parsed
+
+
+def hang_dir() -> str | None:
+    """``BAGUA_MPI_HANG_DIR``: the directory for the hang reports' files, or None (default)."""
+    value = _raw("BAGUA_MPI_HANG_DIR")
+    return None if value is None else value.strip()
+
+
 def timeline_prefix() -> str | None:
     """``BAGUA_MPI_TIMELINE``: path prefix of the per-rank timeline files, or None."""
     value = _raw("BAGUA_MPI_TIMELINE")
@@ -249,6 +281,7 @@ _ACCESSORS = {
     "BAGUA_MPI_CHECKPOINT_SCHEME": checkpoint_scheme,
     "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault, "BAGUA_MPI_ELASTIC_DIR": elastic_dir,
     "BAGUA_MPI_BACKEND": backend, "BAGUA_MPI_SHARED_BUCKETS": shared_buckets,
+    "BAGUA_MPI_FLIGHT_RECORDER_SIZE": flight_recorder_size, "BAGUA_MPI_HANG_DIR": hang_dir,
 }
 assert set(_ACCESSORS) == set(KNOWN)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from . import backends, config, faults, node_shared, topology
+from . import backends, config, faults, flight_recorder, node_shared, topology
 from .exceptions import NotInitializedError
 from .watchdog import Watchdog
 from .worker import CommWorker
@@ -84,7 +84,8 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
     monitor = faults.ExitMonitor(topo.comm) if topo.size > 1 else None
     # The watchdog asks the monitor from its own thread while the comm thread is in MPI.
     watched = monitor if topo.thread_level == MPI.THREAD_MULTIPLE else None
-    watchdog = Watchdog(worker, topo.rank, warn, abort, monitor=watched)
+    board = flight_recorder.HangBoard.open(topo.comm)  # collective: the job's hang directory
+    watchdog = Watchdog(worker, topo.rank, warn, abort, monitor=watched, board=board)
     if hierarchical is None:
         hierarchical = settings["BAGUA_MPI_HIERARCHICAL"]
     _runtime = Runtime(topo, worker, watchdog, bool(hierarchical), monitor,

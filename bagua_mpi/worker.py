@@ -15,16 +15,22 @@ outer operation already holds the executor), but it may not ``submit``: the new 
 queue behind the very operation that submits it, so waiting for it there deadlocks (and not
 waiting leaves a handle no one owns). ``submit`` from inside an operation therefore raises
 ``NestedAsyncError`` at once.
+
+Recording: the executor also writes each operation into this rank's flight recorder
+(``flight_recorder.py``; ``BAGUA_MPI_FLIGHT_RECORDER_SIZE``, 0 = off), the ring buffer the stall
+watchdog's hang reports and abort dumps are made of. Nested operations are part of the one
+that runs them and are not recorded on their own.
 """
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
 from typing import Any, Callable
 
+from . import config
 from .exceptions import BaguaMPIError, CommunicationError, NestedAsyncError
+from .flight_recorder import FlightRecorder, describe_text
 
 
 class Handle:
@@ -79,7 +85,10 @@ class Handle:
 class CommWorker:
     """Serial executor of MPI operations: a daemon thread plus an inline fast path."""
 
-    def __init__(self, watch: Callable[[Any], None] | None = None, rank: int | None = None):
+    def __init__(self, watch: Callable[[Any], None] | None = None, rank: int | None = None,
+                 recorder_size: int | None = None):
+        """``recorder_size``: flight recorder entries, 0 for none; default from the
+        environment (``BAGUA_MPI_FLIGHT_RECORDER_SIZE``)."""
         self.rank = rank  # for messages only
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._exec_lock = threading.Lock()  # held while any operation runs
@@ -88,7 +97,11 @@ class CommWorker:
         self._active: int | None = None
         self._count_lock = threading.Lock()
         self._pending = 0  # queued + running asynchronous operations
-        self._ids = itertools.count()
+        if recorder_size is None:
+            recorder_size = config.flight_recorder_size()
+        # Read once per operation; setting it to None stops recording (benchmarks compare).
+        self.recorder: FlightRecorder | None = (FlightRecorder(recorder_size) if recorder_size
+                                                 else None)
         self.current: tuple[Any, float] | None = None  # (description, start) for the watchdog
         self._thread = threading.Thread(target=self._loop, name="bagua_mpi-comm", daemon=True)
         self._closed = False
@@ -103,10 +116,16 @@ class CommWorker:
             raise BaguaMPIError("bagua_mpi has been shut down; call bagua_mpi.init() again")
         if self._active == threading.get_ident():
             self._refuse_nested(describe)
+        return self._enqueue(fn, describe, owned, finish, record=True)
+
+    def _enqueue(self, fn, describe, owned, finish, record: bool) -> Handle:
         handle = Handle(_name_of(describe), owned, finish)
+        recorder = self.recorder if record else None
         with self._count_lock:
             self._pending += 1
-        self._queue.put((fn, describe, handle))
+            # numbered and queued under one lock: sequence order is queue order
+            seq = recorder.queue(describe) if recorder is not None else 0
+            self._queue.put((fn, describe, handle, seq))
         return handle
 
     def _refuse_nested(self, describe) -> None:
@@ -133,18 +152,27 @@ class CommWorker:
             return fn()  # nested in an operation that already holds the executor
         with self._exec_lock:
             if self._pending == 0:
-                self.current = (describe, time.monotonic())
+                started = time.monotonic()
+                self.current = (describe, started)
                 self._active = me
+                recorder = self.recorder
+                seq = recorder.begin(describe, started) if recorder is not None else 0
+                failed = True
                 try:
-                    return fn()
+                    result = fn()
+                    failed = False
+                    return result
                 finally:
                     self._active = None
                     self.current = None
+                    if seq:
+                        recorder.finish(seq, failed)
         return self.submit(fn, describe).wait()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has run. False on timeout."""
-        marker = self.submit(lambda: None, "drain")
+        # not recorded: a local marker, not an operation the other ranks take part in
+        marker = self._enqueue(lambda: None, "drain", (), None, record=False)
         return marker._done.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
@@ -160,13 +188,18 @@ class CommWorker:
             item = self._queue.get()
             if item is None:
                 return
-            fn, describe, handle = item
+            fn, describe, handle, seq = item
             with self._exec_lock:
                 started = time.monotonic()
                 self.current = (describe, started)
                 self._active = threading.get_ident()
+                recorder = self.recorder if seq else None  # None: submitted while it was off
+                if recorder is not None:
+                    recorder.start(seq, started)
+                failed = True
                 try:
                     result = fn()
+                    failed = False
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                     handle._complete(error=exc)
                 else:
@@ -174,6 +207,8 @@ class CommWorker:
                 finally:
                     self._active = None
                     self.current = None
+                    if recorder is not None:
+                        recorder.finish(seq, failed)
                     if self.observer is not None:
                         self.observer(describe, started, time.monotonic())
                     with self._count_lock:
@@ -187,12 +222,4 @@ class CommWorker:
 def _name_of(describe) -> str:
     if isinstance(describe, tuple) and describe:
         return str(describe[0])
-    return str(describe)
-
-
-def describe_text(describe) -> str:
-    """Human-readable form of an operation description tuple (built only when reporting)."""
-    if isinstance(describe, tuple):
-        head, *rest = describe
-        return f"{head}(" + ", ".join(str(r) for r in rest) + ")"
     return str(describe)
