@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def run_mpi(script: str, nprocs: int, *args: str, env: dict | None = None,
     # watchdog ends such a job well before the harness timeout, naming what was waited for
     full_env.setdefault("BAGUA_MPI_STALL_ABORT_S", "150")
     full_env["PYTHONUNBUFFERED"] = "1"
+    # hang reports of aborted test jobs land in the temp dir, not in /dev/shm
+    full_env.setdefault("BAGUA_MPI_HANG_DIR", tempfile.gettempdir())
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), str(MPI_SUITES)] + [p for p in [full_env.get("PYTHONPATH")] if p])
     if env:
