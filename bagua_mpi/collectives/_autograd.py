@@ -1,7 +1,7 @@
 """Differentiable collectives (as ``horovod.torch``'s): the backward of each is a collective.
 
-``bagua_mpi.allreduce(t)`` and friends come here when ``t.requires_grad`` and grad mode is on.
-The gradients are Horovod's, so models written for Horovod train the same:
+The public ``allreduce`` and friends (``_public.py``) come here when a tensor requires grad
+and grad mode is on. The gradients are Horovod's, so models written for Horovod train the same:
 
 * allreduce(op, pre, post): backward = allreduce of the gradient with the same op and factors;
 * allgather: backward = Average allreduce of the gradient, this rank's rows;
@@ -10,53 +10,70 @@ The gradients are Horovod's, so models written for Horovod train the same:
 * reducescatter: backward = allgather of the gradient, times the set size for Sum, times
   prescale x postscale;
 * the grouped forms: the same per tensor.
+
+Forwards run the plain collectives (``_allreduce.py``, ``_movement.py``) on detached tensors.
+A backward run with ``create_graph=True`` gets gradients that require grad themselves: each
+backward then takes the differentiable version of its collective again (as the public
+functions would pick it), so higher-order gradients flow through too.
 """
 from __future__ import annotations
 
 import torch
 
-from . import collectives as C
-from .ops import Average, ReduceOp, Sum
+from .. import runtime
+from ..ops import Average, ReduceOp, Sum
+from ._allreduce import plain_allreduce, plain_grouped_allreduce
+from ._core import topo_of, wants_grad
+from ._movement import (allgather_with_rows, grouped_allgather_with_rows, plain_allgather,
+                        plain_alltoall, plain_broadcast, plain_grouped_reducescatter,
+                        plain_reducescatter)
 
 
-def _size(process_set) -> int:
-    return C._topo(C.runtime.get(), process_set).size
+def _topo(process_set):
+    return topo_of(runtime.get(), process_set)
 
 
-def _rank(process_set) -> int:
-    return C._topo(C.runtime.get(), process_set).rank
-
+# -- allreduce ---------------------------------------------------------------------------------
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, pre, post, process_set, name, hierarchical):
         ctx.args = (op, pre, post, process_set, hierarchical)
-        return C.allreduce(tensor.detach(), None, name, None, op, pre, post, process_set,
-                           hierarchical=hierarchical)
+        return plain_allreduce(tensor.detach(), op, name, pre, post, process_set, hierarchical)
 
     @staticmethod
     def backward(ctx, grad):
         op, pre, post, ps, hier = ctx.args
-        return (C.allreduce(grad.contiguous(), None, None, None, op, pre, post, ps,
-                            hierarchical=hier), None, None, None, None, None, None)
+        return (_differentiable_allreduce(grad.contiguous(), op, pre, post, ps, hier),
+                None, None, None, None, None, None)
 
 
 def allreduce_grad(tensor, op, pre, post, process_set, name, hierarchical):
     return _Allreduce.apply(tensor, op, pre, post, process_set, name, hierarchical)
 
 
+def _differentiable_allreduce(tensor, op, pre, post, process_set, hierarchical):
+    """The allreduce of a backward: differentiable again under ``create_graph=True``."""
+    if wants_grad(tensor):
+        return allreduce_grad(tensor, op, pre, post, process_set, None, hierarchical)
+    return plain_allreduce(tensor, op, None, pre, post, process_set, hierarchical)
+
+
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, pre, post, process_set, name, hierarchical, *tensors):
         ctx.args = (op, pre, post, process_set, hierarchical)
-        return tuple(C.grouped_allreduce([t.detach() for t in tensors], None, name, None, op,
-                                         pre, post, process_set, hierarchical=hierarchical))
+        return tuple(plain_grouped_allreduce([t.detach() for t in tensors], op, name, pre,
+                                             post, process_set, hierarchical))
 
     @staticmethod
     def backward(ctx, *grads):
         op, pre, post, ps, hier = ctx.args
-        out = C.grouped_allreduce([g.contiguous() for g in grads], None, None, None, op, pre,
-                                  post, ps, hierarchical=hier)
+        grads = [g.contiguous() for g in grads]
+        if any(wants_grad(g) for g in grads):
+            out = grouped_allreduce_grad(grads, op, pre, post, ps, None, hier)
+        else:
+            out = plain_grouped_allreduce(grads, op, None, pre, post, ps, hier)
         return (None,) * 6 + tuple(out)
 
 
@@ -65,10 +82,12 @@ def grouped_allreduce_grad(tensors, op, pre, post, process_set, name, hierarchic
                                         *tensors))
 
 
+# -- allgather ---------------------------------------------------------------------------------
+
 def _gather_slices(grad, rows, process_set):
     """Average allreduce of an allgather's gradient, then this rank's rows."""
-    reduced = C.allreduce(grad.contiguous(), op=Average, process_set=process_set)
-    me = _rank(process_set)
+    reduced = _differentiable_allreduce(grad.contiguous(), Average, 1.0, 1.0, process_set, None)
+    me = _topo(process_set).rank
     start = int(sum(rows[:me]))
     return reduced.narrow(0, start, int(rows[me]))
 
@@ -76,10 +95,7 @@ def _gather_slices(grad, rows, process_set):
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, process_set, name):
-        rt = C.runtime.get()
-        x = tensor.detach()
-        run, d = C._allgather_run(rt, C._topo(rt, process_set), x)
-        out, rows = C._dispatch(rt, run, d, False, name=name)
+        out, rows = allgather_with_rows(tensor.detach(), process_set, name)
         ctx.args = (process_set, rows.tolist(), tuple(tensor.shape))
         return out
 
@@ -96,10 +112,7 @@ def allgather_grad(tensor, process_set, name):
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, process_set, name, *tensors):
-        rt = C.runtime.get()
-        run, d = C._grouped_allgather_run(rt, C._topo(rt, process_set),
-                                          [t.detach() for t in tensors])
-        results = C._dispatch(rt, run, d, False, name=name)
+        results = grouped_allgather_with_rows([t.detach() for t in tensors], process_set, name)
         ctx.args = (process_set, [r.tolist() for _, r in results],
                     [tuple(t.shape) for t in tensors])
         return tuple(o for o, _ in results)
@@ -115,17 +128,19 @@ def grouped_allgather_grad(tensors, process_set, name):
     return list(_GroupedAllgather.apply(process_set, name, *tensors))
 
 
+# -- broadcast ---------------------------------------------------------------------------------
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, process_set, name):
         ctx.args = (root_rank, process_set)
-        return C.broadcast(tensor.detach(), root_rank, name, process_set)
+        return plain_broadcast(tensor.detach(), root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
         root, ps = ctx.args
-        reduced = C.allreduce(grad.contiguous(), op=Average, process_set=ps)
-        if C.runtime.rank() != root:
+        reduced = _differentiable_allreduce(grad.contiguous(), Average, 1.0, 1.0, ps, None)
+        if runtime.rank() != root:
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
 
@@ -134,11 +149,13 @@ def broadcast_grad(tensor, root_rank, process_set, name):
     return _Broadcast.apply(tensor, root_rank, process_set, name)
 
 
+# -- alltoall ----------------------------------------------------------------------------------
+
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, process_set, name, with_splits):
-        out, received = C.alltoall(tensor.detach(), splits, name, process_set,
-                                   return_received_splits=True)
+        out, received = plain_alltoall(tensor.detach(), splits, name, process_set,
+                                       with_splits=True)
         ctx.args = (received, process_set)
         if with_splits:
             ctx.mark_non_differentiable(received)
@@ -148,7 +165,11 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):
         received, ps = ctx.args
-        back = C.alltoall(grad.contiguous(), received, None, ps, return_received_splits=False)
+        grad = grad.contiguous()
+        if wants_grad(grad):
+            back = alltoall_grad(grad, received, ps, None, False)
+        else:
+            back = plain_alltoall(grad, received, None, ps)
         return back, None, None, None, None
 
 
@@ -156,9 +177,15 @@ def alltoall_grad(tensor, splits, process_set, name, with_splits):
     return _Alltoall.apply(tensor, splits, process_set, name, with_splits)
 
 
+# -- reducescatter -----------------------------------------------------------------------------
+
 def _scatter_back(grad, op, process_set, pre, post):
-    gathered = C.allgather(grad.contiguous(), process_set=process_set)
-    factor = pre * post * (_size(process_set) if ReduceOp.parse(op) is Sum else 1)
+    grad = grad.contiguous()
+    if wants_grad(grad):
+        gathered = allgather_grad(grad, process_set, None)
+    else:
+        gathered = plain_allgather(grad, None, process_set)
+    factor = pre * post * (_topo(process_set).size if ReduceOp.parse(op) is Sum else 1)
     return gathered * factor if factor != 1 else gathered
 
 
@@ -166,7 +193,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, process_set, pre, post, name):
         ctx.args = (op, process_set, pre, post)
-        return C.reducescatter(tensor.detach(), name, None, op, process_set, pre, post)
+        return plain_reducescatter(tensor.detach(), name, op, process_set, pre, post)
 
     @staticmethod
     def backward(ctx, grad):
@@ -182,8 +209,8 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, process_set, pre, post, name, *tensors):
         ctx.args = (op, process_set, pre, post)
-        return tuple(C.grouped_reducescatter([t.detach() for t in tensors], name, None, op,
-                                             process_set, pre, post))
+        return tuple(plain_grouped_reducescatter([t.detach() for t in tensors], name, op,
+                                                 process_set, pre, post))
 
     @staticmethod
     def backward(ctx, *grads):

@@ -1,0 +1,75 @@
+"""How one buffer is allreduced in place, and the one rule that picks NCCL or MPI for it.
+
+``allreduce`` and ``grouped_allreduce`` (and ``join``, which only ever takes part through MPI)
+hand their working buffer, already scaled and in its wire dtype, to a reducer of this module:
+
+* ``mpi_allreduce_``: MPI on host memory, or on a CUDA tensor through ``transport.mpi_buffer``
+  (CUDA-aware MPI or a pinned host copy); flat, or two-level with ``hierarchical``;
+* ``nccl_allreduce_``: the NCCL backend (``transport.nccl_allreduce_``), which decides its own
+  flat or two-level form (``nccl_hierarchical``).
+
+``uses_nccl_allreduce`` is the rule, ``reducer_for`` applies it.
+"""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from .. import runtime, transport
+from ..buffers import fast_cpu_view
+
+
+def uses_nccl_allreduce(tensor, topo, backend: str | None = None) -> bool:
+    """Whether a dense allreduce of ``tensor`` over ``topo`` runs on NCCL: a CUDA tensor, on
+    the library's own communicator (a process set's stays on MPI), with a NCCL backend
+    (``backend``, default the process-wide choice: ``transport.uses_nccl``). An explicit NCCL
+    choice that cannot run raises ``BackendUnavailableError``."""
+    return (getattr(tensor, "is_cuda", False) and topo is runtime.get().topo
+            and transport.uses_nccl(tensor, backend))
+
+
+def reducer_for(tensor, topo):
+    """``nccl_allreduce_`` or ``mpi_allreduce_`` for ``tensor`` (or a buffer made from it).
+    Chosen in the caller, when the operation is built, so a backend error raises there."""
+    return nccl_allreduce_ if uses_nccl_allreduce(tensor, topo) else mpi_allreduce_
+
+
+def mpi_allreduce_(topo, buf, mop, hierarchical: bool) -> None:
+    """In place over ``topo`` with MPI op ``mop``: a tensor or array, staged where needed."""
+    view = fast_cpu_view(buf)
+    if view is not None and not hierarchical:  # the common case: no wrapper objects at all
+        topo.comm.Allreduce(MPI.IN_PLACE, view, op=mop)
+        return
+    staged = transport.mpi_buffer(buf)
+    mpi_allreduce_buffer_(topo, staged.obj, mop, hierarchical)
+    staged.writeback()
+
+
+def mpi_allreduce_buffer_(topo, buf, mop, hierarchical: bool) -> None:
+    """In place on a buffer MPI takes as it is (a NumPy array, or a CUDA tensor for a
+    CUDA-aware MPI)."""
+    if hierarchical:
+        hierarchical_allreduce_(topo, buf, mop)
+    else:
+        topo.comm.Allreduce(MPI.IN_PLACE, buf, op=mop)
+
+
+def hierarchical_allreduce_(topo, buf, mop) -> None:
+    """Two-level allreduce in place: reduce to each node's leader, allreduce among leaders,
+    broadcast inside each node. Same result as the flat one up to summation order."""
+    topo.node_reduce_(buf, mop)
+    if topo.leaders is not None and topo.leaders.Get_size() > 1:
+        topo.leaders.Allreduce(MPI.IN_PLACE, buf, op=mop)
+    topo.node_broadcast_(buf)
+
+
+_NCCL_OPS = ((MPI.SUM, "sum"), (MPI.MIN, "min"), (MPI.MAX, "max"), (MPI.PROD, "product"))
+
+
+def nccl_allreduce_(topo, buf, mop, hierarchical: bool) -> None:
+    """In place on a CUDA tensor with the NCCL backend (``hierarchical`` is left to the
+    backend: ``nccl_hierarchical``)."""
+    work = buf if buf.is_contiguous() else buf.contiguous()
+    op = next((name for m, name in _NCCL_OPS if m == mop), f"MPI op {mop!r}")
+    transport.nccl_allreduce_(work, topo, op=op)
+    if work is not buf:
+        buf.copy_(work)

@@ -1,0 +1,328 @@
+"""Data movement without autograd: allgather, broadcast, alltoall and reducescatter, with their
+grouped, in-place and asynchronous forms.
+
+The ``plain_*`` functions are the out-of-place forms for tensors that need no gradient: the
+public functions (``_public.py``) and the differentiable versions (``_autograd.py``) both come
+here.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .. import consistency, runtime, transport
+from ..buffers import contiguous, copy_into, dtype_name, empty_like, reduce_dtype, scale_, to_dtype
+from ..exceptions import BaguaMPIError
+from ..ops import Average, ReduceOp, UnsupportedOp
+from ..worker import Handle
+from ._core import (agree, check_factor, check_list, global_process_set, reduction, root_of,
+                    row_elems, run_now, start, topo_of)
+
+
+# -- allgather ---------------------------------------------------------------------------------
+
+def allgather_run(rt, topo, tensor):
+    """``(run, describe)``; ``run()`` returns ``(gathered, rows of every rank)``."""
+    dt = dtype_name(tensor)
+    x = tensor if tensor.ndim > 0 else tensor.reshape(1)
+    shape = tuple(x.shape)
+    row = row_elems(shape)
+    signature = ("allgather", ("dtype", dt), ("trailing_shape", shape[1:]))
+
+    def run():
+        agree(topo.comm, signature)  # the check message also tells a joined rank what runs
+        header = np.array([consistency.signature_hash(signature), shape[0]], dtype=np.int64)
+        table = np.empty((topo.size, 2), dtype=np.int64)
+        topo.comm.Allgather(header, table)
+        consistency.verify_hashes(topo.comm, table[:, 0], signature)
+        counts = table[:, 1]
+        out = empty_like(x, (int(counts.sum()),) + shape[1:])
+        src, dst = transport.mpi_buffer(contiguous(x)), transport.mpi_buffer(out, load=False)
+        topo.comm.Allgatherv(src.obj, [dst.obj, counts * row])
+        dst.writeback()
+        return out, counts
+
+    return run, ("allgather", dt, shape)
+
+
+def _gathered(run):
+    return lambda: run()[0]
+
+
+def allgather_with_rows(tensor, process_set=global_process_set, name=None):
+    """``(gathered, rows of every rank)``: the allgather a gradient needs the rows of."""
+    rt = runtime.get()
+    run, d = allgather_run(rt, topo_of(rt, process_set), tensor)
+    return run_now(rt, run, d, name)
+
+
+def plain_allgather(tensor, name=None, process_set=global_process_set):
+    """``allgather`` of a tensor that needs no gradient."""
+    rt = runtime.get()
+    run, d = allgather_run(rt, topo_of(rt, process_set), tensor)
+    return run_now(rt, _gathered(run), d, name)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    rt = runtime.get()
+    run, d = allgather_run(rt, topo_of(rt, process_set), tensor)
+    return start(rt, _gathered(run), d, (tensor,), name)
+
+
+def _grouped_allgather_run(rt, topo, tensors):
+    check_list(tensors, "grouped_allgather")
+    runs = [allgather_run(rt, topo, t)[0] for t in tensors]
+
+    def run():
+        return [r() for r in runs]
+
+    return run, ("grouped_allgather", len(tensors))
+
+
+def grouped_allgather_with_rows(tensors: Sequence, process_set=global_process_set,
+                                name=None) -> list:
+    """``[(gathered, rows of every rank), ...]``, one pair per tensor."""
+    rt = runtime.get()
+    run, d = _grouped_allgather_run(rt, topo_of(rt, process_set), tensors)
+    return run_now(rt, run, d, name)
+
+
+def _all_gathered(run):
+    return lambda: [out for out, _ in run()]
+
+
+def plain_grouped_allgather(tensors: Sequence, name=None,
+                            process_set=global_process_set) -> list:
+    """``grouped_allgather`` of tensors that need no gradient."""
+    rt = runtime.get()
+    run, d = _grouped_allgather_run(rt, topo_of(rt, process_set), tensors)
+    return run_now(rt, _all_gathered(run), d, name)
+
+
+def grouped_allgather_async(tensors: Sequence, name=None,
+                            process_set=global_process_set) -> Handle:
+    rt = runtime.get()
+    run, d = _grouped_allgather_run(rt, topo_of(rt, process_set), tensors)
+    return start(rt, _all_gathered(run), d, tuple(tensors), name)
+
+
+# -- broadcast ---------------------------------------------------------------------------------
+
+def _broadcast_run(rt, topo, tensor, out, root):
+    dt = dtype_name(tensor)
+    signature = ("broadcast", ("root", root), ("dtype", dt), ("shape", tuple(tensor.shape)))
+
+    def run():
+        agree(topo.comm, signature)
+        if out is not tensor and topo.rank == root:
+            copy_into(out, tensor)
+        buf = transport.mpi_buffer(out, load=topo.rank == root)
+        topo.comm.Bcast(buf.obj, root=root)
+        buf.writeback()
+        return out
+
+    return run, ("broadcast", root, dt, tuple(tensor.shape))
+
+
+def plain_broadcast(tensor, root_rank: int = 0, name=None, process_set=global_process_set):
+    """``broadcast`` of a tensor that needs no gradient."""
+    rt = runtime.get()
+    run, d = _broadcast_run(rt, topo_of(rt, process_set), tensor, empty_like(tensor),
+                            root_of(rt, root_rank, process_set))
+    return run_now(rt, run, d, name)
+
+
+def broadcast_(tensor, root_rank: int = 0, name=None, process_set=global_process_set):
+    """Overwrite ``tensor`` on every rank with ``root_rank``'s; returns it."""
+    rt = runtime.get()
+    run, d = _broadcast_run(rt, topo_of(rt, process_set), tensor, tensor,
+                            root_of(rt, root_rank, process_set))
+    return run_now(rt, run, d, name)
+
+
+def broadcast_async(tensor, root_rank: int = 0, name=None,
+                    process_set=global_process_set) -> Handle:
+    rt = runtime.get()
+    out = empty_like(tensor)
+    run, d = _broadcast_run(rt, topo_of(rt, process_set), tensor, out,
+                            root_of(rt, root_rank, process_set))
+    return start(rt, run, d, (tensor, out), name)
+
+
+def broadcast_async_(tensor, root_rank: int = 0, name=None,
+                     process_set=global_process_set) -> Handle:
+    rt = runtime.get()
+    run, d = _broadcast_run(rt, topo_of(rt, process_set), tensor, tensor,
+                            root_of(rt, root_rank, process_set))
+    return start(rt, run, d, (tensor,), name)
+
+
+# -- alltoall ----------------------------------------------------------------------------------
+
+def _normalize_splits(splits, rows: int, size: int) -> np.ndarray:
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"alltoall without splits needs dimension 0 ({rows}) divisible by "
+                             f"the number of ranks ({size}); pass splits=")
+        return np.full(size, rows // size, dtype=np.int64)
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    arr = np.asarray(splits)
+    if arr.ndim != 1 or arr.shape[0] != size or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"splits must be {size} integers (one per rank), got {splits!r}")
+    if (arr < 0).any() or int(arr.sum()) != rows:
+        raise ValueError(f"splits must be non-negative and sum to dimension 0 ({rows}), "
+                         f"got {arr.tolist()}")
+    return arr.astype(np.int64)
+
+
+def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
+    dt = dtype_name(tensor)
+    if tensor.ndim == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    shape = tuple(tensor.shape)
+    send_splits = _normalize_splits(splits, shape[0], topo.size)
+    row = row_elems(shape)
+    signature = ("alltoall", ("dtype", dt), ("trailing_shape", shape[1:]))
+
+    def run():
+        agree(topo.comm, signature)
+        header = np.empty((topo.size, 2), dtype=np.int64)
+        header[:, 0] = consistency.signature_hash(signature)
+        header[:, 1] = send_splits
+        received = np.empty_like(header)
+        topo.comm.Alltoall(header, received)
+        consistency.verify_hashes(topo.comm, received[:, 0], signature)
+        recv_splits = received[:, 1].copy()
+        out = empty_like(tensor, (int(recv_splits.sum()),) + shape[1:])
+        src = transport.mpi_buffer(contiguous(tensor))
+        dst = transport.mpi_buffer(out, load=False)
+        topo.comm.Alltoallv([src.obj, send_splits * row], [dst.obj, recv_splits * row])
+        dst.writeback()
+        if not with_splits:
+            return out
+        if isinstance(tensor, torch.Tensor):  # Horovod returns an int32 tensor
+            recv_splits = torch.from_numpy(recv_splits.astype(np.int32))
+        return out, recv_splits
+
+    return run, ("alltoall", dt, shape)
+
+
+def plain_alltoall(tensor, splits=None, name=None, process_set=global_process_set,
+                   with_splits: bool = False):
+    """``alltoall`` of a tensor that needs no gradient: ``(tensor, received_splits)`` when
+    ``with_splits``, else the tensor."""
+    rt = runtime.get()
+    run, d = _alltoall_run(rt, topo_of(rt, process_set), tensor, splits, with_splits)
+    return run_now(rt, run, d, name)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
+                   return_received_splits: bool | None = None) -> Handle:
+    """``synchronize(handle)`` gives ``(tensor, received_splits)`` unless
+    ``return_received_splits=False`` (Horovod's handle always gives both)."""
+    with_splits = True if return_received_splits is None else bool(return_received_splits)
+    rt = runtime.get()
+    run, d = _alltoall_run(rt, topo_of(rt, process_set), tensor, splits, with_splits)
+    return start(rt, run, d, (tensor,), name)
+
+
+# -- reducescatter -----------------------------------------------------------------------------
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Rows of the result each rank keeps: equal parts, the first ``rows % size`` get one more."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
+    dt = dtype_name(tensor)
+    if tensor.ndim == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    if ReduceOp.parse(op) is ReduceOp.Adasum:  # Horovod's core refuses it too
+        raise BaguaMPIError("reducescatter does not support op=Adasum (Horovod's reducescatter "
+                            "takes Sum and Average only); use allreduce(op=Adasum)")
+    op, mop, int_average = reduction(op, dt)
+    pre = check_factor("prescale_factor", prescale_factor, dt)
+    post = check_factor("postscale_factor", postscale_factor, dt)
+    if op is Average:
+        post /= topo.size
+    shape = tuple(tensor.shape)
+    rows = reducescatter_rows(shape[0], topo.size)
+    row = row_elems(shape)
+    out = empty_like(tensor, (rows[topo.rank],) + shape[1:])
+    signature = ("reducescatter", ("op", op.name), ("dtype", dt), ("shape", shape))
+
+    def run():
+        agree(topo.comm, signature)
+        wire = reduce_dtype(dt)
+        work = to_dtype(tensor, wire) if (wire != dt or pre != 1.0) else contiguous(tensor)
+        scale_(work, pre)
+        result = out if wire == dt else empty_like(out, dtype=wire)
+        src, dst = transport.mpi_buffer(work), transport.mpi_buffer(result, load=False)
+        topo.comm.Reduce_scatter(src.obj, dst.obj, recvcounts=[r * row for r in rows], op=mop)
+        dst.writeback()
+        scale_(result, post)
+        if result is not out:
+            copy_into(out, result)
+        return out
+
+    return run, ("reducescatter", op.name, dt, shape)
+
+
+def name_and_op(name, op):
+    """This library's positional op in Horovod's ``name`` slot: reducescatter(t, Sum)."""
+    if isinstance(name, (ReduceOp, UnsupportedOp)):
+        return None, name
+    return name, op
+
+
+def plain_reducescatter(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    """``reducescatter`` of a tensor that needs no gradient (``name``/``op`` sorted out)."""
+    rt = runtime.get()
+    run, d = _reducescatter_run(rt, topo_of(rt, process_set), tensor, op, prescale_factor,
+                                postscale_factor)
+    return run_now(rt, run, d, name)
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    name, op = name_and_op(name, op)
+    rt = runtime.get()
+    run, d = _reducescatter_run(rt, topo_of(rt, process_set), tensor, op, prescale_factor,
+                                postscale_factor)
+    return start(rt, run, d, (tensor,), name)
+
+
+def _grouped_reducescatter_run(rt, topo, tensors, op, prescale_factor, postscale_factor):
+    check_list(tensors, "grouped_reducescatter")
+    runs = [_reducescatter_run(rt, topo, t, op, prescale_factor, postscale_factor)[0]
+            for t in tensors]
+
+    def run():
+        return [r() for r in runs]
+
+    return run, ("grouped_reducescatter", len(tensors))
+
+
+def plain_grouped_reducescatter(tensors: Sequence, name=None, op=Average,
+                                process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0) -> list:
+    """``grouped_reducescatter`` of tensors that need no gradient."""
+    rt = runtime.get()
+    run, d = _grouped_reducescatter_run(rt, topo_of(rt, process_set), tensors, op,
+                                        prescale_factor, postscale_factor)
+    return run_now(rt, run, d, name)
+
+
+def grouped_reducescatter_async(tensors: Sequence, name=None, op=Average,
+                                process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0) -> Handle:
+    name, op = name_and_op(name, op)
+    rt = runtime.get()
+    run, d = _grouped_reducescatter_run(rt, topo_of(rt, process_set), tensors, op,
+                                        prescale_factor, postscale_factor)
+    return start(rt, run, d, tuple(tensors), name)

@@ -1,0 +1,118 @@
+"""Single-process checks of the collectives package's plumbing (MPI as a singleton): the
+per-call agreement-check switch and the NCCL-or-MPI choice of the allreduces, which the
+multi-rank suites cannot see from outside."""
+import pytest
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi import consistency
+from bagua_mpi.collectives import _allreduce, _allreduce_backends, _core
+
+
+@pytest.fixture
+def initialized():
+    bm.init(abort_on_exception=False)
+    switch = consistency.enabled()
+    yield
+    consistency.set_enabled(switch)
+    bm.shutdown()
+
+
+@pytest.fixture
+def verify_calls(monkeypatch):
+    """The signatures the agreement check was run for."""
+    seen = []
+    real = consistency.verify
+
+    def counting(comm, signature, join=None):
+        seen.append(signature[0])
+        return real(comm, signature, join)
+
+    monkeypatch.setattr(consistency, "verify", counting)
+    return seen
+
+
+@pytest.mark.parametrize("switch", [True, False])
+@pytest.mark.parametrize("check", [None, True, False])
+def test_check_overrides_the_switch_for_one_call(initialized, verify_calls, switch, check):
+    bm.set_consistency_check(switch)
+    wanted = switch if check is None else check
+    assert _core.check_wanted(check) is wanted
+    x = [torch.ones(3), torch.ones(2, dtype=torch.float64)]
+    calls = [
+        lambda: bm.grouped_allreduce(x, op=bm.Sum, check=check),
+        lambda: bm.grouped_allreduce_([t.clone() for t in x], op=bm.Sum, check=check),
+        lambda: bm.synchronize(bm.grouped_allreduce_async(x, op=bm.Sum, check=check)),
+        lambda: bm.synchronize(bm.grouped_allreduce_async_([t.clone() for t in x], op=bm.Sum,
+                                                           check=check)),
+        lambda: bm.allreduce(x[0], bm.Sum, check=check),  # the fast path
+        lambda: bm.allreduce(x[0], bm.Sum, postscale_factor=2.0, check=check),  # the general
+    ]
+    for call in calls:
+        verify_calls.clear()
+        out = call()
+        assert len(verify_calls) == (1 if wanted else 0), verify_calls
+        assert out is not None
+    got = bm.grouped_allreduce(x, op=bm.Sum, compression=bm.Compression.fp16, check=check)
+    assert [t.dtype for t in got] == [torch.float32, torch.float64]
+
+
+class FakeCudaTensor:
+    is_cuda = True
+
+
+def test_nccl_is_chosen_for_cuda_tensors_on_the_library_communicator(initialized,
+                                                                      monkeypatch):
+    asked = []
+    monkeypatch.setattr(_allreduce_backends.transport, "uses_nccl",
+                        lambda tensor, backend=None: asked.append(backend) or True)
+    topo = bm.runtime.get().topo
+    assert _allreduce_backends.uses_nccl_allreduce(FakeCudaTensor(), topo, "nccl")
+    assert asked == ["nccl"]
+    assert _allreduce_backends.reducer_for(FakeCudaTensor(), topo) \
+        is _allreduce_backends.nccl_allreduce_
+    # host tensors, and a process set's own communicator, stay on MPI without asking
+    asked.clear()
+    assert _allreduce_backends.reducer_for(torch.ones(1), topo) \
+        is _allreduce_backends.mpi_allreduce_
+    assert not _allreduce_backends.uses_nccl_allreduce(FakeCudaTensor(), object())
+    assert asked == []
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_allreduce_and_grouped_allreduce_share_the_chooser(initialized, monkeypatch, grouped):
+    """Both reduce through whatever ``reducer_for`` picks (NCCL itself needs a GPU:
+    tests/gpu)."""
+    used = []
+
+    def recording(topo, buf, mop, hierarchical):
+        used.append(tuple(buf.shape))
+        _allreduce_backends.mpi_allreduce_(topo, buf, mop, hierarchical)
+
+    monkeypatch.setattr(_allreduce, "reducer_for", lambda tensor, topo: recording)
+    x = torch.arange(4.0)
+    if grouped:
+        got = bm.grouped_allreduce([x, x[:2]], op=bm.Sum)
+        assert used == [(6,)]  # one fused message
+        torch.testing.assert_close(got[1], x[:2])
+    else:
+        got = bm.allreduce(x, bm.Sum, postscale_factor=2.0)  # not the fast path
+        assert used == [(4,)]
+        torch.testing.assert_close(got, 2 * x)
+
+
+def test_backward_under_create_graph_stays_differentiable(initialized):
+    """A backward's own collectives take the differentiable version when the gradient requires
+    grad, so second derivatives flow through them (here: d2/dx2 of sum(op(x*x)^2) = 12 x^2 on
+    one rank)."""
+    collectives = [lambda v: bm.allreduce(v, bm.Sum), bm.allgather, bm.broadcast, bm.alltoall,
+                   lambda v: bm.reducescatter(v, bm.Sum),
+                   lambda v: bm.grouped_allreduce([v], op=bm.Sum)[0],
+                   lambda v: bm.grouped_allgather([v])[0],
+                   lambda v: bm.grouped_reducescatter([v], bm.Sum)[0]]
+    for op in collectives:
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        grad, = torch.autograd.grad((op(x * x) ** 2).sum(), x, create_graph=True)
+        second, = torch.autograd.grad(grad.sum(), x)
+        torch.testing.assert_close(grad.detach(), 4 * x.detach() ** 3)
+        torch.testing.assert_close(second, 12 * x.detach() ** 2)
