@@ -38,6 +38,7 @@ import torch
 from mpi4py import MPI
 
 from . import config
+from .primitives.centralized import cast_allreduce_
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 CHUNK_BYTES = 128 * 1024  # one chunk of the partial sum stays in L2 while the rows stream by
@@ -95,8 +96,6 @@ class SharedRows:
             if hi > lo and wire_dtype is None:
                 topo.inter.Allreduce(MPI.IN_PLACE, mine[lo:hi], op=MPI.SUM)
             elif hi > lo:
-                # imported here: primitives -> collectives -> runtime -> this module
-                from .primitives.centralized import cast_allreduce_
                 cast_allreduce_(torch.from_numpy(mine[lo:hi]), topo.inter, wire_dtype, 1.0)
             for start, end, part in self._chunks():
                 np.copyto(part, mine[start:end])

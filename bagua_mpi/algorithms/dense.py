@@ -62,8 +62,11 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
                                hierarchical=False, check=False)
     else:
         work = t if t.is_contiguous() else t.contiguous()
-        if comm is library_comm and comm is topo.comm and transport.uses_nccl(work, backend):
-            transport.nccl_allreduce_(work, topo, backend)  # flat, or NCCL in the node
+        # the global communicator: the collectives' chooser (NCCL flat or in the node); a
+        # process set's communicator: its own group through the transport below
+        if comm is library_comm and comm is topo.comm and collectives.uses_nccl_allreduce(
+                work, topo, backend):
+            transport.nccl_allreduce_(work, topo, backend)
         else:
             wire.allreduce_(work)
         if work is not t:
