@@ -41,6 +41,7 @@ at a time with datatypes of their own.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from typing import Callable
 
@@ -118,26 +119,16 @@ class Transport:
         if self.size == 1 or _numel(buf) == 0:
             return
         mover = self._mover(buf)
-        if isinstance(buf, torch.Tensor) and buf.dtype in _HALF and not isinstance(mover,
-                                                                                     _Group):
-            work = buf.float()  # MPI adds 16-bit floats slowly or not at all: float32, once
+        with _summable(buf, mover) as work:
             mover.allreduce_(work, op, dense)
-            buf.copy_(work)
-            return
-        mover.allreduce_(buf, op, dense)
 
     def reduce_(self, buf, root: int = 0, *, dense: bool = True) -> None:
         """Sum ``buf`` onto rank ``root`` in place there (others' ``buf`` is left as sent)."""
         if self.size == 1 or _numel(buf) == 0:
             return
         mover = self._mover(buf)
-        if isinstance(buf, torch.Tensor) and buf.dtype in _HALF and not isinstance(mover,
-                                                                                     _Group):
-            work = buf.float()
+        with _summable(buf, mover) as work:
             mover.reduce_(work, root, dense)
-            buf.copy_(work)
-            return
-        mover.reduce_(buf, root, dense)
 
     def broadcast_(self, buf, root: int = 0, *, dense: bool = True) -> None:
         if self.size == 1 or _numel(buf) == 0:
@@ -400,6 +391,19 @@ class _Group:
 
 
 # -- buffers ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _summable(buf, mover):
+    """``buf`` in a dtype ``mover`` can add: MPI adds 16-bit floats slowly or not at all, so
+    they are summed as float32 (rounded once, on the copy back); the process groups add them
+    natively."""
+    if isinstance(buf, torch.Tensor) and buf.dtype in _HALF and not isinstance(mover, _Group):
+        work = buf.float()
+        yield work
+        buf.copy_(work)
+    else:
+        yield buf
+
+
 def _tensor(buf) -> torch.Tensor:
     """``buf`` as a torch tensor sharing its memory (what a process group takes)."""
     if isinstance(buf, torch.Tensor):
