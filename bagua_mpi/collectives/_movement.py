@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from .. import consistency, runtime, transport
-from ..buffers import contiguous, copy_into, dtype_name, empty_like, reduce_dtype, scale_, to_dtype
+from ..buffers import (contiguous, copy_into, dtype_name, empty_like, reduce_dtype, scale_,
+                       scaled_copy, to_dtype)
 from ..exceptions import BaguaMPIError
 from ..ops import Average, ReduceOp, UnsupportedOp
 from ..worker import Handle
@@ -258,8 +259,14 @@ def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
     def run():
         agree(topo.comm, signature)
         wire = reduce_dtype(dt)
-        work = to_dtype(tensor, wire) if (wire != dt or pre != 1.0) else contiguous(tensor)
-        scale_(work, pre)
+        if wire != dt:  # 16-bit floats: a float32 copy, scaled in float32
+            work = to_dtype(tensor, wire)
+            scale_(work, pre)
+        elif pre != 1.0:  # a scaled copy: the caller's tensor stays as it was (integers are
+            work = empty_like(tensor)  # scaled in float64 and truncated, as Horovod)
+            scaled_copy(work, contiguous(tensor), pre)
+        else:
+            work = contiguous(tensor)
         result = out if wire == dt else empty_like(out, dtype=wire)
         src, dst = transport.mpi_buffer(work), transport.mpi_buffer(result, load=False)
         topo.comm.Reduce_scatter(src.obj, dst.obj, recvcounts=[r * row for r in rows], op=mop)

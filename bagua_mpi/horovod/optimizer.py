@@ -12,7 +12,11 @@ Horovod's public attributes and its warning for ``step()`` after ``synchronize()
   k = len(groups) and a warning: buckets follow gradient readiness, not the given groups.
 * ``sparse_as_dense``: accepted; gradients are communicated dense either way.
 * ``process_set``: data parallelism inside the set's sub-communicator (``ps.topology``),
-  passed to the wrapped class as ``process_set=``.
+  passed to the wrapped class as ``process_set=`` (with ``profile_order=False``: the engine
+  agrees a profiled order on the global communicator). A rank outside the set gets a
+  ``LocalDistributedOptimizer``: plain local steps, no communication (as Horovod).
+* ``named_parameters``: checked as Horovod, before anything needs ``init()``; without it the
+  names are ``allreduce.noname.<group>.<index>``.
 * ``op=Adasum`` gives an ``AdasumDistributedOptimizer`` (a subclass), with the semantics of
   Horovod's ``_DistributedAdasumOptimizer``: Adasum combines the *deltas* of a local
   optimizer step, not the gradients. ``step()`` runs the wrapped optimizer on this rank's own
@@ -51,6 +55,41 @@ def _is_compression(value) -> bool:
     return "compress" in name or "fp16" in name or "bf16" in name or "none" in name
 
 
+def _named_parameters(optimizer, named_parameters) -> list:
+    """Horovod's checks of ``named_parameters``, in its order and before anything needs
+    ``init()``: (name, tensor) tuples, unique names, every optimizer parameter named. Without
+    it, the names are Horovod's ``allreduce.noname.<group>.<index>`` (unique across groups and
+    the same on every rank)."""
+    if named_parameters is None:
+        return [(f"allreduce.noname.{g}.{i}", p) for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters()")
+    seen, dups = set(), []
+    for n, _ in named:
+        if n in seen and n not in dups:
+            dups.append(n)
+        seen.add(n)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(map(str, dups)))
+    named_ids = {id(p) for _, p in named}
+    unnamed = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but {len(unnamed)} optimizer "
+                         f"parameters were not named (first: shape {tuple(unnamed[0].shape)})")
+    return named
+
+
+def _outside(process_set) -> bool:
+    """Whether this rank wraps an optimizer for a registered process set it is not in."""
+    return (isinstance(process_set, ProcessSet) and process_set is not global_process_set
+            and process_set.process_set_id not in (None, 0) and runtime.is_initialized()
+            and process_set.included() is False)
+
+
 def _is_adasum(op) -> bool:
     try:
         return ReduceOp.parse(op) is Adasum
@@ -66,7 +105,9 @@ class DistributedOptimizer(_base.DistributedOptimizer):
                 backward_passes_per_step: int = 1, op=Average,
                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                 sparse_as_dense: bool = False, process_set=global_process_set, **kwargs):
-        if cls is DistributedOptimizer and _is_adasum(op):
+        if cls is DistributedOptimizer and _outside(process_set):
+            cls = LocalDistributedOptimizer  # Horovod: outside the set, plain local steps
+        elif cls is DistributedOptimizer and _is_adasum(op):
             cls = AdasumDistributedOptimizer  # Horovod's factory picks its Adasum class too
         return super().__new__(cls)
 
@@ -80,6 +121,7 @@ class DistributedOptimizer(_base.DistributedOptimizer):
                 raise TypeError("algorithm given twice (positionally and by keyword)")
             kwargs["algorithm"] = compression
             compression = kwargs.pop("compression", Compression.none)
+        named = _named_parameters(optimizer, named_parameters)  # as Horovod: before init()
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
             raise ValueError(f"num_groups must be a non-negative integer, got {num_groups!r}")
         if groups is not None:
@@ -115,7 +157,10 @@ class DistributedOptimizer(_base.DistributedOptimizer):
                 raise ValueError("DistributedOptimizer(process_set=...) needs the optimizer's "
                                  "process_set support (not in this version)")
             kwargs["process_set"] = process_set
-        named = list(named_parameters) if named_parameters is not None else None
+            # The engine's profiled bucket order is agreed on the global communicator, which
+            # the ranks outside the set do not join: buckets in reverse declaration order
+            # (Horovod's assumption) need no agreement.
+            kwargs.setdefault("profile_order", False)
         super().__init__(optimizer, named, compression=compression,
                          backward_passes_per_step=backward_passes_per_step, op=op,
                          gradient_predivide_factor=gradient_predivide_factor, **kwargs)
@@ -127,9 +172,6 @@ class DistributedOptimizer(_base.DistributedOptimizer):
         self.groups = groups
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        if named is None:
-            named = [(f"allreduce.noname.{i}", p) for g in optimizer.param_groups
-                     for i, p in enumerate(g["params"])]
         self._parameter_names = {p: n for n, p in named}
 
     def step(self, closure=None):
@@ -169,6 +211,7 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer")
         if not _is_compression(compression):
             kwargs["algorithm"] = compression
+        named_parameters = _named_parameters(optimizer, named_parameters)
         if kwargs:
             raise ValueError(f"op=Adasum runs Horovod's delta optimizer: "
                              f"{', '.join(sorted(kwargs))} do not apply to it")
@@ -196,8 +239,8 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
         self.compression = Compression.parse(compression)
         self.algorithm = _AdasumAlgorithm()
         params, names = _base._trainable_parameters(optimizer, named_parameters)
-        if process_set is global_process_set:  # the other ranks' models: checked at step()
-            _base.check_models_agree(names, params)
+        _base.check_models_agree(names, params,
+                                 None if process_set is global_process_set else topo)
         self._params = params
         self.timeline = None
         self.overlap = False
@@ -281,3 +324,109 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, op=Adasum, "
                 f"compression={self.compression!r})")
+
+
+class LocalDistributedOptimizer(DistributedOptimizer):
+    """``DistributedOptimizer(..., process_set=ps)`` on a rank outside ``ps`` (as Horovod).
+
+    Nothing is communicated, ever: no hooks, no buckets, no model check; ``step()`` is the
+    wrapped optimizer's own step on this rank's gradients and ``synchronize()`` does nothing.
+    The arguments are checked as on the members (names, ``backward_passes_per_step``...).
+    """
+
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step: int = 1, op=Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 sparse_as_dense: bool = False, process_set=global_process_set, **kwargs):
+        # Deliberately not the bucketed engine's __init__: this rank trains on its own.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        if isinstance(optimizer, _base.DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer")
+        if not _is_compression(compression):
+            kwargs.setdefault("algorithm", compression)
+            compression = kwargs.pop("compression", Compression.none)
+        named = _named_parameters(optimizer, named_parameters)
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1):
+            raise ValueError("backward_passes_per_step must be a positive integer, got "
+                             f"{backward_passes_per_step!r}")
+        op = ReduceOp.parse(op)
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average "
+                             "(as Horovod)")
+        self.optimizer = optimizer
+        self.compression = Compression.parse(compression)
+        self.algorithm = _LocalAlgorithm()
+        self.timeline = None
+        self.overlap = False
+        self.steps = 0
+        self._synchronized = self._skip_sync = False
+        # Horovod's public arguments, readable as attributes.
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.num_groups = num_groups
+        self.groups = groups
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._parameter_names = {p: n for n, p in named}
+
+    def step(self, closure=None):
+        self._synchronized = False
+        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.steps += 1
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: this rank is not in the optimizer's process set."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive integer, got "
+                             f"{passes!r}")
+        self.backward_passes_per_step = passes
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def algorithm_state_dict(self) -> dict:
+        return {"config": self.algorithm.config(), "steps": self.steps, "state": {}}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+
+    def communication_stats(self) -> dict:
+        return {"bytes_sent": 0, "steps": self.steps, "bytes_per_step": 0.0,
+                "shared_memory_bytes": 0, "wait_seconds": 0.0, "launches_per_bucket": {},
+                "syncs_per_bucket": {}}
+
+    @property
+    def backend(self) -> str:
+        return "none (this rank is outside the optimizer's process set)"
+
+    @property
+    def buckets(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, local: outside "
+                f"{self.process_set!r})")
+
+
+class _LocalAlgorithm(_AdasumAlgorithm):
+    name = "local"
