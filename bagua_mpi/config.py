@@ -48,6 +48,9 @@ BAGUA_MPI_HANG_DIR              (unset)  directory every rank can read where ran
                                          state and flight records (``docs/hangs.md``); default
                                          ``/dev/shm`` (else the temp dir), which only ranks on
                                          one node share: set a shared one for multi-node jobs
+BAGUA_MPI_COMM_LOG              0        communication log: per-operation and per-bucket
+                                         calls, bytes, time and bus bandwidth; rank 0 prints the
+                                         table at shutdown (``docs/comm_log.md``)
 ==============================  =======  =========================================================
 
 Flags accept 1/0, true/false, yes/no, on/off (any case); an empty value means the default.
@@ -71,7 +74,7 @@ KNOWN = (
     "BAGUA_MPI_ABORT_ON_EXCEPTION", "BAGUA_MPI_CUDA_AWARE", "BAGUA_MPI_KERNEL_THREADS",
     "BAGUA_MPI_TIMELINE", "BAGUA_MPI_CHECKPOINT_SCHEME", "BAGUA_MPI_CHECKPOINT_FAULT",
     "BAGUA_MPI_ELASTIC_DIR", "BAGUA_MPI_BACKEND", "BAGUA_MPI_SHARED_BUCKETS",
-    "BAGUA_MPI_FLIGHT_RECORDER_SIZE", "BAGUA_MPI_HANG_DIR",
+    "BAGUA_MPI_FLIGHT_RECORDER_SIZE", "BAGUA_MPI_HANG_DIR", "BAGUA_MPI_COMM_LOG",
 )
 TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
 
@@ -239,6 +242,11 @@ def hang_dir() -> str | None:
     return None if value is None else value.strip()
 
 
+def comm_log() -> bool:
+    """``BAGUA_MPI_COMM_LOG``: the communication log (``comm_log.py``; default off)."""
+    return env_flag("BAGUA_MPI_COMM_LOG", False)
+
+
 def timeline_prefix() -> str | None:
     """``BAGUA_MPI_TIMELINE``: path prefix of the per-rank timeline files, or None."""
     value = _raw("BAGUA_MPI_TIMELINE")
@@ -282,6 +290,7 @@ _ACCESSORS = {
     "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault, "BAGUA_MPI_ELASTIC_DIR": elastic_dir,
     "BAGUA_MPI_BACKEND": backend, "BAGUA_MPI_SHARED_BUCKETS": shared_buckets,
     "BAGUA_MPI_FLIGHT_RECORDER_SIZE": flight_recorder_size, "BAGUA_MPI_HANG_DIR": hang_dir,
+    "BAGUA_MPI_COMM_LOG": comm_log,
 }
 assert set(_ACCESSORS) == set(KNOWN)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from . import backends, config, faults, flight_recorder, node_shared, topology
+from . import backends, comm_log, config, faults, flight_recorder, node_shared, topology
 from .exceptions import NotInitializedError
 from .watchdog import Watchdog
 from .worker import CommWorker
@@ -94,6 +94,7 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
     if abort_on_exception is None:
         abort_on_exception = settings["BAGUA_MPI_ABORT_ON_EXCEPTION"]
     faults.install(bool(abort_on_exception))
+    comm_log.attach(worker, topo.comm)  # collective when the log is on (its baseline)
     if not _atexit_registered:
         # runs before mpi4py's own finalize (registered earlier, at import)
         atexit.register(_shutdown_at_exit)
@@ -131,6 +132,9 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
     topology.set_current(None)
     if not rt.worker.drain(timeout):
         logger.warning("bagua_mpi: operations still pending after %.0f s at shutdown", timeout)
+    # The summary is collective: only when this rank leaves normally (a failing one would keep
+    # the others waiting in it instead of in the exit agreement, which names it).
+    comm_log.detach(report=_how != faults.LEFT_EXCEPTION and _code in (0, -1))
     rt.worker.close(timeout)
     rt.watchdog.stop()
     if rt.exit_monitor is not None and not MPI.Is_finalized():

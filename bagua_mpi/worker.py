@@ -19,7 +19,8 @@ waiting leaves a handle no one owns). ``submit`` from inside an operation theref
 Recording: the executor also writes each operation into this rank's flight recorder
 (``flight_recorder.py``; ``BAGUA_MPI_FLIGHT_RECORDER_SIZE``, 0 = off), the ring buffer the stall
 watchdog's hang reports and abort dumps are made of. Nested operations are part of the one
-that runs them and are not recorded on their own.
+that runs them and are not recorded on their own. The communication log (``comm_log.py``,
+``BAGUA_MPI_COMM_LOG``) counts the same operations, with the same start times, when it is on.
 """
 from __future__ import annotations
 
@@ -106,6 +107,9 @@ class CommWorker:
         self._thread = threading.Thread(target=self._loop, name="bagua_mpi-comm", daemon=True)
         self._closed = False
         self.observer: Callable[[Any, float, float], None] | None = None  # timeline hook
+        # comm_log.CommLog while the communication log is on (``comm_log.py``), else None: the
+        # one attribute check per operation that the log costs when it is off
+        self.comm_log = None
         self._thread.start()
 
     # -- submission -------------------------------------------------------------------------
@@ -167,6 +171,9 @@ class CommWorker:
                     self.current = None
                     if seq:
                         recorder.finish(seq, failed)
+                    log = self.comm_log  # read once: another thread may switch it off
+                    if log is not None and not failed:
+                        log.record(describe, started, time.monotonic())
         return self.submit(fn, describe).wait()
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -209,6 +216,9 @@ class CommWorker:
                     self.current = None
                     if recorder is not None:
                         recorder.finish(seq, failed)
+                    log = self.comm_log  # read once: another thread may switch it off
+                    if log is not None and not failed:
+                        log.record(describe, started, time.monotonic())
                     if self.observer is not None:
                         self.observer(describe, started, time.monotonic())
                     with self._count_lock:
