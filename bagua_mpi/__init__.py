@@ -22,21 +22,25 @@ from .cuda import mpi_is_cuda_aware, set_cuda_aware
 from .exceptions import (BaguaMPIError, CommunicationError, ConfigError, MismatchError,
                          MisuseError, NestedAsyncError, NotInitializedError)
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
-from .runtime import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
+from .runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size,
                       mpi_threads_supported, rank, set_hierarchical, shutdown, size)
 from .worker import Handle
 from .compression import Compression
-from .optimizer import (DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
-                        check_models_agree)
+from .optimizer import check_models_agree
 from . import algorithms
 from .algorithms import UnsupportedOptionError
 from . import lgreco  # registers the 'lgreco' algorithm
 from . import checkpoint, preemption
+from . import comm_log
+from .comm_log import summary as comm_log_summary
 
 # Horovod compatibility (``import bagua_mpi as hvd``): see bagua_mpi/horovod and
-# docs/horovod.md. ``init`` accepts Horovod's ``process_sets=``; ``DistributedOptimizer``
-# accepts Horovod's full signature (a subclass of optimizer.DistributedOptimizer);
-# ``broadcast_parameters``/``broadcast_optimizer_state`` accept what Horovod's do.
+# docs/horovod.md. These four are imported once, from bagua_mpi.horovod, and are supersets of
+# the native ones (docs/design.md, "The public face"): ``init`` also takes Horovod's
+# ``process_sets=``; ``DistributedOptimizer`` takes Horovod's positional order (optimizer,
+# named_parameters, compression, ...) with bagua's options (``algorithm=``...) by keyword, a
+# subclass of optimizer.DistributedOptimizer; ``broadcast_parameters`` /
+# ``broadcast_optimizer_state`` accept what Horovod's do.
 from . import elastic, horovod
 from .consistency import JoinedRankError
 from .horovod import (Adasum, DistributedOptimizer, HorovodInternalError, HostsUpdatedInterrupt,
@@ -77,7 +81,7 @@ __all__ = [
     # Horovod's build and feature queries, timeline
     "mpi_built", "mpi_enabled", "nccl_built", "gloo_built", "gloo_enabled", "ccl_built",
     "ddl_built", "mlsl_built", "cuda_built", "rocm_built", "sycl_built", "start_timeline",
-    "stop_timeline",
+    "stop_timeline", "comm_log", "comm_log_summary",
     # errors
     "BaguaMPIError", "CommunicationError", "ConfigError", "MismatchError", "MisuseError",
     "NestedAsyncError", "NotInitializedError", "UnsupportedOptionError", "JoinedRankError",

@@ -39,3 +39,52 @@ class NestedAsyncError(MisuseError):
     communication thread, e.g. in an algorithm's ``reduce_bucket``). It could only run after the
     operation that submitted it, so waiting for it there would deadlock; the synchronous form
     runs inline instead."""
+
+
+# -- every other exception class of the library, re-exported here ----------------------------------
+# They are defined next to the code that raises them, and those modules import this one, so they
+# are re-exported lazily (PEP 562): ``from bagua_mpi.exceptions import CheckpointError`` works and
+# imports the defining module on first use. Every one derives from ``BaguaMPIError``, except the
+# ``numba_kernels`` errors: that package is stand-alone (it must not import bagua_mpi), so its
+# root is its own ``KernelError`` (a ``RuntimeError``), re-exported here too.
+_REEXPORTS = {
+    "JoinedRankError": "bagua_mpi.consistency",
+    "UnsupportedOptionError": "bagua_mpi.algorithms.base",
+    "BackendError": "bagua_mpi.backends",
+    "BackendUnavailableError": "bagua_mpi.backends",
+    "CheckpointError": "bagua_mpi.checkpoint.errors",
+    "CheckpointNotFoundError": "bagua_mpi.checkpoint.errors",
+    "CheckpointCorruptError": "bagua_mpi.checkpoint.errors",
+    "CheckpointFormatError": "bagua_mpi.checkpoint.errors",
+    "CheckpointWriteError": "bagua_mpi.checkpoint.errors",
+    "WorldSizeMismatchError": "bagua_mpi.checkpoint.errors",
+    "DistBeliefError": "bagua_mpi.distbelief.protocol",
+    "PartitionError": "bagua_mpi.distbelief.partition",
+    "HorovodInternalError": "bagua_mpi.horovod.exceptions",
+    "HostsUpdatedInterrupt": "bagua_mpi.horovod.exceptions",
+    "HorovodVersionMismatchError": "bagua_mpi.horovod.exceptions",
+    "KernelError": "numba_kernels.errors",
+    "KernelParameterError": "numba_kernels.errors",
+    "KernelTypeError": "numba_kernels.errors",
+    "LayoutError": "numba_kernels.errors",
+    "PayloadError": "numba_kernels.errors",
+    "DeviceMismatchError": "numba_kernels.errors",
+    "CudaUnavailableError": "numba_kernels.errors",
+}
+
+__all__ = ["BaguaMPIError", "NotInitializedError", "MismatchError", "CommunicationError",
+           "ConfigError", "MisuseError", "NestedAsyncError", *_REEXPORTS]
+
+
+def __getattr__(name: str):
+    module = _REEXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_REEXPORTS))

@@ -23,7 +23,7 @@ import torch
 from . import backends, collectives, config, runtime
 from .algorithms import AlgorithmContext, WrapOptions, create
 from .compression import Compression
-from .engine import Engine
+from .engine import Engine, StepClock
 from .engine.policy import auto_overlap
 from .exceptions import MismatchError, MisuseError
 from .ops import Average, ReduceOp, Sum
@@ -112,7 +112,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             compression=self.compression, hierarchical=hierarchical, average=op is Average,
             gradient_predivide_factor=gradient_predivide_factor))
         params, names = _trainable_parameters(optimizer, named_parameters)
-        check_models_agree(names, params)
+        check_models_agree(names, params, None if process_set is None else topo)
         size = topo.size
         ctx = AlgorithmContext(
             topo=topo, average=op is Average,
@@ -121,6 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             hierarchical=hierarchical, compression=self.compression,
             param_numels={n: p.numel() for n, p in zip(names, params)})
         self.impl = self.algorithm.reify(ctx)
+        self.impl.use_clock(self._step_clock())  # the one step clock: this wrapper advances it
         self.impl.backend = backend
         _ = self.backend  # decided and logged once, at wrap time
         self.impl.bind_optimizer(optimizer)
@@ -134,7 +135,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               flatten=flatten, profile_order=profile_order,
                               backward_passes_per_step=backward_passes_per_step,
                               find_unused_parameters=find_unused_parameters,
-                              timeline=self.timeline)
+                              timeline=self.timeline, clock=self._step_clock())
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
         self.steps = 0
@@ -197,7 +198,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         before ``step()`` does nothing (the gradients are already synchronized)."""
         if self._synchronized:
             return
-        self.impl.step = self.steps
         self._engine.synchronize()
         self._synchronized = True
 
@@ -234,7 +234,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.communicating = True
 
     def step(self, closure=None):
-        self.impl.step = self.steps
         self.impl.on_step_start(self.steps)
         if not (self._skip_sync or self._synchronized):
             self._engine.synchronize()
@@ -245,10 +244,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.impl.after_step(self.optimizer)
         if not self.impl.communicates_gradients:  # their exchange (of weights) happens here
             self._engine.wait_seconds += time.perf_counter() - exchange_start
-        self.steps += 1
-        self.impl.step = self.steps  # between steps: the index of the next one (as checkpointed)
+        self.steps += 1  # between steps: the index of the next one (as checkpointed)
         self.impl.check_state_claimed()
         return loss
+
+    # -- the step clock ------------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """Completed ``step()`` calls: the one step clock, which the engine (at bucket launch)
+        and the algorithm (``impl.step``) read."""
+        return self._step_clock().step
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._step_clock().step = int(value)
+
+    def _step_clock(self) -> StepClock:
+        clock = self.__dict__.get("_clock")
+        if clock is None:  # created on first use (subclasses may skip this __init__)
+            clock = self.__dict__["_clock"] = StepClock()
+        return clock
 
     # -- algorithm state, lifecycle -----------------------------------------------------------------
     def algorithm_state_dict(self) -> dict:
@@ -260,11 +275,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if state.get("config", {}).get("name") != self.algorithm.name:
             raise ValueError(f"algorithm state of {state.get('config', {}).get('name')!r} "
                              f"cannot be loaded into {self.algorithm.name!r}")
-        self.steps = int(state["steps"])
-        self._engine.iteration = self.steps  # warm-ups and seeds continue, not restart
         # state of buckets not built yet is held by the framework and applied when they are
         self.impl.load_state_dict(state["state"])
-        self.impl.step = self.steps
+        # The step is stored twice (here and as state["state"]["step"], equal in every
+        # checkpoint written so far); both are still written, and "steps" wins on load. Setting
+        # the one clock sets what the engine and the impl read: warm-ups and seeds continue.
+        self.steps = int(state["steps"])
 
     def communication_stats(self) -> dict:
         """Bytes this rank sent to others (counted from message sizes) and per step;
@@ -324,10 +340,15 @@ def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str]]
     return params, [name_of[id(p)] for p in params]
 
 
-def check_models_agree(names: list[str], params: list) -> None:
-    """Raise ``MismatchError`` on every rank unless all ranks wrap identical models."""
+def check_models_agree(names: list[str], params: list, topo=None) -> None:
+    """Raise ``MismatchError`` on every rank unless all ranks wrap identical models (all ranks
+    of ``topo``, a process set's topology, when given: only its ranks take part)."""
     mine = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in zip(names, params)]
-    everyone = collectives.allgather_object(mine)
+    if topo is None:
+        everyone = collectives.allgather_object(mine)
+    else:  # on the set's communicator, in order with the other collectives
+        everyone = runtime.get().worker.run(lambda: topo.comm.allgather(mine),
+                                            ("allgather_object",))
     reference = everyone[0]
     problems = []
     for r, theirs in enumerate(everyone[1:], start=1):

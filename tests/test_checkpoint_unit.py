@@ -473,3 +473,23 @@ def test_preemption_guard(monkeypatch):
         preemption.install(check_every=0)
     with pytest.raises(ValueError, match="unknown signal"):
         preemption.install(signals=("SIGNOPE",))
+
+
+def test_one_step_clock_shared_and_both_step_fields_kept():
+    """The optimizer owns the step clock; the engine and the algorithm read the same object.
+    The algorithm state keeps both step fields (``steps`` and ``state.step``) for old readers,
+    and loading sets the one clock from ``steps``."""
+    model, opt = make()
+    clock = opt._step_clock()
+    assert opt._engine.clock is clock and opt.impl.clock is clock
+    train(model, opt, 3)
+    assert opt.steps == opt.impl.step == opt._engine.iteration == 3
+    state = opt.algorithm_state_dict()
+    assert state["steps"] == 3 and state["state"]["step"] == 3
+    _, fresh = make()
+    fresh.load_algorithm_state_dict(state)
+    assert fresh.steps == fresh.impl.step == fresh._engine.iteration == 3
+    assert fresh._engine.clock is fresh.impl.clock is fresh._step_clock()
+    old = dict(state, state={k: v for k, v in state["state"].items() if k != "step"})
+    fresh.load_algorithm_state_dict(old)  # an impl state without its own step: "steps" counts
+    assert fresh.steps == fresh.impl.step == 3

@@ -93,7 +93,7 @@ def test_wrapper_validates_arguments(initialized):
         bm.DistributedOptimizer(sgd, op=bm.Max)
     with pytest.raises(ValueError, match="only applies with op=Average"):
         bm.DistributedOptimizer(sgd, op=bm.Sum, gradient_predivide_factor=2.0)
-    with pytest.raises(ValueError, match="not in named_parameters"):
+    with pytest.raises(ValueError, match="parameters were not named"):
         bm.DistributedOptimizer(sgd, named_parameters=[("w", model.weight)])
     with pytest.raises(ValueError, match="valid names"):
         bm.DistributedOptimizer(sgd, algorithm="nope")

@@ -23,8 +23,9 @@ hook                   runs on                          used for
 
 What the framework does so that no algorithm re-solves it:
 
-* **step**: ``self.step`` is the optimizer's step count, set before every hook; the engine passes
-  the step to ``reduce_bucket`` (read on the main thread when the bucket was launched).
+* **step**: ``self.step`` is the optimizer's step count, read from the one step clock the
+  optimizer owns and advances (``engine/clock.py``); the engine passes the step to
+  ``reduce_bucket`` (read from the same clock on the main thread when the bucket was launched).
 * **warm-up**: configs with ``dense_warmup = True`` run ``warmup_steps`` of plain dense
   allreduce before ``reduce_bucket`` is first called.
 * **op and scaling**: ``self.scale`` (prescale x postscale: 1/n for Average) is what a
@@ -54,6 +55,7 @@ from mpi4py import MPI
 from .. import consistency
 from ..accounting import WireStats, overhead
 from ..buffers import dtype_name, reduce_dtype
+from ..engine.clock import StepClock
 from ..exceptions import BaguaMPIError
 from ..transport import Transport
 from . import dense
@@ -91,11 +93,27 @@ class AlgorithmImpl:
         self.buckets: list[Bucket] = []
         self.wire = WireStats()  # bytes this rank sent, for communication_stats()
         self.state = AlgorithmState(ctx.param_numels)
-        self.step = 0  # the optimizer's step count, set by the framework
+        # The optimizer's step count: read from its clock (DistributedOptimizer hands its own
+        # over with use_clock; the impl never advances it). See engine/clock.py.
+        self.clock = StepClock()
         self._state_checked = False  # loaded state all claimed (see check_state_claimed)
         self._shared_ok = True  # node-shared buckets may reduce in place (no rank joined)
         # bucket index -> (kernel launches, host waits for the device) of its last exchange
         self.bucket_overhead: dict[int, tuple[int, int]] = {}
+
+    @property
+    def step(self) -> int:
+        """The optimizer's step count (the index of the step under way; between steps, of the
+        next one), read from the clock the optimizer owns."""
+        return self.clock.step
+
+    @step.setter
+    def step(self, value: int) -> None:  # an impl used without an optimizer (tests, loads)
+        self.clock.step = int(value)
+
+    def use_clock(self, clock: StepClock) -> None:
+        """Read the step from ``clock`` (the optimizer's) from now on."""
+        self.clock = clock
 
     # -- what the framework offers implementations -------------------------------------------
     @property

@@ -31,12 +31,14 @@ from ..exceptions import MisuseError
 from ..ops import Max
 from ..timeline import Timeline
 from .buckets import Bucket, plan_buckets
+from .clock import StepClock
 
 
 class Engine:
     def __init__(self, params: list[torch.Tensor], names: list[str], impl, *, bucket_bytes: int,
                  overlap: bool, flatten: bool, profile_order: bool, backward_passes_per_step: int,
-                 find_unused_parameters: bool, timeline: Timeline | None):
+                 find_unused_parameters: bool, timeline: Timeline | None,
+                 clock: StepClock | None = None):
         self.params = params
         self.names = names
         self.impl = impl
@@ -58,7 +60,11 @@ class Engine:
         self._launched = 0  # buckets [0, _launched) have been handed to the comm thread
         self._handles: list = []
         self._ready_buckets = 0
-        self.iteration = 0  # completed synchronizations; passed to reduce_bucket at launch
+        # The step passed to reduce_bucket at launch: read from the optimizer's clock (which
+        # only the optimizer advances); an engine built without one keeps its own and advances
+        # it at each synchronize (completed synchronizations).
+        self._owns_clock = clock is None
+        self.clock = StepClock() if clock is None else clock
         self.communicating = True  # False inside DistributedOptimizer.no_sync()
         self.worker_rank = runtime.get().topo.rank
         # seconds the training thread spent blocked on communication (the handles below, and
@@ -121,7 +127,7 @@ class Engine:
             event.record()
         # Read here, on the main thread: the comm thread may run the task after the main
         # thread has moved on, and every rank must pass the same step (warm-up, seeds).
-        step = self.iteration
+        step = self.clock.step
 
         def task():
             if event is not None:  # a wait in stream order, not on the host
@@ -199,7 +205,7 @@ class Engine:
             self._build_buckets()
             self._counts = counts
         if not self.impl.communicates_gradients:
-            self.iteration += 1
+            self._tick()
             self._reset()
             return
         for b in range(self._launched, len(self.buckets)):
@@ -219,8 +225,17 @@ class Engine:
                 self.timeline.span("wait", started, time.monotonic(), handles=len(self._handles))
         if self.find_unused:
             self._drop_globally_unused_grads()
-        self.iteration += 1
+        self._tick()
         self._reset()
+
+    @property
+    def iteration(self) -> int:
+        """The step the next launched bucket is passed (read-only view of ``self.clock``)."""
+        return self.clock.step
+
+    def _tick(self) -> None:
+        if self._owns_clock:
+            self.clock.step += 1
 
     def _drop_globally_unused_grads(self) -> None:
         """Parameters no rank used this iteration get ``grad = None``, as without wrapping."""

@@ -47,4 +47,29 @@ def init(comm=None, process_sets=None, **kwargs) -> None:
     _process_sets.init_process_sets(process_sets)
 
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+# Explicit: what ``horovod.torch`` exports that bagua_mpi supports, plus Horovod's exception
+# names and the node-level process sets (tests/test_public_api_unit.py compares the two lists).
+__all__ = [
+    # set-up and topology
+    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+    "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+    # build and feature queries
+    "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
+    "ccl_built", "cuda_built", "rocm_built", "sycl_built", "mlsl_built",
+    # collectives
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "sparse_allreduce_async",
+    "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_",
+    "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "poll",
+    "synchronize", "allgather_object", "broadcast_object",
+    # ops, compression, process sets
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "ProcessSet",
+    "global_process_set", "add_process_set", "remove_process_set", "node_local_process_set",
+    "cross_node_process_set",
+    # training, timeline, elastic, errors
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "SyncBatchNorm", "start_timeline", "stop_timeline", "elastic", "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+]

@@ -9,16 +9,17 @@ from ..exceptions import BaguaMPIError
 HorovodInternalError = BaguaMPIError
 
 
-class HostsUpdatedInterrupt(RuntimeError):
+class HostsUpdatedInterrupt(BaguaMPIError):
     """Horovod Elastic's signal that hosts were added or removed. An MPI job has a fixed set of
-    ranks, so bagua_mpi never raises it; it exists so that ``except`` clauses still import."""
+    ranks, so bagua_mpi never raises it; it exists so that ``except`` clauses still import. A
+    ``RuntimeError`` as in Horovod (through ``BaguaMPIError``)."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
 
 
-class HorovodVersionMismatchError(ImportError):
+class HorovodVersionMismatchError(BaguaMPIError, ImportError):
     """Kept for imports; bagua_mpi has no compiled extension whose version could mismatch."""
 
 

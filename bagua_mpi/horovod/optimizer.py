@@ -46,6 +46,13 @@ from ..ops import Adasum, Average, ReduceOp
 from ..process_sets import ProcessSet, global_process_set
 
 
+def _not_compression(value) -> TypeError:
+    """The third positional argument is Horovod's ``compression``, never guessed to be
+    bagua_mpi's ``algorithm`` (which is keyword-only here)."""
+    return TypeError(f"DistributedOptimizer's third argument is Horovod's compression, got "
+                     f"{value!r}: pass bagua_mpi's algorithm by keyword (algorithm=...)")
+
+
 def _is_compression(value) -> bool:
     if value is None or isinstance(value, Compressor):
         return True
@@ -115,12 +122,10 @@ class DistributedOptimizer(_base.DistributedOptimizer):
                  backward_passes_per_step: int = 1, op=Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                  sparse_as_dense: bool = False, process_set=global_process_set, **kwargs):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
         if not _is_compression(compression):
-            # bagua_mpi's own positional order: (optimizer, named_parameters, algorithm, ...)
-            if "algorithm" in kwargs:
-                raise TypeError("algorithm given twice (positionally and by keyword)")
-            kwargs["algorithm"] = compression
-            compression = kwargs.pop("compression", Compression.none)
+            raise _not_compression(compression)
         named = _named_parameters(optimizer, named_parameters)  # as Horovod: before init()
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
             raise ValueError(f"num_groups must be a non-negative integer, got {num_groups!r}")
@@ -210,7 +215,7 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
         if isinstance(optimizer, _base.DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer")
         if not _is_compression(compression):
-            kwargs["algorithm"] = compression
+            raise _not_compression(compression)
         named_parameters = _named_parameters(optimizer, named_parameters)
         if kwargs:
             raise ValueError(f"op=Adasum runs Horovod's delta optimizer: "
@@ -344,8 +349,7 @@ class LocalDistributedOptimizer(DistributedOptimizer):
         if isinstance(optimizer, _base.DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer")
         if not _is_compression(compression):
-            kwargs.setdefault("algorithm", compression)
-            compression = kwargs.pop("compression", Compression.none)
+            raise _not_compression(compression)
         named = _named_parameters(optimizer, named_parameters)
         if (isinstance(backward_passes_per_step, bool)
                 or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1):

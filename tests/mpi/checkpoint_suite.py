@@ -126,6 +126,18 @@ def digest(model, opt) -> str:
     return h.hexdigest()
 
 
+def model_digest(model, opt) -> str:
+    """The model and the wrapped optimizer's state, without the algorithm's own state (whose
+    layout may follow the buckets)."""
+    h = hashlib.sha256()
+    for _, t in sorted(model.state_dict().items()):
+        h.update(t.numpy().tobytes())
+    for _, s in sorted(opt.optimizer.state_dict()["state"].items()):
+        for key in sorted(s):
+            h.update(torch.as_tensor(s[key]).numpy().tobytes())
+    return h.hexdigest()
+
+
 def hash_tree(h, x) -> None:
     """Feed nested state into ``h`` in a fixed order (tensors by their bytes)."""
     if torch.is_tensor(x):
@@ -252,6 +264,7 @@ def train_then_save(algorithms: str, base: str, n: int, m: int) -> None:
         model, opt, sched = build(algorithm)
         train(model, opt, sched, n + m)
         print(f"REF {algorithm} rank {rank} {digest(model, opt)}", flush=True)
+        print(f"REFMODEL {algorithm} rank {rank} {model_digest(model, opt)}", flush=True)
         opt.close()
 
         seed_everything(rank)
@@ -284,6 +297,7 @@ def resume(algorithms: str, base: str, m: int, bucket_size_mb: float = 25.0) -> 
             assert len(opt.buckets) == len(list(model.parameters())), opt.buckets
             assert all(torch.isfinite(p).all() for p in model.parameters()), algorithm
         print(f"RES {algorithm} rank {rank} {digest(model, opt)}", flush=True)
+        print(f"RESMODEL {algorithm} rank {rank} {model_digest(model, opt)}", flush=True)
         opt.close()
 
 

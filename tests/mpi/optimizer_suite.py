@@ -12,6 +12,7 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.exceptions import MisuseError
+from checks import run_checks
 
 STEPS = 10
 BATCH = 6  # rows per rank per backward pass
@@ -380,23 +381,36 @@ def check_compression(size: int) -> int:
     return checks
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
+def check_bucket_order_and_overlap_in_tmp(rank: int, size: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = bm.broadcast_object(tmp if rank == 0 else None)
-        checks = check_equivalence(size)
-        checks += check_no_sync_and_skip_synchronize(size)
-        checks += check_unused_default(size)
-        checks += check_misuse(rank, size)
-        checks += check_sparse_gradients(size)
-        checks += check_join(rank, size)
-        checks += check_compression(size)
-        checks += check_mismatched_models(rank, size)
-        checks += check_bucket_order_and_overlap(rank, size, tmp)
-        bm.barrier()
-    if rank == 0:
-        print(f"optimizer suite OK on {size} ranks: {checks} checks", flush=True)
+        try:
+            return check_bucket_order_and_overlap(rank, size, tmp)
+        finally:
+            bm.barrier()  # rank 0's directory outlives every rank's timeline files
+
+
+def suite_checks() -> dict:
+    """Check name -> fn(rank, size), in the order they run (tests/mpi/checks.py)."""
+    return {
+        "equivalence": lambda rank, size: check_equivalence(size),
+        "no_sync_and_skip_synchronize": lambda rank, size: check_no_sync_and_skip_synchronize(
+            size),
+        "unused_default": lambda rank, size: check_unused_default(size),
+        "misuse": check_misuse,
+        "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
+        "join": check_join,
+        "compression": lambda rank, size: check_compression(size),
+        "mismatched_models": check_mismatched_models,
+        "bucket_order_and_overlap": check_bucket_order_and_overlap_in_tmp,
+    }
+
+
+def main():
+    bm.init()
+    failures = run_checks(suite_checks())
+    bm.shutdown()
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
