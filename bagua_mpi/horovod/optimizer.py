@@ -197,7 +197,85 @@ class _AdasumAlgorithm:
         return {"name": self.name}
 
 
-class AdasumDistributedOptimizer(DistributedOptimizer):
+class _UnbucketedOptimizer(DistributedOptimizer):
+    """What the two optimizers without the bucketed engine share (Adasum's and the local one
+    of a rank outside the process set): no hooks and no buckets, so nothing happens during
+    backward; Horovod's arguments checked and kept as attributes; the checkpoint hooks."""
+
+    def _set_up(self, optimizer, named_parameters, compression, backward_passes_per_step,
+                op, gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                process_set, algorithm) -> list:
+        """Check the arguments every form checks and keep Horovod's public ones; returns the
+        (name, parameter) pairs."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        if isinstance(optimizer, _base.DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer")
+        if not _is_compression(compression):
+            raise _not_compression(compression)
+        named = _named_parameters(optimizer, named_parameters)
+        _check_passes(backward_passes_per_step)
+        self.optimizer = optimizer
+        self.compression = Compression.parse(compression)
+        self.algorithm = algorithm
+        self.timeline = None
+        self.overlap = False
+        self.steps = 0
+        self._synchronized = self._skip_sync = False
+        # Horovod's public arguments, readable as attributes.
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.num_groups = num_groups
+        self.groups = groups
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        return named
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: nothing is exchanged during backward."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield  # backward never communicates here
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        _check_passes(passes)
+        self.backward_passes_per_step = passes  # gradients accumulate in .grad meanwhile
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def algorithm_state_dict(self) -> dict:
+        return {"config": self.algorithm.config(), "steps": self.steps, "state": {}}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        if state.get("config", {}).get("name") != self.algorithm.name:
+            raise ValueError(f"algorithm state of {state.get('config', {}).get('name')!r} "
+                             f"cannot be loaded into {self.algorithm.name!r}")
+        self.steps = int(state["steps"])
+
+    @property
+    def buckets(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _check_passes(passes) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}")
+
+
+class AdasumDistributedOptimizer(_UnbucketedOptimizer):
     """``DistributedOptimizer(op=Adasum)``: Horovod's delta optimizer (see the module docstring).
 
     Nothing is communicated during backward: ``step()`` takes a local optimizer step, then
@@ -208,30 +286,23 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
                  backward_passes_per_step: int = 1, op=Adasum,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                  sparse_as_dense: bool = False, process_set=global_process_set, **kwargs):
-        # Deliberately not the bucketed engine's __init__: no hooks, no buckets.
         from ..primitives import adasum
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        if isinstance(optimizer, _base.DistributedOptimizer):
-            raise TypeError("optimizer is already a DistributedOptimizer")
-        if not _is_compression(compression):
-            raise _not_compression(compression)
-        named_parameters = _named_parameters(optimizer, named_parameters)
+        if process_set is None:
+            process_set = global_process_set
+        named = self._set_up(optimizer, named_parameters, compression, backward_passes_per_step,
+                             Adasum, gradient_predivide_factor, num_groups, groups,
+                             sparse_as_dense, process_set, _AdasumAlgorithm())
         if kwargs:
             raise ValueError(f"op=Adasum runs Horovod's delta optimizer: "
                              f"{', '.join(sorted(kwargs))} do not apply to it")
-        if (isinstance(backward_passes_per_step, bool)
-                or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1):
-            raise ValueError("backward_passes_per_step must be a positive integer, got "
-                             f"{backward_passes_per_step!r}")
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor not supported with op != Average "
                              "(as Horovod)")
         if not isinstance(sparse_as_dense, bool):
             raise ValueError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
         rt = runtime.get()
-        if process_set is None or process_set is global_process_set:
-            process_set, topo = global_process_set, rt.topo
+        if process_set is global_process_set:
+            topo = rt.topo
         else:
             if not isinstance(process_set, ProcessSet):
                 raise TypeError(f"process_set must be a ProcessSet, got {process_set!r}")
@@ -240,25 +311,10 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
                 raise ValueError(f"rank {rt.topo.rank} is not in {process_set!r}: only its "
                                  f"ranks may wrap an optimizer for it")
         adasum.check_size(topo.size)
-        self.optimizer = optimizer
-        self.compression = Compression.parse(compression)
-        self.algorithm = _AdasumAlgorithm()
-        params, names = _base._trainable_parameters(optimizer, named_parameters)
+        params, names = _base._trainable_parameters(optimizer, named)
         _base.check_models_agree(names, params,
                                  None if process_set is global_process_set else topo)
         self._params = params
-        self.timeline = None
-        self.overlap = False
-        self.steps = 0
-        self._synchronized = self._skip_sync = False
-        # Horovod's public arguments, readable as attributes.
-        self.backward_passes_per_step = backward_passes_per_step
-        self.op = Adasum
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.num_groups = num_groups
-        self.groups = groups
-        self.sparse_as_dense = sparse_as_dense
-        self.process_set = process_set
         self._parameter_names = dict(zip(params, names))
 
     def step(self, closure=None):
@@ -279,38 +335,6 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
         self.steps += 1
         return loss
 
-    def synchronize(self) -> None:
-        """Nothing to wait for: the deltas are exchanged inside ``step()`` (as Horovod)."""
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        yield
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        yield  # backward never communicates here
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step must be a positive integer, got "
-                             f"{passes!r}")
-        self.backward_passes_per_step = passes  # gradients accumulate in .grad meanwhile
-
-    def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def algorithm_state_dict(self) -> dict:
-        return {"config": self.algorithm.config(), "steps": self.steps, "state": {}}
-
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        if state.get("config", {}).get("name") != self.algorithm.name:
-            raise ValueError(f"algorithm state of {state.get('config', {}).get('name')!r} "
-                             f"cannot be loaded into {self.algorithm.name!r}")
-        self.steps = int(state["steps"])
-
     def communication_stats(self) -> dict:
         raise NotImplementedError("communication_stats() counts the bucketed engine's traffic; "
                                   "op=Adasum exchanges its deltas through grouped_allreduce")
@@ -319,19 +343,12 @@ class AdasumDistributedOptimizer(DistributedOptimizer):
     def backend(self) -> str:
         return "mpi (Adasum; CUDA deltas staged through host memory)"
 
-    @property
-    def buckets(self):
-        return None
-
-    def close(self) -> None:
-        pass
-
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, op=Adasum, "
                 f"compression={self.compression!r})")
 
 
-class LocalDistributedOptimizer(DistributedOptimizer):
+class LocalDistributedOptimizer(_UnbucketedOptimizer):
     """``DistributedOptimizer(..., process_set=ps)`` on a rank outside ``ps`` (as Horovod).
 
     Nothing is communicated, ever: no hooks, no buckets, no model check; ``step()`` is the
@@ -343,37 +360,13 @@ class LocalDistributedOptimizer(DistributedOptimizer):
                  backward_passes_per_step: int = 1, op=Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                  sparse_as_dense: bool = False, process_set=global_process_set, **kwargs):
-        # Deliberately not the bucketed engine's __init__: this rank trains on its own.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        if isinstance(optimizer, _base.DistributedOptimizer):
-            raise TypeError("optimizer is already a DistributedOptimizer")
-        if not _is_compression(compression):
-            raise _not_compression(compression)
-        named = _named_parameters(optimizer, named_parameters)
-        if (isinstance(backward_passes_per_step, bool)
-                or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1):
-            raise ValueError("backward_passes_per_step must be a positive integer, got "
-                             f"{backward_passes_per_step!r}")
         op = ReduceOp.parse(op)
+        named = self._set_up(optimizer, named_parameters, compression, backward_passes_per_step,
+                             op, gradient_predivide_factor, num_groups, groups,
+                             sparse_as_dense, process_set, _LocalAlgorithm())
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average "
                              "(as Horovod)")
-        self.optimizer = optimizer
-        self.compression = Compression.parse(compression)
-        self.algorithm = _LocalAlgorithm()
-        self.timeline = None
-        self.overlap = False
-        self.steps = 0
-        self._synchronized = self._skip_sync = False
-        # Horovod's public arguments, readable as attributes.
-        self.backward_passes_per_step = backward_passes_per_step
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.num_groups = num_groups
-        self.groups = groups
-        self.sparse_as_dense = sparse_as_dense
-        self.process_set = process_set
         self._parameter_names = {p: n for n, p in named}
 
     def step(self, closure=None):
@@ -381,35 +374,6 @@ class LocalDistributedOptimizer(DistributedOptimizer):
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
         return loss
-
-    def synchronize(self) -> None:
-        """Nothing to wait for: this rank is not in the optimizer's process set."""
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        yield
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        yield
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step must be a positive integer, got "
-                             f"{passes!r}")
-        self.backward_passes_per_step = passes
-
-    def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def algorithm_state_dict(self) -> dict:
-        return {"config": self.algorithm.config(), "steps": self.steps, "state": {}}
-
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
 
     def communication_stats(self) -> dict:
         return {"bytes_sent": 0, "steps": self.steps, "bytes_per_step": 0.0,
@@ -419,13 +383,6 @@ class LocalDistributedOptimizer(DistributedOptimizer):
     @property
     def backend(self) -> str:
         return "none (this rank is outside the optimizer's process set)"
-
-    @property
-    def buckets(self):
-        return None
-
-    def close(self) -> None:
-        pass
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, local: outside "
