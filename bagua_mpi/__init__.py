@@ -56,7 +56,8 @@ __version__ = "0.1.0"
 
 # The public surface: what ``import bagua_mpi as bm`` (or ``as hvd``) is meant to offer.
 # Subpackages with their own namespaces (algorithms, checkpoint, preemption, elastic, horovod,
-# distbelief, primitives) are imported as modules; internal modules are not listed.
+# primitives) are imported as modules; distbelief is imported on use (``import
+# bagua_mpi.distbelief``); internal modules are not listed.
 __all__ = [
     # set-up and topology
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

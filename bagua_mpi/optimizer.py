@@ -48,7 +48,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             25 MB, since each bucket costs a few collectives of fixed latency).
         overlap / flatten / hierarchical: the execution optimizer's O, F, H switches
             (hierarchical=None takes ``bagua_mpi``'s global default; overlap=None decides
-            from the hardware, see ``execution.auto_overlap``; ``opt.overlap`` tells).
+            from the hardware, see ``engine.policy.auto_overlap``; ``opt.overlap`` tells).
         profile_order: bucket in the profiled order of gradient readiness (else in reverse
             declaration order, as DDP and Horovod assume).
         find_unused_parameters: after each step, parameters that no rank used in the iteration
