@@ -116,12 +116,8 @@ def train(model, opt, sched, steps: int) -> None:
 
 
 def digest(model, opt) -> str:
-    h = hashlib.sha256()
-    for _, t in sorted(model.state_dict().items()):
-        h.update(t.numpy().tobytes())
-    for _, s in sorted(opt.optimizer.state_dict()["state"].items()):
-        for key in sorted(s):
-            h.update(torch.as_tensor(s[key]).numpy().tobytes())
+    """The model, the wrapped optimizer's state and the algorithm's own state."""
+    h = _model_hash(model, opt)
     hash_tree(h, opt.algorithm_state_dict())
     return h.hexdigest()
 
@@ -129,13 +125,17 @@ def digest(model, opt) -> str:
 def model_digest(model, opt) -> str:
     """The model and the wrapped optimizer's state, without the algorithm's own state (whose
     layout may follow the buckets)."""
+    return _model_hash(model, opt).hexdigest()
+
+
+def _model_hash(model, opt):
     h = hashlib.sha256()
     for _, t in sorted(model.state_dict().items()):
         h.update(t.numpy().tobytes())
     for _, s in sorted(opt.optimizer.state_dict()["state"].items()):
         for key in sorted(s):
             h.update(torch.as_tensor(s[key]).numpy().tobytes())
-    return h.hexdigest()
+    return h
 
 
 def hash_tree(h, x) -> None:

@@ -51,3 +51,15 @@ def run_checks(checks: dict, argv: list[str] | None = None) -> int:
                 print(f"CHECK {name} PASS", flush=True)
         failures += bool(failed)
     return failures
+
+
+def expect(exc, fn, *needles):
+    """Call ``fn``: it must raise ``exc`` with every one of ``needles`` in its message; the
+    exception is returned for further checks."""
+    try:
+        fn()
+    except exc as e:
+        for needle in needles:
+            assert needle in str(e), f"{needle!r} not in {e!r}"
+        return e
+    raise AssertionError(f"{fn} did not raise {exc.__name__}")

@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 import bagua_mpi as hvd
+from checks import expect
 
 SEED = 20261125
 COMM = MPI.COMM_WORLD
@@ -20,16 +21,6 @@ def ok(check):
     hvd.barrier()
     if hvd.rank() == 0:
         print(f"details {check} OK on {hvd.size()} ranks", flush=True)
-
-
-def expect(exc, fn, *needles):
-    try:
-        fn()
-    except exc as e:
-        for needle in needles:
-            assert needle in str(e), f"{needle!r} not in {e!r}"
-        return e
-    raise AssertionError(f"{fn} did not raise {exc.__name__}")
 
 
 # -- item 3: process-set optimizers on every rank -------------------------------------------------

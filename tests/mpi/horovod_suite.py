@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 import bagua_mpi as hvd
+from checks import expect
 
 SEED = 20261123
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
@@ -50,16 +51,6 @@ def same(got, want, what):
 
 def f64(ts):
     return np.stack([t.double().numpy() for t in ts])
-
-
-def expect(exc, fn, *needles):
-    try:
-        fn()
-    except exc as e:
-        for needle in needles:
-            assert needle in str(e), f"{needle!r} not in {e!r}"
-        return e
-    raise AssertionError(f"expected {exc.__name__}")
 
 
 # -- modes ---------------------------------------------------------------------------------------
