@@ -86,6 +86,17 @@ class ProcessGroup:
         """``recv`` (size x ``send``'s elements) <- every rank's ``send`` in rank order."""
         self.pg._allgather_base(recv, send).wait()
 
+    def reduce_scatter(self, send, recv) -> None:
+        """``recv`` <- the sum over ranks of block ``rank`` of their ``send`` (equal blocks)."""
+        import torch.distributed as dist
+
+        if self.library == "nccl":
+            self.pg._reduce_scatter_base(recv, send).wait()
+            return
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.pg.reduce_scatter([recv], [list(send.chunk(self.size))], opts).wait()
+
     def send(self, tensor, dest: int, tag: int) -> None:
         self.pg.send([tensor], dest, tag).wait()
 

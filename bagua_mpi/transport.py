@@ -18,7 +18,8 @@ carrier          when
 Verbs (all collective over the communicator, except the point-to-point ones):
 ``allreduce_`` (in place; 16-bit floats are summed in float32 where MPI adds them),
 ``reduce_`` / ``broadcast_`` (root 0 by default), ``alltoall`` / ``allgather`` (equal blocks;
-the receive buffer holds ``size`` blocks), ``send`` / ``recv`` / ``exchange`` (a rank swaps
+the receive buffer holds ``size`` blocks), ``reduce_scatter`` (the sum of block k of every
+rank's send buffer lands on rank k: ZeRO's gradient exchange), ``send`` / ``recv`` / ``exchange`` (a rank swaps
 one buffer with each of its peers).
 
 What it guarantees, so callers need not:
@@ -146,6 +147,21 @@ class Transport:
         self._check_pair(send, recv, "allgather", _numel(send) * self.size)
         self._mover(send).allgather(send, recv, dense)
 
+    def reduce_scatter(self, send, recv, *, dense: bool = True) -> None:
+        """``recv`` <- the sum over ranks of block ``rank`` of their ``send`` (``send`` holds
+        ``size`` equal blocks of ``recv``'s length; 16-bit floats summed as ``allreduce_``
+        sums them)."""
+        self._check_pair(send, recv, "reduce_scatter", _numel(send) // self.size)
+        if _numel(send) != _numel(recv) * self.size:
+            raise ValueError(f"reduce_scatter over {self.size} ranks: the send buffer must hold "
+                             f"{self.size} blocks of {_numel(recv)} elements, got {_numel(send)}")
+        if self.size == 1:
+            _as_torch(recv).copy_(_as_torch(send).view_as(_as_torch(recv)))
+            return
+        mover = self._mover(send)
+        with _summable(send, mover) as work_send, _summable(recv, mover) as work_recv:
+            mover.reduce_scatter(work_send, work_recv, dense)
+
     def send(self, buf, dest: int, *, tag: int = _TAG) -> None:
         self._mover(buf).send(buf, dest, tag)
 
@@ -237,6 +253,9 @@ class _HostMPI:
         s, r = self._buf(send), self._buf(recv)
         self.comm.Allgather(MPI.IN_PLACE if _aliases(s, r) else s, r)
 
+    def reduce_scatter(self, send, recv, dense):
+        self.comm.Reduce_scatter_block(self._buf(send), self._buf(recv), op=MPI.SUM)
+
     def send(self, buf, dest, tag):
         self.comm.Send(self._buf(buf), dest=dest, tag=tag)
 
@@ -271,6 +290,7 @@ class _DeviceMPI(_HostMPI):
     broadcast_ = _wrap("broadcast_")
     alltoall = _wrap("alltoall")
     allgather = _wrap("allgather")
+    reduce_scatter = _wrap("reduce_scatter")
     send = _wrap("send")
     exchange = _wrap("exchange")
     del _wrap
@@ -328,6 +348,11 @@ class _StagedMPI:
         self.host.allgather(self._out(send, "send", dense), host_recv, dense)
         self._in(recv, host_recv)
 
+    def reduce_scatter(self, send, recv, dense):
+        host_recv = self._recv_buffer(recv, "recv")
+        self.host.reduce_scatter(self._out(send, "send", dense), host_recv, dense)
+        self._in(recv, host_recv)
+
     def send(self, buf, dest, tag):
         self.host.send(self._out(buf, "send", False), dest, tag)
 
@@ -366,6 +391,9 @@ class _Group:
         if _aliases(s, r):  # the libraries read and write separate buffers
             s = s.clone()
         self.group.allgather(s, r)
+
+    def reduce_scatter(self, send, recv, dense):
+        self.group.reduce_scatter(_tensor(send).reshape(-1), _tensor(recv).reshape(-1))
 
     def send(self, buf, dest, tag):
         self.group.send(_tensor(buf), dest, tag)

@@ -104,6 +104,32 @@ def check_allgather(rank, size):
         assert np.array_equal(as_numpy(buf), expected), (kind, "in place")
 
 
+def check_reduce_scatter(rank, size):
+    n = data(0).size
+    everyone = np.stack([np.concatenate([data(r + k) for k in range(size)])
+                         for r in range(size)])
+    expected = everyone.sum(0)[rank * n:(rank + 1) * n]  # block `rank` of the sum
+    mine = everyone[rank]
+    for kind, buf in forms(mine):
+        recv = next(b for k, b in forms(np.zeros(n, np.float32)) if k == kind)
+        wire().reduce_scatter(buf, recv)
+        assert np.array_equal(as_numpy(recv), expected), kind
+    half = torch.from_numpy(mine).to(torch.bfloat16)
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    wire().reduce_scatter(half, out)
+    assert np.array_equal(out.float().numpy(), expected), "bfloat16 reduce_scatter"
+
+
+def check_every_verb_checked(rank, size):
+    """Every public verb of Transport has a check here (a new verb fails until it has)."""
+    verbs = {name for name, value in vars(transport.Transport).items()
+             if callable(value) and not name.startswith("_") and name[0].islower()
+             and name not in ("carrier",)}
+    checked = {"allreduce_", "reduce_", "broadcast_", "alltoall", "allgather", "reduce_scatter",
+               "send", "recv", "exchange"}
+    assert verbs == checked, f"verbs without a check: {sorted(verbs - checked)}"
+
+
 def check_send_recv(rank, size):
     for kind, buf in forms(data(rank)):
         if rank == 0:
@@ -140,6 +166,8 @@ def main():
     failures = run_checks({"allreduce": check_allreduce,
                            "reduce_broadcast": check_reduce_and_broadcast,
                            "alltoall": check_alltoall, "allgather": check_allgather,
+                           "reduce_scatter": check_reduce_scatter,
+                           "every_verb_checked": check_every_verb_checked,
                            "send_recv": check_send_recv, "exchange": check_exchange,
                            "staging_counted": check_staging_counted})
     if bm.rank() == 0 and not failures:
