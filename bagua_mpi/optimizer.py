@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from . import backends, collectives, config, runtime
-from .algorithms import AlgorithmContext, WrapOptions, create
+from . import backends, collectives, config, runtime, sharding
+from .algorithms import AlgorithmContext, UnsupportedOptionError, WrapOptions, create
 from .compression import Compression
 from .engine import Engine, StepClock
 from .engine.policy import auto_overlap
@@ -64,6 +64,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``BAGUA_MPI_BACKEND``, else auto: NCCL for a CUDA model where it can run, MPI
             otherwise); ``bagua_mpi.backends`` says what each does and what it needs.
             ``opt.backend`` tells what was chosen.
+        zero_stage: ZeRO (``bagua_mpi.sharding``): 0 (default) every rank holds all optimizer
+            state; 1 each rank keeps and updates the state of its 1/n slice of every bucket and
+            the parameters are all-gathered after the step; 2 also reduce-scatters the
+            gradients, so each rank keeps only its slice of them (``p.grad`` is None after
+            ``synchronize()``: clip with ``opt.clip_grad_norm_``). Needs an elementwise
+            optimizer and flattened buckets; checkpoints hold the logical, unsharded state.
 
     An option the algorithm cannot honour raises ``UnsupportedOptionError`` here, naming the
     option and what to use instead (docs/training.md's algorithm x option table lists them).
@@ -76,7 +82,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  overlap: bool | None = None, flatten: bool = True,
                  hierarchical: bool | None = None,
                  profile_order: bool = True, find_unused_parameters: bool = False,
-                 timeline: str | None = None, process_set=None, backend: str | None = None):
+                 timeline: str | None = None, process_set=None, backend: str | None = None,
+                 zero_stage: int = 0):
         # Deliberately no super().__init__: the wrapped optimizer holds the real state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
@@ -96,6 +103,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("gradient_predivide_factor only applies with op=Average")
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if isinstance(zero_stage, bool) or zero_stage not in sharding.STAGES:
+            raise ValueError(f"zero_stage must be one of {sharding.STAGES}, got {zero_stage!r}")
+        if zero_stage:
+            sharding.check_optimizer(optimizer, zero_stage)
+            if not flatten:
+                raise UnsupportedOptionError(f"zero_stage={zero_stage} is not supported with "
+                                             f"flatten=False: slices are cut from the flat "
+                                             f"bucket buffers")
+            if find_unused_parameters:
+                raise UnsupportedOptionError(
+                    f"zero_stage={zero_stage} is not supported with find_unused_parameters="
+                    f"True: a slice may span used and unused parameters, and a sharded step "
+                    f"updates whole slices")
         rt = runtime.get()
         topo = rt.topo if process_set is None else process_set.topology
         if topo is None:
@@ -110,7 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         hierarchical = rt.hierarchical if hierarchical is None else bool(hierarchical)
         self.algorithm.check_options(WrapOptions(
             compression=self.compression, hierarchical=hierarchical, average=op is Average,
-            gradient_predivide_factor=gradient_predivide_factor))
+            gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage))
         params, names = _trainable_parameters(optimizer, named_parameters)
         check_models_agree(names, params, None if process_set is None else topo)
         size = topo.size
@@ -123,6 +143,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.impl = self.algorithm.reify(ctx)
         self.impl.use_clock(self._step_clock())  # the one step clock: this wrapper advances it
         self.impl.backend = backend
+        self.impl.zero_stage = zero_stage
+        self.zero_stage = zero_stage
+        self._sharded = (sharding.ShardedOptimizer(optimizer, zero_stage, topo, backend)
+                         if zero_stage else None)
         _ = self.backend  # decided and logged once, at wrap time
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else config.timeline_prefix()
@@ -135,7 +159,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               flatten=flatten, profile_order=profile_order,
                               backward_passes_per_step=backward_passes_per_step,
                               find_unused_parameters=find_unused_parameters,
-                              timeline=self.timeline, clock=self._step_clock())
+                              timeline=self.timeline, clock=self._step_clock(),
+                              shard_parts=size if zero_stage else 1)
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
         self.steps = 0
@@ -162,10 +187,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def state_dict(self):
+        """The wrapped optimizer's state dict; with ``zero_stage`` the logical (unsharded) one,
+        gathered from every rank (collective), which any world size and stage loads."""
+        if self._sharded is not None:
+            return self._sharded.state_dict()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        if self._sharded is not None:
+            self._sharded.load_state_dict(state_dict)  # this rank keeps its slices
+        else:
+            self.optimizer.load_state_dict(state_dict)
         # loading replaces the param_groups dicts: algorithms holding them must see the new ones
         self.impl.bind_optimizer(self.optimizer)
 
@@ -239,7 +271,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.synchronize()
         self._synchronized = False
         self.impl.before_step(self.optimizer)
-        loss = self.impl.optimizer_step(self.optimizer, closure)
+        if self._sharded is not None:
+            if self._sharded.inner is None:  # the buckets exist from the first synchronize
+                self._sharded.attach(self._engine.buckets)
+            loss = self._sharded.step(closure)
+        else:
+            loss = self.impl.optimizer_step(self.optimizer, closure)
         exchange_start = time.perf_counter()
         self.impl.after_step(self.optimizer)
         if not self.impl.communicates_gradients:  # their exchange (of weights) happens here
@@ -299,6 +336,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "wait_seconds": self._engine.wait_seconds,
                 "launches_per_bucket": {i: c[0] for i, c in sorted(per_bucket.items())},
                 "syncs_per_bucket": {i: c[1] for i, c in sorted(per_bucket.items())}}
+
+    def memory_stats(self) -> dict:
+        """Bytes this rank holds now: ``optimizer_state_bytes`` (the wrapped optimizer's state
+        tensors, this rank's slices with ``zero_stage``) and ``gradient_bytes`` (bucket
+        gradient buffers, plus the reduced slices at stage 2)."""
+        if self._sharded is not None:
+            state = self._sharded.state_bytes()
+        else:
+            state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                        for v in s.values() if torch.is_tensor(v))
+        grads = 0
+        for bucket in self._engine.buckets or ():
+            grads += bucket.grad_bytes
+            if bucket.shard_grad is not None:
+                grads += bucket.shard_grad.numel() * bucket.shard_grad.element_size()
+        return {"optimizer_state_bytes": state, "gradient_bytes": grads}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the synchronized gradients so that their total ``norm_type`` norm is at most
+        ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``), at every ``zero_stage``: with
+        sharded gradients each rank adds up its slices and one allreduce gives the total.
+        Synchronizes first if needed; returns the total norm (before clipping)."""
+        self.synchronize()
+        if self._sharded is None:
+            return torch.nn.utils.clip_grad_norm_(
+                [p for g in self.optimizer.param_groups for p in g["params"]
+                 if p.grad is not None], max_norm, norm_type)
+        if self._sharded.inner is None:
+            self._sharded.attach(self._engine.buckets)
+        return self._sharded.clip_grad_norm_(max_norm, norm_type)
 
     @property
     def backend(self) -> str:

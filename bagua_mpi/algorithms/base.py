@@ -42,6 +42,12 @@ What the framework does so that no algorithm re-solves it:
   state loaded before the buckets exist, and checkpoints it independently of bucketing.
 * **options**: ``Algorithm.check_options`` refuses, at wrap time, every optimizer option the
   algorithm cannot honour, naming the option and what to use instead.
+* **sharding** (ZeRO, ``sharding.py``): at ``zero_stage=2`` the framework calls
+  ``reduce_scatter_bucket`` instead of ``reduce_bucket``, writing this rank's slice of the
+  synchronized gradient into ``bucket.shard_grad`` and then freeing the bucket's full gradient
+  buffer. The default is the dense reduce-scatter; an algorithm that overrides
+  ``reduce_bucket`` supports stage 2 only if it overrides ``reduce_scatter_bucket`` too (else
+  stage 2 is refused at wrap time); ``sharding_refusal`` refuses every stage.
 """
 from __future__ import annotations
 
@@ -86,6 +92,7 @@ class AlgorithmImpl:
     communicates_gradients: ClassVar[bool] = True
     wants_flat_params: ClassVar[bool] = False
     backend: str | None = None  # DistributedOptimizer(backend=): the dense steps' library
+    zero_stage: int = 0  # DistributedOptimizer(zero_stage=): 2 reduce-scatters gradients
 
     def __init__(self, algorithm: "Algorithm", ctx: AlgorithmContext):
         self.algorithm = algorithm
@@ -202,6 +209,14 @@ class AlgorithmImpl:
         self.bucket_overhead[bucket.index] = (launched - launches, synced - syncs)
 
     def _exchange_bucket(self, bucket: "Bucket", step: int) -> None:
+        if self.zero_stage == 2:
+            out = bucket.shard_grad_buffer()
+            if self.in_dense_stage(step):
+                self.dense_reduce_scatter_(bucket, out)
+            else:
+                self.reduce_scatter_bucket(bucket, step, out)
+            bucket.release_grads()  # only this rank's slice is kept
+            return
 
         def exchange():
             if self.in_dense_stage(step):
@@ -221,13 +236,14 @@ class AlgorithmImpl:
         tensors = bucket.communication_tensors()
         dense_plain = ((self.in_dense_stage(step) or type(self).reduce_bucket is
                         AlgorithmImpl.reduce_bucket)
-                       and self.ctx.compression.wire_dtype is None)
+                       and self.ctx.compression.wire_dtype is None and self.zero_stage != 2)
         join = None
         if dense_plain:  # a joined rank adds zeros to each of the bucket's allreduces
             join = (tuple((reduce_dtype(dtype_name(t)), t.numel()) for t in tensors), MPI.SUM,
                     False)
         signature = ("bucket", self.algorithm.name, bucket.index,
-                     ("sizes", tuple(t.numel() for t in tensors)), ("dense", dense_plain))
+                     ("sizes", tuple(t.numel() for t in tensors)), ("dense", dense_plain),
+                     ("zero_stage", self.zero_stage))
         return consistency.verify(self.ctx.topo.comm, signature, join)
 
     def setup_buckets(self, buckets: "list[Bucket]") -> None:
@@ -263,6 +279,19 @@ class AlgorithmImpl:
     def reduce_bucket(self, bucket: "Bucket", step: int) -> None:
         """Default: C_FP_S of the bucket (gradient_allreduce)."""
         self.dense_allreduce_(bucket.communication_tensors())
+
+    def reduce_scatter_bucket(self, bucket: "Bucket", step: int, out: torch.Tensor) -> None:
+        """ZeRO stage 2: ``out`` <- this rank's slice (``bucket.part`` elements) of the
+        synchronized gradient. Default: the dense reduce-scatter."""
+        self.dense_reduce_scatter_(bucket, out)
+
+    def dense_reduce_scatter_(self, bucket: "Bucket", out: torch.Tensor) -> None:
+        """Reduce-scatter of the bucket's padded gradient with the wrapper's compression (a
+        16-bit wire) and scaling."""
+        ctx = self.ctx
+        dense.reduce_scatter_(bucket.grad_storage, out, self.comm, prescale=ctx.prescale,
+                              postscale=ctx.postscale, wire_dtype=ctx.compression.wire_dtype,
+                              stats=self.wire, backend=self.backend)
 
     def exchanged_tensors(self, bucket: "Bucket", step: int) -> list[torch.Tensor]:
         """What the exchange of ``step`` leaves synchronized on the leaders, for the node
@@ -300,6 +329,7 @@ class WrapOptions:
     hierarchical: bool
     average: bool  # op=Average (else Sum)
     gradient_predivide_factor: float
+    zero_stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,6 +342,8 @@ class Algorithm:
     * ``averages_models``: the algorithm averages parameters, not gradients, so ``op`` and
       ``gradient_predivide_factor`` have no meaning for it;
     * ``hierarchical_refusal``: why ``hierarchical=True`` cannot work (None: it does).
+    * ``sharding_refusal``: why ``zero_stage`` 1 and 2 cannot work (None: they do; stage 2
+      also needs an impl that reduce-scatters, see the module docstring).
     """
 
     name: ClassVar[str] = ""
@@ -319,6 +351,7 @@ class Algorithm:
     dense_warmup: ClassVar[bool] = False
     averages_models: ClassVar[bool] = False
     hierarchical_refusal: ClassVar[str | None] = None
+    sharding_refusal: ClassVar[str | None] = None
 
     def reify(self, ctx: AlgorithmContext) -> AlgorithmImpl:
         return self.impl_class(self, ctx)
@@ -350,8 +383,39 @@ class Algorithm:
             raise UnsupportedOptionError(
                 f"algorithm {self.name!r}: op=Sum is not supported: it averages models, not "
                 f"gradients (each rank steps on its own gradient); use op=Average")
+        if opts.zero_stage:
+            self._check_sharding(opts)
         if self.averages_models and opts.gradient_predivide_factor != 1.0:
             raise UnsupportedOptionError(
                 f"algorithm {self.name!r}: gradient_predivide_factor="
                 f"{opts.gradient_predivide_factor} is not supported: gradients are never "
                 f"summed across ranks; leave it at 1.0")
+
+    def sharding_refusal_reason(self, stage: int) -> str | None:
+        """Why ``zero_stage=stage`` cannot work with this algorithm (None: it can)."""
+        if self.averages_models:
+            return ("it averages models, so each rank steps its whole model with its own "
+                    "optimizer state")
+        if self.sharding_refusal is not None:
+            return self.sharding_refusal
+        impl = self.impl_class
+        if (impl.optimizer_step is not AlgorithmImpl.optimizer_step
+                or impl.before_step is not AlgorithmImpl.before_step):
+            return ("it runs its own optimizer update (its state is not the wrapped "
+                    "optimizer's to shard)")
+        if (stage == 2 and impl.reduce_bucket is not AlgorithmImpl.reduce_bucket
+                and impl.reduce_scatter_bucket is AlgorithmImpl.reduce_scatter_bucket):
+            return ("its exchange gives every rank the whole gradient and has no reduce-scatter "
+                    "form; use zero_stage=1 (sharded optimizer state, the same exchange)")
+        return None
+
+    def _check_sharding(self, opts: WrapOptions) -> None:
+        reason = self.sharding_refusal_reason(opts.zero_stage)
+        if reason is not None:
+            raise UnsupportedOptionError(f"algorithm {self.name!r}: zero_stage={opts.zero_stage} "
+                                         f"is not supported: {reason}")
+        if opts.zero_stage == 2 and opts.hierarchical:
+            raise UnsupportedOptionError(
+                f"algorithm {self.name!r}: zero_stage=2 with hierarchical=True is not supported "
+                f"yet: the reduce-scatter runs flat over every rank; use hierarchical=False, or "
+                f"zero_stage=1 (its exchange may be hierarchical)")

@@ -75,6 +75,26 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     stats.allreduce(t.numel() * t.element_size(), n)
 
 
+def reduce_scatter_(padded: torch.Tensor, out: torch.Tensor, comm, *, prescale: float,
+                    postscale: float, wire_dtype: torch.dtype | None, stats: WireStats,
+                    backend: str | None = None) -> None:
+    """``out <- postscale x (block rank of the sum over comm of prescale x padded)``: ZeRO
+    stage 2's dense gradient exchange. ``padded`` holds n equal blocks of ``out``'s length (a
+    sharded bucket's ``grad_storage``; it is scaled in place). With ``wire_dtype`` a floating
+    tensor travels as 16-bit words (summed in float32 by MPI, natively by NCCL and gloo)."""
+    wire = Transport(comm, backend)
+    scale_(padded, prescale)
+    send = padded
+    if wire_dtype is not None and padded.is_floating_point() and padded.dtype != wire_dtype:
+        send = padded.to(wire_dtype)
+    recv = out if send.dtype == out.dtype else torch.empty_like(out, dtype=send.dtype)
+    wire.reduce_scatter(send, recv)
+    if recv is not out:
+        out.copy_(recv)
+    scale_(out, postscale)
+    stats.add((wire.size - 1) * recv.numel() * recv.element_size())
+
+
 def fused_allreduce_(tensors: list[torch.Tensor], comm, **kwargs) -> None:
     """``allreduce_`` of several same-dtype, same-device tensors as one message."""
     tensors = [t for t in tensors if t.numel()]

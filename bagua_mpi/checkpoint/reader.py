@@ -136,6 +136,17 @@ def _plan(meta: dict, path: str, size: int, model, optimizer, reset_algorithm_st
                                   f"runs {optimizer.algorithm.name!r}")
         if reset_algorithm_state:
             algorithm = "reset"
+        elif meta["per_rank_algorithm_state"] and not same_size and (
+                optimizer.zero_stage or meta.get("zero_stage")):
+            # sharded training is where a requeued job often gets fewer nodes: its logical
+            # optimizer state reshards, and what belongs to another partition starts afresh
+            algorithm = "reset"
+            logger.warning(
+                "bagua_mpi checkpoint: %s was saved by %d ranks, loaded by %d: the per-rank "
+                "state of algorithm %r (%s) belongs to the old partition of the buckets and was "
+                "reset; the model and the optimizer state were resharded and continue",
+                path, meta["world_size"], size, saved,
+                ", ".join(meta.get("algorithm_state_kinds") or ["error feedback"]))
         elif meta["per_rank_algorithm_state"] and not same_size:
             raise WorldSizeMismatchError(
                 f"{path} was saved by {meta['world_size']} ranks and holds per-rank state of "
@@ -185,6 +196,8 @@ def _apply(parts: dict, meta: dict, model, optimizer, algorithm: str, restore_rn
         optimizer.load_state_dict(parts["optimizer"])  # the wrapper's, so it sees the new groups
         if algorithm == "loaded":
             optimizer.load_algorithm_state_dict(parts["algorithm"])
+        elif algorithm == "reset" and meta.get("algorithm") is not None:
+            optimizer.steps = int(meta["algorithm"]["steps"])  # the step count goes on
     if restore_rng and "rng" in parts:
         rng_state.restore(parts["rng"])
         return True

@@ -134,7 +134,7 @@ def _encode_all(model, optimizer, extras, rank_extras, with_rng: bool):
         if isinstance(optimizer, DistributedOptimizer):
             algorithm = optimizer.algorithm_state_dict()
             add("algorithm", algorithm)
-            add("optimizer", optimizer.optimizer.state_dict())
+            add("optimizer", optimizer.state_dict())  # logical state, also when sharded
         elif isinstance(optimizer, torch.optim.Optimizer):
             add("optimizer", optimizer.state_dict())
         else:
@@ -220,7 +220,7 @@ def _agree(comm, rank: int, size: int, step: int, keep: int | None, trees, error
 # -- 2. write ------------------------------------------------------------------------------------
 
 def _meta(step, epoch, size, write_scheme, trees, replicated, algorithm,
-          algorithm_state) -> dict:
+          algorithm_state, zero_stage: int = 0) -> dict:
     layout = {}
     for name in ("model", "optimizer"):
         if name in trees:
@@ -238,6 +238,8 @@ def _meta(step, epoch, size, write_scheme, trees, replicated, algorithm,
         "algorithm": (None if algorithm is None else
                       {"config": algorithm["config"], "steps": algorithm["steps"]}),
         "per_rank_algorithm_state": algorithm_state,
+        "zero_stage": zero_stage,
+        "algorithm_state_kinds": sorted((algorithm or {}).get("state", {}).get("tensors", {})),
         "versions": _versions(),
     }
 
@@ -380,7 +382,7 @@ def save(directory: str, model=None, optimizer=None, *, step: int, epoch: int | 
                                              algorithm, replicated)
     write_scheme = scheme()
     meta = _meta(step, epoch, size, write_scheme, trees, replicated_map, algorithm,
-                 algorithm_state)
+                 algorithm_state, getattr(optimizer, "zero_stage", 0))
     shared, mine = _split(trees, meta)
 
     directory = os.path.abspath(directory)

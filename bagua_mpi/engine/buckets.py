@@ -12,6 +12,12 @@ A ``Bucket`` with flattening owns one contiguous gradient buffer; each parameter
 view into it, so autograd accumulates straight into the buffer and the algorithm communicates
 one tensor per bucket. ``flatten_params()`` does the same for the parameters themselves
 (``p.data`` becomes a view of one flat buffer) for algorithms that update the model.
+
+Sharded buckets (ZeRO, ``parts`` = n > 1) pad both flat buffers to n equal partitions of
+``part`` elements (``grad_storage`` / ``param_storage``; the padding stays zero), so that rank
+r's slice is ``[r * part, (r + 1) * part)`` and a reduce-scatter or an in-place allgather moves
+equal blocks. ``release_grads()`` frees the gradient buffer once its slice has been taken (stage
+2); the next gradient allocates it again.
 """
 from __future__ import annotations
 
@@ -51,7 +57,7 @@ class Bucket:
     """Parameters ``indices`` (into the wrapper's parameter list) communicated as one unit."""
 
     def __init__(self, index: int, indices: list[int], params: list[torch.Tensor],
-                 names: list[str], flatten: bool, allocate=None):
+                 names: list[str], flatten: bool, allocate=None, parts: int = 1):
         self.index = index
         self.indices = indices
         self.params = [params[i] for i in indices]
@@ -64,20 +70,57 @@ class Bucket:
         for p in self.params:
             self.offsets.append(offset)
             offset += p.numel()
+        self.parts = parts
+        self.part = -(-self.numel // parts)  # partition length of a sharded bucket
         self.flat_grad: torch.Tensor | None = None
         self.flat_param: torch.Tensor | None = None
+        self.grad_storage: torch.Tensor | None = None  # flat_grad plus partition padding
+        self.param_storage: torch.Tensor | None = None  # flat_param plus partition padding
         self.shared = None  # node_shared.SharedRows holding flat_grad, when it is shared
+        self.released = False  # release_grads() freed the gradient buffer
+        self.shard_grad: torch.Tensor | None = None  # stage 2: this rank's reduced slice
         if flatten:
             if allocate is not None:  # a row of node-shared memory (zeroed by the allocator)
+                if parts != 1:
+                    raise ValueError("node-shared gradient buffers cannot be sharded")
                 self.shared = allocate(self.numel)
-                self.flat_grad = self.shared.tensor
+                self.flat_grad = self.grad_storage = self.shared.tensor
                 self.shared.on_free.append(self.privatize)
             else:
-                self.flat_grad = zeros(self.numel, self.dtype, self.device)
+                self._allocate_grads()
             for k, p in enumerate(self.params):
                 if p.grad is not None:
                     self._view(self.flat_grad, k).copy_(_dense(p.grad))
                 p.grad = self._view(self.flat_grad, k)
+
+    def _allocate_grads(self) -> None:
+        self.grad_storage = zeros(self.part * self.parts, self.dtype, self.device)
+        self.flat_grad = self.grad_storage[:self.numel]
+        self.released = False
+
+    def release_grads(self) -> None:
+        """Free the gradient buffer (ZeRO stage 2, once this rank's slice has been reduced):
+        ``.grad`` becomes None; the next gradient allocates the buffer again."""
+        for p in self.params:
+            p.grad = None
+        self.flat_grad = self.grad_storage = None
+        self.released = True
+
+    def shard_grad_buffer(self) -> torch.Tensor:
+        """This rank's slice of the reduced gradient (ZeRO stage 2), ``part`` elements."""
+        if self.shard_grad is None:
+            self.shard_grad = zeros(self.part, self.dtype, self.device)
+        return self.shard_grad
+
+    def _ensure_grads(self) -> None:
+        if self.released:
+            self._allocate_grads()
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of gradient buffer this bucket holds now (0 once released)."""
+        storage = self.grad_storage
+        return 0 if storage is None else storage.numel() * storage.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +140,7 @@ class Bucket:
         the parameter a fresh gradient tensor, which is copied into the bucket here.
         """
         p = self.params[k]
+        self._ensure_grads()
         if self.flat_grad is None:
             if p.grad is not None and p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
@@ -113,6 +157,7 @@ class Bucket:
     def fill_missing_grads(self) -> list[int]:
         """Give parameters that got no gradient a zero gradient; return their positions."""
         missing = []
+        self._ensure_grads()
         for k, p in enumerate(self.params):
             if p.grad is None:
                 missing.append(k)
@@ -161,6 +206,7 @@ class Bucket:
         return [p.grad for p in self.params]
 
     def zero_grads(self) -> None:
+        self._ensure_grads()
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             for k, p in enumerate(self.params):
@@ -177,7 +223,7 @@ class Bucket:
         if self.shared is None:
             return
         old = self.flat_grad
-        self.flat_grad = zeros(self.numel, self.dtype, self.device)
+        self._allocate_grads()
         self.flat_grad.copy_(old)
         self.shared.on_free.remove(self.privatize)  # the window (kept to shutdown) lets go
         self.shared = None
@@ -188,7 +234,8 @@ class Bucket:
     def flatten_params(self) -> torch.Tensor:
         """Move the parameters into one contiguous buffer; ``p.data`` become views of it."""
         if self.flat_param is None:
-            flat = zeros(self.numel, self.dtype, self.device)
+            self.param_storage = zeros(self.part * self.parts, self.dtype, self.device)
+            flat = self.param_storage[:self.numel]
             for k, p in enumerate(self.params):
                 view = self._view(flat, k)
                 view.copy_(p.data)

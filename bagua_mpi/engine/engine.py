@@ -38,7 +38,7 @@ class Engine:
     def __init__(self, params: list[torch.Tensor], names: list[str], impl, *, bucket_bytes: int,
                  overlap: bool, flatten: bool, profile_order: bool, backward_passes_per_step: int,
                  find_unused_parameters: bool, timeline: Timeline | None,
-                 clock: StepClock | None = None):
+                 clock: StepClock | None = None, shard_parts: int = 1):
         self.params = params
         self.names = names
         self.impl = impl
@@ -48,6 +48,7 @@ class Engine:
         self.profile_order = profile_order
         self.passes = backward_passes_per_step
         self.find_unused = find_unused_parameters
+        self.shard_parts = shard_parts  # ZeRO: buckets padded to this many equal slices
         self.timeline = timeline
         self.worker = runtime.get().worker
         if timeline is not None:
@@ -159,7 +160,8 @@ class Engine:
             allocate = allocators.get((first.dtype, first.device))
 
             def make(b=b, idx=idx, allocate=allocate):
-                return Bucket(b, idx, self.params, self.names, self.flatten, allocate)
+                return Bucket(b, idx, self.params, self.names, self.flatten, allocate,
+                              parts=self.shard_parts)
             # a shared window is collective on the node: made through the serial executor
             self.buckets.append(make() if allocate is None
                                 else self.worker.run(make, ("shared bucket", b)))
@@ -175,8 +177,8 @@ class Engine:
         """(dtype, device) -> allocator of node-shared gradient buffers, for the buckets that
         can use them (``node_shared.py``): flattened CPU float buckets of an algorithm that
         communicates gradients. Collective: every rank decides alike."""
-        if not (self.flatten and self.impl.communicates_gradients):
-            return {}
+        if not (self.flatten and self.impl.communicates_gradients) or self.shard_parts > 1:
+            return {}  # (sharded buckets are padded private buffers: see sharding.py)
         topo = self.impl.ctx.topo
         kinds, total = {}, 0
         for idx in groups:

@@ -131,8 +131,84 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
     must read device memory."""
     wire = transport.of(comm)
     n, rank = wire.size, wire.rank
-    plans = []
-    row = 0
+    plans, row = _plans(xs, wes, ses, codecs, seeds, n, device)
+    if not plans:
+        return
+    send, recv = _scatter_payloads(plans, row, wire, device)
+    mine = _empty(row, np.uint8, device)
+    for plan in plans:  # server: sum, scale, phase 2
+        merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, device), device)
+        plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
+                            seed=call_seed(plan.seed, rank, rank, 2))
+    gathered = send  # phase-1 payloads are no longer needed
+    wire.allgather(mine, gathered)
+    for plan in plans:
+        part, padded = plan.part, plan.padded
+        for k in range(n):
+            plan.codec.decompress_many(_columns(gathered[k:k + 1], plan.cols, device), part,
+                                       out=padded[k * part:(k + 1) * part])
+        if padded is not plan.x:
+            if device:
+                plan.x.copy_to_device(padded[:plan.x.size])
+            else:
+                plan.x[:] = padded[:plan.x.size]
+    if stats is not None:
+        stats.add(2 * (n - 1) * row)
+
+
+def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torch.Tensor, *,
+                               worker_error: torch.Tensor | None = None, scale: float = 1.0,
+                               seed: int = 0, stats: WireStats | None = None) -> torch.Tensor:
+    """``out`` <- scale x (sum over ranks of Q^-1 Q(partition ``rank`` of flat + e)): the first
+    half of C_LP_S, which leaves each rank the reduced partition it serves and nothing else
+    (ZeRO stage 2's gradient exchange; steps 1-3 of the module docstring).
+
+    ``flat`` (float32, contiguous, CPU or CUDA) is split into n partitions of
+    ``partition_length`` (zero padded); ``out`` holds one partition; ``worker_error``
+    (``padded_length``) is the error feedback of what this rank sends, updated in the kernel.
+    Each rank sends (n-1)/n of a compressed copy: a quarter of a float32 reduce-scatter at 8
+    bits."""
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        raise ValueError(f"compressed reduce-scatter takes a contiguous float32 tensor, got "
+                         f"{flat.dtype}")
+    wire = transport.of(comm)
+    n, rank = wire.size, wire.rank
+    part = partition_length(flat.numel(), n)
+    if out.numel() != part or out.dtype != torch.float32 or out.device != flat.device:
+        raise ValueError(f"compressed reduce-scatter: out must be a float32 tensor of {part} "
+                         f"elements on {flat.device}, got {out.dtype} of {out.numel()} on "
+                         f"{out.device}")
+    device = flat.is_cuda
+    we = None if worker_error is None else _check_error(worker_error, part * n, "worker",
+                                                        flat.device)
+    plans, row = _plans([_array(flat.view(-1))], [we], [None], [codec], [seed], n, device)
+    if not plans:
+        out.zero_()
+        return out
+    _, recv = _scatter_payloads(plans, row, wire, device)
+    _server_sum(plans[0], recv, scale, _array(out), device)
+    if stats is not None:
+        stats.add((n - 1) * row)
+    return out
+
+
+@dataclass
+class _Plan:
+    """One segment's place in a packed exchange."""
+
+    codec: Codec
+    seed: int
+    x: object  # the segment (1-D float32 array)
+    padded: object  # x, or x followed by zeros to n partitions
+    part: int  # partition length
+    cols: slice  # its bytes in each rank's message
+    worker_error: object
+    server_error: object
+
+
+def _plans(xs, wes, ses, codecs, seeds, n: int, device: bool) -> tuple[list[_Plan], int]:
+    """The non-empty segments' plans, and the bytes of one rank's message to one server."""
+    plans, row = [], 0
     for x, we, se, codec, seed in zip(xs, wes, ses, codecs, seeds):
         length = x.size
         if length == 0:
@@ -140,39 +216,34 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
         part = partition_length(length, n)
         padded = x if part * n == length else _padded(x, part * n, device)
         nbytes = codec.format(part).nbytes
-        plans.append((codec, seed, x, padded, part, slice(row, row + nbytes), we, se))
+        plans.append(_Plan(codec, seed, x, padded, part, slice(row, row + nbytes), we, se))
         row += nbytes
-    if not plans:
-        return
+    return plans, row
 
+
+def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool):
+    """Phase 1 and the alltoall: compress partition k of every segment (worker error fused)
+    for server k; return (send, recv), recv's row j holding rank j's payload for this rank."""
+    n, rank = wire.size, wire.rank
     send = _empty((n, row), np.uint8, device)
-    for codec, seed, _, padded, part, cols, we, _ in plans:  # phase 1
+    for plan in plans:
+        we, part = plan.worker_error, plan.part
         for k in range(n):
-            codec.compress(padded[k * part:(k + 1) * part], send[k, cols],
-                           residual=None if we is None else we[k * part:(k + 1) * part],
-                           seed=call_seed(seed, rank, k, 1))
+            plan.codec.compress(plan.padded[k * part:(k + 1) * part], send[k, plan.cols],
+                                residual=None if we is None else we[k * part:(k + 1) * part],
+                                seed=call_seed(plan.seed, rank, k, 1))
     recv = _empty((n, row), np.uint8, device)
     wire.alltoall(send, recv)
-    mine = _empty(row, np.uint8, device)
-    for codec, seed, _, _, part, cols, _, se in plans:  # server: sum, scale, phase 2
-        merged = codec.decompress_many(_columns(recv, cols, device), part,
-                                       out=_empty(part, np.float32, device))
-        if scale != 1.0:
-            _scale(merged, scale, device)
-        codec.compress(merged, mine[cols], residual=se, seed=call_seed(seed, rank, rank, 2))
-    gathered = send  # phase-1 payloads are no longer needed
-    wire.allgather(mine, gathered)
-    for codec, _, x, padded, part, cols, _, _ in plans:
-        for k in range(n):
-            codec.decompress_many(_columns(gathered[k:k + 1], cols, device), part,
-                                  out=padded[k * part:(k + 1) * part])
-        if padded is not x:
-            if device:
-                x.copy_to_device(padded[:x.size])
-            else:
-                x[:] = padded[:x.size]
-    if stats is not None:
-        stats.add(2 * (n - 1) * row)
+    return send, recv
+
+
+def _server_sum(plan: _Plan, recv, scale: float, out, device: bool):
+    """Decode and sum the n payloads of ``plan``'s partition (in rank order: deterministic)
+    into ``out``, scaled."""
+    merged = plan.codec.decompress_many(_columns(recv, plan.cols, device), plan.part, out=out)
+    if scale != 1.0:
+        _scale(merged, scale, device)
+    return merged
 
 
 _empty = device_arrays.empty

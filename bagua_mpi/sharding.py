@@ -1,0 +1,298 @@
+"""ZeRO: the wrapped optimizer's state (stage 1) and the gradients (stage 2) sharded over the ranks.
+
+Every bucket's flat layout is padded to n equal partitions of ``part`` elements; rank r owns
+``[r * part, (r + 1) * part)`` of every bucket (the last ranks' slices may be short or empty:
+uneven slices are padding, never data).
+
+A step at stage 1:
+
+1. the algorithm synchronizes the bucket's whole gradient as at stage 0 (allreduce, C_LP_S...);
+2. an optimizer of the user's class, built over *pieces* (1-D views of the flat parameters, one
+   per parameter this rank's slice touches, in the user's param groups and with their
+   hyperparameters), updates this rank's slice only: its state is 1/n of the full state;
+3. every bucket's parameters are all-gathered in place, so every rank holds the whole model.
+
+Stage 2 replaces step 1 with a reduce-scatter (``AlgorithmImpl.reduce_scatter_bucket``, on the
+communication thread while backward runs): each rank receives only its slice of the reduced
+gradient (``bucket.shard_grad``) and the bucket's full gradient buffer is freed after it, so
+between steps a rank holds 1/n of the gradients. ``p.grad`` is then ``None`` after
+``synchronize()``; ``clip_grad_norm_`` on the wrapper clips from the slices.
+
+The optimizer must update parameters elementwise (SGD, Adam, AdamW, RMSprop, Adagrad...): a
+slice's update may not depend on the rest of the tensor. Those whose step needs whole tensors
+are refused by name; a state entry shaped otherwise than its piece is refused when met.
+
+Checkpoints: ``state_dict()`` gathers the *logical* state, exactly what the unsharded optimizer
+would hold (one tensor per parameter and state entry, numbered as torch numbers parameters), so
+a file does not depend on the world size or the stage, and ``load_state_dict`` takes any such
+state and keeps this rank's slices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import runtime
+from .algorithms.base import UnsupportedOptionError
+from .transport import Transport
+
+STAGES = (0, 1, 2)
+
+# optimizers whose update of an element needs more than that element's own history
+WHOLE_TENSOR_OPTIMIZERS = {
+    "LBFGS": "its step is a line search over the whole model (closures, global directions)",
+    "Adafactor": "it factors second moments over the rows and columns of whole matrices",
+    "Muon": "it orthogonalizes the update of whole matrices",
+    "Shampoo": "its preconditioners are built from whole matrices",
+    "DistributedShampoo": "its preconditioners are built from whole matrices",
+    "SparseAdam": "it takes sparse gradients, which sharded buckets do not hold",
+}
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    """Refuse an optimizer that cannot update a slice of a tensor on its own."""
+    for cls in type(optimizer).__mro__:
+        reason = WHOLE_TENSOR_OPTIMIZERS.get(cls.__name__)
+        if reason is not None:
+            raise UnsupportedOptionError(
+                f"zero_stage={stage} is not supported with {type(optimizer).__name__}: {reason}; "
+                f"sharding needs an optimizer that updates parameters elementwise (SGD, Adam, "
+                f"AdamW, RMSprop, Adagrad, ...); use zero_stage=0")
+
+
+@dataclass
+class Piece:
+    """The part of one parameter inside this rank's slice of a bucket."""
+
+    position: int  # the parameter's number in the user's optimizer (its state_dict key)
+    bucket: object  # engine.buckets.Bucket
+    start: int  # in the bucket's flat layout
+    stop: int
+    offset: int  # where the piece starts in the parameter's flattened elements
+    group: int  # the user's param group
+    tensor: torch.Tensor  # 1-D view of the bucket's flat parameters [start, stop)
+
+
+class ShardedOptimizer:
+    """The user's optimizer, run on this rank's slices (see the module docstring).
+
+    ``user`` keeps the param groups the user (and LR schedulers) read and write; before each
+    step their hyperparameters are copied to the inner optimizer, which holds the state."""
+
+    def __init__(self, user: torch.optim.Optimizer, stage: int, topo, backend: str | None):
+        self.user = user
+        self.stage = stage
+        self.topo = topo
+        self.backend = backend
+        self.rank, self.size = topo.rank, topo.size
+        params = [p for g in user.param_groups for p in g["params"]]
+        self.position = {id(p): i for i, p in enumerate(params)}
+        self.group_of = {id(p): gi for gi, g in enumerate(user.param_groups) for p in g["params"]}
+        self.params = params
+        self.buckets: list = []
+        self.pieces: list[Piece] = []
+        self.inner: torch.optim.Optimizer | None = None
+        self._held: dict | None = None  # logical state loaded before the buckets existed
+
+    # -- set-up ------------------------------------------------------------------------------
+    def attach(self, buckets: list) -> None:
+        """Once the buckets exist: flatten their parameters, cut this rank's pieces and build
+        the inner optimizer (applying state loaded earlier)."""
+        self.buckets = buckets
+        for bucket in buckets:
+            flat = bucket.flatten_params()
+            lo = self.rank * bucket.part
+            hi = min(lo + bucket.part, bucket.numel)
+            for param, offset in zip(bucket.params, bucket.offsets):
+                start, stop = max(offset, lo), min(offset + param.numel(), hi)
+                if start < stop:
+                    self.pieces.append(Piece(self.position[id(param)], bucket, start, stop,
+                                             start - offset, self.group_of[id(param)],
+                                             flat[start:stop]))
+        groups = []
+        for gi, group in enumerate(self.user.param_groups):
+            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            groups.append({**hyper, "params": [pc.tensor for pc in self.pieces if pc.group == gi]})
+        try:
+            self.inner = type(self.user)(groups)
+        except TypeError:  # a class whose constructor needs its defaults spelled out
+            self.inner = type(self.user)(groups, **self.user.defaults)
+        if self._held is not None:
+            self._apply(self._held)
+            self._held = None
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for user_group, group in zip(self.user.param_groups, self.inner.param_groups):
+            for key, value in user_group.items():  # LR schedulers write the user's groups
+                if key not in ("params", "param_names"):
+                    group[key] = value
+        for pc in self.pieces:
+            pc.tensor.grad = self._grad_of(pc)
+        self.inner.step()
+        self._allgather_params()
+        return loss
+
+    def _grad_of(self, pc: Piece) -> torch.Tensor:
+        bucket = pc.bucket
+        if self.stage == 2:
+            lo = self.rank * bucket.part
+            return bucket.shard_grad_buffer()[pc.start - lo:pc.stop - lo]
+        return bucket.flat_grad[pc.start:pc.stop]
+
+    def _allgather_params(self) -> None:
+        wire = Transport(self.topo.comm, self.backend)
+        part_of = self.rank
+
+        def gather():
+            for bucket in self.buckets:
+                storage = bucket.param_storage
+                wire.allgather(storage[part_of * bucket.part:(part_of + 1) * bucket.part],
+                               storage)
+        runtime.get().worker.run(gather, ("zero allgather", len(self.buckets)))
+
+    # -- gradients ---------------------------------------------------------------------------
+    def grad_slices(self) -> list[torch.Tensor]:
+        """This rank's slices of the synchronized gradient (after ``synchronize()``)."""
+        return [self._grad_of(pc) for pc in self.pieces]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, from the slices: each rank
+        reduces its slices to one number and one allreduce combines them (float64)."""
+        from mpi4py import MPI
+
+        slices = [s for s in self.grad_slices() if s.numel()]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((float(s.abs().max()) for s in slices), default=0.0)
+            op = MPI.MAX
+        else:
+            local = sum(float(s.double().abs().pow(norm_type).sum()) for s in slices)
+            op = MPI.SUM
+        total = runtime.get().worker.run(lambda: self.topo.comm.allreduce(local, op=op),
+                                         ("zero grad norm",))
+        norm = total if norm_type == float("inf") else total ** (1.0 / norm_type)
+        factor = float(max_norm) / (norm + 1e-6)
+        if factor < 1.0:
+            if self.stage == 2:
+                for s in slices:
+                    s.mul_(factor)
+            else:  # the whole gradient is here: keep p.grad consistent
+                for bucket in self.buckets:
+                    bucket.flat_grad.mul_(factor)
+        return torch.tensor(norm, dtype=torch.float32)
+
+    # -- memory ------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors this rank holds."""
+        states = list(self.inner.state.values()) if self.inner is not None else []
+        return sum(v.numel() * v.element_size() for s in states for v in s.values()
+                   if torch.is_tensor(v))
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The logical (unsharded) state dict: the same on every rank; collective."""
+        groups = self.user.state_dict()["param_groups"]
+        if self.inner is None:  # before the first step: nothing sharded yet
+            held = self._held or {}
+            return {"state": dict(held.get("state", {})), "param_groups": groups}
+        mine = {}  # position -> {key: ("tensor", dtype) | ("value", v)}
+        for pc, piece_state in self._piece_states():
+            entry = mine.setdefault(pc.position, {})
+            for key, value in piece_state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if value.numel() != pc.stop - pc.start:
+                        raise UnsupportedOptionError(
+                            f"zero_stage={self.stage}: {type(self.user).__name__} keeps state "
+                            f"{key!r} of shape {tuple(value.shape)} for a slice of "
+                            f"{pc.stop - pc.start} elements: it does not update parameters "
+                            f"elementwise; use zero_stage=0")
+                    entry[key] = ("tensor", str(value.dtype))
+                else:
+                    entry[key] = ("value", value.clone() if torch.is_tensor(value) else value)
+        layout = {}
+        for theirs in runtime.get().worker.run(lambda: self.topo.comm.allgather(mine),
+                                               ("zero state layout",)):
+            for position, entry in theirs.items():
+                layout.setdefault(position, {}).update(entry)
+        state = {position: {} for position in sorted(layout)}
+        self._gather_tensors(layout, state)
+        for position, entry in layout.items():
+            for key, (kind, info) in entry.items():
+                if kind == "value":
+                    state[position][key] = info
+        return {"state": state, "param_groups": groups}
+
+    def _piece_states(self):
+        for pc in self.pieces:
+            piece_state = self.inner.state.get(pc.tensor)
+            if piece_state:
+                yield pc, piece_state
+
+    def _gather_tensors(self, layout: dict, state: dict) -> None:
+        """Each elementwise state entry, whole: per bucket and entry, this rank's slice in place
+        in a padded flat buffer, then an in-place allgather."""
+        wire = Transport(self.topo.comm, self.backend)
+        mine = {(id(pc.bucket), pc.position): pc for pc, _ in self._piece_states()}
+        for bucket in self.buckets:
+            positions = [self.position[id(p)] for p in bucket.params]
+            keys = sorted({(key, info) for pos in positions
+                           for key, (kind, info) in layout.get(pos, {}).items()
+                           if kind == "tensor"})
+            for key, dtype in keys:
+                flat = torch.zeros(bucket.part * self.size,
+                                   dtype=getattr(torch, dtype.replace("torch.", "")),
+                                   device=bucket.device)
+                for pos in positions:
+                    pc = mine.get((id(bucket), pos))
+                    if pc is not None and key in self.inner.state[pc.tensor]:
+                        flat[pc.start:pc.stop] = self.inner.state[pc.tensor][key]
+                lo = self.rank * bucket.part
+                runtime.get().worker.run(
+                    lambda flat=flat, lo=lo: wire.allgather(flat[lo:lo + bucket.part], flat),
+                    ("zero state gather", key))
+                for param, offset, pos in zip(bucket.params, bucket.offsets, positions):
+                    if key in {k for k, (kind, _) in layout.get(pos, {}).items()
+                               if kind == "tensor"}:
+                        state[pos][key] = flat[offset:offset + param.numel()].view_as(
+                            param).clone()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take a logical state dict (from any world size, sharded or not): the user's groups
+        get the hyperparameters, the inner optimizer this rank's slices of the state."""
+        self.user.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        if self.inner is None:
+            self._held = state_dict
+        else:
+            self._apply(state_dict)
+
+    def _apply(self, state_dict: dict) -> None:
+        full = state_dict.get("state", {})
+        sliced = {}
+        for index, pc in enumerate(p for g in self._inner_order() for p in g):
+            entry = full.get(pc.position)
+            if not entry:
+                continue
+            param = self.params[pc.position]
+            sliced[index] = {}
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if value.numel() != param.numel():
+                        raise ValueError(
+                            f"optimizer state {key!r} of parameter {pc.position} has shape "
+                            f"{tuple(value.shape)}, the parameter {tuple(param.shape)}: not an "
+                            f"elementwise state, so it cannot be sharded")
+                    value = value.reshape(-1)[pc.offset:pc.offset + pc.stop - pc.start].clone()
+                sliced[index][key] = value
+        groups = self.inner.state_dict()["param_groups"]
+        self.inner.load_state_dict({"state": sliced, "param_groups": groups})
+
+    def _inner_order(self) -> list[list[Piece]]:
+        """The pieces in the inner optimizer's numbering (group by group)."""
+        return [[pc for pc in self.pieces if pc.group == gi]
+                for gi in range(len(self.user.param_groups))]

@@ -1,0 +1,378 @@
+"""ZeRO stages 1 and 2 (``DistributedOptimizer(zero_stage=)``) under a real mpiexec.
+
+The oracle is a single-process run of the same model on the combined batch: each rank trains
+on its rows of one global batch of ``GLOBAL_ROWS`` (divisible by 1-4 ranks), so the averaged
+gradient is the global batch's at every world size and stage 0, 1 and 2 must all follow the
+reference trajectory. The model's parameters (odd sizes, two param groups with their own
+hyperparameters) and a small bucket budget give several buckets whose slices are uneven (the
+last ranks' slices are short or empty). One line per check (``checks.py``).
+
+Checkpoint phases (``--phase save|resume``, see tests/test_zero_mpi.py) cross world sizes and
+stages and compare with the uninterrupted reference to 1e-6 (float64 model).
+"""
+import argparse
+import logging
+import sys
+
+import numpy as np
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi.algorithms import UnsupportedOptionError
+from checks import run_checks
+
+GLOBAL_ROWS, STEPS = 12, 5
+BUCKET_MB = 0.0002  # ~210 bytes: several buckets of a few parameters each
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(7, 13)
+        self.mid = torch.nn.Linear(13, 5)
+        self.out = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def batch(step: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(77 + step)
+    x = torch.randn(GLOBAL_ROWS, 7, generator=g, dtype=torch.float64)
+    y = torch.randn(GLOBAL_ROWS, 3, generator=g, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def rows_of(rank: int, size: int) -> slice:
+    per = GLOBAL_ROWS // size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def new_model(dtype=torch.float32) -> Net:
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def new_base(kind: str, model: Net) -> torch.optim.Optimizer:
+    """Two groups with their own hyperparameters: sharding must keep each piece in its group."""
+    groups = [{"params": list(model.inp.parameters()) + list(model.out.parameters())},
+              {"params": list(model.mid.parameters()), "lr": 0.02, "weight_decay": 0.01}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=0.01)
+    return torch.optim.AdamW(groups, lr=0.01)
+
+
+def reference(kind: str, steps: int, dtype=torch.float32, schedule: bool = True) -> Net:
+    model = new_model(dtype)
+    opt = new_base(kind, model)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    for step in range(steps):
+        x, y = batch(step, dtype)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if schedule:
+            scheduler.step()
+    return model
+
+
+def distributed_step(model, opt, step: int, dtype=torch.float32) -> None:
+    x, y = batch(step, dtype)
+    rows = rows_of(bm.rank(), bm.size())
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+    opt.step()
+
+
+def train(kind: str, stage: int, steps: int = STEPS, **options):
+    model = new_model()
+    opt = bm.DistributedOptimizer(new_base(kind, model), named_parameters=model.named_parameters(),
+                                  bucket_size_mb=BUCKET_MB, zero_stage=stage, **options)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # on the wrapper
+    for step in range(steps):
+        distributed_step(model, opt, step)
+        scheduler.step()
+    return model, opt
+
+
+def assert_close_models(model, expected, rtol: float, what: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=rtol,
+                                   msg=lambda m: f"{what}: {name}: {m}")
+
+
+def make_trajectory_check(kind: str):
+    def check(rank, size):
+        """Stages 0, 1 and 2 follow the single-process reference on the combined batch (to
+        1e-5), with an LR scheduler stepping the wrapper, and all ranks end identical."""
+        expected = reference(kind, STEPS)
+        for stage in (0, 1, 2):
+            model, opt = train(kind, stage)
+            assert len(opt.buckets) >= 3, opt.buckets  # several buckets, so several slices
+            assert_close_models(model, expected, 1e-5, f"{kind} zero_stage={stage}")
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            everyone = bm.allgather(flat.unsqueeze(0))
+            assert torch.equal(everyone, flat.expand_as(everyone)), f"stage {stage}: ranks differ"
+            opt.close()
+    return check
+
+
+def check_uneven_slices(rank, size):
+    """The buckets really are cut unevenly (so the checks above cover uneven slices)."""
+    model, opt = train("sgd", 1, steps=1)
+    uneven = [b for b in opt.buckets if b.numel % size]
+    assert size == 1 or uneven, [(b.numel, size) for b in opt.buckets]
+    opt.close()
+
+
+def check_state_is_sharded(rank, size):
+    """Optimizer-state bytes per rank are 1/n of stage 0's (within the padding of the slices);
+    at stage 2, gradient bytes per rank are the slices only once the step is done."""
+    full = {}
+    for stage in (0, 1, 2):
+        model, opt = train("adam", stage, steps=2)
+        stats = opt.memory_stats()
+        full[stage] = stats
+        numel = sum(b.numel for b in opt.buckets)
+        padded = sum(b.part * size for b in opt.buckets)
+        if stage:
+            mine = sum(min(b.part, max(0, b.numel - rank * b.part)) for b in opt.buckets)
+            # exp_avg and exp_avg_sq of this rank's elements (plus Adam's scalar steps)
+            assert 8 * mine <= stats["optimizer_state_bytes"] <= 8 * mine + 64 * len(
+                opt.buckets) * 4, (stats, mine)
+            total = bm.allreduce(torch.tensor([stats["optimizer_state_bytes"]],
+                                              dtype=torch.float64), op=bm.Sum)
+            assert abs(float(total) - full[0]["optimizer_state_bytes"]) <= 0.05 * full[0][
+                "optimizer_state_bytes"] + 64 * 4 * len(opt.buckets) * size, (total, full[0])
+        if stage == 2:
+            assert stats["gradient_bytes"] == 4 * sum(b.part for b in opt.buckets), stats
+            assert all(p.grad is None for p in model.parameters())
+        else:
+            assert stats["gradient_bytes"] == 4 * (padded if stage else numel), stats
+        opt.close()
+
+
+def check_state_dict_is_logical(rank, size):
+    """A sharded optimizer's state_dict is what the unsharded one holds (same keys, shapes and
+    values, numbered as torch numbers parameters), on every rank."""
+    _, unsharded = train("adam", 0, steps=3)
+    expected = unsharded.state_dict()
+    unsharded.close()
+    for stage in (1, 2):
+        _, opt = train("adam", stage, steps=3)
+        got = opt.state_dict()
+        assert sorted(got["state"]) == sorted(expected["state"]), (stage, sorted(got["state"]))
+        for pid, entry in expected["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(got["state"][pid][key], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"stage {stage} {pid}/{key}: {m}")
+        assert got["param_groups"] == expected["param_groups"], stage
+        opt.close()
+
+
+def check_clip_grad_norm(rank, size):
+    """``opt.clip_grad_norm_`` gives torch's total norm and clipping at every stage."""
+    def run(stage):
+        model = new_model()
+        opt = bm.DistributedOptimizer(new_base("sgd", model), bucket_size_mb=BUCKET_MB,
+                                      named_parameters=model.named_parameters(),
+                                      zero_stage=stage)
+        norms = []
+        for step in range(3):
+            x, y = batch(step)
+            rows = rows_of(rank, size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            norms.append(float(opt.clip_grad_norm_(0.05)))
+            with opt.skip_synchronize():
+                opt.step()
+        opt.close()
+        return model, norms
+
+    ref = new_model()
+    ref_opt = new_base("sgd", ref)
+    ref_norms = []
+    for step in range(3):
+        x, y = batch(step)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+        ref_opt.step()
+    for stage in (0, 1, 2):
+        model, norms = run(stage)
+        np.testing.assert_allclose(norms, ref_norms, rtol=1e-5, err_msg=f"stage {stage}")
+        assert_close_models(model, ref, 1e-5, f"clipped, stage {stage}")
+
+
+def least_squares(rank: int, size: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    a = torch.randn(48, 64, generator=g)
+    w = torch.linspace(-1, 1, 64 * 4).reshape(64, 4) + 0.3 * torch.randn(64, 4, generator=g)
+    return a, a @ w
+
+
+def make_compressed_check(algorithm: str, **config):
+    def check(rank, size):
+        """Stage 2 with a compressed reduce-scatter trains as far as the algorithm suite asks
+        of compressed algorithms (excess loss within 1.5x the dense stage 2's + 2% of the start)
+        and sends fewer bytes than the dense reduce-scatter; ranks stay identical."""
+        algo = bm.algorithms.create(algorithm) if not config else \
+            type(bm.algorithms.create(algorithm))(**config)
+        shards = [least_squares(r, size) for r in range(size)]
+        a_all = torch.cat([s[0] for s in shards])
+        y_all = torch.cat([s[1] for s in shards])
+
+        def loss_of(weight):
+            return float(torch.nn.functional.mse_loss(a_all @ weight.T, y_all))
+
+        best = float(torch.nn.functional.mse_loss(
+            a_all.double() @ torch.linalg.lstsq(a_all.double(), y_all.double()).solution,
+            y_all.double()))
+        results = {}
+        for name, chosen in (("dense", "gradient_allreduce"), ("compressed", algo)):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(64, 4, bias=False)
+            start = loss_of(model.weight.detach())
+            opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          algorithm=chosen, zero_stage=2)
+            a, y = shards[rank]
+            for _ in range(60):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(a), y).backward()
+                opt.step()
+            w = model.weight.detach()
+            everyone = bm.allgather(w.reshape(1, -1))
+            assert torch.equal(everyone, w.reshape(1, -1).expand_as(everyone)), "ranks differ"
+            results[name] = (loss_of(w) - best, opt.communication_stats()["bytes_sent"])
+            opt.close()
+        (dense_excess, dense_bytes), (excess, sent) = results["dense"], results["compressed"]
+        limit = 1.5 * dense_excess + 0.02 * start
+        assert excess <= limit, f"excess {excess:.5f} > {limit:.5f} (start {start:.3f})"
+        if size > 1:
+            assert sent < 0.5 * dense_bytes, (sent, dense_bytes)
+    return check
+
+
+def check_fp16_wire(rank, size):
+    """compression=fp16 at stage 2: the reduce-scatter travels as 16-bit words (half the
+    bytes) and still follows the reference closely."""
+    expected = reference("sgd", STEPS)
+    sent = {}
+    for name, compression in (("none", bm.Compression.none), ("fp16", bm.Compression.fp16)):
+        model, opt = train("sgd", 2, compression=compression)
+        sent[name] = opt.communication_stats()["bytes_sent"]
+        assert_close_models(model, expected, 2e-3 if name == "fp16" else 1e-5, f"wire {name}")
+        opt.close()
+    if size > 1:
+        assert sent["fp16"] * 2 == sent["none"], sent
+
+
+def expect_refusal(make, *needles) -> None:
+    try:
+        make()
+    except (UnsupportedOptionError, ValueError) as exc:
+        for needle in needles:
+            assert needle in str(exc), (needle, str(exc))
+        return
+    raise AssertionError(f"no error; expected one naming {needles}")
+
+
+def check_refusals(rank, size):
+    """Every combination sharding cannot honour is refused at wrap time, by name."""
+    def wrap(base=None, **options):
+        model = torch.nn.Linear(4, 2)
+        base = base(model.parameters()) if base else torch.optim.SGD(model.parameters(), lr=0.1)
+        return bm.DistributedOptimizer(base, **options)
+
+    expect_refusal(lambda: wrap(zero_stage=3), "zero_stage", "3")
+    expect_refusal(lambda: wrap(zero_stage=True), "zero_stage")
+    expect_refusal(lambda: wrap(torch.optim.LBFGS, zero_stage=1), "LBFGS", "line search")
+    expect_refusal(lambda: wrap(lambda p: torch.optim.SparseAdam(list(p)), zero_stage=2),
+                   "SparseAdam")
+    expect_refusal(lambda: wrap(zero_stage=1, flatten=False), "flatten=False")
+    expect_refusal(lambda: wrap(zero_stage=2, find_unused_parameters=True),
+                   "find_unused_parameters")
+    expect_refusal(lambda: wrap(zero_stage=2, hierarchical=True), "hierarchical")
+    refused = {}
+    for name in bm.algorithms.names():
+        for stage in (1, 2):
+            algorithm = bm.algorithms.create(name)
+            reason = algorithm.sharding_refusal_reason(stage)
+            if reason is None:
+                continue
+            refused[(name, stage)] = reason
+            expect_refusal(lambda: wrap(algorithm=name, zero_stage=stage), name,
+                           f"zero_stage={stage}")
+    must = {("decentralized", 1), ("async", 2), ("local_sgd", 1),
+            ("low_precision_decentralized", 2), ("onebit_adam", 1), ("powersgd", 2),
+            ("topk", 2), ("gtopk", 2)}
+    assert must <= set(refused), sorted(must - set(refused))
+    for name in ("gradient_allreduce", "qsgd", "bytegrad"):
+        assert (name, 2) not in refused, (name, refused.get((name, 2)))
+
+
+# -- checkpoint phases ---------------------------------------------------------------------------
+def checkpoint_phase(args) -> int:
+    """Train steps [first, last) at this world size and ``--stage`` (loading ``--load`` first,
+    saving to ``--save`` at the end); at the end compare with the uninterrupted reference."""
+    logging.basicConfig(level=logging.WARNING)
+    dtype = torch.float64
+    model = new_model(dtype)
+    algorithm = bm.algorithms.create(args.algorithm)
+    if args.error_feedback:
+        algorithm = type(algorithm)(chunk=64, error_feedback=True)
+    opt = bm.DistributedOptimizer(new_base("adam", model), named_parameters=model.named_parameters(),
+                                  bucket_size_mb=BUCKET_MB, zero_stage=args.stage,
+                                  algorithm=algorithm)
+    first = 0
+    if args.load:
+        first = bm.checkpoint.load(args.load, model=model, optimizer=opt).step
+    for step in range(first, args.last):
+        distributed_step(model, opt, step, dtype)
+    if args.save:
+        bm.checkpoint.save(args.save, model=model, optimizer=opt, step=args.last)
+    expected = reference("adam", args.last, dtype, schedule=False)
+    worst = max(float(((p.detach() - q.detach()).abs() / (q.detach().abs() + 1e-12)).max())
+                for p, q in zip(model.parameters(), expected.parameters()))
+    if bm.rank() == 0:
+        print(f"PHASE ranks={bm.size()} stage={args.stage} steps={first}-{args.last} "
+              f"max_rel_diff={worst:.3e}", flush=True)
+    opt.close()
+    return 0
+
+
+def suite_checks() -> dict:
+    checks = {f"trajectory_{kind}": make_trajectory_check(kind)
+              for kind in ("sgd", "adam", "adamw")}
+    checks.update({"uneven_slices": check_uneven_slices,
+                   "state_is_sharded": check_state_is_sharded,
+                   "state_dict_is_logical": check_state_dict_is_logical,
+                   "clip_grad_norm": check_clip_grad_norm,
+                   "fp16_wire": check_fp16_wire,
+                   "compressed_qsgd": make_compressed_check("qsgd", chunk=64),
+                   "compressed_bytegrad_error_feedback": make_compressed_check(
+                       "bytegrad", chunk=64, error_feedback=True),
+                   "refusals": check_refusals})
+    return checks
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=["checks", "checkpoint"], default="checks")
+    parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--algorithm", default="gradient_allreduce")
+    parser.add_argument("--error-feedback", action="store_true")
+    parser.add_argument("--load")
+    parser.add_argument("--save")
+    parser.add_argument("--last", type=int, default=3)
+    args, _ = parser.parse_known_args()
+    bm.init()
+    failures = checkpoint_phase(args) if args.phase == "checkpoint" else run_checks(suite_checks())
+    bm.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
