@@ -145,8 +145,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.impl.backend = backend
         self.impl.zero_stage = zero_stage
         self.zero_stage = zero_stage
-        self._sharded = (sharding.ShardedOptimizer(optimizer, zero_stage, topo, backend)
-                         if zero_stage else None)
+        if zero_stage and hierarchical:
+            sharding.check_uniform_nodes(topo, zero_stage)
+        self._sharded = (sharding.ShardedOptimizer(optimizer, zero_stage, topo, backend,
+                                                   hierarchical) if zero_stage else None)
         _ = self.backend  # decided and logged once, at wrap time
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else config.timeline_prefix()

@@ -61,6 +61,27 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
                 f"AdamW, RMSprop, Adagrad, ...); use zero_stage=0")
 
 
+def shard_index(topo, hierarchical: bool) -> int:
+    """Which of the n slices of every bucket this rank owns: its rank, or with the two-level
+    exchange local_rank * M + node (M nodes), so that a node's ranks own a contiguous block
+    of slices and each level's reduce-scatter and allgather moves contiguous blocks."""
+    return topo.local_rank * topo.cross_size + topo.cross_rank if hierarchical else topo.rank
+
+
+def check_uniform_nodes(topo, stage: int) -> None:
+    """Two-level sharding needs every node to hold the same number of ranks (collective)."""
+    from mpi4py import MPI
+
+    uniform = topo.local_size * topo.cross_size == topo.size
+    everywhere = runtime.get().worker.run(lambda: topo.comm.allreduce(uniform, op=MPI.LAND),
+                                          ("zero nodes uniform",))
+    if not everywhere:
+        raise UnsupportedOptionError(
+            f"zero_stage={stage} with hierarchical=True needs the same number of ranks on every "
+            f"node (rank {topo.rank}: {topo.local_size} ranks on its node, {topo.cross_size} "
+            f"nodes, {topo.size} ranks); use hierarchical=False")
+
+
 @dataclass
 class Piece:
     """The part of one parameter inside this rank's slice of a bucket."""
@@ -80,12 +101,15 @@ class ShardedOptimizer:
     ``user`` keeps the param groups the user (and LR schedulers) read and write; before each
     step their hyperparameters are copied to the inner optimizer, which holds the state."""
 
-    def __init__(self, user: torch.optim.Optimizer, stage: int, topo, backend: str | None):
+    def __init__(self, user: torch.optim.Optimizer, stage: int, topo, backend: str | None,
+                 hierarchical: bool = False):
         self.user = user
         self.stage = stage
         self.topo = topo
         self.backend = backend
+        self.hierarchical = hierarchical
         self.rank, self.size = topo.rank, topo.size
+        self.index = shard_index(topo, hierarchical)  # which slice of every bucket is ours
         params = [p for g in user.param_groups for p in g["params"]]
         self.position = {id(p): i for i, p in enumerate(params)}
         self.group_of = {id(p): gi for gi, g in enumerate(user.param_groups) for p in g["params"]}
@@ -102,7 +126,7 @@ class ShardedOptimizer:
         self.buckets = buckets
         for bucket in buckets:
             flat = bucket.flatten_params()
-            lo = self.rank * bucket.part
+            lo = self.index * bucket.part
             hi = min(lo + bucket.part, bucket.numel)
             for param, offset in zip(bucket.params, bucket.offsets):
                 start, stop = max(offset, lo), min(offset + param.numel(), hi)
@@ -141,20 +165,30 @@ class ShardedOptimizer:
     def _grad_of(self, pc: Piece) -> torch.Tensor:
         bucket = pc.bucket
         if self.stage == 2:
-            lo = self.rank * bucket.part
+            lo = self.index * bucket.part
             return bucket.shard_grad_buffer()[pc.start - lo:pc.stop - lo]
         return bucket.flat_grad[pc.start:pc.stop]
 
     def _allgather_params(self) -> None:
-        wire = Transport(self.topo.comm, self.backend)
-        part_of = self.rank
-
         def gather():
             for bucket in self.buckets:
-                storage = bucket.param_storage
-                wire.allgather(storage[part_of * bucket.part:(part_of + 1) * bucket.part],
-                               storage)
+                self._allgather_slices(bucket.param_storage, bucket.part)
         runtime.get().worker.run(gather, ("zero allgather", len(self.buckets)))
+
+    def _allgather_slices(self, storage: torch.Tensor, part: int) -> None:
+        """Communication thread: every rank's slice of ``storage`` (n slices of ``part``) to
+        every rank, in place. Hierarchical: across the nodes first (local rank l gathers the
+        node block [l*M, (l+1)*M) of slices), then the blocks inside the node."""
+        topo = self.topo
+        if not self.hierarchical:
+            Transport(topo.comm, self.backend).allgather(
+                storage[self.index * part:(self.index + 1) * part], storage)
+            return
+        block = part * topo.cross_size
+        node_block = storage[topo.local_rank * block:(topo.local_rank + 1) * block]
+        Transport(topo.inter, self.backend).allgather(
+            storage[self.index * part:(self.index + 1) * part], node_block)
+        Transport(topo.intra, self.backend).allgather(node_block, storage)
 
     # -- gradients ---------------------------------------------------------------------------
     def grad_slices(self) -> list[torch.Tensor]:
@@ -237,7 +271,6 @@ class ShardedOptimizer:
     def _gather_tensors(self, layout: dict, state: dict) -> None:
         """Each elementwise state entry, whole: per bucket and entry, this rank's slice in place
         in a padded flat buffer, then an in-place allgather."""
-        wire = Transport(self.topo.comm, self.backend)
         mine = {(id(pc.bucket), pc.position): pc for pc, _ in self._piece_states()}
         for bucket in self.buckets:
             positions = [self.position[id(p)] for p in bucket.params]
@@ -252,9 +285,8 @@ class ShardedOptimizer:
                     pc = mine.get((id(bucket), pos))
                     if pc is not None and key in self.inner.state[pc.tensor]:
                         flat[pc.start:pc.stop] = self.inner.state[pc.tensor][key]
-                lo = self.rank * bucket.part
                 runtime.get().worker.run(
-                    lambda flat=flat, lo=lo: wire.allgather(flat[lo:lo + bucket.part], flat),
+                    lambda flat=flat, part=bucket.part: self._allgather_slices(flat, part),
                     ("zero state gather", key))
                 for param, offset, pos in zip(bucket.params, bucket.offsets, positions):
                     if key in {k for k, (kind, _) in layout.get(pos, {}).items()

@@ -17,7 +17,9 @@ _RUNS = {}
 
 def suite_run(nprocs: int):
     if nprocs not in _RUNS:
-        _RUNS[nprocs] = run_mpi("zero_suite.py", nprocs, timeout=400)
+        # simulated nodes of 2 ranks: 4 ranks are two nodes (two-level sharding), 3 are uneven
+        _RUNS[nprocs] = run_mpi("zero_suite.py", nprocs, env={"BAGUA_MPI_RANKS_PER_NODE": "2"},
+                                timeout=400)
     return _RUNS[nprocs]
 
 

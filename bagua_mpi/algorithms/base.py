@@ -211,7 +211,9 @@ class AlgorithmImpl:
     def _exchange_bucket(self, bucket: "Bucket", step: int) -> None:
         if self.zero_stage == 2:
             out = bucket.shard_grad_buffer()
-            if self.in_dense_stage(step):
+            if self.ctx.hierarchical:
+                self.two_level_reduce_scatter_(bucket, out)
+            elif self.in_dense_stage(step):
                 self.dense_reduce_scatter_(bucket, out)
             else:
                 self.reduce_scatter_bucket(bucket, step, out)
@@ -292,6 +294,20 @@ class AlgorithmImpl:
         dense.reduce_scatter_(bucket.grad_storage, out, self.comm, prescale=ctx.prescale,
                               postscale=ctx.postscale, wire_dtype=ctx.compression.wire_dtype,
                               stats=self.wire, backend=self.backend)
+
+    def two_level_reduce_scatter_(self, bucket: "Bucket", out: torch.Tensor) -> None:
+        """Hierarchical stage 2: a full-precision reduce-scatter inside the node leaves local
+        rank l the node's sum of slices [l*M, (l+1)*M) (M nodes), then one across the nodes
+        (ranks of local rank l) leaves it slice l*M + m: its shard (``sharding.shard_index``)."""
+        ctx, topo = self.ctx, self.ctx.topo
+        node_block = torch.empty(bucket.part * topo.cross_size, dtype=out.dtype,
+                                 device=out.device)
+        dense.reduce_scatter_(bucket.grad_storage, node_block, topo.intra, prescale=ctx.prescale,
+                              postscale=1.0, wire_dtype=None, stats=self.wire,
+                              backend=self.backend)
+        dense.reduce_scatter_(node_block, out, topo.inter, prescale=1.0, postscale=ctx.postscale,
+                              wire_dtype=ctx.compression.wire_dtype, stats=self.wire,
+                              backend=self.backend)
 
     def exchanged_tensors(self, bucket: "Bucket", step: int) -> list[torch.Tensor]:
         """What the exchange of ``step`` leaves synchronized on the leaders, for the node
@@ -414,8 +430,9 @@ class Algorithm:
         if reason is not None:
             raise UnsupportedOptionError(f"algorithm {self.name!r}: zero_stage={opts.zero_stage} "
                                          f"is not supported: {reason}")
-        if opts.zero_stage == 2 and opts.hierarchical:
+        if (opts.zero_stage == 2 and opts.hierarchical
+                and self.impl_class.reduce_scatter_bucket is not AlgorithmImpl.reduce_scatter_bucket):
             raise UnsupportedOptionError(
-                f"algorithm {self.name!r}: zero_stage=2 with hierarchical=True is not supported "
-                f"yet: the reduce-scatter runs flat over every rank; use hierarchical=False, or "
-                f"zero_stage=1 (its exchange may be hierarchical)")
+                f"algorithm {self.name!r}: zero_stage=2 with hierarchical=True is not supported: "
+                f"the two-level reduce-scatter is dense (full precision in the node, the 16-bit "
+                f"wire across nodes); use hierarchical=False for its compressed reduce-scatter")

@@ -119,6 +119,21 @@ def make_trajectory_check(kind: str):
     return check
 
 
+def check_hierarchical(rank, size):
+    """Two levels (run with BAGUA_MPI_RANKS_PER_NODE=2): stage 1 and 2 with hierarchical=True
+    follow the reference, and the slices are owned node block by node block."""
+    topo = bm.runtime.get().topo
+    if topo.local_size * topo.cross_size != size or bm.allreduce(
+            torch.tensor([float(topo.local_size)]), op=bm.Min).item() != topo.local_size:
+        return  # uneven nodes: refused (check_refusals)
+    expected = reference("adam", STEPS)
+    for stage in (1, 2):
+        model, opt = train("adam", stage, hierarchical=True)
+        assert_close_models(model, expected, 1e-5, f"hierarchical zero_stage={stage}")
+        assert opt._sharded.index == topo.local_rank * topo.cross_size + topo.cross_rank
+        opt.close()
+
+
 def check_uneven_slices(rank, size):
     """The buckets really are cut unevenly (so the checks above cover uneven slices)."""
     model, opt = train("sgd", 1, steps=1)
@@ -294,7 +309,12 @@ def check_refusals(rank, size):
     expect_refusal(lambda: wrap(zero_stage=1, flatten=False), "flatten=False")
     expect_refusal(lambda: wrap(zero_stage=2, find_unused_parameters=True),
                    "find_unused_parameters")
-    expect_refusal(lambda: wrap(zero_stage=2, hierarchical=True), "hierarchical")
+    expect_refusal(lambda: wrap(zero_stage=2, hierarchical=True, algorithm="qsgd"),
+                   "hierarchical=True", "dense")
+    topo = bm.runtime.get().topo
+    if topo.local_size * topo.cross_size != size or bm.allreduce(
+            torch.tensor([float(topo.local_size)]), op=bm.Max).item() != topo.local_size:
+        expect_refusal(lambda: wrap(zero_stage=2, hierarchical=True), "same number of ranks")
     refused = {}
     for name in bm.algorithms.names():
         for stage in (1, 2):
@@ -346,7 +366,8 @@ def checkpoint_phase(args) -> int:
 def suite_checks() -> dict:
     checks = {f"trajectory_{kind}": make_trajectory_check(kind)
               for kind in ("sgd", "adam", "adamw")}
-    checks.update({"uneven_slices": check_uneven_slices,
+    checks.update({"hierarchical": check_hierarchical,
+                   "uneven_slices": check_uneven_slices,
                    "state_is_sharded": check_state_is_sharded,
                    "state_dict_is_logical": check_state_dict_is_logical,
                    "clip_grad_norm": check_clip_grad_norm,
