@@ -21,8 +21,8 @@ from mpi_harness import (MPI_SUITES, REPO, assert_mpi_ok, library_algorithms, mp
 # flight), plus the error-feedback variants. ``ckpt_ef16`` is the suite's own algorithm.
 RESUME_SPECS = {
     "gradient_allreduce": ["gradient_allreduce"],
-    "qsgd": ["qsgd", "qsgd:error_feedback=1"],
-    "bytegrad": ["bytegrad", "bytegrad:error_feedback=1"],
+    "qsgd": ["qsgd", "qsgd:error_feedback=True"],
+    "bytegrad": ["bytegrad", "bytegrad:error_feedback=True"],
     "onebit_adam": ["onebit_adam:warmup_steps=2"],
     "decentralized": ["decentralized"],
     "low_precision_decentralized": ["low_precision_decentralized"],

@@ -46,6 +46,7 @@ from ..accounting import staging
 from ..transport import Transport
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
+from .validation import non_negative_real, optional, positive_int, validate_fields
 
 
 def exchange_device(model_device: torch.device, backend: str | None = None) -> torch.device:
@@ -258,12 +259,9 @@ class AsyncModelAverage(Algorithm):
                 "compression=none")
     sync_interval_ms: float = 50.0
     max_staleness: int | None = None
+    validators = {"sync_interval_ms": non_negative_real(),
+                  "max_staleness": optional(positive_int(because="steps an exchange may stay "
+                                                         "in flight; None: unbounded"))}
 
     def __post_init__(self):
-        if not self.sync_interval_ms >= 0:
-            raise ValueError(f"sync_interval_ms must be >= 0, got {self.sync_interval_ms!r}")
-        if self.max_staleness is not None and (
-                isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int)
-                or self.max_staleness < 1):
-            raise ValueError(f"max_staleness must be None or an integer >= 1, got "
-                             f"{self.max_staleness!r}")
+        validate_fields(self)

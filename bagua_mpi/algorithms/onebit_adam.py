@@ -36,8 +36,9 @@ import torch
 from ..primitives.codecs import OneBitCodec, call_seed
 from ..primitives.lowprec import compressed_allreduce_
 from .base import Algorithm
-from .compressed import CompressedAllReduceImpl
+from .compressed import CompressedAllReduceImpl, names_key
 from .registry import register
+from .validation import positive_int, random_seed, validate_fields, word_aligned_chunk
 
 
 class OneBitAdamImpl(CompressedAllReduceImpl):
@@ -90,7 +91,8 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                                                       bucket.device)
         compressed_allreduce_(m, self.transport, self.codec, worker_error=worker_error,
                               server_error=server_error, scale=1.0 / c,
-                              seed=call_seed(self.algorithm.seed, step, bucket.index, 0),
+                              seed=call_seed(self.algorithm.seed, step,
+                                             names_key(bucket.segments())),
                               stats=self.wire)
 
     def exchanged_tensors(self, bucket, step: int) -> list[torch.Tensor]:
@@ -171,11 +173,12 @@ class OneBitAdam(Algorithm):
     warmup_steps: int = 100
     chunk: int = 4096
     seed: int = 0
+    validators = {"warmup_steps": positive_int(because="the frozen variance comes from the "
+                                               "warm-up"),
+                  "chunk": word_aligned_chunk(), "seed": random_seed()}
 
     def __post_init__(self):
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
-            raise ValueError("onebit_adam needs warmup_steps >= 1 (the frozen variance comes "
-                             f"from the warm-up), got {self.warmup_steps!r}")
+        validate_fields(self)
 
     def codec(self):
         return OneBitCodec(self.chunk)

@@ -21,7 +21,6 @@ the node leaders compress their node's summed gradient (the framework's two-leve
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,8 @@ from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 from .forms import float32_all
+from .validation import (boolean, non_negative_int, positive_int, random_seed, real_at_least,
+                         validate_fields)
 
 
 class PowerSGDImpl(AlgorithmImpl):
@@ -92,25 +93,16 @@ class PowerSGD(Algorithm):
     error_feedback: bool = True
     seed: int = 0
     min_compression: float = 2.0
+    validators = {
+        "rank": positive_int(), "warmup_steps": non_negative_int(),
+        "error_feedback": boolean(), "seed": random_seed(),
+        # below 1 a "compressed" layer would send more bytes than its dense allreduce (and its
+        # rank could exceed min(n, m)); >= 1 keeps rank < min(n, m) for every compressed layer
+        "min_compression": real_at_least(1, because="a compressed layer must send fewer bytes "
+                                         "than its dense allreduce")}
 
     def compression_use(self) -> str | None:
         return "the dense layers (biases, norms, small matrices) and the warm-up stage"
 
     def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"rank must be a positive integer, got {self.rank!r}")
-        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
-                or self.warmup_steps < 0):
-            raise ValueError(f"warmup_steps must be a non-negative integer, "
-                             f"got {self.warmup_steps!r}")
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        # below 1 a "compressed" layer would send more bytes than its dense allreduce (and its
-        # rank could exceed min(n, m)); >= 1 keeps rank < min(n, m) for every compressed layer
-        if (isinstance(self.min_compression, bool)
-                or not isinstance(self.min_compression, (int, float))
-                or not math.isfinite(self.min_compression) or self.min_compression < 1):
-            raise ValueError(f"min_compression must be a finite number >= 1, "
-                             f"got {self.min_compression!r}")
+        validate_fields(self)

@@ -20,6 +20,7 @@ from ..primitives.sparse import gtopk_allreduce_, topk_allgather_, topk_count
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 from .forms import float32
+from .validation import fraction, non_negative_int, one_of, validate_fields
 
 
 class SparseImpl(AlgorithmImpl):
@@ -56,12 +57,13 @@ class _Sparse(Algorithm):
     density: float = 0.001
     warmup_steps: int = 0
     index_dtype: str = "int32"
+    validators = {"density": fraction(because="the share of each tensor's entries sent"),
+                  "warmup_steps": non_negative_int(),
+                  "index_dtype": one_of(("int32", "int64"),
+                                        because="the wire's index words")}
 
     def __post_init__(self):
-        if not 0 < self.density <= 1:
-            raise ValueError(f"density must be in (0, 1], got {self.density!r}")
-        if self.index_dtype not in ("int32", "int64"):
-            raise ValueError(f"index_dtype must be 'int32' or 'int64', got {self.index_dtype!r}")
+        validate_fields(self)
 
 
 @register

@@ -38,6 +38,8 @@ from .. import collectives
 from ..algorithms.base import Algorithm, AlgorithmImpl
 from ..algorithms.registry import register
 from ..algorithms.forms import float32_all
+from ..algorithms.validation import (boolean, chosen_by, fraction, non_negative_int, one_of,
+                                     optional, positive_int, validate_fields, whole_number)
 from ..primitives.codecs import call_seed
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
@@ -128,33 +130,33 @@ class LGreCoImpl(AlgorithmImpl):
         """One packed exchange for the whole bucket, each layer at its own level."""
         comm = self.transport
         with float32_all(bucket.grad_views()) as grads:  # where the gradients are
-            layers = list(zip(bucket.indices, bucket.names, grads))
-            for _, name, g in layers:
+            layers = list(zip(bucket.names, grads))
+            for name, g in layers:
                 self.accumulator(name).add_(g)
             before, started = self.wire.bytes_sent, time.perf_counter()
             if self.family.name == "minmax":
                 packed_compressed_allreduce_(
                     [Segment(g, self.family.codec(int(self.assignment[name])),
-                             *self.minmax_errors(name), seed=call_seed(step, index))
-                     for index, name, g in layers], comm, scale=self.scale, stats=self.wire)
+                             *self.minmax_errors(name), seed=call_seed(step, name))
+                     for name, g in layers], comm, scale=self.scale, stats=self.wire)
             elif self.family.name == "topk":
                 packed_gtopk_allreduce_(
                     [SparseSegment(g, topk_count(g.numel(), self.assignment[name]),
-                                   self.residual(name)) for _, name, g in layers],
+                                   self.residual(name)) for name, g in layers],
                     comm, scale=self.scale, stats=self.wire)
             else:
                 self._exchange_low_rank(layers, comm)
             self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
                 (self.wire.bytes_sent - before, time.perf_counter() - started))
             n = comm.Get_size()
-            for _, _, g in layers:
+            for _, g in layers:
                 self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
 
     def _exchange_low_rank(self, layers, comm) -> None:
         """PowerSGD for the layers that compress at their rank (one P and one Q allreduce for
         all of them), one dense allreduce for the rest."""
         low, dense = [], []
-        for _, name, g in layers:
+        for name, g in layers:
             rank = int(self.assignment[name])
             shape = self.layers[name][1].shape
             state = self.low_rank(name)
@@ -245,22 +247,17 @@ class LGreCo(Algorithm):
     time_aware: bool = False
     error_feedback: bool = True
     dp_steps: int = 10_000
+    validators = {
+        "family": one_of(sorted(FAMILIES)),
+        # None: the family's own default (4 bits / density 0.01 / rank 4)
+        "default": optional(chosen_by("family", {
+            # 4.0 means 4 bits / rank 4, stored as 4: the search ranges need integers
+            "minmax": whole_number(1, 8, because="the minmax family's default is bits"),
+            "topk": fraction(because="the topk family's default is a density"),
+            "powersgd": whole_number(1, because="the powersgd family's default is a rank")})),
+        "warmup_steps": non_negative_int(), "period_steps": positive_int(),
+        "time_aware": boolean(), "error_feedback": boolean(),
+        "dp_steps": positive_int(because="the error budget's discretization steps")}
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {self.family!r}")
-        if self.default is not None:
-            if self.family == "topk":
-                if isinstance(self.default, bool) or not 0 < self.default <= 1:
-                    raise ValueError(f"the topk family's default is a density in (0, 1], got "
-                                     f"{self.default!r}")
-            elif (isinstance(self.default, bool) or not float(self.default).is_integer()
-                  or self.default < 1 or (self.family == "minmax" and self.default > 8)):
-                what = "bits in 1..8" if self.family == "minmax" else "a rank >= 1"
-                raise ValueError(f"the {self.family} family's default is {what}, got "
-                                 f"{self.default!r}")
-            else:  # 4.0 means 4 bits / rank 4: the search ranges need integers
-                object.__setattr__(self, "default", int(self.default))
-        if self.period_steps < 1 or self.warmup_steps < 0:
-            raise ValueError(f"need period_steps >= 1 and warmup_steps >= 0, got "
-                             f"{self.period_steps!r}, {self.warmup_steps!r}")
+        validate_fields(self)

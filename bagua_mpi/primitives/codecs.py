@@ -110,6 +110,9 @@ class OneBitCodec(Codec):
                                   out=out)
 
 
-def call_seed(*parts) -> int:
-    """A 31-bit seed that differs per (algorithm seed, step, rank, partition, ...)."""
-    return zlib.crc32(np.asarray(parts, dtype=np.int64).tobytes()) & 0x7FFFFFFF
+def call_seed(*parts: int | str) -> int:
+    """A 31-bit seed that differs per (algorithm seed, step, parameter names, rank, partition,
+    ...). A string part (the names a tensor covers) counts by the CRC-32 of its UTF-8 bytes:
+    unlike ``hash()``, which Python salts per process, that is the same on every rank and run."""
+    words = [zlib.crc32(p.encode()) if isinstance(p, str) else p for p in parts]
+    return zlib.crc32(np.asarray(words, dtype=np.int64).tobytes()) & 0x7FFFFFFF

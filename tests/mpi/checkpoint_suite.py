@@ -76,11 +76,15 @@ def seed_everything(rank: int) -> None:
 
 
 def parse_algorithm(spec: str):
-    """``name`` or ``name:key=value,...`` (ints, floats or strings) -> an Algorithm."""
+    """``name`` or ``name:key=value,...`` (True/False, ints, floats or strings) -> an
+    Algorithm."""
     name, _, args = spec.partition(":")
     kwargs = {}
     for item in filter(None, args.split(",")):
         key, _, value = item.partition("=")
+        if value in ("True", "False"):  # configs take real booleans, not 1/0
+            kwargs[key] = value == "True"
+            continue
         for cast in (int, float, str):
             try:
                 kwargs[key] = cast(value)
