@@ -7,18 +7,29 @@ are scattered to their "servers", summed there, re-quantized and all-gathered, s
 parameter). Hierarchy, scaling and byte counts are the framework's.
 
 * ``qsgd``: stochastic rounding to ``levels`` levels of each chunk's norm (unbiased); the random
-  stream is seeded per (seed, step, bucket, rank, partition), so runs are reproducible.
+  stream is seeded per (seed, step, names of the parameters the tensor covers, rank,
+  partition), so runs are reproducible and another bucketing keeps each tensor's stream.
 * ``bytegrad``: per-chunk min-max to uint8 (deterministic).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from ..primitives.codecs import Codec, MinMaxCodec, QSGDCodec, call_seed
-from ..primitives.lowprec import compressed_allreduce_, padded_length, partition_length
+from ..primitives.lowprec import (compressed_allreduce_, compressed_reduce_scatter_,
+                                  padded_length, partition_length)
 from .base import Algorithm, AlgorithmImpl
+from .forms import float32
 from .registry import register
+from .validation import (boolean, minmax_bits, positive_int, qsgd_levels, random_seed,
+                         validate_fields, word_aligned_chunk)
+
+
+def names_key(segments: list[tuple[str, int]]) -> str:
+    """The names of the parameters a communicated tensor covers (``Bucket.segments()`` form), as
+    one ``call_seed`` part: a tensor's random stream follows its parameters, not its bucket's
+    position, so another bucketing leaves it unchanged wherever the tensor is the same."""
+    return "\n".join(name for name, _ in segments)
 
 
 class CompressedAllReduceImpl(AlgorithmImpl):
@@ -41,9 +52,11 @@ class CompressedAllReduceImpl(AlgorithmImpl):
         part = partition_length(numel, n)
         worker = self.state.vector("worker_error", key, segments, padded_length(numel, n),
                                    device=device)
+        worker.zero_padding()  # padding is not checkpointed: keep it zero in every run
+        if self.zero_stage == 2:  # a reduce-scatter re-compresses nothing: no server error
+            return worker.data, None
         server = self.state.vector("server_error", key, segments, part * n,
                                    window=(r * part, (r + 1) * part), device=device)
-        worker.zero_padding()  # padding is not checkpointed: keep it zero in every run
         server.zero_padding()
         return worker.data, server.data
 
@@ -60,7 +73,22 @@ class CompressedAllReduceImpl(AlgorithmImpl):
                                                           bucket.device)
             compressed_allreduce_(grad, self.transport, self.codec, worker_error=worker_error,
                                   server_error=server_error, scale=self.scale,
-                                  seed=call_seed(seed, step, bucket.index, j), stats=self.wire)
+                                  seed=call_seed(seed, step, names_key(segments)),
+                                  stats=self.wire)
+
+
+    def reduce_scatter_bucket(self, bucket, step: int, out) -> None:
+        """ZeRO stage 2: the first half of C_LP_S on the padded bucket: this rank receives the
+        sum of its partition, each rank's part compressed once (worker error feedback on what
+        it sends, kept for the whole padded vector as at stage 0); no server error (nothing is
+        re-compressed)."""
+        segments = bucket.segments()
+        worker_error, _ = self.error_state((bucket.index, 0), segments, bucket.device)
+        seed = call_seed(getattr(self.algorithm, "seed", 0), step, names_key(segments))
+        with float32(bucket.grad_storage) as padded, float32(out) as mine:
+            compressed_reduce_scatter_(padded, self.transport, self.codec, mine,
+                                       worker_error=worker_error, scale=self.scale, seed=seed,
+                                       stats=self.wire)
 
 
 @register
@@ -74,6 +102,11 @@ class QSGD(Algorithm):
     chunk: int = 1024
     seed: int = 0
     error_feedback: bool = False
+    validators = {"levels": qsgd_levels(), "chunk": positive_int(because="values per norm"),
+                  "seed": random_seed(), "error_feedback": boolean()}
+
+    def __post_init__(self):
+        validate_fields(self)
 
     def codec(self) -> Codec:
         return QSGDCodec(self.levels, self.chunk)
@@ -89,6 +122,11 @@ class ByteGrad(Algorithm):
     bits: int = 8
     chunk: int = 1024
     error_feedback: bool = False
+    validators = {"bits": minmax_bits(), "chunk": word_aligned_chunk(),
+                  "error_feedback": boolean()}
+
+    def __post_init__(self):
+        validate_fields(self)
 
     def codec(self) -> Codec:
         return MinMaxCodec(self.bits, self.chunk)
