@@ -64,6 +64,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``BAGUA_MPI_BACKEND``, else auto: NCCL for a CUDA model where it can run, MPI
             otherwise); ``bagua_mpi.backends`` says what each does and what it needs.
             ``opt.backend`` tells what was chosen.
+        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are exchanged sparse by
+            default, as Horovod does: every rank's rows all-gathered and coalesced, outside the
+            buckets, so ``p.grad`` stays sparse (``torch.optim.SparseAdam`` works); True
+            densifies them into the buckets. Algorithms that average models and ``zero_stage``
+            > 0 always densify.
         zero_stage: ZeRO (``bagua_mpi.sharding``): 0 (default) every rank holds all optimizer
             state; 1 each rank keeps and updates the state of its 1/n slice of every bucket and
             the parameters are all-gathered after the step; 2 also reduce-scatters the
@@ -75,6 +80,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     option and what to use instead (docs/training.md's algorithm x option table lists them).
     """
 
+    zero_stage = 0  # (class defaults: subclasses that skip __init__ are unsharded)
+    _sharded = None
+
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  algorithm="gradient_allreduce", compression=Compression.none,
                  backward_passes_per_step: int = 1, op=Average,
@@ -83,7 +91,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  hierarchical: bool | None = None,
                  profile_order: bool = True, find_unused_parameters: bool = False,
                  timeline: str | None = None, process_set=None, backend: str | None = None,
-                 zero_stage: int = 0):
+                 zero_stage: int = 0, sparse_as_dense: bool = False):
         # Deliberately no super().__init__: the wrapped optimizer holds the real state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
@@ -103,6 +111,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("gradient_predivide_factor only applies with op=Average")
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if not isinstance(sparse_as_dense, bool):
+            raise ValueError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
         if isinstance(zero_stage, bool) or zero_stage not in sharding.STAGES:
             raise ValueError(f"zero_stage must be one of {sharding.STAGES}, got {zero_stage!r}")
         if zero_stage:
@@ -162,7 +172,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               backward_passes_per_step=backward_passes_per_step,
                               find_unused_parameters=find_unused_parameters,
                               timeline=self.timeline, clock=self._step_clock(),
-                              shard_parts=size if zero_stage else 1)
+                              shard_parts=size if zero_stage else 1,
+                              sparse_as_dense=sparse_as_dense)
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
         self.steps = 0

@@ -6,15 +6,28 @@ import torch
 
 from .. import runtime
 from ..ops import Average, ReduceOp, Sum
+from ..worker import Handle
 from ._core import global_process_set, start, topo_of
+from ._handles import synchronize
 from ._movement import allgather_run
+
+
+class SparseAllreduceHandle(Handle):
+    """A ``Handle`` that is also what Horovod's ``sparse_allreduce_async`` returns: a function
+    to call for the result. ``handle()`` and ``synchronize(handle)`` wait alike."""
+
+    __slots__ = ()
+
+    def __call__(self):
+        return synchronize(self)
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
     """Allreduce a sparse COO tensor by allgathering its indices and values (as Horovod).
 
-    ``synchronize(handle)`` returns a sparse tensor of the same size whose (uncoalesced) entries
-    are every rank's entries, divided by the number of ranks for Average.
+    ``handle()`` (Horovod's way) or ``synchronize(handle)`` returns a sparse tensor of the same
+    size whose (uncoalesced) entries are every rank's entries, divided by the number of ranks
+    for Average.
     """
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise TypeError(f"sparse_allreduce_async needs a sparse COO torch tensor, got "
@@ -35,4 +48,6 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
             values = values / topo.size
         return torch.sparse_coo_tensor(indices.t(), values, t.size(), check_invariants=False)
 
-    return start(rt, run, ("sparse_allreduce", op.name, tuple(t.shape)), (t,), name)
+    handle = start(rt, run, ("sparse_allreduce", op.name, tuple(t.shape)), (t,), name)
+    handle.__class__ = SparseAllreduceHandle  # same layout (no slots of its own): callable
+    return handle

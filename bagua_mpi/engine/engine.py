@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from .. import collectives, node_shared, runtime
+from ..primitives.sparse_grads import sparse_allgather
+from ..transport import Transport
 from ..exceptions import MisuseError
 from ..ops import Max
 from ..timeline import Timeline
@@ -38,7 +40,8 @@ class Engine:
     def __init__(self, params: list[torch.Tensor], names: list[str], impl, *, bucket_bytes: int,
                  overlap: bool, flatten: bool, profile_order: bool, backward_passes_per_step: int,
                  find_unused_parameters: bool, timeline: Timeline | None,
-                 clock: StepClock | None = None, shard_parts: int = 1):
+                 clock: StepClock | None = None, shard_parts: int = 1,
+                 sparse_as_dense: bool = False):
         self.params = params
         self.names = names
         self.impl = impl
@@ -49,6 +52,14 @@ class Engine:
         self.passes = backward_passes_per_step
         self.find_unused = find_unused_parameters
         self.shard_parts = shard_parts  # ZeRO: buckets padded to this many equal slices
+        # Sparse gradients (nn.Embedding(sparse=True)) stay sparse, outside the buckets, and
+        # are all-gathered (primitives/sparse_grads.py), as Horovod does without
+        # sparse_as_dense. Dense instead: when asked, when the algorithm averages models
+        # (they average parameters through the buckets) and for sharded buckets (a slice
+        # of a sparse gradient is not what the optimizer steps on).
+        self.keep_sparse = (not sparse_as_dense and impl.communicates_gradients
+                            and shard_parts == 1)
+        self.sparse: set[int] = set()  # parameters whose gradients are exchanged sparse
         self.timeline = timeline
         self.worker = runtime.get().worker
         if timeline is not None:
@@ -92,6 +103,10 @@ class Engine:
                 f"{count} times before step() (backward_passes_per_step={self.passes}); "
                 f"raise backward_passes_per_step, or run the extra backward passes inside "
                 f"opt.no_sync()")
+        if self.keep_sparse and (i in self.sparse or self.buckets is None and _sparse_grad(
+                self.params[i])):
+            self.sparse.add(i)  # new ones only while profiling: the buckets are fixed after
+            return
         if self.buckets is None:
             if count == 1:
                 self.profiled_order.append(i)
@@ -146,12 +161,18 @@ class Engine:
 
     # -- buckets ----------------------------------------------------------------------------------
     def _build_buckets(self) -> None:
-        seen = set(self.profiled_order)
+        if self.keep_sparse:  # a rank that saw no gradient of a sparse parameter learns here
+            everyone = self.worker.run(
+                lambda: self.impl.ctx.topo.comm.allgather(sorted(self.sparse)),
+                ("sparse parameters",))
+            self.sparse = set().union(*map(set, everyone))
+        seen = set(self.profiled_order) | self.sparse
         unseen = [i for i in reversed(range(len(self.params))) if i not in seen]
         if self.profile_order:
             order = collectives.broadcast_object(self.profiled_order + unseen, root_rank=0)
         else:  # what DDP and Horovod assume: gradients arrive in reverse declaration order
             order = list(reversed(range(len(self.params))))
+        order = [i for i in order if i not in self.sparse]
         groups = plan_buckets(self.params, order, self.bucket_bytes)
         allocators = self._shared_allocators(groups)
         self.buckets = []
@@ -225,10 +246,27 @@ class Engine:
             self.wait_seconds += time.perf_counter() - wait_start
             if self.timeline is not None:
                 self.timeline.span("wait", started, time.monotonic(), handles=len(self._handles))
+        if self.sparse:
+            self._exchange_sparse()
         if self.find_unused:
             self._drop_globally_unused_grads()
         self._tick()
         self._reset()
+
+    def _exchange_sparse(self) -> None:
+        """Every sparse gradient, all-gathered and coalesced, scaled as the buckets are (after
+        them, in parameter order: the same sequence on every rank)."""
+        impl = self.impl
+        wire = Transport(impl.ctx.topo.comm, impl.backend)
+        started = time.perf_counter()
+        for i in sorted(self.sparse):
+            p = self.params[i]
+            grad = _as_sparse(p)
+            p.grad = self.worker.run(
+                lambda grad=grad: sparse_allgather(grad, wire, scale=impl.scale,
+                                                   stats=impl.wire),
+                ("sparse gradient", self.names[i], tuple(p.shape)))
+        self.wait_seconds += time.perf_counter() - started
 
     @property
     def iteration(self) -> int:
@@ -280,3 +318,16 @@ class Engine:
             if self.worker.observer == self._observe:
                 self.worker.observer = None
             self.timeline.close()
+
+
+def _sparse_grad(p: torch.Tensor) -> bool:
+    return p.grad is not None and p.grad.is_sparse
+
+
+def _as_sparse(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient as a sparse COO tensor: an empty one when it got none this step."""
+    if p.grad is None:
+        return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),
+                                       torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype,
+                                                   device=p.device), tuple(p.shape))
+    return p.grad if p.grad.is_sparse else p.grad.to_sparse(1)

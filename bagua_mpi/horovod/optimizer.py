@@ -10,7 +10,8 @@ Horovod's public attributes and its warning for ``step()`` after ``synchronize()
 * ``num_groups=k`` / ``groups=k``: about k fused buckets (bucket size = parameter bytes / k);
   ``groups=[[p, ...], ...]`` (explicit groups) is approximated the same way with
   k = len(groups) and a warning: buckets follow gradient readiness, not the given groups.
-* ``sparse_as_dense``: accepted; gradients are communicated dense either way.
+* ``sparse_as_dense``: as Horovod: False (default) exchanges sparse gradients sparse (an
+  allgather of every rank's rows, coalesced; ``p.grad`` stays sparse), True densifies them.
 * ``process_set``: data parallelism inside the set's sub-communicator (``ps.topology``),
   passed to the wrapped class as ``process_set=`` (with ``profile_order=False``: the engine
   agrees a profiled order on the global communicator). A rank outside the set gets a
@@ -168,7 +169,8 @@ class DistributedOptimizer(_base.DistributedOptimizer):
             kwargs.setdefault("profile_order", False)
         super().__init__(optimizer, named, compression=compression,
                          backward_passes_per_step=backward_passes_per_step, op=op,
-                         gradient_predivide_factor=gradient_predivide_factor, **kwargs)
+                         gradient_predivide_factor=gradient_predivide_factor,
+                         sparse_as_dense=sparse_as_dense, **kwargs)
         # Horovod's public arguments, readable as attributes.
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op

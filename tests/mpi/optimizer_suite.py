@@ -188,28 +188,83 @@ def check_unused_default(size: int) -> int:
     return 2
 
 
-def check_sparse_gradients(size: int) -> int:
-    """nn.Embedding(sparse=True): gradients are averaged dense (Horovod's sparse_as_dense),
-    equal to one process summing the ranks' mean losses over their own indices."""
-    def indices(step, r):
-        return torch.tensor([(step + r) % 10, (3 * r + 1) % 10, 7])
+class SparseNet(torch.nn.Module):
+    """A sparse embedding (its gradient stays sparse) feeding a dense layer (bucketed)."""
 
-    torch.manual_seed(0)
-    ref = torch.nn.Embedding(10, 4, sparse=True)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    torch.manual_seed(0)
-    emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = bm.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
-                                  named_parameters=emb.named_parameters())
-    for step in range(4):
-        ref_opt.zero_grad()
-        (sum(ref(indices(step, r)).square().sum() for r in range(size)) / size).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        emb(indices(step, bm.rank())).square().sum().backward()
-        opt.step()
-    opt.close()
-    torch.testing.assert_close(emb.weight.detach(), ref.weight.detach())
+    def __init__(self, rows: int = 10):
+        super().__init__()
+        self.emb = torch.nn.Embedding(rows, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def sparse_indices(step, r, rows=10):
+    return torch.tensor([(step + r) % rows, (3 * r + 1) % rows, 7])
+
+
+def check_sparse_gradients(size: int) -> int:
+    """nn.Embedding(sparse=True) beside a dense layer, with SGD and with SparseAdam (which
+    only takes sparse gradients): by default the embedding's gradient is exchanged sparse and
+    stays sparse; with sparse_as_dense=True it is averaged dense. Either way the model equals
+    one process stepping on the mean of the ranks' losses over their own indices."""
+    def make_opt(kind, model):
+        if kind == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.1)
+        return torch.optim.SparseAdam([model.emb.weight], lr=0.05)
+
+    checks = 0
+    for kind, sparse_as_dense in (("sgd", False), ("sgd", True), ("sparse_adam", False)):
+        torch.manual_seed(0)
+        ref = SparseNet()
+        ref_opt = make_opt(kind, ref)
+        torch.manual_seed(0)
+        model = SparseNet()
+        opt = bm.DistributedOptimizer(make_opt(kind, model),
+                                      named_parameters=model.named_parameters(),
+                                      sparse_as_dense=sparse_as_dense)
+        for step in range(4):
+            ref_opt.zero_grad()
+            (sum(ref(sparse_indices(step, r)).square().sum() for r in range(size))
+             / size).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            model(sparse_indices(step, bm.rank())).square().sum().backward()
+            opt.step()
+            what = f"{kind} sparse_as_dense={sparse_as_dense} step {step}"
+            assert model.emb.weight.grad.is_sparse != sparse_as_dense, what
+            if not sparse_as_dense:  # the exchanged gradient: every rank's rows, averaged
+                expected = ref.emb.weight.grad.coalesce()
+                got = model.emb.weight.grad
+                assert got.is_coalesced(), what
+                torch.testing.assert_close(got.to_dense(), expected.to_dense(), msg=what)
+        opt.close()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), dict(ref.named_parameters())[name].detach(),
+                                       msg=f"{kind} sparse_as_dense={sparse_as_dense}: {name}")
+        checks += 1
+    return checks
+
+
+def check_sparse_gradients_send_rows(rank: int, size: int) -> int:
+    """A large embedding's sparse exchange sends the rows touched, not the table: far fewer
+    bytes than sparse_as_dense=True."""
+    sent = {}
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(0)
+        model = SparseNet(rows=20000)
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      sparse_as_dense=sparse_as_dense)
+        for step in range(2):
+            opt.zero_grad()
+            model(sparse_indices(step, rank, 20000)).square().sum().backward()
+            opt.step()
+        sent[sparse_as_dense] = opt.communication_stats()["bytes_sent"]
+        opt.close()
+    if size > 1:
+        assert sent[False] * 20 < sent[True], sent
     return 1
 
 
@@ -399,6 +454,7 @@ def suite_checks() -> dict:
         "unused_default": lambda rank, size: check_unused_default(size),
         "misuse": check_misuse,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
+        "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
         "compression": lambda rank, size: check_compression(size),
         "mismatched_models": check_mismatched_models,
