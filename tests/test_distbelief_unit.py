@@ -11,9 +11,9 @@ from mpi4py import MPI
 from numpy.testing import assert_allclose
 
 from bagua_mpi import distbelief as db
-from bagua_mpi.distbelief.protocol import HEADER_BYTES, Endpoint, Op, pack
-from bagua_mpi.distbelief.roles import plan_roles
-from bagua_mpi.distbelief.vector_ops import G, X, s_slot, y_slot
+from bagua_mpi.distbelief.parameter_server.protocol import HEADER_BYTES, Endpoint, Op, pack
+from bagua_mpi.distbelief.parameter_server.roles import plan_roles
+from bagua_mpi.distbelief.parameter_server.vector_ops import G, X, s_slot, y_slot
 
 
 # -- layout and roles --------------------------------------------------------------------------
@@ -71,6 +71,34 @@ def test_role_plans():
         with pytest.raises(ValueError):
             plan_roles(*args, **kwargs)
 
+
+
+class _ServerRoles:
+    """Just enough of ``Roles`` for the checks a shard makes before its first message."""
+
+    is_server, rank, role, n_partitions = True, 3, "server", 1
+
+    def __init__(self, coordinator=None):
+        self.coordinator = coordinator
+
+
+def test_shard_server_is_the_kind_its_optimizer_names():
+    layout = db.ShardLayout(4, 1)
+    made = db.ShardServer.__new__(db.ShardServer, _ServerRoles(), layout, db.Adagrad())
+    assert type(made) is db.DownpourShardServer
+    made = db.ShardServer.__new__(db.ShardServer, _ServerRoles(0), layout, None)
+    assert type(made) is db.SandblasterShardServer
+    assert issubclass(db.DownpourShardServer, db.ShardServer)
+    assert issubclass(db.SandblasterShardServer, db.ShardServer)
+    # the checks run before any message, with the messages of the single class they replace
+    with pytest.raises(TypeError, match="optimizer must be distbelief.Adagrad"):
+        db.ShardServer(_ServerRoles(), layout, "adagrad")
+    with pytest.raises(ValueError, match="Sandblaster .optimizer=None. needs setup"):
+        db.ShardServer(_ServerRoles(), layout, None)
+    with pytest.raises(ValueError, match="Sandblaster .optimizer=None. needs setup"):
+        db.ShardServer(_ServerRoles(0), layout, db.SGD())
+    with pytest.raises(TypeError, match="no update rule"):
+        db.SandblasterShardServer(_ServerRoles(0), layout, db.SGD())
 
 # -- update rules ------------------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ def test_linear_blocks_compute_their_output_features():
 
 
 def test_check_bounds_messages_name_the_values():
-    from bagua_mpi.distbelief.partition import check_bounds
+    from bagua_mpi.distbelief.model_parallel.partition import check_bounds
     with pytest.raises(db.PartitionError, match=r"\[0, 2, 5\] do not cover the 6 units"):
         check_bounds([0, 2, 5], 6, 2)
     with pytest.raises(db.PartitionError, match=r"leave partition\(s\) \[1\] with no unit"):

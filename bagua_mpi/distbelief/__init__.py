@@ -24,6 +24,15 @@ fully connected layers) runs one replica over its group, and every partition is 
 Sandblaster worker for its own parameter range (see ``model_parallel`` and
 ``examples/model_parallel_downpour.py``).
 
+Layout: two subpackages over two shared modules, every public name re-exported here.
+
+* ``parameter_server/``: roles and shards, the wire protocol and session handshake, the shard
+  server, Downpour, Sandblaster (coordinator, portion scheduler, L-BFGS);
+* ``model_parallel/``: partitions, the link between them, cuttable layers, partitioned models;
+* ``errors`` (``DistBeliefError``, ``PartitionError``) and ``polling`` (waiting without
+  spinning), which both use. ``model_parallel`` never imports ``parameter_server`` and the
+  reverse holds too: they meet only in user code (a partition is a worker).
+
 Communication design: two-sided, nonblocking point-to-point (``MPI_Issend`` + ``MPI_Improbe`` /
 matched receive from ``MPI_ANY_SOURCE``), not one-sided RMA. Reasons:
 
@@ -58,28 +67,24 @@ What survives, and what does not (an MPI job starts and ends as a whole):
   failing shard or coordinator (there is no replication of the parameter state: restart from
   the last checkpoint, ``ShardServer.state_dict``/``SandblasterCoordinator.state_dict``).
 """
-from .downpour import DownpourWorker, WorkerReport, run_downpour
-from .layers import LinearBlocks, LocallyConnected2d
-from .lbfgs import History, WolfeSearch, two_loop_coefficients
-from .link import Link
-from .model_parallel import BlockModel, PipelineModel
-from .models import flat_parameters, load_flat, model_step_fn
-from .optimizers import SGD, Adagrad
-from .partition import PartitionError, exchange_plan, split_units
-from .protocol import Departure, DistBeliefError
-from .roles import Roles, ShardLayout, check_replicas, setup
-from .sandblaster import (LBFGSResult, SandblasterCoordinator, SandblasterWorker,
-                          SandblasterWorkerReport, run_sandblaster)
-from .scheduler import PortionScheduler, SchedulerStats
-from .shard_server import ServerReport, ShardServer
-from .vector_ops import Program, SlotStore
+from .errors import DistBeliefError, PartitionError
+from .model_parallel import (BlockModel, LinearBlocks, Link, LocallyConnected2d, PipelineModel,
+                             exchange_plan, split_units)
+from .parameter_server import (SGD, Adagrad, Departure, DownpourShardServer, DownpourWorker,
+                               History, LBFGSResult, PortionScheduler, Program, Roles,
+                               SandblasterCoordinator, SandblasterShardServer, SandblasterWorker,
+                               SandblasterWorkerReport, SchedulerStats, ServerReport,
+                               ShardLayout, ShardServer, SlotStore, WolfeSearch, WorkerReport,
+                               check_replicas, flat_parameters, load_flat, model_step_fn,
+                               run_downpour, run_sandblaster, setup, two_loop_coefficients)
 
 __all__ = [
-    "Adagrad", "BlockModel", "Departure", "DistBeliefError", "DownpourWorker", "History",
-    "LBFGSResult", "LinearBlocks", "Link", "LocallyConnected2d", "PartitionError",
-    "PipelineModel", "PortionScheduler", "Program", "Roles", "SGD", "SandblasterCoordinator",
-    "SandblasterWorker", "SandblasterWorkerReport", "SchedulerStats", "ServerReport",
-    "ShardLayout", "ShardServer", "SlotStore", "WolfeSearch", "WorkerReport", "flat_parameters",
-    "check_replicas", "exchange_plan", "load_flat", "model_step_fn", "run_downpour",
-    "run_sandblaster", "setup", "split_units", "two_loop_coefficients",
+    "Adagrad", "BlockModel", "Departure", "DistBeliefError", "DownpourShardServer",
+    "DownpourWorker", "History", "LBFGSResult", "LinearBlocks", "Link", "LocallyConnected2d",
+    "PartitionError", "PipelineModel", "PortionScheduler", "Program", "Roles", "SGD",
+    "SandblasterCoordinator", "SandblasterShardServer", "SandblasterWorker",
+    "SandblasterWorkerReport", "SchedulerStats", "ServerReport", "ShardLayout", "ShardServer",
+    "SlotStore", "WolfeSearch", "WorkerReport", "flat_parameters", "check_replicas",
+    "exchange_plan", "load_flat", "model_step_fn", "run_downpour", "run_sandblaster", "setup",
+    "split_units", "two_loop_coefficients",
 ]

@@ -128,7 +128,7 @@ def check_blocks(group, layers_fn, cut, x, target, row_weights):
     xin = x.clone().requires_grad_(True)
     loss = bm_.loss(xin, target, mse_sum)
     loss.backward()
-    ref_blocks = [layer for layer in full if db.layers.is_block_layer(layer)]
+    ref_blocks = [layer for layer in full if db.model_parallel.layers.is_block_layer(layer)]
     for j, (ref, bounds) in enumerate(zip(ref_blocks, bm_.bounds)):
         a, b = bounds[m], bounds[m + 1]
         block = bm_.steps[j][0]

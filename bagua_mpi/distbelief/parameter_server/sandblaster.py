@@ -48,12 +48,14 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import DistBeliefError
+from ..polling import POLL_MAX_S
 from .lbfgs import History, WolfeSearch
-from .protocol import (POLL_MAX_S, TAG_REPLY, TAG_REQUEST, DistBeliefError, Endpoint, Message,
-                       Op, pack)
-from .roles import SANDBLASTER, Roles, ShardLayout, open_session
+from .protocol import (SANDBLASTER, TAG_REPLY, TAG_REQUEST, Endpoint, Message, Op, open_session,
+                       pack)
+from .roles import Roles, ShardLayout
 from .scheduler import PortionScheduler, SchedulerStats
-from .shard_server import ServerReport, ShardServer
+from .shard_server import SandblasterShardServer, ServerReport
 from .vector_ops import GT, XT, D, G, Program, X, s_slot, y_slot
 
 logger = logging.getLogger(__name__)
@@ -513,7 +515,7 @@ def run_sandblaster(roles: Roles, layout: ShardLayout, portion_fn: PortionFn, n_
     ``param_range``: a partition's own parameters (partitioned replicas; workers only).
     """
     if roles.is_server:
-        server = ShardServer(roles, layout, None)
+        server = SandblasterShardServer(roles, layout)
         if server_state is not None:
             server.load_state_dict(server_state)
         return server.serve()

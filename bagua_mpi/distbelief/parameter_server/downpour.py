@@ -41,11 +41,13 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import DistBeliefError
+from ..polling import POLL_MAX_S
 from .optimizers import SGD, Adagrad
-from .protocol import (POLL_MAX_S, TAG_REPLY, TAG_REQUEST, Departure, DistBeliefError,
-                       Endpoint, Message, Op, pack)
-from .roles import DOWNPOUR, Roles, ShardLayout, open_session
-from .shard_server import ServerReport, ShardServer
+from .protocol import (DOWNPOUR, TAG_REPLY, TAG_REQUEST, Departure, Endpoint, Message, Op, pack,
+                       open_session)
+from .roles import Roles, ShardLayout
+from .shard_server import DownpourShardServer, ServerReport
 
 logger = logging.getLogger(__name__)
 
@@ -307,8 +309,8 @@ def run_downpour(roles: Roles, layout: ShardLayout, step_fn: StepFn, num_steps: 
     ``ShardServer.state_dict`` to resume from (on servers; ignored elsewhere).
     """
     if roles.is_server:
-        server = ShardServer(roles, layout, optimizer or Adagrad(),
-                             worker_timeout_s=worker_timeout_s)
+        server = DownpourShardServer(roles, layout, optimizer or Adagrad(),
+                                     worker_timeout_s=worker_timeout_s)
         if server_state is not None:
             server.load_state_dict(server_state)
         return server.serve()

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from .protocol import DistBeliefError
+from ..errors import DistBeliefError
 
 ROW = 6
 

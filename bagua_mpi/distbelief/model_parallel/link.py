@@ -2,7 +2,7 @@
 
 A ``Link`` is a replica group's private channel (a duplicate of the group communicator, so
 activations can never match parameter-server or collective traffic). Every message is a
-nonblocking point-to-point ``Isend``/``Irecv``; waits poll with the protocol's ``Backoff`` so a
+nonblocking point-to-point ``Isend``/``Irecv``; waits poll with ``polling.Backoff`` so a
 partition waiting for its neighbour leaves the core to the neighbour's compute.
 
 Two kinds of boundary, each an autograd function whose backward is the transpose of its forward:
@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .partition import PartitionError, Transfer
-from .protocol import POLL_MAX_S, Backoff
+from ..errors import PartitionError
+from ..polling import POLL_MAX_S, Backoff
+from .partition import Transfer
 
 _DTYPES = {torch.float32: (0, MPI.FLOAT), torch.float64: (1, MPI.DOUBLE)}
 _BY_CODE = {0: torch.float32, 1: torch.float64}
@@ -167,64 +168,63 @@ def pipe_recv(link: Link, source: int, boundary: int, anchor: torch.Tensor) -> t
 
 # -- partition within layers: halo exchange and gather ---------------------------------------------
 
+def _move_units(link: Link, plan: list[Transfer], dim: int, data: torch.Tensor,
+                have: tuple[int, int], want: tuple[int, int], boundary: int,
+                backward: bool) -> torch.Tensor:
+    """One direction of a boundary: from ``data`` (units ``have`` along ``dim``) to the block of
+    units ``want``, moving every transfer of ``plan``.
+
+    Forward, a transfer carries input units from its ``src`` to its ``dst``, which places them in
+    its needed block. Backward is the transpose: the gradient of those units goes from ``dst``
+    back to ``src``, which adds it to the gradient of its own block (several partitions may have
+    used a unit). Either way, the units a partition both has and wants are taken locally.
+    """
+    me = link.rank
+    tag = _tag(boundary, _BWD if backward else _FWD)
+    routes = [(t.dst, t.src, t) if backward else (t.src, t.dst, t) for t in plan]
+    shape = list(data.shape)
+    incoming, reqs = [], []
+    for sender, receiver, t in routes:  # post every receive first, then the sends, then wait
+        if receiver == me:
+            shape[dim] = t.hi - t.lo
+            req, buf = link.irecv(shape, data, sender, tag)
+            incoming.append((t, buf))
+            reqs.append(req)
+    for sender, receiver, t in routes:
+        if sender == me:
+            reqs.append(link.isend(data.narrow(dim, t.lo - have[0], t.hi - t.lo), receiver, tag))
+    shape[dim] = want[1] - want[0]
+    # forward, every wanted unit comes from exactly one owner: written once, no zeroing needed;
+    # backward, a unit's gradient is the sum over the partitions that used it
+    new, place = (torch.zeros, torch.Tensor.add_) if backward else (torch.empty, torch.Tensor.copy_)
+    out = new(shape, dtype=data.dtype)
+    lo, hi = max(have[0], want[0]), min(have[1], want[1])
+    if lo < hi:
+        place(out.narrow(dim, lo - want[0], hi - lo), data.narrow(dim, lo - have[0], hi - lo))
+    link.wait(reqs)
+    for t, buf in incoming:  # plan order: the same summation order on every run
+        place(out.narrow(dim, t.lo - want[0], t.hi - t.lo), buf)
+    return out
+
+
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_own, link: Link, plan: list[Transfer], dim: int, own: tuple[int, int],
                 need: tuple[int, int], boundary: int):
-        me = link.rank
-        shape = list(x_own.shape)
-        if shape[dim] != own[1] - own[0]:
-            raise PartitionError(f"partition {me}: boundary {boundary} expected {own[1] - own[0]}"
-                                 f" owned units along dim {dim}, got a tensor of shape "
-                                 f"{tuple(x_own.shape)}")
-        xc = x_own.detach().cpu()
-        recvs, reqs = [], []
-        for t in plan:  # post every receive first, then the sends, then wait
-            if t.dst == me:
-                shape[dim] = t.hi - t.lo
-                req, buf = link.irecv(shape, xc, t.src, _tag(boundary, _FWD))
-                recvs.append((t, buf))
-                reqs.append(req)
-        for t in plan:
-            if t.src == me:
-                reqs.append(link.isend(xc.narrow(dim, t.lo - own[0], t.hi - t.lo), t.dst,
-                                       _tag(boundary, _FWD)))
-        shape[dim] = need[1] - need[0]
-        out = torch.empty(shape, dtype=x_own.dtype)
-        lo, hi = max(own[0], need[0]), min(own[1], need[1])
-        if lo < hi:
-            out.narrow(dim, lo - need[0], hi - lo).copy_(xc.narrow(dim, lo - own[0], hi - lo))
-        link.wait(reqs)
-        for t, buf in recvs:
-            out.narrow(dim, t.lo - need[0], t.hi - t.lo).copy_(buf)
+        if x_own.shape[dim] != own[1] - own[0]:
+            raise PartitionError(f"partition {link.rank}: boundary {boundary} expected "
+                                 f"{own[1] - own[0]} owned units along dim {dim}, got a tensor of "
+                                 f"shape {tuple(x_own.shape)}")
+        out = _move_units(link, plan, dim, x_own.detach().cpu(), own, need, boundary,
+                          backward=False)
         ctx.args = (link, plan, dim, own, need, boundary, x_own.device)
         return out.to(x_own.device)
 
     @staticmethod
     def backward(ctx, grad_need):
         link, plan, dim, own, need, boundary, device = ctx.args
-        me = link.rank
-        g = grad_need.detach().cpu()
-        shape = list(g.shape)
-        incoming, reqs = [], []
-        for t in plan:  # the gradient of units I sent comes back from those who used them
-            if t.src == me:
-                shape[dim] = t.hi - t.lo
-                req, buf = link.irecv(shape, g, t.dst, _tag(boundary, _BWD))
-                incoming.append((t, buf))
-                reqs.append(req)
-        for t in plan:
-            if t.dst == me:
-                reqs.append(link.isend(g.narrow(dim, t.lo - need[0], t.hi - t.lo), t.src,
-                                       _tag(boundary, _BWD)))
-        shape[dim] = own[1] - own[0]
-        grad_own = torch.zeros(shape, dtype=g.dtype)
-        lo, hi = max(own[0], need[0]), min(own[1], need[1])
-        if lo < hi:
-            grad_own.narrow(dim, lo - own[0], hi - lo).add_(g.narrow(dim, lo - need[0], hi - lo))
-        link.wait(reqs)
-        for t, buf in incoming:  # plan order: the same summation order on every run
-            grad_own.narrow(dim, t.lo - own[0], t.hi - t.lo).add_(buf)
+        grad_own = _move_units(link, plan, dim, grad_need.detach().cpu(), need, own, boundary,
+                               backward=True)
         return grad_own.to(device), None, None, None, None, None, None
 
 

@@ -34,10 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import DistBeliefError
+from ..polling import POLL_MAX_S, Backoff
 from .optimizers import SGD, Adagrad
-from .protocol import (POLL_MAX_S, TAG_REPLY, Backoff, Departure, DistBeliefError, Endpoint,
-                       Message, Op, pack)
-from .roles import DOWNPOUR, SANDBLASTER, Roles, ShardLayout, open_session
+from .protocol import (DOWNPOUR, SANDBLASTER, TAG_REPLY, Departure, Endpoint, Message, Op, pack,
+                       open_session)
+from .roles import Roles, ShardLayout
 from .vector_ops import GACC, X, SlotStore
 
 logger = logging.getLogger(__name__)
@@ -91,25 +93,37 @@ class ShardServer:
             It must exceed the longest normal gap between a worker's messages to this shard
             (about ``min(n_fetch, n_push)`` step times), or slow workers are dropped too.
 
+    ``ShardServer(...)`` makes the server of the algorithm the optimizer names: a
+    ``DownpourShardServer`` (an optimizer) or a ``SandblasterShardServer`` (``None``); both are
+    ``ShardServer``s. This base holds what a shard is whatever the algorithm -- its slice, the
+    session, the counters, the server loop, the closing, the checkpoint -- and each subclass
+    adds how it answers the messages of its algorithm (``_handle``).
+
     The initial parameters arrive from worker 0 during construction; ``load_state_dict`` after
     construction replaces them (and the optimizer state and counters) from a checkpoint.
     """
+
+    mode: int  # DOWNPOUR or SANDBLASTER: the session this server opens (set by the subclasses)
+    coordinated: bool  # whether the algorithm needs setup(coordinator=True)
+
+    def __new__(cls, roles: Roles, layout: ShardLayout, optimizer: SGD | Adagrad | None = None,
+                **options):
+        if cls is ShardServer:  # the public constructor: the optimizer names the algorithm
+            cls = SandblasterShardServer if optimizer is None else DownpourShardServer
+        return super().__new__(cls)
 
     def __init__(self, roles: Roles, layout: ShardLayout, optimizer: SGD | Adagrad | None = None,
                  *, worker_timeout_s: float | None = None, poll_max_s: float = POLL_MAX_S):
         if not roles.is_server:
             raise ValueError(f"rank {roles.rank} is a {roles.role}, not a server")
-        if optimizer is not None and not isinstance(optimizer, (SGD, Adagrad)):
-            raise TypeError(f"optimizer must be distbelief.Adagrad, distbelief.SGD or None, "
-                            f"got {type(optimizer).__name__}")
+        self._check_optimizer(optimizer)
         if worker_timeout_s is not None and not worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be positive or None, got {worker_timeout_s!r}")
         if worker_timeout_s is not None and roles.n_partitions > 1:
             raise ValueError("worker_timeout_s cannot be used with partitioned replicas: a "
                              "partition told to stop would leave the rest of its replica "
                              "waiting for its activations")
-        self.mode = DOWNPOUR if optimizer is not None else SANDBLASTER
-        if (self.mode == SANDBLASTER) != (roles.coordinator is not None):
+        if self.coordinated != (roles.coordinator is not None):
             raise ValueError("Sandblaster (optimizer=None) needs setup(coordinator=True); "
                              "Downpour (an optimizer) needs a job without a coordinator")
         self.roles, self.layout, self.optimizer = roles, layout, optimizer
@@ -121,19 +135,16 @@ class ShardServer:
         self.start, self.stop = layout.shard_range(self.shard)
         size = self.stop - self.start
         self.store = SlotStore(size, layout.dtype)
-        self.store.on_begin_eval = self._begin_eval
-        self.store.on_end_eval = self._end_eval
         self.opt_state = optimizer.init_state(size, layout.dtype) if optimizer else {}
         self.endpoint = Endpoint(roles.comm, poll_max_s)
         self.my_workers = self.session.workers_of_shard(roles, layout, self.shard)
-        # worker rank -> its part of this slice, relative to the slice's start
-        self.windows = {}
-        for w in self.my_workers:
-            a, b = layout.overlap(self.shard, *self.session.worker_ranges[w])
-            self.windows[w] = (a - self.start, b - self.start)
         self._reset_counters()
         self._served = False
         self.store.slots[X] = self._receive_init(size)
+
+    def _check_optimizer(self, optimizer) -> None:
+        """Raise if ``optimizer`` is not what this algorithm's shards apply (before any message)."""
+        raise NotImplementedError
 
     def _receive_init(self, size: int) -> np.ndarray:
         """The initial slice, in pieces from replica 0's partitions (one piece without them)."""
@@ -154,6 +165,8 @@ class ShardServer:
         return x
 
     def _reset_counters(self) -> None:
+        # Every counter exists in both algorithms, since the report and the checkpoint have one
+        # format for both (a Sandblaster shard reports 0 updates, a Downpour one 0 programs).
         self.updates = 0
         self.dropped = 0
         self.pushes = {w: 0 for w in self.my_workers}
@@ -163,9 +176,7 @@ class ShardServer:
         self.staleness = np.zeros(16, dtype=np.int64)
         self.departures: dict[int, Departure] = {}
         self.pushes_at_departure: dict[int, dict[int, int]] = {}
-        self.eval_id = -1  # Sandblaster: the evaluation in progress, its point and ledger
-        self.eval_src = X
-        self.ledger: dict[int, dict[int, int]] = {}  # portion -> {window start: length}
+        self.eval_id = -1  # Sandblaster: the evaluation in progress
         self.portions_accepted = 0
         self.programs = 0
 
@@ -174,7 +185,7 @@ class ShardServer:
         """This shard's slice of the parameters (live view)."""
         return self.store.slots[X]
 
-    # -- the loops ----------------------------------------------------------------------------
+    # -- the loop -----------------------------------------------------------------------------
     def serve(self) -> ServerReport:
         """Serve until the session ends, then join the closing barrier; return the report.
 
@@ -185,197 +196,41 @@ class ShardServer:
                                   f"ShardServer (on every rank) for a new session")
         self._served = True
         t0 = time.perf_counter()
-        if self.mode == DOWNPOUR:
-            self._serve_downpour()
-        else:
-            self._serve_sandblaster()
+        self._begin()
+        backoff = Backoff(self.endpoint.poll_max_s)
+        while self._serving():
+            m = self.endpoint.try_recv()
+            if m is not None:
+                self._handle(m)
+                backoff.reset()
+                continue
+            self.endpoint.progress()
+            self._idle()
+            backoff.idle()
         self.endpoint.drain(self._on_late)
         report = self.report(time.perf_counter() - t0)
         report.state = self.state_dict()
         return report
 
-    def _serve_downpour(self) -> None:
-        warm_ranks = set(self.roles.replica_ranks(0))  # the warm-start replica's partitions
-        warm = self.session.warm_start_steps > 0
-        self._state = {w: (_WAITING if warm and w not in warm_ranks else _ACTIVE)
-                       for w in self.my_workers}
-        now = time.monotonic()
-        self._last_heard = {w: now for w in self.my_workers}
-        self._released = not warm
-        self._warm_pending = warm_ranks & set(self.my_workers)
-        if warm and not self._warm_pending:
-            self._release()  # the warm-start replica does not use this shard
-        self._remaining = len(self._state)  # workers not yet departed or lost
-        backoff = Backoff(self.endpoint.poll_max_s)
-        next_check = now
-        while self._remaining:
-            m = self.endpoint.try_recv()
-            if m is not None:
-                self._on_downpour(m)
-                backoff.reset()
-                continue
-            self.endpoint.progress()
-            if self.worker_timeout_s is not None and time.monotonic() >= next_check:
-                self._check_silence()
-                next_check = time.monotonic() + min(0.05, self.worker_timeout_s / 10)
-            backoff.idle()
+    # What each algorithm fills in: its state at the start of the loop, the loop's end, one
+    # message handled to completion, and what to do (besides sleeping) when nothing came.
+    def _begin(self) -> None:
+        pass
 
-    def _on_downpour(self, m: Message) -> None:
-        w = m.source
-        state = self._state.get(w)
-        if state is None:
-            raise DistBeliefError(f"shard {self.shard} (rank {self.roles.rank}): {m.op.name} from "
-                                  f"rank {w}, which is not one of its workers {self.my_workers}")
-        if state == _ACTIVE:
-            self._last_heard[w] = time.monotonic()
-        if m.op == Op.FETCH:
-            if state != _ACTIVE:
-                self._reply(w, Op.STOP)
-                return
-            a, b = self.windows[w]
-            self._reply(w, Op.PARAMS, payload=self.params[a:b])
-            self.fetches[w] += 1
-            self.fetched_at[w] = self.updates
-            self.first_fetch.setdefault(w, self.updates)
-        elif m.op == Op.PUSH:
-            if state != _ACTIVE:
-                self.dropped += 1
-                return
-            self._apply_push(w, m)
-        elif m.op == Op.BYE:
-            if state in (_WAITING, _ACTIVE):
-                self._depart(w, Departure(m.a))
-        elif m.op == Op.WARM_DONE:
-            self._warm_done(w)
-        else:
-            raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank {w} "
-                                  f"in a Downpour session")
+    def _serving(self) -> bool:
+        raise NotImplementedError
 
-    def _apply_push(self, w: int, m: Message) -> None:
-        a, b = self.windows[w]
-        grad = m.data(self.layout.dtype)
-        if grad.shape != (b - a,):
-            raise DistBeliefError(f"shard {self.shard}: push of {grad.size} values from rank {w},"
-                                  f" whose part of this shard has {b - a}")
-        stale = self.updates - self.fetched_at.get(w, 0)
-        if stale >= len(self.staleness):
-            self.staleness = np.concatenate(
-                [self.staleness, np.zeros(max(stale + 1, 2 * len(self.staleness))
-                                          - len(self.staleness), dtype=np.int64)])
-        self.staleness[stale] += 1
-        self.optimizer.apply(self.params, grad, self.opt_state, a, b)
-        self.updates += 1
-        self.pushes[w] += 1
+    def _handle(self, m: Message) -> None:
+        raise NotImplementedError
 
-    def _warm_done(self, w: int) -> None:
-        """A partition of the warm-start replica finished (or left): release when all have."""
-        if w in self._warm_pending:
-            self._warm_pending.discard(w)
-            if not self._warm_pending:
-                self._release()
-
-    def _release(self) -> None:
-        """End of the warm start on this shard: let every waiting worker go."""
-        if self._released:
-            return
-        self._released = True
-        now = time.monotonic()
-        for w, s in self._state.items():
-            if s == _WAITING:
-                self._state[w] = _ACTIVE
-                self._last_heard[w] = now
-                self.endpoint.send(w, pack(Op.RELEASE))
-
-    def _depart(self, w: int, reason: Departure) -> None:
-        self._state[w] = reason.name
-        self._remaining -= 1
-        self.departures[w] = reason
-        self.pushes_at_departure[w] = dict(self.pushes)
-        if reason == Departure.ERROR:
-            logger.warning("shard %d: worker rank %d left after an error in its step function",
-                           self.shard, w)
-        self._warm_done(w)  # a warm-start replica that leaves early must not block the others
-
-    def _check_silence(self) -> None:
-        now = time.monotonic()
-        for w, s in self._state.items():
-            if s == _ACTIVE and now - self._last_heard[w] > self.worker_timeout_s:
-                logger.warning("shard %d: worker rank %d silent for %.1f s (worker_timeout_s=%g): "
-                               "declared lost", self.shard, w, now - self._last_heard[w],
-                               self.worker_timeout_s)
-                self._depart(w, Departure.LOST)
-                self.endpoint.send(w, pack(Op.STOP))  # read whenever it wakes up
-
-    def _serve_sandblaster(self) -> None:
-        backoff = Backoff(self.endpoint.poll_max_s)
-        coord = self.roles.coordinator
-        while True:
-            m = self.endpoint.try_recv()
-            if m is None:
-                self.endpoint.progress()
-                backoff.idle()
-                continue
-            backoff.reset()
-            if m.op == Op.PROGRAM and m.source == coord:
-                results = self.store.run(m.data(np.float64).reshape(-1, 6))
-                self.programs += 1
-                self._reply(coord, Op.RESULTS, payload=results)
-            elif m.op == Op.STOP and m.source == coord:
-                return
-            elif m.op == Op.FETCH_EVAL:
-                if m.a == self.eval_id:
-                    a, b = self._sb_window(m.source)
-                    self._reply(m.source, Op.PARAMS, payload=self.store.get(self.eval_src)[a:b])
-                else:
-                    self._reply(m.source, Op.STALE)
-            elif m.op == Op.PUSH_PORTION:
-                self._add_portion(m)
-            else:
-                raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank "
-                                      f"{m.source} in a Sandblaster session")
-
-    def _sb_window(self, w: int) -> tuple[int, int]:
-        """Sandblaster: worker w's part of this slice, relative to its start."""
-        if w not in self.session.worker_ranges:
-            raise DistBeliefError(f"shard {self.shard}: Sandblaster message from rank {w}, "
-                                  f"which is not a worker")
-        ov = self.layout.overlap(self.shard, *self.session.worker_ranges[w])
-        if ov is None:
-            raise DistBeliefError(f"shard {self.shard}: rank {w} uses none of this shard")
-        return ov[0] - self.start, ov[1] - self.start
-
-    def _add_portion(self, m: Message) -> None:
-        a, b = self._sb_window(m.source)
-        pieces = self.ledger.setdefault(m.b, {}) if m.a == self.eval_id else None
-        if pieces is None or a in pieces:
-            self.dropped += 1  # a backup copy that lost, or work for a finished evaluation
-            return
-        grad = m.data(self.layout.dtype)
-        if grad.shape != (b - a,):
-            raise DistBeliefError(f"shard {self.shard}: portion gradient of {grad.size} values "
-                                  f"from rank {m.source}, expected {b - a}")
-        self.store.out(GACC)[a:b] += grad
-        pieces[a] = b - a
-        if sum(pieces.values()) == self.stop - self.start:
-            self.portions_accepted += 1
-
-    def _begin_eval(self, eval_id: int, src: int) -> None:
-        self.eval_id, self.eval_src = eval_id, src
-        self.store.out(GACC)[:] = 0
-        self.ledger.clear()
-
-    def _end_eval(self, dst: int, scale: float, n_portions: int) -> None:
-        size = self.stop - self.start
-        done = {p for p, pieces in self.ledger.items() if sum(pieces.values()) == size}
-        if len(done) != n_portions:
-            missing = sorted(set(range(n_portions)) - done)[:10]
-            raise DistBeliefError(f"shard {self.shard}: evaluation {self.eval_id} ended with "
-                                  f"{len(done)} of {n_portions} portions complete (missing e.g. "
-                                  f"{missing})")
-        np.multiply(self.store.get(GACC), scale, out=self.store.out(dst))
+    def _idle(self) -> None:
+        pass
 
     def _on_late(self, m: Message) -> None:
-        """Messages that arrive after the loop, while the session closes."""
+        """Messages that arrive after the loop, while the session closes.
+
+        One answer per message kind serves both algorithms: every kind belongs to one of them.
+        """
         if m.op == Op.FETCH:
             self._reply(m.source, Op.STOP)
         elif m.op == Op.FETCH_EVAL:
@@ -468,3 +323,230 @@ class ShardServer:
         if ranks == self.my_workers:  # per-worker counts only mean something for the same ranks
             self.pushes = dict(zip(ranks, (int(v) for v in state["pushes"])))
             self.fetches = dict(zip(ranks, (int(v) for v in state["fetches"])))
+
+
+class DownpourShardServer(ShardServer):
+    """A shard of Downpour SGD: applies each worker's push as it arrives (see the module doc).
+
+    Made by ``ShardServer(roles, layout, optimizer)`` (or directly, same arguments).
+    """
+
+    mode = DOWNPOUR
+    coordinated = False
+
+    def __init__(self, roles: Roles, layout: ShardLayout, optimizer: SGD | Adagrad,
+                 *, worker_timeout_s: float | None = None, poll_max_s: float = POLL_MAX_S):
+        super().__init__(roles, layout, optimizer, worker_timeout_s=worker_timeout_s,
+                         poll_max_s=poll_max_s)
+        # worker rank -> its part of this slice, relative to the slice's start
+        self.windows = {}
+        for w in self.my_workers:
+            a, b = layout.overlap(self.shard, *self.session.worker_ranges[w])
+            self.windows[w] = (a - self.start, b - self.start)
+
+    def _check_optimizer(self, optimizer) -> None:
+        if not isinstance(optimizer, (SGD, Adagrad)):
+            raise TypeError(f"optimizer must be distbelief.Adagrad, distbelief.SGD or None, "
+                            f"got {type(optimizer).__name__}")
+
+    def _begin(self) -> None:
+        warm_ranks = set(self.roles.replica_ranks(0))  # the warm-start replica's partitions
+        warm = self.session.warm_start_steps > 0
+        self._state = {w: (_WAITING if warm and w not in warm_ranks else _ACTIVE)
+                       for w in self.my_workers}
+        now = time.monotonic()
+        self._last_heard = {w: now for w in self.my_workers}
+        self._released = not warm
+        self._warm_pending = warm_ranks & set(self.my_workers)
+        if warm and not self._warm_pending:
+            self._release()  # the warm-start replica does not use this shard
+        self._remaining = len(self._state)  # workers not yet departed or lost
+        self._next_check = now
+
+    def _serving(self) -> bool:
+        return self._remaining > 0
+
+    def _idle(self) -> None:
+        if self.worker_timeout_s is not None and time.monotonic() >= self._next_check:
+            self._check_silence()
+            self._next_check = time.monotonic() + min(0.05, self.worker_timeout_s / 10)
+
+    def _handle(self, m: Message) -> None:
+        w = m.source
+        state = self._state.get(w)
+        if state is None:
+            raise DistBeliefError(f"shard {self.shard} (rank {self.roles.rank}): {m.op.name} from "
+                                  f"rank {w}, which is not one of its workers {self.my_workers}")
+        if state == _ACTIVE:
+            self._last_heard[w] = time.monotonic()
+        if m.op == Op.FETCH:
+            if state != _ACTIVE:
+                self._reply(w, Op.STOP)
+                return
+            a, b = self.windows[w]
+            self._reply(w, Op.PARAMS, payload=self.params[a:b])
+            self.fetches[w] += 1
+            self.fetched_at[w] = self.updates
+            self.first_fetch.setdefault(w, self.updates)
+        elif m.op == Op.PUSH:
+            if state != _ACTIVE:
+                self.dropped += 1
+                return
+            self._apply_push(w, m)
+        elif m.op == Op.BYE:
+            if state in (_WAITING, _ACTIVE):
+                self._depart(w, Departure(m.a))
+        elif m.op == Op.WARM_DONE:
+            self._warm_done(w)
+        else:
+            raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank {w} "
+                                  f"in a Downpour session")
+
+    def _apply_push(self, w: int, m: Message) -> None:
+        a, b = self.windows[w]
+        grad = m.data(self.layout.dtype)
+        if grad.shape != (b - a,):
+            raise DistBeliefError(f"shard {self.shard}: push of {grad.size} values from rank {w},"
+                                  f" whose part of this shard has {b - a}")
+        stale = self.updates - self.fetched_at.get(w, 0)
+        if stale >= len(self.staleness):
+            self.staleness = np.concatenate(
+                [self.staleness, np.zeros(max(stale + 1, 2 * len(self.staleness))
+                                          - len(self.staleness), dtype=np.int64)])
+        self.staleness[stale] += 1
+        self.optimizer.apply(self.params, grad, self.opt_state, a, b)
+        self.updates += 1
+        self.pushes[w] += 1
+
+    def _warm_done(self, w: int) -> None:
+        """A partition of the warm-start replica finished (or left): release when all have."""
+        if w in self._warm_pending:
+            self._warm_pending.discard(w)
+            if not self._warm_pending:
+                self._release()
+
+    def _release(self) -> None:
+        """End of the warm start on this shard: let every waiting worker go."""
+        if self._released:
+            return
+        self._released = True
+        now = time.monotonic()
+        for w, s in self._state.items():
+            if s == _WAITING:
+                self._state[w] = _ACTIVE
+                self._last_heard[w] = now
+                self.endpoint.send(w, pack(Op.RELEASE))
+
+    def _depart(self, w: int, reason: Departure) -> None:
+        self._state[w] = reason.name
+        self._remaining -= 1
+        self.departures[w] = reason
+        self.pushes_at_departure[w] = dict(self.pushes)
+        if reason == Departure.ERROR:
+            logger.warning("shard %d: worker rank %d left after an error in its step function",
+                           self.shard, w)
+        self._warm_done(w)  # a warm-start replica that leaves early must not block the others
+
+    def _check_silence(self) -> None:
+        now = time.monotonic()
+        for w, s in self._state.items():
+            if s == _ACTIVE and now - self._last_heard[w] > self.worker_timeout_s:
+                logger.warning("shard %d: worker rank %d silent for %.1f s (worker_timeout_s=%g): "
+                               "declared lost", self.shard, w, now - self._last_heard[w],
+                               self.worker_timeout_s)
+                self._depart(w, Departure.LOST)
+                self.endpoint.send(w, pack(Op.STOP))  # read whenever it wakes up
+
+
+class SandblasterShardServer(ShardServer):
+    """A shard of Sandblaster L-BFGS: runs the coordinator's programs, serves the point being
+    evaluated and adds up each portion's gradient once (see the module doc).
+
+    Made by ``ShardServer(roles, layout, None)`` (or directly, without the optimizer).
+    """
+
+    mode = SANDBLASTER
+    coordinated = True
+
+    def __init__(self, roles: Roles, layout: ShardLayout, optimizer: None = None,
+                 *, worker_timeout_s: float | None = None, poll_max_s: float = POLL_MAX_S):
+        super().__init__(roles, layout, optimizer, worker_timeout_s=worker_timeout_s,
+                         poll_max_s=poll_max_s)
+        self.store.on_begin_eval = self._begin_eval
+        self.store.on_end_eval = self._end_eval
+
+    def _check_optimizer(self, optimizer) -> None:
+        if optimizer is not None:
+            raise TypeError(f"a Sandblaster shard applies no update rule (the coordinator "
+                            f"moves the point), got optimizer {type(optimizer).__name__}")
+
+    def _reset_counters(self) -> None:
+        super()._reset_counters()
+        self.eval_src = X  # the slot of the point being evaluated
+        self.ledger: dict[int, dict[int, int]] = {}  # portion -> {window start: length}
+
+    def _begin(self) -> None:
+        self._stopped = False
+
+    def _serving(self) -> bool:
+        return not self._stopped
+
+    def _handle(self, m: Message) -> None:
+        coord = self.roles.coordinator
+        if m.op == Op.PROGRAM and m.source == coord:
+            results = self.store.run(m.data(np.float64).reshape(-1, 6))
+            self.programs += 1
+            self._reply(coord, Op.RESULTS, payload=results)
+        elif m.op == Op.STOP and m.source == coord:
+            self._stopped = True
+        elif m.op == Op.FETCH_EVAL:
+            if m.a == self.eval_id:
+                a, b = self._window(m.source)
+                self._reply(m.source, Op.PARAMS, payload=self.store.get(self.eval_src)[a:b])
+            else:
+                self._reply(m.source, Op.STALE)
+        elif m.op == Op.PUSH_PORTION:
+            self._add_portion(m)
+        else:
+            raise DistBeliefError(f"shard {self.shard}: unexpected {m.op.name} from rank "
+                                  f"{m.source} in a Sandblaster session")
+
+    def _window(self, w: int) -> tuple[int, int]:
+        """Worker w's part of this slice, relative to its start (only a worker may ask)."""
+        if w not in self.session.worker_ranges:
+            raise DistBeliefError(f"shard {self.shard}: Sandblaster message from rank {w}, "
+                                  f"which is not a worker")
+        ov = self.layout.overlap(self.shard, *self.session.worker_ranges[w])
+        if ov is None:
+            raise DistBeliefError(f"shard {self.shard}: rank {w} uses none of this shard")
+        return ov[0] - self.start, ov[1] - self.start
+
+    def _add_portion(self, m: Message) -> None:
+        a, b = self._window(m.source)
+        pieces = self.ledger.setdefault(m.b, {}) if m.a == self.eval_id else None
+        if pieces is None or a in pieces:
+            self.dropped += 1  # a backup copy that lost, or work for a finished evaluation
+            return
+        grad = m.data(self.layout.dtype)
+        if grad.shape != (b - a,):
+            raise DistBeliefError(f"shard {self.shard}: portion gradient of {grad.size} values "
+                                  f"from rank {m.source}, expected {b - a}")
+        self.store.out(GACC)[a:b] += grad
+        pieces[a] = b - a
+        if sum(pieces.values()) == self.stop - self.start:
+            self.portions_accepted += 1
+
+    def _begin_eval(self, eval_id: int, src: int) -> None:
+        self.eval_id, self.eval_src = eval_id, src
+        self.store.out(GACC)[:] = 0
+        self.ledger.clear()
+
+    def _end_eval(self, dst: int, scale: float, n_portions: int) -> None:
+        size = self.stop - self.start
+        done = {p for p, pieces in self.ledger.items() if sum(pieces.values()) == size}
+        if len(done) != n_portions:
+            missing = sorted(set(range(n_portions)) - done)[:10]
+            raise DistBeliefError(f"shard {self.shard}: evaluation {self.eval_id} ended with "
+                                  f"{len(done)} of {n_portions} portions complete (missing e.g. "
+                                  f"{missing})")
+        np.multiply(self.store.get(GACC), scale, out=self.store.out(dst))

@@ -1,4 +1,4 @@
-"""Wire format and message plumbing of the parameter-server protocol.
+"""The parameter-server protocol: wire format, message plumbing and the session handshake.
 
 Every message is one MPI message of bytes: a 32-byte header of four int64 (``op, a, b, c``)
 followed by an optional payload (a vector slice, a list of vector operations, a loss). One
@@ -17,13 +17,19 @@ matched it. That is what makes the final shutdown exact (see ``Endpoint.drain``)
 the closing barrier only after everything it sent has been received, so no message can be left
 in flight when the communicator is freed.
 
-Waiting is done by polling with a short sleep (``Backoff``) instead of blocking MPI calls: MPICH
-busy-polls inside a blocking call, and a parameter server that spins on a core shared with the
-workers (the normal case on a small machine) steals the time they need to compute.
+Waiting is done by polling with a short sleep (``polling.Backoff``) instead of blocking MPI
+calls: MPICH busy-polls inside a blocking call, and a parameter server that spins on a core
+shared with the workers (the normal case on a small machine) steals the time they need to
+compute.
+
+A session (one Downpour or Sandblaster run) starts with ``open_session``, collective on every
+rank: one allgather of each rank's settings (``handshake``), checked for agreement
+(``check_agree``), from which every rank derives the same ``Session`` -- which part of the
+vector each worker uses, who sends each shard its initial values, the warm-start length -- so
+the message exchange that follows never has to negotiate anything.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable
@@ -31,22 +37,14 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from ..exceptions import BaguaMPIError
+from ..errors import DistBeliefError, PartitionError
+from ..polling import POLL_MAX_S, Backoff
+from .roles import COORDINATOR, SERVER, WORKER, Roles, ShardLayout
 
 TAG_REQUEST = 0x4442  # "DB"
 TAG_REPLY = 0x4443
 HEADER_ITEMS = 4
 HEADER_BYTES = 8 * HEADER_ITEMS
-
-# Polling: start with short sleeps, double up to this cap while nothing arrives. The cap bounds
-# the extra latency an idle server adds to a request (and its CPU use while idle).
-POLL_MIN_S = 20e-6
-POLL_MAX_S = 250e-6
-
-
-class DistBeliefError(BaguaMPIError):
-    """A parameter-server protocol error: ranks that disagree on the setup, a message from a
-    rank with no business sending it, a shard state that does not fit the layout."""
 
 
 class Op(IntEnum):
@@ -106,26 +104,6 @@ def pack(op: Op, a: int = 0, b: int = 0, c: int = 0, payload: np.ndarray | None 
     if nbytes:
         buf[HEADER_BYTES:] = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     return buf
-
-
-class Backoff:
-    """Sleep a little longer each time nothing happened; start over after something did."""
-
-    __slots__ = ("delay", "max_s")
-
-    def __init__(self, max_s: float = POLL_MAX_S):
-        self.max_s = max_s
-        self.delay = 0.0
-
-    def idle(self) -> None:
-        if self.delay == 0.0:
-            self.delay = POLL_MIN_S
-            return  # first miss: poll again at once
-        time.sleep(self.delay)
-        self.delay = min(2 * self.delay, self.max_s)
-
-    def reset(self) -> None:
-        self.delay = 0.0
 
 
 class Endpoint:
@@ -222,3 +200,91 @@ class Endpoint:
                 handle(m)
                 got = True
         return got
+
+
+# -- the session: what every rank agrees on before the first message ---------------------------
+
+DOWNPOUR, SANDBLASTER = 1, 2
+_ROLE_CODES = {SERVER: 0, WORKER: 1, COORDINATOR: 2}  # a rank's role in the handshake table
+
+
+def handshake(roles: Roles, fields: dict[str, int]) -> list[dict[str, int]]:
+    """Collective: every rank's ``fields`` (same keys everywhere), in rank order.
+
+    Used at the start of a session so each side learns the other's settings (which part of the
+    vector each worker uses, the warm-start length, ...) and checks the ones that must agree.
+    """
+    keys = sorted(fields)
+    mine = np.array([_ROLE_CODES[roles.role]] + [int(fields[k]) for k in keys], dtype=np.int64)
+    table = np.empty((roles.size, len(mine)), dtype=np.int64)
+    roles.comm.Allgather(mine, table)
+    return [dict(zip(["role"] + keys, (int(v) for v in row))) for row in table]
+
+
+def check_agree(rows: list[dict[str, int]], key: str, ranks=None) -> int:
+    """The common value of ``key`` among ``ranks`` (default all); raise on every rank if not."""
+    ranks = range(len(rows)) if ranks is None else ranks
+    values = {r: rows[r][key] for r in ranks}
+    if len(set(values.values())) > 1:
+        raise DistBeliefError(f"ranks disagree on {key}: "
+                              + ", ".join(f"rank {r}: {v}" for r, v in values.items()))
+    return next(iter(values.values()))
+
+
+@dataclass(frozen=True)
+class Session:
+    """What every rank learned at the start of a Downpour or Sandblaster session."""
+
+    mode: int  # DOWNPOUR or SANDBLASTER
+    worker_ranges: dict[int, tuple[int, int]]  # worker rank -> the part of the vector it uses
+    warm_start_steps: int  # Downpour: solo steps of replica 0 before the others start
+    init_ranges: dict[int, tuple[int, int]] = None  # replica 0's ranks -> what they send at start
+
+    def init_senders(self, layout: ShardLayout, k: int) -> list[tuple[int, tuple[int, int]]]:
+        """``(rank, global [a, b))`` of each piece of shard k's initial values, in rank order."""
+        return [(w, layout.overlap(k, *r)) for w, r in sorted(self.init_ranges.items())
+                if layout.overlap(k, *r) is not None]
+
+    def workers_of_shard(self, roles: Roles, layout: ShardLayout, k: int) -> list[int]:
+        """Ranks of the workers that use some of shard k (the ones it waits for)."""
+        return [w for w in roles.workers
+                if layout.overlap(k, *self.worker_ranges[w]) is not None]
+
+
+def open_session(roles: Roles, layout: ShardLayout, mode: int, *, param_range=(0, 0),
+                 warm_start_steps: int = 0, optimizer_code: int = 0,
+                 optimizer_lr: float = 0.0) -> Session:
+    """Collective: exchange and check the settings of a session (one handshake allgather).
+
+    Every rank must agree on the mode, the layout and the partitions; workers on the warm-start
+    length; servers on the update rule. A disagreement raises ``DistBeliefError`` on every rank,
+    naming each rank's value, instead of a protocol that silently misbehaves. With partitioned
+    replicas, each replica's partition ranges must tile the vector in partition order.
+    """
+    lr_bits = int(np.array([optimizer_lr], dtype=np.float64).view(np.int64)[0])
+    rows = handshake(roles, {
+        "mode": mode, "numel": layout.numel, "n_shards": layout.n_shards,
+        "itemsize": layout.dtype.itemsize, "lo": param_range[0], "hi": param_range[1],
+        "warm": warm_start_steps, "opt": optimizer_code, "lr_bits": lr_bits,
+        "parts": roles.n_partitions})
+    for key in ("mode", "numel", "n_shards", "itemsize", "parts"):
+        check_agree(rows, key)
+    warm = check_agree(rows, "warm", roles.workers)
+    check_agree(rows, "opt", roles.servers)
+    check_agree(rows, "lr_bits", roles.servers)
+    if layout.n_shards != roles.n_servers:
+        raise DistBeliefError(f"{layout} has {layout.n_shards} shards but the job has "
+                              f"{roles.n_servers} server rank(s)")
+    ranges = {w: (rows[w]["lo"], rows[w]["hi"]) for w in roles.workers}
+    M = roles.n_partitions
+    if M == 1:
+        init = {roles.workers[0]: (0, layout.numel)}  # worker 0 sends the whole vector
+    else:
+        for r in range(roles.n_replicas):
+            tiles = [ranges[w] for w in roles.replica_ranks(r)]
+            ends = [0] + [hi for _, hi in tiles]
+            if any(lo != ends[i] for i, (lo, _) in enumerate(tiles)) or ends[-1] != layout.numel:
+                raise PartitionError(f"replica {r}: partition parameter ranges {tiles} do not "
+                                     f"tile [0, {layout.numel}) in partition order")
+        init = {w: ranges[w] for w in roles.replica_ranks(0)}
+    return Session(mode, ranges, warm, init)

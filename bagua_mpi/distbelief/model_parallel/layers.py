@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .partition import PartitionError
+from ..errors import PartitionError
 
 
 def _positive(name: str, value) -> int:

@@ -11,19 +11,14 @@ Pure bookkeeping (no MPI, no torch), so every check runs before any message is s
   sent once per receiving partition, however many of its edges cross the cut -- the paper's
   "its state is only sent to the machine on the other side of that boundary once".
 
-``PartitionError`` (a ``DistBeliefError`` and a ``ValueError``) names the offending values.
+``PartitionError`` (``errors``: a ``DistBeliefError`` and a ``ValueError``) names the offending
+values.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import DistBeliefError
-
-
-class PartitionError(DistBeliefError, ValueError):
-    """A partition that cannot work: blocks that do not cover the units, more partitions than
-    units, a replica group size that does not divide the workers, a partition with no
-    parameters. Raised before any training message is sent."""
+from ..errors import PartitionError
 
 
 def _int(name: str, value) -> int:

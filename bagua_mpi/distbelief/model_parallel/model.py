@@ -34,9 +34,10 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..errors import PartitionError
 from .layers import is_block_layer
 from .link import Link, exchange, pipe_recv, pipe_send
-from .partition import PartitionError, check_bounds, exchange_plan
+from .partition import check_bounds, exchange_plan
 
 BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

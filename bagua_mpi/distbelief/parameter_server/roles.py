@@ -30,12 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .. import runtime
-from .partition import PartitionError
-from .protocol import DistBeliefError
+from ... import runtime
+from ..errors import PartitionError
 
 SERVER, WORKER, COORDINATOR = "server", "worker", "coordinator"
-_ROLE_CODES = {SERVER: 0, WORKER: 1, COORDINATOR: 2}
 
 
 class ShardLayout:
@@ -293,88 +291,3 @@ def setup(n_servers: int = 1, *, coordinator: bool = False, n_partitions: int = 
     group = dup.Split(color, key=me)
     return Roles(dup, servers, workers, coord, n_partitions,
                  None if group == MPI.COMM_NULL else group)
-
-
-def handshake(roles: Roles, fields: dict[str, int]) -> list[dict[str, int]]:
-    """Collective: every rank's ``fields`` (same keys everywhere), in rank order.
-
-    Used at the start of a session so each side learns the other's settings (which part of the
-    vector each worker uses, the warm-start length, ...) and checks the ones that must agree.
-    """
-    keys = sorted(fields)
-    mine = np.array([_ROLE_CODES[roles.role]] + [int(fields[k]) for k in keys], dtype=np.int64)
-    table = np.empty((roles.size, len(mine)), dtype=np.int64)
-    roles.comm.Allgather(mine, table)
-    return [dict(zip(["role"] + keys, (int(v) for v in row))) for row in table]
-
-
-def check_agree(rows: list[dict[str, int]], key: str, ranks=None) -> int:
-    """The common value of ``key`` among ``ranks`` (default all); raise on every rank if not."""
-    ranks = range(len(rows)) if ranks is None else ranks
-    values = {r: rows[r][key] for r in ranks}
-    if len(set(values.values())) > 1:
-        raise DistBeliefError(f"ranks disagree on {key}: "
-                              + ", ".join(f"rank {r}: {v}" for r, v in values.items()))
-    return next(iter(values.values()))
-
-
-DOWNPOUR, SANDBLASTER = 1, 2
-
-
-@dataclass(frozen=True)
-class Session:
-    """What every rank learned at the start of a Downpour or Sandblaster session."""
-
-    mode: int  # DOWNPOUR or SANDBLASTER
-    worker_ranges: dict[int, tuple[int, int]]  # worker rank -> the part of the vector it uses
-    warm_start_steps: int  # Downpour: solo steps of replica 0 before the others start
-    init_ranges: dict[int, tuple[int, int]] = None  # replica 0's ranks -> what they send at start
-
-    def init_senders(self, layout: ShardLayout, k: int) -> list[tuple[int, tuple[int, int]]]:
-        """``(rank, global [a, b))`` of each piece of shard k's initial values, in rank order."""
-        return [(w, layout.overlap(k, *r)) for w, r in sorted(self.init_ranges.items())
-                if layout.overlap(k, *r) is not None]
-
-    def workers_of_shard(self, roles: Roles, layout: ShardLayout, k: int) -> list[int]:
-        """Ranks of the workers that use some of shard k (the ones it waits for)."""
-        return [w for w in roles.workers
-                if layout.overlap(k, *self.worker_ranges[w]) is not None]
-
-
-def open_session(roles: Roles, layout: ShardLayout, mode: int, *, param_range=(0, 0),
-                 warm_start_steps: int = 0, optimizer_code: int = 0,
-                 optimizer_lr: float = 0.0) -> Session:
-    """Collective: exchange and check the settings of a session (one handshake allgather).
-
-    Every rank must agree on the mode, the layout and the partitions; workers on the warm-start
-    length; servers on the update rule. A disagreement raises ``DistBeliefError`` on every rank,
-    naming each rank's value, instead of a protocol that silently misbehaves. With partitioned
-    replicas, each replica's partition ranges must tile the vector in partition order.
-    """
-    lr_bits = int(np.array([optimizer_lr], dtype=np.float64).view(np.int64)[0])
-    rows = handshake(roles, {
-        "mode": mode, "numel": layout.numel, "n_shards": layout.n_shards,
-        "itemsize": layout.dtype.itemsize, "lo": param_range[0], "hi": param_range[1],
-        "warm": warm_start_steps, "opt": optimizer_code, "lr_bits": lr_bits,
-        "parts": roles.n_partitions})
-    for key in ("mode", "numel", "n_shards", "itemsize", "parts"):
-        check_agree(rows, key)
-    warm = check_agree(rows, "warm", roles.workers)
-    check_agree(rows, "opt", roles.servers)
-    check_agree(rows, "lr_bits", roles.servers)
-    if layout.n_shards != roles.n_servers:
-        raise DistBeliefError(f"{layout} has {layout.n_shards} shards but the job has "
-                              f"{roles.n_servers} server rank(s)")
-    ranges = {w: (rows[w]["lo"], rows[w]["hi"]) for w in roles.workers}
-    M = roles.n_partitions
-    if M == 1:
-        init = {roles.workers[0]: (0, layout.numel)}  # worker 0 sends the whole vector
-    else:
-        for r in range(roles.n_replicas):
-            tiles = [ranges[w] for w in roles.replica_ranks(r)]
-            ends = [0] + [hi for _, hi in tiles]
-            if any(lo != ends[i] for i, (lo, _) in enumerate(tiles)) or ends[-1] != layout.numel:
-                raise PartitionError(f"replica {r}: partition parameter ranges {tiles} do not "
-                                     f"tile [0, {layout.numel}) in partition order")
-        init = {w: ranges[w] for w in roles.replica_ranks(0)}
-    return Session(mode, ranges, warm, init)
