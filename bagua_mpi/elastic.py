@@ -10,7 +10,8 @@ in-process is done here in two ways:
   directory (``TorchState(..., checkpoint_dir=...)`` or ``BAGUA_MPI_ELASTIC_DIR``) every
   ``commit()`` is also written as a ``bagua_mpi.checkpoint`` (HDF5, atomic, no pickle), and
   when the job is restarted (Slurm ``--requeue``, see ``slurm/``) ``run`` resumes from the last
-  commit, on the same or another number of ranks.
+  commit, on the same or another number of ranks, and runs the reset callbacks (Horovod calls
+  them when the world changed: that is where a script rescales its learning rate).
 
 ``ElasticSampler`` continues an epoch from the last commit. Not supported: adding or removing
 hosts while running (no host discovery; ``HostsUpdatedInterrupt`` is never raised) and
@@ -36,7 +37,9 @@ class State:
         self._reset_callbacks = []
 
     def register_reset_callbacks(self, callbacks) -> None:
-        """Functions called after a reset (e.g. to rescale the learning rate)."""
+        """Functions called after a reset (e.g. to rescale the learning rate): a restore after
+        an error every rank saw, or a resume from the checkpoint directory (a restarted job,
+        possibly on another number of ranks)."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -236,17 +239,22 @@ class ElasticSampler:
 
 def run(func=None, *, reset_limit: int = 3):
     """Decorator for ``train(state, ...)``: sync the state from rank 0 (after resuming from the
-    last persistent commit, if any) and call ``train``; on an error that every rank raised,
-    restore the last commit, re-sync and call it again."""
+    last persistent commit, if any, followed by the reset callbacks) and call ``train``; on an
+    error that every rank raised, restore the last commit, re-sync, run the reset callbacks and
+    call it again."""
     if func is None:
         return functools.partial(run, reset_limit=reset_limit)
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         runtime.get()  # NotInitializedError before anything else
-        if isinstance(state, TorchState):
-            state.resume()
-        state.sync()
+        if isinstance(state, TorchState) and state.resume():
+            # A restarted job is Horovod's reset: the world may have another size now, and
+            # the reset callbacks are where a script adapts (e.g. rescales its learning rate,
+            # which the restored optimizer state brought from the old world).
+            state.on_reset()
+        else:
+            state.sync()
         resets, commits = 0, getattr(state, "commits", None)
         while True:
             try:
