@@ -158,7 +158,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if zero_stage and hierarchical:
             sharding.check_uniform_nodes(topo, zero_stage)
         self._sharded = (sharding.ShardedOptimizer(optimizer, zero_stage, topo, backend,
-                                                   hierarchical) if zero_stage else None)
+                                                   hierarchical, self.impl.wire)
+                         if zero_stage else None)
         _ = self.backend  # decided and logged once, at wrap time
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else config.timeline_prefix()

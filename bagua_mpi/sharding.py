@@ -102,7 +102,7 @@ class ShardedOptimizer:
     step their hyperparameters are copied to the inner optimizer, which holds the state."""
 
     def __init__(self, user: torch.optim.Optimizer, stage: int, topo, backend: str | None,
-                 hierarchical: bool = False):
+                 hierarchical: bool = False, stats=None):
         self.user = user
         self.stage = stage
         self.topo = topo
@@ -110,6 +110,7 @@ class ShardedOptimizer:
         self.hierarchical = hierarchical
         self.rank, self.size = topo.rank, topo.size
         self.index = shard_index(topo, hierarchical)  # which slice of every bucket is ours
+        self.stats = stats  # accounting.WireStats: the parameter allgathers' bytes
         params = [p for g in user.param_groups for p in g["params"]]
         self.position = {id(p): i for i, p in enumerate(params)}
         self.group_of = {id(p): gi for gi, g in enumerate(user.param_groups) for p in g["params"]}
@@ -173,6 +174,9 @@ class ShardedOptimizer:
         def gather():
             for bucket in self.buckets:
                 self._allgather_slices(bucket.param_storage, bucket.part)
+                if self.stats is not None:  # this rank's slice to each of the n - 1 others
+                    self.stats.add((self.size - 1) * bucket.part
+                                   * bucket.param_storage.element_size())
         runtime.get().worker.run(gather, ("zero allgather", len(self.buckets)))
 
     def _allgather_slices(self, storage: torch.Tensor, part: int) -> None:
