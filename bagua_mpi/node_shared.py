@@ -144,11 +144,13 @@ class SharedRows:
 
 
 def rows_of(tensor: torch.Tensor, comm) -> SharedRows | None:
-    """The window whose row ``tensor`` is, when ``comm`` is the communicator it reduces over."""
+    """The window whose row ``tensor`` is (or begins), when ``comm`` is the communicator it
+    reduces over."""
     if not _by_address or tensor.is_cuda:
         return None
     rows = _by_address.get(tensor.data_ptr())
-    if rows is None or rows.freed or rows.topo.comm is not comm or rows.tensor.numel() != \
+    # (a sharded bucket's gradients are a prefix of its row: the rest is zero padding)
+    if rows is None or rows.freed or rows.topo.comm is not comm or rows.tensor.numel() < \
             tensor.numel():
         return None
     return rows

@@ -81,10 +81,9 @@ class Bucket:
         self.shard_grad: torch.Tensor | None = None  # stage 2: this rank's reduced slice
         if flatten:
             if allocate is not None:  # a row of node-shared memory (zeroed by the allocator)
-                if parts != 1:
-                    raise ValueError("node-shared gradient buffers cannot be sharded")
-                self.shared = allocate(self.numel)
-                self.flat_grad = self.grad_storage = self.shared.tensor
+                self.shared = allocate(self.part * parts)
+                self.grad_storage = self.shared.tensor
+                self.flat_grad = self.grad_storage[:self.numel]
                 self.shared.on_free.append(self.privatize)
             else:
                 self._allocate_grads()

@@ -198,8 +198,8 @@ class Engine:
         """(dtype, device) -> allocator of node-shared gradient buffers, for the buckets that
         can use them (``node_shared.py``): flattened CPU float buckets of an algorithm that
         communicates gradients. Collective: every rank decides alike."""
-        if not (self.flatten and self.impl.communicates_gradients) or self.shard_parts > 1:
-            return {}  # (sharded buckets are padded private buffers: see sharding.py)
+        if not (self.flatten and self.impl.communicates_gradients) or self.impl.zero_stage == 2:
+            return {}  # (stage 2 frees each bucket's gradients after its exchange)
         topo = self.impl.ctx.topo
         kinds, total = {}, 0
         for idx in groups:
