@@ -14,7 +14,8 @@ from .. import collectives, node_shared, runtime, transport
 from ..accounting import WireStats
 from ..buffers import scale_
 from ..ops import Sum
-from ..primitives.centralized import cast_allreduce_, wire_bytes_cast_allreduce
+from ..primitives.centralized import (cast_allreduce_, cast_reduce_scatter_,
+                                      wire_bytes_cast_allreduce)
 from ..transport import Transport
 
 
@@ -81,18 +82,17 @@ def reduce_scatter_(padded: torch.Tensor, out: torch.Tensor, comm, *, prescale: 
     """``out <- postscale x (block rank of the sum over comm of prescale x padded)``: ZeRO
     stage 2's dense gradient exchange. ``padded`` holds n equal blocks of ``out``'s length (a
     sharded bucket's ``grad_storage``; it is scaled in place). With ``wire_dtype`` a floating
-    tensor travels as 16-bit words (summed in float32 by MPI, natively by NCCL and gloo)."""
+    tensor travels as 16-bit words: an alltoall of 16-bit blocks summed in float32 where the
+    data lives (``cast_reduce_scatter_``, the first half of the 16-bit allreduce)."""
     wire = Transport(comm, backend)
-    scale_(padded, prescale)
-    send = padded
     if wire_dtype is not None and padded.is_floating_point() and padded.dtype != wire_dtype:
-        send = padded.to(wire_dtype)
-    recv = out if send.dtype == out.dtype else torch.empty_like(out, dtype=send.dtype)
-    wire.reduce_scatter(send, recv)
-    if recv is not out:
-        out.copy_(recv)
+        cast_reduce_scatter_(padded, out, wire, wire_dtype, prescale * postscale)
+        stats.add((wire.size - 1) * out.numel() * torch.finfo(wire_dtype).bits // 8)
+        return
+    scale_(padded, prescale)
+    wire.reduce_scatter(padded, out)
     scale_(out, postscale)
-    stats.add((wire.size - 1) * recv.numel() * recv.element_size())
+    stats.add((wire.size - 1) * out.numel() * out.element_size())
 
 
 def fused_allreduce_(tensors: list[torch.Tensor], comm, **kwargs) -> None:

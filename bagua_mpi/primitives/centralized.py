@@ -94,20 +94,54 @@ def _host_cast_allreduce_(flat: torch.Tensor, wire, wire_dtype: torch.dtype,
     """``cast_allreduce_`` of a contiguous float32/float64 CPU tensor (steps 1-5 above)."""
     n, rank, length = wire.size, wire.rank, flat.numel()
     part = partition_length(length, n)
-    send, recv, merged, gathered = _host_buffers(n, part)
-    words = torch.from_numpy(send).view(wire_dtype)
-    # past length: zeros, or an earlier call's words (same part, other length); either way only
-    # padding, which the elementwise sums keep apart from the result
-    words[:length].copy_(flat.detach())
-    wire.alltoall(send, recv)
-    nk.sum_halves(recv.reshape(n, part), merged, _KIND[wire_dtype])
-    if scale != 1.0:
-        np.multiply(merged, np.float32(scale), out=merged)
+    merged, gathered = _host_scatter_sum(flat, wire, wire_dtype, scale, part)
     result = torch.from_numpy(gathered).view(wire_dtype)
     result[rank * part:(rank + 1) * part].copy_(torch.from_numpy(merged))
     wire.allgather(gathered[rank * part:(rank + 1) * part], gathered)  # in place
     flat.copy_(result[:length])
 
+
+def _host_scatter_sum(flat: torch.Tensor, wire, wire_dtype: torch.dtype, scale: float,
+                      part: int):
+    """The scatter-reduce half on the host: 16-bit words of ``flat`` (n blocks of ``part``)
+    to their owners, float32 sums in rank order, scaled; returns (merged, the set's gather
+    buffer)."""
+    n = wire.size
+    send, recv, merged, gathered = _host_buffers(n, part)
+    words = torch.from_numpy(send).view(wire_dtype)
+    # past length: zeros, or an earlier call's words (same part, other length); either way only
+    # padding, which the elementwise sums keep apart from the result
+    words[:flat.numel()].copy_(flat.detach().reshape(-1))
+    wire.alltoall(send, recv)
+    nk.sum_halves(recv.reshape(n, part), merged, _KIND[wire_dtype])
+    if scale != 1.0:
+        np.multiply(merged, np.float32(scale), out=merged)
+    return merged, gathered
+
+
+def cast_reduce_scatter_(padded: torch.Tensor, out: torch.Tensor, comm,
+                         wire_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``out <- scale * (block rank of the sum over ranks of padded)``, sending ``wire_dtype``
+    words: the first half of ``cast_allreduce_`` (an alltoall of 16-bit blocks, then float32
+    sums in rank order where the data lives), so MPI moves 16-bit words too. ``padded`` holds
+    n blocks of ``out``'s length (ZeRO stage 2's 16-bit reduce-scatter)."""
+    wire = transport.of(comm)
+    n, part = wire.size, out.numel()
+    if n == 1:
+        out.copy_(padded.to(wire_dtype).to(out.dtype) * scale)  # same rounding as with more
+        return out
+    if not padded.is_cuda and padded.is_contiguous() and padded.dtype in _HOST_FLOATS:
+        merged, _ = _host_scatter_sum(padded, wire, wire_dtype, scale, part)
+        out.copy_(torch.from_numpy(merged))
+        return out
+    send = padded.to(wire_dtype)
+    recv = torch.empty_like(send)
+    wire.alltoall(send, recv, dense=True)
+    merged = recv.view(n, part).to(torch.float32).sum(0)
+    if scale != 1.0:
+        merged.mul_(scale)
+    out.copy_(merged)
+    return out
 
 def wire_bytes_cast_allreduce(length: int, n: int, wire_itemsize: int) -> int:
     """Bytes this rank sends in ``cast_allreduce_`` (alltoall + allgather, excluding self)."""
@@ -115,5 +149,5 @@ def wire_bytes_cast_allreduce(length: int, n: int, wire_itemsize: int) -> int:
     return 2 * (n - 1) * part * wire_itemsize
 
 
-__all__ = ["cast_allreduce_", "partition_length",
+__all__ = ["cast_allreduce_", "cast_reduce_scatter_", "partition_length",
            "wire_bytes_cast_allreduce"]
