@@ -46,7 +46,7 @@ from ..accounting import staging
 from ..transport import Transport
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .validation import non_negative_real, optional, positive_int, validate_fields
+from .validation import non_negative_real, optional, positive_int
 
 
 def exchange_device(model_device: torch.device, backend: str | None = None) -> torch.device:
@@ -96,8 +96,8 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._snapshot = torch.zeros(total, dtype=torch.float32, device=home, pin_memory=pin)
         self._delta = torch.zeros(total, dtype=torch.float32, device=home, pin_memory=pin)
         if self._resume_in_flight:  # the saved run had an exchange in flight: its result
-            torch.cat([self.state.vector("in_flight_delta", b.index, b.segments()).data
-                       .to(home) for b in buckets], out=self._delta)
+            for bucket, delta in self.bucket_slices(self._delta):
+                delta.copy_(self.tensor_state("in_flight_delta", bucket.segments()).data)
             self.state.drop("in_flight_delta")
             self._in_flight = True
             self._done.set()
@@ -124,11 +124,9 @@ class AsyncAverageImpl(AlgorithmImpl):
         return self._model_device.type == "cuda" and self._buffer.device.type == "cpu"
 
     def _start_exchange(self, continue_flag: float) -> None:
-        offset = 0
         with torch.no_grad():
-            for b in self.buckets:
-                self._snapshot[offset:offset + b.numel].copy_(b.flat_param.reshape(-1))
-                offset += b.numel
+            for bucket, snapshot in self.bucket_slices(self._snapshot):
+                snapshot.copy_(bucket.flat_param.reshape(-1))
             if self._crosses_to_host():
                 staging.d2h(self._snapshot.numel() * 4, dense=True)
             self._buffer[:-1].copy_(self._snapshot)
@@ -142,13 +140,10 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._wake.set()
 
     def _apply_delta(self) -> None:
-        offset = 0
         with torch.no_grad():
-            for b in self.buckets:
-                delta = self._delta[offset:offset + b.numel]
-                b.flat_param.add_(delta.to(device=b.flat_param.device,
-                                           dtype=b.flat_param.dtype))
-                offset += b.numel
+            for bucket, delta in self.bucket_slices(self._delta):
+                flat = bucket.flat_param
+                flat.add_(delta.to(device=flat.device, dtype=flat.dtype))
         if self._crosses_to_host():
             staging.h2d(self._delta.numel() * 4)
         self._in_flight = False
@@ -222,11 +217,8 @@ class AsyncAverageImpl(AlgorithmImpl):
         if in_flight:
             self._done.wait()
             self._raise_background_error()
-            offset = 0
-            for b in self.buckets:
-                vec = self.state.vector("in_flight_delta", b.index, b.segments())
-                vec.data.copy_(self._delta[offset:offset + b.numel])
-                offset += b.numel
+            for bucket, delta in self.bucket_slices(self._delta):
+                self.tensor_state("in_flight_delta", bucket.segments()).data.copy_(delta)
         state = super().state_dict()
         state["extra"]["in_flight"] = in_flight
         self.state.drop("in_flight_delta")
@@ -252,16 +244,13 @@ class AsyncModelAverage(Algorithm):
     hierarchical_refusal = ("its background thread averages with one allreduce on a private "
                             "communicator while training runs; use hierarchical=False (MPI's "
                             "own allreduce already follows the node structure)")
-
-    def compression_refusal(self) -> str:
-        return ("the background exchange is a float32 allreduce that MPI sums itself; a 16-bit "
-                "wire would need the two-phase cast exchange inside the thread; use "
-                "compression=none")
     sync_interval_ms: float = 50.0
     max_staleness: int | None = None
     validators = {"sync_interval_ms": non_negative_real(),
                   "max_staleness": optional(positive_int(because="steps an exchange may stay "
                                                          "in flight; None: unbounded"))}
 
-    def __post_init__(self):
-        validate_fields(self)
+    def compression_refusal(self) -> str:
+        return ("the background exchange is a float32 allreduce that MPI sums itself; a 16-bit "
+                "wire would need the two-phase cast exchange inside the thread; use "
+                "compression=none")

@@ -1,28 +1,46 @@
 """The algorithm interface and the framework around it (docs/design.md, "Algorithms").
 
 An ``Algorithm`` holds hyperparameters only (a frozen dataclass, serialisable as JSON through
-``config()``). ``Algorithm.reify(ctx)`` makes its ``AlgorithmImpl``, which owns the running
-state and fills in the hooks it needs:
+``config()``, each field checked by the validator it declares in ``validators``). Its
+``reify(ctx)`` makes its ``AlgorithmImpl``, which owns the running state and fills in the hooks
+it needs:
 
-=====================  ==============================  ============================================
-hook                   runs on                          used for
-=====================  ==============================  ============================================
-``init_buckets``       main thread, once buckets exist  allocate per-parameter state (``self.state``)
-``reduce_bucket``      communication thread             a bucket's gradients are all ready: make
-                                                        them the synchronized gradients over
-                                                        ``self.comm`` (default: dense allreduce)
-``before_step``        main thread, in ``step()``       model-side ops before the optimizer update
-``optimizer_step``     main thread, in ``step()``       the update itself (default: the wrapped
-                                                        optimizer's ``step``)
-``after_step``         main thread, in ``step()``       model-side ops after it (decentralized
-                                                        averaging, local SGD, async, decisions)
-``extra_state`` /      anywhere                         scalars and small structures to checkpoint
-``load_extra_state``                                    (tensors go through ``self.state``)
-``close``              main thread                      stop background work
-=====================  ==============================  ============================================
+=========================  ==========================  ==========================================
+hook                       runs on                     used for
+=========================  ==========================  ==========================================
+``init_buckets``           main thread, once buckets   state every rank keeps (momenta, layers)
+                           exist; every rank
+``init_exchange``          main thread, once buckets   the exchange's state (error feedback,
+                           exist; exchanging ranks     residuals, estimates); default:
+                                                       ``init_tensor`` per communicated tensor
+``init_tensor``            (from ``init_exchange``)    one communicated tensor's state, through
+                                                       ``self.tensor_state``
+``reduce_bucket``          communication thread;       a bucket's gradients are all ready: make
+                           exchanging ranks            them the synchronized gradients over
+                                                       ``self.comm``; default: ``reduce_tensor``
+                                                       per communicated tensor
+``reduce_tensor``          (from ``reduce_bucket``)    one communicated tensor (the flat bucket,
+                                                       or one gradient); default: dense allreduce
+``reduce_scatter_bucket``  communication thread, at    this rank's slice of the synchronized
+                           ``zero_stage=2``            gradient (default: dense reduce-scatter)
+``exchanged_tensors``      communication thread;       what the node broadcast hands on
+                           node leaders                (default: the gradients)
+``before_step``            main thread, in ``step()``  model-side ops before the optimizer update
+``optimizer_step``         main thread, in ``step()``  the update itself (default: the wrapped
+                                                       optimizer's ``step``)
+``after_step``             main thread, in ``step()``  model-side ops after it (decentralized
+                                                       averaging, local SGD, async, decisions)
+``extra_state`` /          anywhere                    scalars and small structures to checkpoint
+``load_extra_state``                                   (tensors go through ``self.state``)
+``close``                  main thread                 stop background work
+=========================  ==========================  ==========================================
 
 What the framework does so that no algorithm re-solves it:
 
+* **who exchanges**: ``self.comm`` is every rank, or the node leaders when hierarchical (None on
+  the other ranks of a node). ``init_exchange`` and the ``reduce_*`` hooks run only where it is
+  set, so no hook tests for it; ``setup_exchange()`` runs ``init_exchange`` again (on those
+  ranks) for an algorithm whose stage switch starts an exchange with state of its own.
 * **step**: ``self.step`` is the optimizer's step count, read from the one step clock the
   optimizer owns and advances (``engine/clock.py``); the engine passes the step to
   ``reduce_bucket`` (read from the same clock on the main thread when the bucket was launched).
@@ -32,28 +50,35 @@ What the framework does so that no algorithm re-solves it:
   compressed exchange multiplies its sum by; the dense exchange applies pre and post separately.
 * **hierarchy**: with ``hierarchical=True`` a bucket is summed into each node's leader in full
   precision, ``reduce_bucket`` runs among the leaders (``self.comm``), and the leader broadcasts
-  the result in its node. Algorithms that average models do their own two-level exchange with
-  ``node_average_`` / ``node_broadcast_``.
+  the result in its node. Algorithms that average models run their exchange through
+  ``synchronize_`` (the same two levels, ``two_level``, on the node's sum or average model).
+* **layout**: ``param_slices`` cuts a bucket's flat vector (gradient, state) into its
+  parameters' pieces, ``bucket_slices`` a whole-model vector into its buckets' pieces.
 * **device placement**: ``forms.py`` gives each primitive the dtype and layout it reads where
   the tensor lives, and ``self.transport`` (``transport.py``) moves every payload; device
   tensors never reach NumPy.
 * **bytes**: ``self.wire`` counts what is handed to MPI, node-level messages included.
 * **state**: ``self.state`` keys every per-rank tensor by parameter name (``state.py``), holds
-  state loaded before the buckets exist, and checkpoints it independently of bucketing.
+  state loaded before the buckets exist, and checkpoints it independently of bucketing;
+  ``self.tensor_state`` gives the vector laid over a communicated tensor's parameters, keyed by
+  their names (``names_key``), so the same tensor finds the same state in any bucketing.
 * **options**: ``Algorithm.check_options`` refuses, at wrap time, every optimizer option the
   algorithm cannot honour, naming the option and what to use instead.
 * **sharding** (ZeRO, ``sharding.py``): at ``zero_stage=2`` the framework calls
   ``reduce_scatter_bucket`` instead of ``reduce_bucket``, writing this rank's slice of the
   synchronized gradient into ``bucket.shard_grad`` and then freeing the bucket's full gradient
   buffer. The default is the dense reduce-scatter; an algorithm that overrides
-  ``reduce_bucket`` supports stage 2 only if it overrides ``reduce_scatter_bucket`` too (else
-  stage 2 is refused at wrap time); ``sharding_refusal`` refuses every stage.
+  ``reduce_bucket`` or ``reduce_tensor`` supports stage 2 only if it overrides
+  ``reduce_scatter_bucket`` too (else stage 2 is refused at wrap time); ``sharding_refusal``
+  refuses every stage.
+* **configs**: ``Algorithm.__post_init__`` checks every field against ``validators``
+  (``validation.py``); a config declares the table, not the check.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 from mpi4py import MPI
@@ -65,7 +90,8 @@ from ..engine.clock import StepClock
 from ..exceptions import BaguaMPIError
 from ..transport import Transport
 from . import dense
-from .state import AlgorithmState
+from .state import AlgorithmState, StateVector, names_key
+from .validation import validate_fields
 
 if TYPE_CHECKING:
     from ..engine.buckets import Bucket
@@ -183,12 +209,59 @@ class AlgorithmImpl:
             self.wire.node_broadcast(t.numel() * t.element_size(), topo.local_rank,
                                      topo.local_size)
 
-    def two_level(self, tensors: list[torch.Tensor], among_leaders) -> None:
-        """Hierarchical exchange: node sum, ``among_leaders()`` on the leaders, node broadcast."""
+    def two_level(self, tensors: list[torch.Tensor], among_leaders, *,
+                  node_average: bool = False) -> None:
+        """Hierarchical exchange of ``tensors``:
+
+        1. node sum into the leader (divided by the node's size with ``node_average``: a model
+           exchange among the leaders averages node models, not node sums);
+        2. ``among_leaders()`` on the leaders;
+        3. node broadcast of the leader's result.
+        """
         self.node_sum_(tensors)
-        if self.ctx.topo.leaders is not None:
+        topo = self.ctx.topo
+        if topo.leaders is not None:
+            if node_average:
+                for t in tensors:
+                    t.div_(topo.local_size)
             among_leaders()
         self.node_broadcast_(tensors)
+
+    def synchronize_(self, tensors: list[torch.Tensor], exchange, *,
+                     node_average: bool = False) -> None:
+        """Run ``exchange()`` over ``self.comm`` and leave ``tensors`` synchronized on every
+        rank: directly among all ranks, or with ``hierarchical=True`` among the node leaders
+        inside ``two_level`` (what model averaging uses; gradients go through
+        ``communicate_bucket``)."""
+        if self.ctx.hierarchical:
+            self.two_level(tensors, exchange, node_average=node_average)
+        else:
+            exchange()
+
+    # -- state and layout ---------------------------------------------------------------------
+    def tensor_state(self, kind: str, segments: list[tuple[str, int]], length: int | None = None,
+                     *, window: tuple[int, int] | None = None, device="cpu") -> StateVector:
+        """The ``kind`` vector laid over a tensor of parameters ``segments`` (a communicated
+        tensor, a bucket), allocated once through ``self.state`` and keyed by the parameters'
+        names, so another bucketing finds it wherever the tensor is the same."""
+        return self.state.vector(kind, names_key(segments), segments, length, window,
+                                 device=device)
+
+    @staticmethod
+    def param_slices(bucket: "Bucket", *vectors: torch.Tensor) -> Iterator[tuple]:
+        """(parameter, its slice of each of ``vectors``) for each parameter of ``bucket``, the
+        vectors laid out as the bucket's flat vector."""
+        for p, start in zip(bucket.params, bucket.offsets):
+            end = start + p.numel()
+            yield (p, *(v[start:end] for v in vectors))
+
+    def bucket_slices(self, vector: torch.Tensor) -> Iterator[tuple["Bucket", torch.Tensor]]:
+        """(bucket, its slice of ``vector``) for each bucket, ``vector`` holding the buckets'
+        flat vectors one after another (a whole-model vector)."""
+        offset = 0
+        for bucket in self.buckets:
+            yield bucket, vector[offset:offset + bucket.numel]
+            offset += bucket.numel
 
     # -- entry points the engine and the wrapper call -----------------------------------------
     def communicate_bucket(self, bucket: "Bucket", step: int) -> None:
@@ -236,8 +309,7 @@ class AlgorithmImpl:
 
     def _agree(self, bucket: "Bucket", step: int) -> bool:
         tensors = bucket.communication_tensors()
-        dense_plain = ((self.in_dense_stage(step) or type(self).reduce_bucket is
-                        AlgorithmImpl.reduce_bucket)
+        dense_plain = ((self.in_dense_stage(step) or self.exchanges_dense_gradients())
                        and self.ctx.compression.wire_dtype is None and self.zero_stage != 2)
         join = None
         if dense_plain:  # a joined rank adds zeros to each of the bucket's allreduces
@@ -249,9 +321,30 @@ class AlgorithmImpl:
         return consistency.verify(self.ctx.topo.comm, signature, join)
 
     def setup_buckets(self, buckets: "list[Bucket]") -> None:
-        """Main thread, once: hand the buckets over and apply state held since a load."""
+        """Main thread, once: hand the buckets over, then allocate the state (state held since
+        a load is applied as it is allocated):
+
+        1. ``init_buckets`` on every rank;
+        2. ``init_exchange`` on the ranks that exchange (``setup_exchange``).
+        """
         self.buckets = buckets
         self.init_buckets(buckets)
+        self.setup_exchange()
+
+    def setup_exchange(self) -> None:
+        """Allocate the exchange's state: ``init_exchange`` on the ranks that exchange (every
+        rank, or the node leaders when hierarchical: the other ranks of a node never exchange
+        and keep no such state). Runs once the buckets exist; an algorithm runs it again when a
+        stage switch starts an exchange with state of its own."""
+        if self.comm is not None:
+            self.init_exchange(self.buckets)
+
+    @classmethod
+    def exchanges_dense_gradients(cls) -> bool:
+        """Whether the exchange is the framework's dense allreduce: neither ``reduce_bucket``
+        nor ``reduce_tensor`` is overridden (the agreement check and ZeRO stage 2 ask)."""
+        return (cls.reduce_bucket is AlgorithmImpl.reduce_bucket
+                and cls.reduce_tensor is AlgorithmImpl.reduce_tensor)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tensors": self.state.state_dict(),
@@ -276,11 +369,35 @@ class AlgorithmImpl:
         """Called by the wrapper with the wrapped optimizer (again after it loads state)."""
 
     def init_buckets(self, buckets: "list[Bucket]") -> None:
-        """Allocate per-parameter state through ``self.state``."""
+        """Every rank: allocate the state it keeps whether or not it exchanges."""
+
+    def init_exchange(self, buckets: "list[Bucket]") -> None:
+        """The ranks that exchange: allocate the exchange's state. Default: ``init_tensor`` for
+        each communicated tensor of each bucket."""
+        for bucket in buckets:
+            for segments in bucket.communication_segments():
+                self.init_tensor(segments, bucket.device)
+
+    def init_tensor(self, segments: list[tuple[str, int]], device) -> None:
+        """The state of the communicated tensor over parameters ``segments`` (allocated through
+        ``self.tensor_state``, which ``reduce_tensor`` finds again)."""
 
     def reduce_bucket(self, bucket: "Bucket", step: int) -> None:
-        """Default: C_FP_S of the bucket (gradient_allreduce)."""
-        self.dense_allreduce_(bucket.communication_tensors())
+        """Synchronize the bucket's gradients. Default: ``reduce_tensor`` for each communicated
+        tensor (the flat bucket, or each gradient when flattening is off)."""
+        if type(self).reduce_tensor is AlgorithmImpl.reduce_tensor:
+            # the dense default reads no segments: one call, none built (per-tensor buckets)
+            self.dense_allreduce_(bucket.communication_tensors())
+            return
+        for grad, segments in zip(bucket.communication_tensors(),
+                                  bucket.communication_segments()):
+            self.reduce_tensor(grad, segments, step)
+
+    def reduce_tensor(self, grad: torch.Tensor, segments: list[tuple[str, int]],
+                      step: int) -> None:
+        """Synchronize one communicated tensor over parameters ``segments``. Default: C_FP_S
+        (gradient_allreduce)."""
+        self.dense_allreduce_([grad])
 
     def reduce_scatter_bucket(self, bucket: "Bucket", step: int, out: torch.Tensor) -> None:
         """ZeRO stage 2: ``out`` <- this rank's slice (``bucket.part`` elements) of the
@@ -359,7 +476,9 @@ class Algorithm:
       ``gradient_predivide_factor`` have no meaning for it;
     * ``hierarchical_refusal``: why ``hierarchical=True`` cannot work (None: it does).
     * ``sharding_refusal``: why ``zero_stage`` 1 and 2 cannot work (None: they do; stage 2
-      also needs an impl that reduce-scatters, see the module docstring).
+      also needs an impl that reduce-scatters, see the module docstring);
+    * ``validators``: ``{field name: Validator}`` (``validation.py``), exactly one per field,
+      checked by ``__post_init__`` at construction.
     """
 
     name: ClassVar[str] = ""
@@ -368,6 +487,10 @@ class Algorithm:
     averages_models: ClassVar[bool] = False
     hierarchical_refusal: ClassVar[str | None] = None
     sharding_refusal: ClassVar[str | None] = None
+    validators: ClassVar[dict] = {}
+
+    def __post_init__(self):
+        validate_fields(self)
 
     def reify(self, ctx: AlgorithmContext) -> AlgorithmImpl:
         return self.impl_class(self, ctx)
@@ -419,7 +542,7 @@ class Algorithm:
                 or impl.before_step is not AlgorithmImpl.before_step):
             return ("it runs its own optimizer update (its state is not the wrapped "
                     "optimizer's to shard)")
-        if (stage == 2 and impl.reduce_bucket is not AlgorithmImpl.reduce_bucket
+        if (stage == 2 and not impl.exchanges_dense_gradients()
                 and impl.reduce_scatter_bucket is AlgorithmImpl.reduce_scatter_bucket):
             return ("its exchange gives every rank the whole gradient and has no reduce-scatter "
                     "form; use zero_stage=1 (sharded optimizer state, the same exchange)")

@@ -21,15 +21,9 @@ from ..primitives.lowprec import (compressed_allreduce_, compressed_reduce_scatt
 from .base import Algorithm, AlgorithmImpl
 from .forms import float32
 from .registry import register
+from .state import names_key
 from .validation import (boolean, minmax_bits, positive_int, qsgd_levels, random_seed,
-                         validate_fields, word_aligned_chunk)
-
-
-def names_key(segments: list[tuple[str, int]]) -> str:
-    """The names of the parameters a communicated tensor covers (``Bucket.segments()`` form), as
-    one ``call_seed`` part: a tensor's random stream follows its parameters, not its bucket's
-    position, so another bucketing leaves it unchanged wherever the tensor is the same."""
-    return "\n".join(name for name, _ in segments)
+                         word_aligned_chunk)
 
 
 class CompressedAllReduceImpl(AlgorithmImpl):
@@ -40,50 +34,42 @@ class CompressedAllReduceImpl(AlgorithmImpl):
         self.codec: Codec = algorithm.codec()
         self.error_feedback = bool(getattr(algorithm, "error_feedback", False))
 
-    def error_state(self, key, segments: list[tuple[str, int]], device="cpu"):
-        """(worker error, server error) of one exchanged vector, or (None, None) without error
-        feedback. The worker error covers the vector padded to n partitions; the server error
-        is this rank's partition of it (C_LP_S's "server" part), both keyed by parameter."""
-        comm = self.comm
-        if not self.error_feedback or comm is None:
+    def error_state(self, segments: list[tuple[str, int]], device="cpu"):
+        """(worker error, server error) of the exchanged vector over ``segments``, or (None,
+        None) without error feedback. The worker error covers the vector padded to n
+        partitions; the server error is this rank's partition of it (C_LP_S's "server" part)."""
+        if not self.error_feedback:
             return None, None
-        n, r = comm.Get_size(), comm.Get_rank()
+        n, r = self.comm.Get_size(), self.comm.Get_rank()
         numel = sum(k for _, k in segments)
         part = partition_length(numel, n)
-        worker = self.state.vector("worker_error", key, segments, padded_length(numel, n),
+        worker = self.tensor_state("worker_error", segments, padded_length(numel, n),
                                    device=device)
         worker.zero_padding()  # padding is not checkpointed: keep it zero in every run
         if self.zero_stage == 2:  # a reduce-scatter re-compresses nothing: no server error
             return worker.data, None
-        server = self.state.vector("server_error", key, segments, part * n,
+        server = self.tensor_state("server_error", segments, part * n,
                                    window=(r * part, (r + 1) * part), device=device)
         server.zero_padding()
         return worker.data, server.data
 
-    def init_buckets(self, buckets) -> None:
-        for bucket in buckets:
-            for j, segments in enumerate(bucket.communication_segments()):
-                self.error_state((bucket.index, j), segments, bucket.device)
+    def init_tensor(self, segments, device) -> None:
+        self.error_state(segments, device)
 
-    def reduce_bucket(self, bucket, step: int) -> None:
-        seed = getattr(self.algorithm, "seed", 0)
-        for j, (grad, segments) in enumerate(zip(bucket.communication_tensors(),
-                                                 bucket.communication_segments())):
-            worker_error, server_error = self.error_state((bucket.index, j), segments,
-                                                          bucket.device)
-            compressed_allreduce_(grad, self.transport, self.codec, worker_error=worker_error,
-                                  server_error=server_error, scale=self.scale,
-                                  seed=call_seed(seed, step, names_key(segments)),
-                                  stats=self.wire)
-
+    def reduce_tensor(self, grad, segments, step: int) -> None:
+        worker_error, server_error = self.error_state(segments, grad.device)
+        seed = call_seed(getattr(self.algorithm, "seed", 0), step, names_key(segments))
+        compressed_allreduce_(grad, self.transport, self.codec, worker_error=worker_error,
+                              server_error=server_error, scale=self.scale, seed=seed,
+                              stats=self.wire)
 
     def reduce_scatter_bucket(self, bucket, step: int, out) -> None:
         """ZeRO stage 2: the first half of C_LP_S on the padded bucket: this rank receives the
         sum of its partition, each rank's part compressed once (worker error feedback on what
-        it sends, kept for the whole padded vector as at stage 0); no server error (nothing is
-        re-compressed)."""
+        it sends, the same state as the stage-0 exchange of the flat bucket); no server error
+        (nothing is re-compressed)."""
         segments = bucket.segments()
-        worker_error, _ = self.error_state((bucket.index, 0), segments, bucket.device)
+        worker_error, _ = self.error_state(segments, bucket.device)
         seed = call_seed(getattr(self.algorithm, "seed", 0), step, names_key(segments))
         with float32(bucket.grad_storage) as padded, float32(out) as mine:
             compressed_reduce_scatter_(padded, self.transport, self.codec, mine,
@@ -105,9 +91,6 @@ class QSGD(Algorithm):
     validators = {"levels": qsgd_levels(), "chunk": positive_int(because="values per norm"),
                   "seed": random_seed(), "error_feedback": boolean()}
 
-    def __post_init__(self):
-        validate_fields(self)
-
     def codec(self) -> Codec:
         return QSGDCodec(self.levels, self.chunk)
 
@@ -124,9 +107,6 @@ class ByteGrad(Algorithm):
     error_feedback: bool = False
     validators = {"bits": minmax_bits(), "chunk": word_aligned_chunk(),
                   "error_feedback": boolean()}
-
-    def __post_init__(self):
-        validate_fields(self)
 
     def codec(self) -> Codec:
         return MinMaxCodec(self.bits, self.chunk)

@@ -28,7 +28,7 @@ from .base import Algorithm, AlgorithmImpl
 from .registry import register
 from .forms import float32
 from .validation import (fraction, minmax_bits, one_of, positive_int, random_seed,
-                         validate_fields, word_aligned_chunk)
+                         word_aligned_chunk)
 
 
 class ModelAveragingImpl(AlgorithmImpl):
@@ -47,27 +47,14 @@ class ModelAveragingImpl(AlgorithmImpl):
     def average_bucket(self, bucket) -> None:
         raise NotImplementedError
 
-    def exchange_comm(self):
-        """(communicator, rank, size) of the peer exchange, or None off the leaders."""
-        wire = self.transport
-        return None if wire is None else (wire, wire.rank, wire.size)
-
     def peer_exchange(self, flat, exchange) -> None:
-        """``exchange(flat float model, comm, rank, size)`` among all ranks, or hierarchically: node
-        average, the exchange among node leaders, node broadcast."""
-        def among(x):
-            with float32(x, keep_float64=True) as work:
-                exchange(work, *self.exchange_comm())
+        """``exchange(flat float model, wire)`` over ``self.transport``: among all ranks, or
+        with ``hierarchical=True`` among the node leaders on their node's average model."""
+        def among():
+            with float32(flat, keep_float64=True) as work:
+                exchange(work, self.transport)
 
-        if not self.ctx.hierarchical:
-            among(flat)
-            return
-        topo = self.ctx.topo
-        self.node_sum_([flat])
-        if topo.leaders is not None:
-            flat.div_(topo.local_size)
-            among(flat)
-        self.node_broadcast_([flat])
+        self.synchronize_([flat], among, node_average=True)
 
 
 class DecentralizedImpl(ModelAveragingImpl):
@@ -76,11 +63,12 @@ class DecentralizedImpl(ModelAveragingImpl):
 
     def average_bucket(self, bucket) -> None:
         algo = self.algorithm
-        wire = self.ctx.compression.wire_dtype
+        wire_dtype = self.ctx.compression.wire_dtype
 
-        def exchange(x, comm, rank, size):
-            peers = peers_for(algo.peer_selection, rank, size, self.step, algo.seed)
-            decentralized_average_(x, comm, peers, stats=self.wire, wire_dtype=wire)
+        def exchange(x, transport):
+            peers = peers_for(algo.peer_selection, transport.rank, transport.size, self.step,
+                              algo.seed)
+            decentralized_average_(x, transport, peers, stats=self.wire, wire_dtype=wire_dtype)
 
         self.peer_exchange(bucket.flat_param, exchange)
 
@@ -103,9 +91,6 @@ class Decentralized(Algorithm):
     def compression_use(self) -> str | None:
         return "the model exchange (models travel as 16-bit words, averaged in float32)"
 
-    def __post_init__(self):
-        validate_fields(self)
-
 
 class LowPrecisionDecentralizedImpl(ModelAveragingImpl):
     def __init__(self, algorithm, ctx):
@@ -117,25 +102,21 @@ class LowPrecisionDecentralizedImpl(ModelAveragingImpl):
 
     def estimates(self, bucket) -> PeerEstimates:
         """This rank's public copy of its model and of each ring neighbour's, per parameter."""
-        comm, rank, size = self.exchange_comm()
-        segments = bucket.segments()
-        dev = bucket.device
-        own = self.state.vector("estimate_own", bucket.index, segments, device=dev).data
-        peers = {p: self.state.vector(f"estimate_of_peer_{p}", bucket.index, segments,
-                                      device=dev).data
-                 for p in peers_for("ring", rank, size)}
+        transport, segments, device = self.transport, bucket.segments(), bucket.device
+        own = self.tensor_state("estimate_own", segments, device=device).data
+        peers = {p: self.tensor_state(f"estimate_of_peer_{p}", segments, device=device).data
+                 for p in peers_for("ring", transport.rank, transport.size)}
         return PeerEstimates(bucket.numel, own, peers)
 
-    def init_buckets(self, buckets) -> None:
-        if self.comm is not None:
-            for bucket in buckets:
-                self.estimates(bucket)
+    def init_exchange(self, buckets) -> None:
+        for bucket in buckets:
+            self.estimates(bucket)
 
     def average_bucket(self, bucket) -> None:
-        def exchange(x, comm, rank, size):  # on the ranks that exchange (leaders, if two-level)
-            low_precision_decentralized_(x, comm, peers_for("ring", rank, size), self.codec,
-                                         self.estimates(bucket), gamma=self.algorithm.gamma,
-                                         stats=self.wire)
+        def exchange(x, transport):
+            peers = peers_for("ring", transport.rank, transport.size)
+            low_precision_decentralized_(x, transport, peers, self.codec, self.estimates(bucket),
+                                         gamma=self.algorithm.gamma, stats=self.wire)
 
         self.peer_exchange(bucket.flat_param, exchange)
 
@@ -158,9 +139,6 @@ class LowPrecisionDecentralized(Algorithm):
                   "gamma": fraction(because="the consensus step size"),
                   "communication_interval": positive_int(because="steps between averagings")}
 
-    def __post_init__(self):
-        validate_fields(self)
-
 
 class LocalSGDImpl(ModelAveragingImpl):
     def interval(self) -> int:
@@ -168,10 +146,7 @@ class LocalSGDImpl(ModelAveragingImpl):
 
     def average_bucket(self, bucket) -> None:
         flat = bucket.flat_param
-        if self.ctx.hierarchical:
-            self.two_level([flat], lambda: self.dense_allreduce_([flat], average_models=True))
-        else:
-            self.dense_allreduce_([flat], average_models=True)
+        self.synchronize_([flat], lambda: self.dense_allreduce_([flat], average_models=True))
 
 
 @register
@@ -187,6 +162,3 @@ class LocalSGD(Algorithm):
 
     def compression_use(self) -> str | None:
         return "the model averaging (16-bit wire, float32 sums)"
-
-    def __post_init__(self):
-        validate_fields(self)

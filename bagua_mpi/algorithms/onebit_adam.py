@@ -36,9 +36,10 @@ import torch
 from ..primitives.codecs import OneBitCodec, call_seed
 from ..primitives.lowprec import compressed_allreduce_
 from .base import Algorithm
-from .compressed import CompressedAllReduceImpl, names_key
+from .compressed import CompressedAllReduceImpl
 from .registry import register
-from .validation import positive_int, random_seed, validate_fields, word_aligned_chunk
+from .state import names_key
+from .validation import positive_int, random_seed, word_aligned_chunk
 
 
 class OneBitAdamImpl(CompressedAllReduceImpl):
@@ -48,6 +49,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         self.betas: tuple[float, float] | None = None
         self.decoupled = False
         self._group_of: dict = {}
+        self.switched = False  # this process ran the switch (_freeze)
 
     @property
     def compressed(self) -> bool:
@@ -62,15 +64,24 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
     def moments(self, bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """(m, frozen v) of ``bucket``, laid out as its flat vector, keyed by parameter."""
         segments = bucket.segments()
-        return (self.state.vector("exp_avg", bucket.index, segments, device=bucket.device).data,
-                self.state.vector("exp_avg_sq", bucket.index, segments,
-                                  device=bucket.device).data)
+        return (self.tensor_state("exp_avg", segments, device=bucket.device).data,
+                self.tensor_state("exp_avg_sq", segments, device=bucket.device).data)
+
+    def momentum_errors(self, bucket):
+        """(worker error, server error) of the 1-bit exchange of ``bucket``'s momentum."""
+        return self.error_state(bucket.segments(), bucket.device)
 
     def init_buckets(self, buckets) -> None:
         if self.compressed:  # resumed in the compressed stage: claim the loaded moments
             for bucket in buckets:
                 self.moments(bucket)
-                self.error_state((bucket.index, "m"), bucket.segments(), bucket.device)
+
+    def init_exchange(self, buckets) -> None:
+        """The momentum exchange's error feedback, from the switch on (a run resumed in the
+        compressed stage claims the loaded errors here)."""
+        if self.compressed or self.switched:
+            for bucket in buckets:
+                self.momentum_errors(bucket)
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
@@ -87,8 +98,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         if self.l2:
             contribution = contribution + self.l2 * bucket.param_vector()
         m.mul_(self.betas[0]).add_(contribution, alpha=1 - self.betas[0])
-        worker_error, server_error = self.error_state((bucket.index, "m"), bucket.segments(),
-                                                      bucket.device)
+        worker_error, server_error = self.momentum_errors(bucket)
         compressed_allreduce_(m, self.transport, self.codec, worker_error=worker_error,
                               server_error=server_error, scale=1.0 / c,
                               seed=call_seed(self.algorithm.seed, step,
@@ -106,19 +116,18 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
             self._freeze(optimizer)
 
     def _freeze(self, optimizer) -> None:
-        """Take m and (bias-corrected) v over from Adam's state, bucket by bucket."""
+        """The switch: take m and (bias-corrected) v over from Adam's state, bucket by bucket,
+        then allocate the momentum exchange's error feedback."""
         self.bind_optimizer(optimizer)
         for bucket in self.buckets:
             m, v = self.moments(bucket)
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
+            for p, m_p, v_p in self.param_slices(bucket, m, v):
                 state = optimizer.state[p]
-                m[offset:offset + n].copy_(state["exp_avg"].reshape(-1))
-                v[offset:offset + n].copy_((state["exp_avg_sq"] / (
+                m_p.copy_(state["exp_avg"].reshape(-1))
+                v_p.copy_((state["exp_avg_sq"] / (
                     1 - self.betas[1] ** float(state["step"]))).reshape(-1))
-                offset += n
-            self.error_state((bucket.index, "m"), bucket.segments(), bucket.device)
+        self.switched = True
+        self.setup_exchange()
 
     @property
     def l2(self) -> float:
@@ -132,17 +141,13 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         loss = closure() if closure is not None else None
         with torch.no_grad():
             for bucket in self.buckets:
-                m, v = self.moments(bucket)
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
+                for p, m_p, v_p in self.param_slices(bucket, *self.moments(bucket)):
                     group = self._group_of[p]
                     lr, eps = group["lr"], group["eps"]
                     if self.decoupled and group["weight_decay"]:
                         p.mul_(1 - lr * group["weight_decay"])
-                    update = m[offset:offset + n] / (v[offset:offset + n].sqrt() + eps)
+                    update = m_p / (v_p.sqrt() + eps)
                     p.add_(update.view_as(p), alpha=-lr)
-                    offset += n
         return loss
 
     def bind_optimizer(self, optimizer) -> None:
@@ -176,9 +181,6 @@ class OneBitAdam(Algorithm):
     validators = {"warmup_steps": positive_int(because="the frozen variance comes from the "
                                                "warm-up"),
                   "chunk": word_aligned_chunk(), "seed": random_seed()}
-
-    def __post_init__(self):
-        validate_fields(self)
 
     def codec(self):
         return OneBitCodec(self.chunk)

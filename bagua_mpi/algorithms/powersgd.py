@@ -29,8 +29,7 @@ from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 from .forms import float32_all
-from .validation import (boolean, non_negative_int, positive_int, random_seed, real_at_least,
-                         validate_fields)
+from .validation import boolean, non_negative_int, positive_int, random_seed, real_at_least
 
 
 class PowerSGDImpl(AlgorithmImpl):
@@ -55,9 +54,7 @@ class PowerSGDImpl(AlgorithmImpl):
                  if algo.error_feedback else None)
         return q, error
 
-    def init_buckets(self, buckets) -> None:
-        if self.comm is None:
-            return
+    def init_exchange(self, buckets) -> None:
         for bucket in buckets:
             for layer, name, p in zip(bucket.indices, bucket.names, bucket.params):
                 if self.matrix_shape(p) is not None:
@@ -103,6 +100,3 @@ class PowerSGD(Algorithm):
 
     def compression_use(self) -> str | None:
         return "the dense layers (biases, norms, small matrices) and the warm-up stage"
-
-    def __post_init__(self):
-        validate_fields(self)

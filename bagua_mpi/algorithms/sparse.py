@@ -20,7 +20,7 @@ from ..primitives.sparse import gtopk_allreduce_, topk_allgather_, topk_count
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 from .forms import float32
-from .validation import fraction, non_negative_int, one_of, validate_fields
+from .validation import fraction, non_negative_int, one_of
 
 
 class SparseImpl(AlgorithmImpl):
@@ -28,27 +28,20 @@ class SparseImpl(AlgorithmImpl):
         super().__init__(algorithm, ctx)
         self.reduce = gtopk_allreduce_ if algorithm.tree else topk_allgather_
 
-    def residual(self, bucket, j: int, segments) -> torch.Tensor:
-        """Error feedback of communicated tensor j: a float32 vector on the gradients' device."""
-        return self.state.vector("residual", (bucket.index, j), segments,
-                                 device=bucket.device).data
+    def residual(self, segments, device) -> torch.Tensor:
+        """Error feedback of a communicated tensor: a float32 vector on the gradients' device."""
+        return self.tensor_state("residual", segments, device=device).data
 
-    def init_buckets(self, buckets) -> None:
-        if self.comm is None:  # hierarchical, not a node leader: never exchanges
-            return
-        for bucket in buckets:
-            for j, segments in enumerate(bucket.communication_segments()):
-                self.residual(bucket, j, segments)
+    def init_tensor(self, segments, device) -> None:
+        self.residual(segments, device)
 
-    def reduce_bucket(self, bucket, step: int) -> None:
-        for j, (grad, segments) in enumerate(zip(bucket.communication_tensors(),
-                                                 bucket.communication_segments())):
-            residual = self.residual(bucket, j, segments)
-            # where the gradient lives: gTop-k keeps device payloads on the device
-            with float32(grad) as work:
-                self.reduce(work, self.transport, topk_count(work.numel(), self.algorithm.density),
-                            residual, scale=self.scale, index_dtype=self.algorithm.index_dtype,
-                            stats=self.wire)
+    def reduce_tensor(self, grad, segments, step: int) -> None:
+        residual = self.residual(segments, grad.device)
+        # where the gradient lives: gTop-k keeps device payloads on the device
+        with float32(grad) as work:
+            self.reduce(work, self.transport, topk_count(work.numel(), self.algorithm.density),
+                        residual, scale=self.scale, index_dtype=self.algorithm.index_dtype,
+                        stats=self.wire)
 
 
 @dataclass(frozen=True)
@@ -61,9 +54,6 @@ class _Sparse(Algorithm):
                   "warmup_steps": non_negative_int(),
                   "index_dtype": one_of(("int32", "int64"),
                                         because="the wire's index words")}
-
-    def __post_init__(self):
-        validate_fields(self)
 
 
 @register

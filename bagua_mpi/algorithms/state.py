@@ -24,12 +24,23 @@ Two shapes of state:
 ``tensor(kind, name, make)``
     Any tensor owned by one parameter (a PowerSGD Q of m x r): ``make()`` creates it, and a held
     checkpoint value of the same shape replaces its contents.
+
+In memory a vector is keyed by ``names_key(segments)``, the names of the parameters it covers
+(``AlgorithmImpl.tensor_state``), so its key follows its parameters, as its checkpoint does.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+
+def names_key(segments: list[tuple[str, int]]) -> str:
+    """The names of the parameters a tensor covers (``Bucket.segments()`` form) as one string:
+    what per-tensor state is keyed by, and a ``call_seed`` part. It follows the parameters, not
+    the bucket's position, so another bucketing finds the same state and the same random stream
+    wherever the tensor is the same."""
+    return "\n".join(name for name, _ in segments)
 
 
 class StateVector:

@@ -1,7 +1,7 @@
 """Field validators for algorithm configs: every dataclass field has one, declared per class.
 
-An algorithm config declares ``validators = {field name: Validator}`` and calls
-``validate_fields(self)`` in ``__post_init__``. A bad value then fails at construction, on the
+An algorithm config declares ``validators = {field name: Validator}``; ``Algorithm.__post_init__``
+(``base.py``) calls ``validate_fields(self)``. A bad value then fails at construction, on the
 main thread, as a ``ValueError`` that names the algorithm, the field, the value and what is
 allowed, instead of inside a kernel on the communication thread after the first step. A field
 without a declared validator (or a validator without its field) is a programming error raised

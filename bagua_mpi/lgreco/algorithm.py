@@ -14,7 +14,8 @@ family's default. Then every ``period_steps``:
 4. rank 0 broadcasts the assignment; every rank applies it from the next step on, and the
    accumulators restart.
 
-Communication per bucket, each layer at its own level, in one packed exchange: min-max levels
+Communication per bucket, each layer at its own level, in one packed exchange that the family
+runs, on state it allocates (``families.py``: ``init_layer``, ``exchange_``): min-max levels
 through C_LP_S (``packed_compressed_allreduce_``: one alltoall and one allgather) with
 worker/server error feedback per layer (kept across level changes: the error vectors depend
 only on the layer's size); top-k densities through gTopKAllReduce (``packed_gtopk_allreduce_``:
@@ -39,14 +40,9 @@ from ..algorithms.base import Algorithm, AlgorithmImpl
 from ..algorithms.registry import register
 from ..algorithms.forms import float32_all
 from ..algorithms.validation import (boolean, chosen_by, fraction, non_negative_int, one_of,
-                                     optional, positive_int, validate_fields, whole_number)
-from ..primitives.codecs import call_seed
-from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
-                                  partition_length)
-from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
-from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_count
+                                     optional, positive_int, whole_number)
 from . import dp
-from .families import FAMILIES, matrix_shape
+from .families import FAMILIES
 
 
 class LGreCoImpl(AlgorithmImpl):
@@ -67,40 +63,10 @@ class LGreCoImpl(AlgorithmImpl):
 
     # -- per-layer state (keyed by parameter name, so independent of bucketing) ---------------
     def accumulator(self, name: str) -> torch.Tensor:
+        """Layer ``name``'s local gradients summed since the last decision."""
         p = self.layers[name][1]
         return self.state.tensor("accumulator", name,
                                  lambda: torch.zeros(p.numel(), device=p.device))
-
-    def minmax_errors(self, name: str):
-        if not self.algorithm.error_feedback:
-            return None, None
-        p, n = self.layers[name][1], self.comm.Get_size()
-        numel = p.numel()
-        return (self.state.tensor("worker_error", name,
-                                  lambda: torch.zeros(padded_length(numel, n), device=p.device)),
-                self.state.tensor("server_error", name,
-                                  lambda: torch.zeros(partition_length(numel, n),
-                                                      device=p.device)))
-
-    def residual(self, name: str) -> torch.Tensor:
-        p = self.layers[name][1]
-        return self.state.tensor("residual", name,
-                                 lambda: torch.zeros(p.numel(), device=p.device))
-
-    def low_rank(self, name: str):
-        """(Q at the largest candidate rank, error memory or None), or None when no candidate
-        rank compresses this layer."""
-        index, p = self.layers[name]
-        if not any(self.family.compressed(p.shape, r) for r in self.candidates):
-            return None
-        rows, cols = matrix_shape(p.shape)
-        top = min(max(self.candidates), rows, cols)
-        q = self.state.tensor("q", name, lambda: initial_q(
-            cols, top, self.family.seed + index).to(p.device))
-        error = (self.state.tensor("error", name,
-                                   lambda: torch.zeros(p.numel(), device=p.device))
-                 if self.algorithm.error_feedback else None)
-        return q, error
 
     # -- buckets and layers ---------------------------------------------------------------------
     def init_buckets(self, buckets) -> None:
@@ -115,57 +81,31 @@ class LGreCoImpl(AlgorithmImpl):
                 self.layers[name] = (index, p)
                 self.layer_bucket[name] = bucket.index
                 self.assignment.setdefault(name, self.default_level)
-                if self.comm is None:  # hierarchical, not a leader: no exchange, no state
-                    continue
+
+    def init_exchange(self, buckets) -> None:
+        """Each layer's accumulator, then its family's state."""
+        for bucket in buckets:
+            for name in bucket.names:
                 self.accumulator(name)
-                if self.family.name == "minmax":
-                    self.minmax_errors(name)
-                elif self.family.name == "topk":
-                    self.residual(name)
-                else:
-                    self.low_rank(name)
+                self.family.init_layer(self, name)
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
-        """One packed exchange for the whole bucket, each layer at its own level."""
-        comm = self.transport
+        """Accumulate each layer's gradient, then one packed exchange of the family for the
+        whole bucket, each layer at its own level (bytes and seconds observed for the
+        time-aware DP)."""
+        transport = self.transport
         with float32_all(bucket.grad_views()) as grads:  # where the gradients are
             layers = list(zip(bucket.names, grads))
             for name, g in layers:
                 self.accumulator(name).add_(g)
             before, started = self.wire.bytes_sent, time.perf_counter()
-            if self.family.name == "minmax":
-                packed_compressed_allreduce_(
-                    [Segment(g, self.family.codec(int(self.assignment[name])),
-                             *self.minmax_errors(name), seed=call_seed(step, name))
-                     for name, g in layers], comm, scale=self.scale, stats=self.wire)
-            elif self.family.name == "topk":
-                packed_gtopk_allreduce_(
-                    [SparseSegment(g, topk_count(g.numel(), self.assignment[name]),
-                                   self.residual(name)) for name, g in layers],
-                    comm, scale=self.scale, stats=self.wire)
-            else:
-                self._exchange_low_rank(layers, comm)
+            self.family.exchange_(self, layers, transport, step)
             self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
                 (self.wire.bytes_sent - before, time.perf_counter() - started))
-            n = comm.Get_size()
+            n = transport.Get_size()
             for _, g in layers:
                 self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
-
-    def _exchange_low_rank(self, layers, comm) -> None:
-        """PowerSGD for the layers that compress at their rank (one P and one Q allreduce for
-        all of them), one dense allreduce for the rest."""
-        low, dense = [], []
-        for name, g in layers:
-            rank = int(self.assignment[name])
-            shape = self.layers[name][1].shape
-            state = self.low_rank(name)
-            if state is not None and self.family.compressed(shape, rank):
-                low.append(LowRankSegment(g, matrix_shape(shape)[0], rank, *state))
-            else:
-                dense.append(g)
-        powersgd_allreduce_(low, comm, scale=self.scale, stats=self.wire)
-        self.dense_allreduce_(dense, fused=True)
 
     # -- decisions (main thread, every rank at the same step) -----------------------------------
     def after_step(self, optimizer) -> None:
@@ -224,7 +164,7 @@ class LGreCoImpl(AlgorithmImpl):
 
     def load_extra_state(self, extra: dict) -> None:
         self.decisions = int(extra.get("decisions", 0))
-        cast = float if self.family.name == "topk" else int
+        cast = self.family.level_type
         self.assignment = {name: cast(level)
                            for name, level in extra.get("assignment", {}).items()}
 
@@ -237,9 +177,6 @@ class LGreCo(Algorithm):
 
     name = "lgreco"
     impl_class = LGreCoImpl
-
-    def compression_use(self) -> str | None:
-        return "the dense layers" if self.family == "powersgd" else None
     family: str = "minmax"
     default: float | None = None  # 4 bits / density 0.01 / rank 4 when None
     warmup_steps: int = 20
@@ -259,5 +196,5 @@ class LGreCo(Algorithm):
         "time_aware": boolean(), "error_feedback": boolean(),
         "dp_steps": positive_int(because="the error budget's discretization steps")}
 
-    def __post_init__(self):
-        validate_fields(self)
+    def compression_use(self) -> str | None:
+        return "the dense layers" if self.family == "powersgd" else None

@@ -6,18 +6,28 @@ this measurement), computed in one pass for all candidates, and ``size(shape, c)
 layer's payload takes (``shape`` may be a plain element count where the shape does not matter).
 Search spaces around the default D: bits in [D/2, 2D] step 1 (clipped to 1..8); density in
 [D/10, 10D] step D/10 (clipped to 1); PowerSGD rank in [D/2, 2D] step 1.
+
+A family also runs its side of the exchange, for the L-GreCo impl ``impl`` (whose ``state``,
+``layers`` = {name: (index, parameter)}, ``assignment`` = {name: level}, ``comm``, ``scale``
+and ``wire`` it uses): ``init_layer(impl, name)`` allocates a layer's state (error feedback,
+residual, Q; keyed by the parameter's name), ``exchange_(impl, layers, transport, step)``
+synchronizes a bucket's [(name, float32 gradient)] in one packed exchange, each layer at its
+level, and ``level_type`` is the type of its levels (what a checkpoint's levels are cast to).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 import numba_kernels as nk
 
-from ..primitives.codecs import MinMaxCodec, fit_kernel_threads
-from ..primitives.lowrank import initial_q, orthonormalize
-from ..primitives.sparse import topk_count
+from ..primitives.codecs import MinMaxCodec, call_seed, fit_kernel_threads
+from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
+                                  partition_length)
+from ..primitives.lowrank import LowRankSegment, initial_q, orthonormalize, powersgd_allreduce_
+from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_count
 
 
 def numel(shape) -> int:
@@ -40,6 +50,7 @@ class MinMaxBits:
     default: int = 4
     chunk: int = 1024
     name = "minmax"
+    level_type = int
 
     def candidates(self) -> list[int]:
         lo, hi = max(1, self.default // 2), min(8, 2 * self.default)
@@ -59,6 +70,31 @@ class MinMaxBits:
     def codec(self, bits: int) -> MinMaxCodec:
         return MinMaxCodec(bits, self.chunk)
 
+    # -- the exchange ---------------------------------------------------------------------------
+    def layer_errors(self, impl, name: str):
+        """(worker error, server error) of layer ``name``, or (None, None) without error
+        feedback. Their sizes depend only on the layer's, so they carry over level changes."""
+        if not impl.algorithm.error_feedback:
+            return None, None
+        p, n = impl.layers[name][1], impl.comm.Get_size()
+        numel = p.numel()
+        return (impl.state.tensor("worker_error", name,
+                                  lambda: torch.zeros(padded_length(numel, n), device=p.device)),
+                impl.state.tensor("server_error", name,
+                                  lambda: torch.zeros(partition_length(numel, n),
+                                                      device=p.device)))
+
+    def init_layer(self, impl, name: str) -> None:
+        self.layer_errors(impl, name)
+
+    def exchange_(self, impl, layers, transport, step: int) -> None:
+        """One C_LP_S for all the layers (one alltoall and one allgather), each layer at its
+        bits, its random stream seeded by (step, its name)."""
+        packed_compressed_allreduce_(
+            [Segment(g, self.codec(int(impl.assignment[name])), *self.layer_errors(impl, name),
+                     seed=call_seed(step, name))
+             for name, g in layers], transport, scale=impl.scale, stats=impl.wire)
+
 
 @dataclass(frozen=True)
 class TopKDensity:
@@ -66,6 +102,7 @@ class TopKDensity:
 
     default: float = 0.01
     name = "topk"
+    level_type = float
 
     def candidates(self) -> list[float]:
         return [d for d in (self.default * i / 10 for i in range(1, 101)) if d <= 1.0]
@@ -91,6 +128,24 @@ class TopKDensity:
     def error(self, g: np.ndarray, density: float) -> float:
         return float(self.errors(g, [density])[0])
 
+    # -- the exchange ---------------------------------------------------------------------------
+    def residual(self, impl, name: str) -> torch.Tensor:
+        """What top-k left out of layer ``name``'s gradients so far (error feedback)."""
+        p = impl.layers[name][1]
+        return impl.state.tensor("residual", name,
+                                 lambda: torch.zeros(p.numel(), device=p.device))
+
+    def init_layer(self, impl, name: str) -> None:
+        self.residual(impl, name)
+
+    def exchange_(self, impl, layers, transport, step: int) -> None:
+        """One gTopKAllReduce for all the layers (one tree and one broadcast), each layer at
+        its density, with its residual."""
+        packed_gtopk_allreduce_(
+            [SparseSegment(g, topk_count(g.numel(), impl.assignment[name]),
+                           self.residual(impl, name)) for name, g in layers],
+            transport, scale=impl.scale, stats=impl.wire)
+
 
 @dataclass(frozen=True)
 class PowerSGDRank:
@@ -104,6 +159,7 @@ class PowerSGDRank:
     default: int = 4
     seed: int = 0
     name = "powersgd"
+    level_type = int
 
     def candidates(self) -> list[int]:
         return list(range(max(1, self.default // 2), 2 * self.default + 1))
@@ -137,6 +193,42 @@ class PowerSGDRank:
             kept[1:] = np.cumsum(np.square(m.T @ basis).sum(axis=0))
         return np.array([max(total - kept[r], 0.0) if self.compressed(shape, r) else 0.0
                          for r in levels])
+
+    # -- the exchange ---------------------------------------------------------------------------
+    def low_rank(self, impl, name: str):
+        """(Q at the largest candidate rank, error memory or None) of layer ``name``, or None
+        when no candidate rank compresses it. Q starts from the seeded ``initial_q`` (the same
+        on every rank); a smaller rank uses, and warm-starts, its first columns."""
+        index, p = impl.layers[name]
+        candidates = self.candidates()
+        if not any(self.compressed(p.shape, r) for r in candidates):
+            return None
+        rows, cols = matrix_shape(p.shape)
+        top = min(max(candidates), rows, cols)
+        q = impl.state.tensor("q", name, lambda: initial_q(cols, top,
+                                                           self.seed + index).to(p.device))
+        error = (impl.state.tensor("error", name,
+                                   lambda: torch.zeros(p.numel(), device=p.device))
+                 if impl.algorithm.error_feedback else None)
+        return q, error
+
+    def init_layer(self, impl, name: str) -> None:
+        self.low_rank(impl, name)
+
+    def exchange_(self, impl, layers, transport, step: int) -> None:
+        """PowerSGD for the layers that compress at their rank (one P and one Q allreduce for
+        all of them), one dense allreduce for the rest."""
+        low, dense = [], []
+        for name, g in layers:
+            rank = int(impl.assignment[name])
+            shape = impl.layers[name][1].shape
+            state = self.low_rank(impl, name)
+            if state is not None and self.compressed(shape, rank):
+                low.append(LowRankSegment(g, matrix_shape(shape)[0], rank, *state))
+            else:
+                dense.append(g)
+        powersgd_allreduce_(low, transport, scale=impl.scale, stats=impl.wire)
+        impl.dense_allreduce_(dense, fused=True)
 
 
 FAMILIES = {"minmax": MinMaxBits, "topk": TopKDensity, "powersgd": PowerSGDRank}

@@ -1,0 +1,260 @@
+"""Single-process tests of the algorithm framework's hooks (``algorithms/base.py``).
+
+What the framework owns so that algorithm files do not: which ranks allocate exchange state
+(``setup_buckets``/``init_exchange``), the per-tensor loops (``init_tensor``, ``reduce_tensor``),
+state keyed by the names of a tensor's parameters (``tensor_state``), the parameter and bucket
+slices of flat vectors, config validation (``Algorithm.__post_init__``), and what counts as the
+dense exchange for the agreement check and ZeRO stage 2 (``exchanges_dense_gradients``).
+"""
+import dataclasses
+import types
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import bagua_mpi  # noqa: F401 - registers the built-in algorithms
+import bagua_mpi.lgreco  # noqa: F401 - registers lgreco
+from bagua_mpi.algorithms import (Algorithm, AlgorithmContext, AlgorithmImpl, GTopK, PowerSGD,
+                                  QSGD, LowPrecisionDecentralized, OneBitAdam, create)
+from bagua_mpi.algorithms.compressed import CompressedAllReduceImpl
+from bagua_mpi.algorithms.state import names_key
+from bagua_mpi.algorithms.validation import int_in_range
+from bagua_mpi.compression import Compression
+from bagua_mpi.engine import Bucket
+from bagua_mpi.lgreco import LGreCo
+
+SHAPES = {"layer1.weight": (8, 5), "layer1.bias": (8,), "layer2.weight": (3, 8)}
+
+
+def make_impl(algorithm, *, leader=True, rank=0):
+    """An impl on one process: every rank exchanges over COMM_SELF, or (``leader=False``) a
+    hierarchical rank that is not its node's leader (``self.comm`` is None)."""
+    topo = types.SimpleNamespace(comm=MPI.COMM_SELF, leaders=MPI.COMM_SELF if leader else None,
+                                 size=1, rank=rank, local_size=1)
+    ctx = AlgorithmContext(topo=topo, average=True, prescale=1.0, postscale=1.0,
+                           hierarchical=not leader, compression=Compression.none,
+                           param_numels={name: torch.Size(s).numel()
+                                         for name, s in SHAPES.items()})
+    return create(algorithm).reify(ctx)
+
+
+def make_params():
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in SHAPES.values():
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen))
+        p.grad = torch.randn(shape, generator=gen)
+        params.append(p)
+    return list(SHAPES), params
+
+
+def make_buckets(plan, flatten):
+    names, params = make_params()
+    return [Bucket(i, indices, params, names, flatten) for i, indices in enumerate(plan)]
+
+
+# -- who allocates exchange state ------------------------------------------------------------------
+class Recording(AlgorithmImpl):
+    def __init__(self, algorithm, ctx):
+        super().__init__(algorithm, ctx)
+        self.calls = []
+
+    def init_buckets(self, buckets):
+        self.calls.append(("init_buckets", len(buckets)))
+
+    def init_tensor(self, segments, device):
+        self.calls.append(("init_tensor", tuple(name for name, _ in segments)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingAlgorithm(Algorithm):
+    name = "hooks_unit_recording"
+    impl_class = Recording
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_init_tensor_runs_per_communicated_tensor_on_exchanging_ranks_only(flatten):
+    buckets = make_buckets([[0, 1], [2]], flatten)
+    leader = make_impl(RecordingAlgorithm())
+    leader.setup_buckets(buckets)
+    expected = [("init_buckets", 2)] + [
+        ("init_tensor", tuple(name for name, _ in segments))
+        for bucket in buckets for segments in bucket.communication_segments()]
+    assert leader.calls == expected
+    assert len(expected) == (3 if flatten else 4)
+    other = make_impl(RecordingAlgorithm(), leader=False)
+    other.setup_buckets(buckets)
+    assert other.calls == [("init_buckets", 2)]  # a node's other ranks never exchange
+
+
+@pytest.mark.parametrize("algorithm", [
+    QSGD(error_feedback=True), GTopK(density=0.5), PowerSGD(rank=1),
+    LowPrecisionDecentralized(chunk=32), LGreCo(family="minmax"),
+    LGreCo(family="topk", default=0.1), LGreCo(family="powersgd", default=1)],
+    ids=lambda a: f"{a.name}-{getattr(a, 'family', '')}")
+def test_exchange_state_lives_on_exchanging_ranks_only(algorithm):
+    for leader in (True, False):
+        impl = make_impl(algorithm, leader=leader, rank=0 if leader else 1)
+        buckets = make_buckets([[0, 1], [2]], flatten=True)
+        if impl.wants_flat_params:
+            for bucket in buckets:
+                bucket.flatten_params()
+        impl.setup_buckets(buckets)
+        allocated = impl.state.state_dict()
+        assert bool(allocated) == leader, (leader, sorted(allocated))
+
+
+def test_onebit_adam_allocates_its_momentum_errors_at_the_switch():
+    impl = make_impl(OneBitAdam(warmup_steps=2, chunk=32))
+    model = torch.nn.Linear(5, 3)
+    names = ["weight", "bias"]
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 5)).sum().backward()
+    optimizer.step()
+    buckets = [Bucket(0, [0, 1], list(model.parameters()), names, True)]
+    impl.setup_buckets(buckets)
+    assert impl.state.state_dict() == {}  # warm-up: Adam's own state
+    impl.step = 1
+    impl.after_step(optimizer)  # the switch
+    kinds = list(impl.state.state_dict())
+    assert kinds == ["exp_avg", "exp_avg_sq", "worker_error", "server_error"]
+    m, _ = impl.moments(buckets[0])
+    assert torch.equal(m[:15], optimizer.state[model.weight]["exp_avg"].reshape(-1))
+    assert torch.equal(m[15:], optimizer.state[model.bias]["exp_avg"].reshape(-1))
+
+
+# -- state keyed by the tensor's parameter names ---------------------------------------------------
+def test_tensor_state_follows_the_parameters_not_the_bucket():
+    impl = make_impl(GTopK(density=0.5))
+    first = make_buckets([[0, 1], [2]], flatten=False)
+    second = make_buckets([[2], [1], [0]], flatten=False)
+    impl.setup_buckets(first)
+    by_names = {names_key(s): impl.residual(s, "cpu")
+                for b in first for s in b.communication_segments()}
+    for bucket in second:
+        for segments in bucket.communication_segments():
+            assert impl.residual(segments, "cpu") is by_names[names_key(segments)]
+    assert len(impl.state.vectors) == 3
+
+
+def test_stage_two_reduce_scatter_keys_the_worker_error_as_the_stage_zero_exchange():
+    impl = make_impl(QSGD(error_feedback=True))
+    bucket = make_buckets([[0, 1, 2]], flatten=True)[0]
+    impl.setup_buckets([bucket])
+    [segments] = bucket.communication_segments()
+    worker, server = impl.error_state(segments)
+    assert server is not None
+    impl.zero_stage = 2
+    again, none = impl.error_state(bucket.segments(), bucket.device)
+    assert again is worker and none is None
+
+
+# -- slices of flat vectors ------------------------------------------------------------------------
+def test_param_and_bucket_slices_follow_the_flat_layout():
+    impl = make_impl("gradient_allreduce")
+    buckets = make_buckets([[0, 1], [2]], flatten=True)
+    impl.setup_buckets(buckets)
+    whole = torch.arange(sum(b.numel for b in buckets), dtype=torch.float32)
+    pieces = list(impl.bucket_slices(whole))
+    assert [b for b, _ in pieces] == buckets
+    assert torch.equal(torch.cat([piece for _, piece in pieces]), whole)
+    bucket, vector = pieces[0]
+    doubled = vector * 2
+    seen = list(impl.param_slices(bucket, vector, doubled))
+    assert [p for p, *_ in seen] == bucket.params
+    start = 0
+    for p, one, two in seen:
+        assert torch.equal(one, vector[start:start + p.numel()])
+        assert torch.equal(two, 2 * one)
+        start += p.numel()
+    assert start == bucket.numel
+
+
+# -- the default per-tensor exchange ---------------------------------------------------------------
+def test_default_reduce_bucket_reduces_each_communicated_tensor():
+    seen = []
+
+    class PerTensor(AlgorithmImpl):
+        def reduce_tensor(self, grad, segments, step):
+            seen.append((grad.data_ptr(), tuple(name for name, _ in segments), step))
+
+    impl = PerTensor(None, make_impl("gradient_allreduce").ctx)
+    for flatten in (True, False):
+        seen.clear()
+        bucket = make_buckets([[0, 1, 2]], flatten)[0]
+        impl.reduce_bucket(bucket, step=3)
+        assert seen == [(g.data_ptr(), tuple(n for n, _ in s), 3) for g, s in
+                        zip(bucket.communication_tensors(), bucket.communication_segments())]
+
+
+# -- what counts as the dense exchange --------------------------------------------------------------
+class TensorOnly(AlgorithmImpl):
+    def reduce_tensor(self, grad, segments, step):
+        grad.mul_(1.0)
+
+
+class TensorAndScatter(TensorOnly):
+    def reduce_scatter_bucket(self, bucket, step, out):
+        self.dense_reduce_scatter_(bucket, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorOnlyAlgorithm(Algorithm):
+    name = "hooks_unit_tensor_only"
+    impl_class = TensorOnly
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorAndScatterAlgorithm(Algorithm):
+    name = "hooks_unit_tensor_and_scatter"
+    impl_class = TensorAndScatter
+
+
+def test_overriding_reduce_tensor_is_not_the_dense_exchange():
+    assert AlgorithmImpl.exchanges_dense_gradients()
+    assert not TensorOnly.exchanges_dense_gradients()
+    assert not CompressedAllReduceImpl.exchanges_dense_gradients()
+    assert not PowerSGD.impl_class.exchanges_dense_gradients()
+
+
+def test_zero_stage_two_needs_a_reduce_scatter_from_a_reduce_tensor_override():
+    assert "no reduce-scatter form" in TensorOnlyAlgorithm().sharding_refusal_reason(2)
+    assert TensorOnlyAlgorithm().sharding_refusal_reason(1) is None
+    assert TensorAndScatterAlgorithm().sharding_refusal_reason(2) is None
+    assert "no reduce-scatter form" in GTopK().sharding_refusal_reason(2)
+    assert QSGD().sharding_refusal_reason(2) is None
+
+
+# -- configs validate in the base --------------------------------------------------------------------
+def test_configs_validate_through_the_base_post_init():
+    @dataclasses.dataclass(frozen=True)
+    class Small(Algorithm):
+        name = "hooks_unit_small"
+        width: int = 2
+        validators = {"width": int_in_range(1, 4)}
+
+    assert Small(width=4).width == 4
+    with pytest.raises(ValueError, match=r"width=5 .*\[1, 4\]"):
+        Small(width=5)
+
+    @dataclasses.dataclass(frozen=True)
+    class Forgetful(Algorithm):
+        name = "hooks_unit_forgetful"
+        width: int = 2
+
+    with pytest.raises(TypeError, match=r"no validator for \['width'\]"):
+        Forgetful()
+
+    @dataclasses.dataclass(frozen=True)
+    class Fieldless(Algorithm):  # the tests' own algorithms: no fields, no table
+        name = "hooks_unit_fieldless"
+
+    assert Fieldless().config() == {"name": "hooks_unit_fieldless"}
+
+
+def test_no_builtin_config_repeats_the_base_post_init():
+    from bagua_mpi.algorithms.registry import _REGISTRY
+    for cls in _REGISTRY.values():
+        if cls.__module__.startswith("bagua_mpi."):
+            assert cls.__post_init__ is Algorithm.__post_init__, cls.__name__
