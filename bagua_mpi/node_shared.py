@@ -64,6 +64,7 @@ class SharedRows:
         self.rows = np.frombuffer(memory, dtype=self.np_dtype, count=numel * n).reshape(n, numel)
         self.win.Lock_all()  # a passive epoch for Win.Sync, held for the window's life
         self.tensor = torch.from_numpy(self.rows[local])
+        self.used = numel  # the bucket's gradients: a prefix when the row is padded (ZeRO)
         bounds = [numel * q // n for q in range(n + 1)]
         self.lo, self.hi = bounds[local], bounds[local + 1]
         self.chunk = max(1024, CHUNK_BYTES // itemsize)
@@ -144,14 +145,15 @@ class SharedRows:
 
 
 def rows_of(tensor: torch.Tensor, comm) -> SharedRows | None:
-    """The window whose row ``tensor`` is (or begins), when ``comm`` is the communicator it
-    reduces over."""
+    """The window whose row holds ``tensor`` as its bucket's gradients (the row, or its
+    unpadded prefix for a sharded bucket), when ``comm`` is the communicator it reduces
+    over."""
     if not _by_address or tensor.is_cuda:
         return None
     rows = _by_address.get(tensor.data_ptr())
-    # (a sharded bucket's gradients are a prefix of its row: the rest is zero padding)
-    if rows is None or rows.freed or rows.topo.comm is not comm or rows.tensor.numel() < \
-            tensor.numel():
+    # only the bucket's whole gradient: a tensor that merely begins the row (a first
+    # parameter's view) is not the bucket
+    if rows is None or rows.freed or rows.topo.comm is not comm or tensor.numel() != rows.used:
         return None
     return rows
 

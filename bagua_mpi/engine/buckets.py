@@ -82,6 +82,7 @@ class Bucket:
         if flatten:
             if allocate is not None:  # a row of node-shared memory (zeroed by the allocator)
                 self.shared = allocate(self.part * parts)
+                self.shared.used = self.numel  # the rest of the row is slice padding
                 self.grad_storage = self.shared.tensor
                 self.flat_grad = self.grad_storage[:self.numel]
                 self.shared.on_free.append(self.privatize)
