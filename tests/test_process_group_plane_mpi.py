@@ -11,7 +11,8 @@ machine without a GPU:
 * every registered algorithm trained through gloo (``algorithms_suite.py``: identical models
   where centralized, first-step checks, and a check that no payload took MPI);
 * exact resume through gloo: a job trains and checkpoints every algorithm, a new job resumes,
-  and every rank's model and state digests match the uninterrupted run's.
+  and every rank's model and state digests match the uninterrupted run's;
+* ``join()`` and sparse gradients through gloo (``optimizer_suite.py``).
 """
 import re
 
@@ -86,3 +87,15 @@ def digests(output: str, kind: str, spec: str) -> dict:
 def test_resume_through_gloo_is_bit_identical(gloo_resume, spec):
     trained, resumed = gloo_resume
     assert digests(resumed, "RES", spec) == digests(trained, "REF", spec), resumed
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_join_meets_the_training_ranks_on_their_wire(nprocs):
+    """A rank inside ``join()`` adds its zeros where the others reduce: through the gloo group
+    when the optimizer's buckets go through gloo (it once used MPI, and the job hung until the
+    watchdog aborted it). Sparse gradients' allgathers go through gloo as well."""
+    result = run_mpi("optimizer_suite.py", nprocs, "--check", "join", "--check",
+                     "sparse_gradients", env=dict(GLOO, BAGUA_MPI_STALL_ABORT_S="60"),
+                     timeout=240)
+    assert_check_passed(result, "join")
+    assert_check_passed(result, "sparse_gradients")  # the sparse allgather through gloo too

@@ -83,7 +83,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 import torch
 from mpi4py import MPI
 
-from .. import consistency
+from .. import consistency, process_groups
+from ..collectives import join_route
 from ..accounting import WireStats, overhead
 from ..buffers import dtype_name, reduce_dtype
 from ..engine.clock import StepClock
@@ -312,9 +313,14 @@ class AlgorithmImpl:
         dense_plain = ((self.in_dense_stage(step) or self.exchanges_dense_gradients())
                        and self.ctx.compression.wire_dtype is None and self.zero_stage != 2)
         join = None
-        if dense_plain:  # a joined rank adds zeros to each of the bucket's allreduces
-            join = (tuple((reduce_dtype(dtype_name(t)), t.numel()) for t in tensors), MPI.SUM,
-                    False)
+        if dense_plain:  # a joined rank adds zeros to each of the bucket's allreduces...
+            topo = self.ctx.topo
+            route = join_route(tensors[0], topo, self.backend, comm=self.comm)
+            # ...on the same wire, in the dtype it sums in (process groups add 16-bit natively)
+            native = (route[0] != "mpi" and Transport(self.comm, self.backend).carrier(
+                tensors[0]) in process_groups.LIBRARIES)
+            join = (tuple((dtype_name(t) if native else reduce_dtype(dtype_name(t)), t.numel())
+                          for t in tensors), MPI.SUM, False, route)
         signature = ("bucket", self.algorithm.name, bucket.index,
                      ("sizes", tuple(t.numel() for t in tensors)), ("dense", dense_plain),
                      ("zero_stage", self.zero_stage))

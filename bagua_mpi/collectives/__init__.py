@@ -32,7 +32,7 @@ Modules, each importing only those listed before it:
 from ..exceptions import BaguaMPIError
 from ._allreduce import (allreduce_, allreduce_async, allreduce_async_, grouped_allreduce_,
                          grouped_allreduce_async, grouped_allreduce_async_)
-from ._allreduce_backends import hierarchical_allreduce_, uses_nccl_allreduce
+from ._allreduce_backends import hierarchical_allreduce_, join_route, uses_nccl_allreduce
 from ._core import global_process_set
 from ._handles import poll, submit, synchronize
 from ._join import join

@@ -21,18 +21,20 @@ from ..buffers import (HALF, INTEGER, copy_into, dtype_name, empty_like, reduce_
 from ..ops import Average, ReduceOp, mpi_op
 from ..primitives import adasum
 from ..worker import Handle
-from ._allreduce_backends import reducer_for
+from ._allreduce_backends import join_route, nccl_allreduce_, reducer_for
 from ._core import (check_factor, check_list, check_wanted, global_process_set, reduction,
                     resolve_op, run_now, start, topo_of)
 
 
 # -- one tensor --------------------------------------------------------------------------------
 
-def _verify_allreduce(comm, op, dt: str, shape: tuple, mop, hier: bool) -> None:
+def _verify_allreduce(comm, op, dt: str, shape: tuple, mop, hier: bool,
+                      route: tuple = ("mpi",)) -> None:
     """The agreement check of an allreduce: one record for the general and the fast path, so
-    ranks taking different paths for the same call still agree (and disagreeing calls raise)."""
+    ranks taking different paths for the same call still agree (and disagreeing calls raise).
+    ``route``: how a joined rank adds its zeros (``join_route``)."""
     consistency.verify(comm, ("allreduce", ("op", op.name), ("dtype", dt), ("shape", shape)),
-                       (((reduce_dtype(dt), math.prod(shape)),), mop, hier))
+                       (((reduce_dtype(dt), math.prod(shape)),), mop, hier, route))
 
 
 def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
@@ -60,10 +62,11 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
     shape = tuple(tensor.shape)
     numel = math.prod(shape)
     reduce_ = reducer_for(tensor, topo)
+    route = join_route(tensor, topo) if reduce_ is nccl_allreduce_ else ("mpi",)
 
     def run():
         if check_wanted(check):
-            _verify_allreduce(topo.comm, op, dt, shape, mop, hier)
+            _verify_allreduce(topo.comm, op, dt, shape, mop, hier, route)
         if numel == 0:
             return out
         if dt in HALF:  # reduce in float32, round once at the end
@@ -230,8 +233,9 @@ def _grouped_run(rt, topo, tensors, outs, op, prescale_factor, postscale_factor,
         mop = MPI.SUM if int_average else mpi_op(op, wire_dt)
         plan.append((wire_dt, idx, mop, post,
                      sum(math.prod(tuple(tensors[i].shape)) for i in idx)))
-    join_info = (tuple((w, n, m) for w, _, m, _, n in plan), None, hier)
     reduce_ = reducer_for(tensors[0], topo)  # one kind and device: one reducer for all
+    join_info = (tuple((w, n, m) for w, _, m, _, n in plan), None, hier,
+                 join_route(tensors[0], topo) if reduce_ is nccl_allreduce_ else ("mpi",))
 
     def run():
         if check_wanted(check):

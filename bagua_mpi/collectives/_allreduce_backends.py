@@ -1,7 +1,8 @@
 """How one buffer is allreduced in place, and the one rule that picks NCCL or MPI for it.
 
-``allreduce`` and ``grouped_allreduce`` (and ``join``, which only ever takes part through MPI)
-hand their working buffer, already scaled and in its wire dtype, to a reducer of this module:
+``allreduce`` and ``grouped_allreduce`` (and ``join``, which contributes zeros the way the
+training ranks reduce: ``join_route``) hand their working buffer, already scaled and in its
+wire dtype, to a reducer of this module:
 
 * ``mpi_allreduce_``: MPI on host memory, or on a CUDA tensor through ``transport.mpi_buffer``
   (CUDA-aware MPI or a pinned host copy); flat, or two-level with ``hierarchical``;
@@ -25,6 +26,21 @@ def uses_nccl_allreduce(tensor, topo, backend: str | None = None) -> bool:
     choice that cannot run raises ``BackendUnavailableError``."""
     return (getattr(tensor, "is_cuda", False) and topo is runtime.get().topo
             and transport.uses_nccl(tensor, backend))
+
+
+def join_route(tensor, topo, backend: str | None = None, comm=None) -> tuple:
+    """How a rank inside ``join()`` must add its zeros to a dense allreduce of ``tensor`` over
+    ``comm`` (default ``topo.comm``) so that it meets the training ranks on the same wire:
+    ``("mpi",)``; ``("nccl", backend)`` (``transport.nccl_allreduce_``); or ``("transport",
+    backend, device type)`` (a process group, or MPI on device memory). Sent to the joined
+    rank in the agreement message."""
+    comm = topo.comm if comm is None else comm
+    if comm is topo.comm and uses_nccl_allreduce(tensor, topo, backend):
+        return ("nccl", backend)
+    wire = transport.Transport(comm, backend)
+    if wire.carrier(tensor) == "mpi":
+        return ("mpi",)
+    return ("transport", backend, "cuda" if getattr(tensor, "is_cuda", False) else "cpu")
 
 
 def reducer_for(tensor, topo):

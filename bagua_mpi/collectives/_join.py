@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import consistency, runtime
+from .. import consistency, runtime, transport
 from ..exceptions import BaguaMPIError
 from ._allreduce_backends import mpi_allreduce_buffer_
 
@@ -45,13 +45,37 @@ def join(device=-1) -> int:
             signature, info = comm.bcast(None, root=root)
             if info is None:  # the working ranks raise (mismatch, or not an allreduce); as in
                 continue      # Horovod, this rank stays joined
-            messages, mop, hier = info
+            messages, mop, hier, *rest = info
+            route = rest[0] if rest else ("mpi",)
             for message in messages:
                 wire_dt, numel = message[0], message[1]
                 mop_i = message[2] if len(message) > 2 else mop
                 if numel:
-                    zeros = np.zeros(numel, dtype=np.float32 if wire_dt == "bfloat16"
-                                     else np.dtype("bool" if wire_dt == "bool" else wire_dt))
-                    mpi_allreduce_buffer_(topo, zeros, mop_i, hier)
+                    _add_zeros(topo, wire_dt, numel, mop_i, hier, route)
 
     return rt.worker.run(run, ("join",))
+
+
+def _add_zeros(topo, wire_dt: str, numel: int, mop, hierarchical: bool, route: tuple) -> None:
+    """This joined rank's zeros for one message, on the wire the training ranks use
+    (``join_route``): MPI, NCCL, or the transport (a process group, MPI on device memory)."""
+    kind = route[0]
+    dtype = np.float32 if wire_dt == "bfloat16" else np.dtype("bool" if wire_dt == "bool"
+                                                              else wire_dt)
+    if kind == "mpi":
+        mpi_allreduce_buffer_(topo, np.zeros(numel, dtype=dtype), mop, hierarchical)
+        return
+    import torch
+
+    device = "cuda" if kind == "nccl" else route[2]
+    zeros = torch.zeros(numel, dtype=getattr(torch, wire_dt), device=device)
+    op = next((name for m, name in _OPS if m == mop), None)
+    if op is None:
+        raise BaguaMPIError(f"join(): no {route[0]} reduction for MPI op {mop!r}")
+    if kind == "nccl":
+        transport.nccl_allreduce_(zeros, topo, route[1], op=op)
+    else:
+        transport.Transport(topo.comm, route[1]).allreduce_(zeros, op)
+
+
+_OPS = ((MPI.SUM, "sum"), (MPI.MIN, "min"), (MPI.MAX, "max"), (MPI.PROD, "product"))
