@@ -10,7 +10,11 @@ when device data arrives, so the package imports on machines without a GPU.
 
 A payload is one flat uint8 buffer whose size follows from ``(n, params)``
 (see ``wire``).  Compressors take ``residual=`` for fused error feedback and
-``out=`` for a preallocated payload buffer.
+``out=`` for a preallocated payload buffer.  The dense chunked formats have a
+row form for scatter-reduces: ``compress_*_rows`` encodes the n equal
+partitions of a tensor into the n rows of a payload matrix and
+``decompress_rows`` decodes each row into its partition, one launch each
+instead of n, byte for byte the per-partition calls.
 
 Every CUDA kernel launch is counted: ``launch_count()`` and ``sync_count()``
 (device-to-host waits, only top-k's approximate method makes any) give the
@@ -26,14 +30,15 @@ True
 True
 """
 from ._counters import launch_count, reset_launch_count, sync_count
+from ._scalar import row_seed
 from .casts import compress_cast, sum_halves
-from .dispatch import decompress, decompress_many
+from .dispatch import decompress, decompress_many, decompress_rows
 from .errors import (CudaUnavailableError, DeviceMismatchError, KernelError,
                      KernelParameterError, KernelTypeError, LayoutError, PayloadError)
 from .merge import merge_topk, restore_unselected, scale_topk_values
-from .minmax import compress_minmax, minmax_errors
-from .onebit import compress_onebit
-from .qsgd import compress_qsgd
+from .minmax import compress_minmax, compress_minmax_rows, minmax_errors
+from .onebit import compress_onebit, compress_onebit_rows
+from .qsgd import compress_qsgd, compress_qsgd_rows
 from .topk import compress_randk, compress_topk
 from .wire import (ALIGN, CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDFormat,
                    TopKFormat)
@@ -41,6 +46,8 @@ from .wire import (ALIGN, CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDF
 __all__ = [
     "compress_cast", "sum_halves", "compress_minmax", "compress_qsgd", "compress_onebit",
     "compress_topk", "compress_randk", "minmax_errors", "decompress", "decompress_many",
+    "compress_minmax_rows", "compress_qsgd_rows", "compress_onebit_rows", "decompress_rows",
+    "row_seed",
     "merge_topk", "restore_unselected", "scale_topk_values",
     "launch_count", "sync_count", "reset_launch_count",
     "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",

@@ -8,8 +8,11 @@ about their algorithms.
 import numpy as np
 
 from ._device import FLOATS, as_array, empty, flat, same_place, stream_of
-from .errors import DeviceMismatchError, LayoutError
-from .wire import Payload, check_buffer
+from .errors import DeviceMismatchError, KernelParameterError, LayoutError, PayloadError
+from .wire import ALIGN, Payload, check_buffer
+
+# The row forms put the partition index on the grid's y axis, whose limit is 65535 blocks.
+MAX_ROWS = 65535
 
 
 def prepare(x, residual, out, make_format, stream):
@@ -20,13 +23,7 @@ def prepare(x, residual, out, make_format, stream):
     """
     xa, dev = flat(x, "x")
     fmt = make_format(xa.size)
-    ea = None
-    if residual is not None:
-        ea, edev = flat(residual, "residual")
-        same_place(dev, residual=(ea, edev))
-        if ea.dtype != xa.dtype or ea.size != xa.size:
-            raise LayoutError(f"residual must match x: x is {xa.dtype}[{xa.size}], "
-                              f"residual is {ea.dtype}[{ea.size}]")
+    ea = _residual(residual, xa, dev)
     st = stream_of(stream) if dev else 0
     buf = output_buffer(out, fmt.nbytes, dev, st)
     return xa, ea, dev, fmt, buf, st
@@ -50,6 +47,69 @@ def encode_payload(x, residual, out, stream, make_format, on_device, on_host):
     if not dev:
         buf[fmt.used_nbytes:] = 0
     return Payload(fmt, buf)
+
+
+def payload_matrix(out, name="out"):
+    """``out`` as a C-contiguous (rows, width) uint8 array, width a multiple of ALIGN (so that
+    every section of a payload at an aligned column has a typed view); return (array, dev)."""
+    arr, dev = as_array(out, name)
+    shape = tuple(getattr(arr, "shape", ()))
+    if np.dtype(arr.dtype) != np.uint8 or len(shape) != 2 or shape[0] < 1:
+        raise PayloadError(f"{name} must be a (rows, width) uint8 array with rows >= 1, got "
+                           f"{arr.dtype} of shape {shape}")
+    if shape[1] % ALIGN:
+        raise PayloadError(f"{name}: the row width {shape[1]} is not a multiple of {ALIGN}")
+    contiguous = arr.is_c_contiguous() if dev else arr.flags.c_contiguous
+    if not contiguous:
+        raise PayloadError(f"{name} must be C-contiguous")
+    if dev and shape[0] > MAX_ROWS:
+        raise KernelParameterError(f"{name}: at most {MAX_ROWS} rows on a device, got {shape[0]}")
+    return arr, dev
+
+
+def check_column(col, fmt, width, name="out"):
+    """The payload of ``fmt`` at byte column ``col`` must be aligned and inside the row."""
+    if isinstance(col, bool) or not isinstance(col, (int, np.integer)):
+        raise KernelParameterError(f"col must be an integer, got {col!r}")
+    if col < 0 or col % ALIGN or col + fmt.nbytes > width:
+        raise PayloadError(f"{name}: a payload of {fmt.nbytes} bytes at column {col} must start "
+                           f"at a multiple of {ALIGN} inside rows of {width} bytes")
+    return int(col)
+
+
+def prepare_rows(x, residual, out, col, make_format, stream):
+    """Validate a row-form compress call (partition k of x into row k of ``out``); return
+    (x, e, on_device, format, matrix, col, stream), ``format`` that of one partition."""
+    xa, dev = flat(x, "x")
+    mat, mdev = payload_matrix(out)
+    same_place(dev, out=(mat, mdev))
+    rows = mat.shape[0]
+    if xa.size % rows:
+        raise LayoutError(f"x has {xa.size} elements, not {rows} equal partitions")
+    fmt = make_format(xa.size // rows)
+    col = check_column(col, fmt, mat.shape[1])
+    ea = _residual(residual, xa, dev)
+    st = stream_of(stream) if dev else 0
+    return xa, ea, dev, fmt, mat, col, st
+
+
+def encode_rows(x, residual, out, col, stream, make_format, on_device, on_host):
+    """The body of every row-form compressor (``compress_*_rows``), as ``encode_payload``.
+
+    Validate (``prepare_rows``); when there is data, run ``on_device(x, e, fmt, views, mat,
+    col, stream)`` or ``on_host(x, c, has_res, fmt, views)`` on the sections' views of the
+    matrix (``fmt.views2d(mat, col)``); zero every host row's padding; return the format of
+    one partition."""
+    xa, ea, dev, fmt, mat, col, st = prepare_rows(x, residual, out, col, make_format, stream)
+    if fmt.n:
+        views = fmt.views2d(mat, col)
+        if dev:
+            on_device(xa, ea, fmt, views, mat, col, st)
+        else:
+            on_host(xa, xa if ea is None else ea, ea is not None, fmt, views)
+    if not dev and fmt.nbytes > fmt.used_nbytes:
+        mat[:, col + fmt.used_nbytes:col + fmt.nbytes] = 0
+    return fmt
 
 
 def output_buffer(out, nbytes, dev, stream, rows=None):
@@ -90,3 +150,15 @@ def decode_target(out, n, dev, stream, accumulate):
 def require_same(dev_a, dev_b, what):
     if dev_a != dev_b:
         raise DeviceMismatchError(f"{what}: one argument is on the host, the other on a device")
+
+
+def _residual(residual, xa, dev):
+    """The flat residual beside ``xa`` (same dtype, size and place), or None."""
+    if residual is None:
+        return None
+    ea, edev = flat(residual, "residual")
+    same_place(dev, residual=(ea, edev))
+    if ea.dtype != xa.dtype or ea.size != xa.size:
+        raise LayoutError(f"residual must match x: x is {xa.dtype}[{xa.size}], "
+                          f"residual is {ea.dtype}[{ea.size}]")
+    return ea

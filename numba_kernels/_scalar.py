@@ -12,7 +12,9 @@ compress the same tensor send the same bytes.  Three things make that possible;
 * ``f32_bits`` / ``bits_f32`` reinterpret float32 <-> uint32.
 * A counter-based RNG: element ``i`` draws ``mix64(key + (i + 1) * golden)``
   (SplitMix64's finaliser), the same number wherever and in whatever order it
-  is processed.
+  is processed.  QSGD's row form keys row k with ``row_key_py``: the stream
+  key of the seed CRC-32(int64 words (base, rank, k, phase)) & 0x7FFFFFFF,
+  derived on the device itself so that no per-row seed array is copied there.
 
 Functions named ``*_py`` here and in the other leaf modules (``_bits``,
 ``_half_bits``, ``_chunk_rules``, ``_sparse_rules``) are plain integer/float
@@ -23,6 +25,8 @@ code without target-specific calls: the very same Python source is compiled by
 ``segment_sum`` / ``chunk_sum`` define the summation order of every per-chunk
 sum (QSGD norm, 1-bit scale).
 """
+import zlib
+
 import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
@@ -47,6 +51,54 @@ def rng_key(seed):
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return U64(z ^ (z >> 31))
+
+
+def _crc32_table():
+    """zlib's CRC-32 (reflected polynomial 0xEDB88320) byte table, as uint64."""
+    table = np.empty(256, U64)
+    for b in range(256):
+        c = b
+        for _ in range(8):
+            c = (c >> 1) ^ (0xEDB88320 if c & 1 else 0)
+        table[b] = c
+    return table
+
+
+CRC_TABLE = _crc32_table()
+_CRC_MASK = 0xFFFFFFFF
+
+
+def row_prefix(base, rank):
+    """Host side: the CRC-32 register after the int64 words (base, rank), which ``row_key_py``
+    continues with (row, phase).  Raises OverflowError where the words do not fit int64, as
+    ``np.asarray(words, np.int64)`` does."""
+    words = np.asarray([base, rank], dtype=np.int64)
+    return U64(zlib.crc32(words.tobytes()) ^ _CRC_MASK)
+
+
+def row_seed(base, rank, row, phase):
+    """Host side: the 31-bit seed of row ``row``, CRC-32 of the little-endian int64 words
+    (base, rank, row, phase) & 0x7FFFFFFF (bagua_mpi's ``call_seed(base, rank, row, phase)``)."""
+    words = np.asarray([base, rank, row, phase], dtype=np.int64)
+    return zlib.crc32(words.tobytes()) & 0x7FFFFFFF
+
+
+def row_key_py(prefix, row, phase):
+    """The stream key of row ``row`` of a batched stochastic compression: ``rng_key`` of
+    ``row_seed(base, rank, row, phase)``, with ``prefix = row_prefix(base, rank)`` and
+    ``row``, ``phase`` uint64 (two's complement of the int64 words).
+
+    The CRC continues over the 16 bytes of (row, phase) a byte at a time through
+    ``CRC_TABLE`` (a constant array on both targets); all uint64 arithmetic."""
+    state = prefix
+    for j in range(16):
+        word = row if j < 8 else phase
+        byte = (word >> U64(8 * (j & 7))) & U64(0xFF)
+        state = CRC_TABLE[(state ^ byte) & U64(0xFF)] ^ (state >> U64(8))
+    z = ((state ^ U64(0xFFFFFFFF)) & U64(0x7FFFFFFF)) + GOLDEN
+    z = (z ^ (z >> S30)) * MIX1
+    z = (z ^ (z >> S27)) * MIX2
+    return z ^ (z >> S31)
 
 
 def uniform24_py(key, i):
@@ -88,6 +140,7 @@ add_or_replace = njit(nogil=True, inline="always")(add_or_replace_py)
 greater = njit(nogil=True, inline="always")(greater_py)
 uniform24 = njit(nogil=True, inline="always")(uniform24_py)
 hash32 = njit(nogil=True, inline="always")(hash32_py)
+row_key = njit(nogil=True)(row_key_py)
 
 
 @intrinsic

@@ -3,10 +3,12 @@
 ``decompress`` decodes one payload; ``decompress_many`` decodes a stack of
 payloads of one format (an all-gather's receive buffer) and sums them into
 one output in row order, in a single pass over the output for the dense
-formats.  The format object picks the codec (``registry``); where the buffer
-lives picks the CPU twin or the CUDA kernel.
+formats; ``decompress_rows`` decodes each row of a payload matrix into its own
+partition of the output (the formats with a row form), in one pass.  The
+format object picks the codec (``registry``); where the buffer lives picks the
+CPU twin or the CUDA kernel.
 """
-from ._api import decode_target, payload_stack
+from ._api import check_column, decode_target, payload_matrix, payload_stack
 from ._device import stream_of
 from .errors import PayloadError
 from .registry import codec_for
@@ -49,3 +51,30 @@ def decompress(payload, out=None, accumulate=False, stream=None):
                            "buffer with Payload(format, buffer)")
     return decompress_many(payload.buffer.reshape(1, payload.nbytes), payload.format,
                            out=out, accumulate=accumulate, stream=stream)
+
+
+def decompress_rows(matrix, format, out=None, col=0, stream=None):
+    """out[k * n:(k + 1) * n] = decode(row k) for every row of a (rows, width) payload matrix.
+
+    Each row holds a payload of ``format`` (n = format.n elements) at byte column ``col``
+    (a multiple of ALIGN, as the width); rows are decoded each on its own, not summed: the
+    bytes of ``decompress`` of each row into its slice of out (a new float32 array of
+    rows * n when None).  Formats with a row form only (min-max, QSGD, 1-bit).  Returns out.
+    Device launches: those of the format's ``decode_rows_device`` (see ``registry``); none
+    for an empty tensor.
+    """
+    mat, dev = payload_matrix(matrix, "matrix")
+    col = check_column(col, format, mat.shape[1], "matrix")
+    st = stream_of(stream) if dev else 0
+    rows = mat.shape[0]
+    target = decode_target(out, rows * format.n, dev, st, False)
+    codec = codec_for(format)
+    if codec.decode_rows_host is None:
+        raise PayloadError(f"{type(format).__name__} has no row form; decode each payload "
+                           "with decompress")
+    if format.n:
+        if dev:
+            codec.decode_rows_device(format, mat, col, target, st)
+        else:
+            codec.decode_rows_host(format, mat, col, target)
+    return target if out is None else out

@@ -15,7 +15,7 @@ codes fill whole words.  Inputs must be finite.
 import numpy as np
 from numba import njit, prange
 
-from ._api import encode_payload
+from ._api import encode_payload, encode_rows
 from ._bits import read_code
 from ._chunk_rules import minmax_params
 from ._host_chunks import chunk_source
@@ -105,27 +105,45 @@ def pack_codes(codes, bits, words):
                 nbits -= 32
 
 
+@njit(nogil=True)
+def encode_chunk(x, e, has_res, ci, chunk, bits, params, words):
+    """Chunk ci of one payload: form c (kept in e), find its range, then write codes (through
+    a scratch row when packing) and the new residual.  ``params``, ``words``: the payload's
+    sections."""
+    levels = (1 << bits) - 1
+    s, t, src = chunk_source(x, e, has_res, ci, chunk)
+    lo, hi = value_range(src)
+    mn, scale, inv = minmax_params(lo, hi, levels)
+    params[2 * ci] = mn
+    params[2 * ci + 1] = scale
+    if bits == 8:
+        encode_codes(src, has_res, mn, scale, inv, levels, words.view(np.uint8)[s:t])
+    else:
+        scratch = np.empty(t - s, np.uint8)
+        encode_codes(src, has_res, mn, scale, inv, levels, scratch)
+        w0 = (s * bits) >> 5
+        pack_codes(scratch, bits, words[w0:min(words.size, w0 + chunk * bits // 32)])
+
+
 @njit(nogil=True, parallel=True, cache=True)
 def encode_cpu(x, e, has_res, chunk, bits, params, words):
-    """CPU twin.  One chunk per parallel iteration: form c (kept in e), find its
-    range, then write codes (through a scratch row when packing) and the new
-    residual."""
-    n = x.size
-    levels = (1 << bits) - 1
-    bytes8 = words.view(np.uint8)
-    for ci in prange((n + chunk - 1) // chunk):
-        s, t, src = chunk_source(x, e, has_res, ci, chunk)
-        lo, hi = value_range(src)
-        mn, scale, inv = minmax_params(lo, hi, levels)
-        params[2 * ci] = mn
-        params[2 * ci + 1] = scale
-        if bits == 8:
-            encode_codes(src, has_res, mn, scale, inv, levels, bytes8[s:t])
-        else:
-            scratch = np.empty(t - s, np.uint8)
-            encode_codes(src, has_res, mn, scale, inv, levels, scratch)
-            w0 = (s * bits) >> 5
-            pack_codes(scratch, bits, words[w0:min(words.size, w0 + chunk * bits // 32)])
+    """CPU twin: one chunk per parallel iteration."""
+    for ci in prange((x.size + chunk - 1) // chunk):
+        encode_chunk(x, e, has_res, ci, chunk, bits, params, words)
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def encode_rows_cpu(x, e, has_res, part, chunk, bits, params, pcol, words, wcol):
+    """CPU twin of the row form: partition k of x (and e) into row k of the (rows, width)
+    views ``params`` / ``words``, its sections at columns pcol / wcol; one (partition, chunk)
+    pair per parallel iteration, each exactly ``encode_cpu``'s chunk."""
+    nc = (part + chunk - 1) // chunk
+    nwords = (part * bits + 31) // 32
+    for j in prange(params.shape[0] * nc):
+        k = j // nc
+        lo = k * part
+        encode_chunk(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, bits,
+                     params[k, pcol:pcol + 2 * nc], words[k, wcol:wcol + nwords])
 
 
 @njit(nogil=True)
@@ -158,6 +176,19 @@ def decode_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out,
                        accumulate or p > 0, s)
 
 
+@njit(nogil=True, parallel=True, cache=True)
+def decode_rows_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out):
+    """out[k * part + i] = fma(code, scale, mn) of element i of row k (each row on its own)."""
+    nc = (part + chunk - 1) // chunk
+    for j in prange(params.shape[0] * nc):
+        k = j // nc
+        s = (j - k * nc) * chunk
+        t = min(part, s + chunk)
+        decode_row(bytes8[k, bcol + s:bcol + t], words[k, wcol:], bits,
+                   params[k, pcol + 2 * (j - k * nc)], params[k, pcol + 2 * (j - k * nc) + 1],
+                   out[k * part + s:k * part + t], False, s)
+
+
 def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None):
     """Min-max quantize x per chunk to ``bits`` (1..8); fused error feedback via ``residual``.
 
@@ -180,6 +211,29 @@ def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None)
                           on_device, on_host)
 
 
+def compress_minmax_rows(x, out, col=0, bits=8, chunk=1024, residual=None, stream=None):
+    """``compress_minmax`` of each of the len(out) equal partitions of x, into the rows of out.
+
+    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = x.size / rows)
+    is encoded into out[k, col:col + fmt.nbytes], byte for byte what ``compress_minmax`` of
+    that partition (with residual[k*P:(k+1)*P]) writes; ``col`` and width are multiples of
+    ALIGN.  Returns fmt = ``MinMaxFormat(P, bits, chunk)``, the format of each row's payload.
+    Device launches: 1 (a block per (chunk, partition) pair); 3 when chunk > 4096 (as
+    ``compress_minmax``, each over every partition at once); none for an empty tensor.
+    """
+    def on_device(xa, ea, fmt, v, mat, col, st):
+        from ._cuda import minmax as kern
+        kern.encode_rows(xa, ea, fmt, v, mat, col, st)
+
+    def on_host(xa, c, has_res, fmt, v):
+        params, pcol = v["params"]
+        words, wcol = v["codes"]
+        encode_rows_cpu(xa, c, has_res, fmt.n, fmt.chunk, fmt.bits, params, pcol, words, wcol)
+
+    return encode_rows(x, residual, out, col, stream, lambda n: MinMaxFormat(n, bits, chunk),
+                       on_device, on_host)
+
+
 def decode_cpu(fmt, stack, out, accumulate):
     v = fmt.views2d(stack)
     params, pcol = v["params"]
@@ -189,6 +243,15 @@ def decode_cpu(fmt, stack, out, accumulate):
                       fmt.chunk, out, accumulate)
 
 
+def decode_rows_cpu(fmt, matrix, col, out):
+    """Row k of ``matrix`` (its payload at byte column ``col``) into out[k*n:(k+1)*n]."""
+    v = fmt.views2d(matrix, col)
+    params, pcol = v["params"]
+    words, wcol = v["codes"]
+    decode_rows_cpu_kernel(params, pcol, words, wcol, matrix, col + fmt.section("codes").offset,
+                           fmt.bits, fmt.chunk, fmt.n, out)
+
+
 def decode_device(fmt, stack, out, accumulate, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
@@ -196,6 +259,16 @@ def decode_device(fmt, stack, out, accumulate, stream):
     """
     from ._cuda import minmax as kern
     kern.decode(fmt, stack, out, accumulate, stream)
+
+
+def decode_rows_device(fmt, matrix, col, out, stream):
+    """The CUDA twin of ``decode_rows_cpu`` (see ``registry.Codec``).
+
+    Device launches: 1 (a grid of blocks over the partition by rows, each row into its own
+    partition of out).
+    """
+    from ._cuda import minmax as kern
+    kern.decode_rows(fmt, matrix, col, out, stream)
 
 
 @njit(nogil=True, parallel=True, cache=True)

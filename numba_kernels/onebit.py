@@ -12,7 +12,7 @@ For each chunk of length L (c = x + e under error feedback, v = float32(c)):
 import numpy as np
 from numba import njit, prange
 
-from ._api import encode_payload
+from ._api import encode_payload, encode_rows
 from ._chunk_rules import onebit_scale
 from ._host_chunks import chunk_source
 from ._scalar import add_or_replace, chunk_sum
@@ -39,15 +39,35 @@ def encode_chunk(src, has_res, scale, words):
             src[i] = c - (-scale if np.float32(c) < np.float32(0.0) else scale)
 
 
+@njit(nogil=True)
+def encode_one(x, e, has_res, ci, chunk, square, scales, words):
+    """Chunk ci of one payload: form c (kept in e), the scale, then signs and residual.
+    ``scales``, ``words``: the payload's sections."""
+    s, t, src = chunk_source(x, e, has_res, ci, chunk)
+    scale = onebit_scale(chunk_sum(src, square), t - s, square)
+    scales[ci] = scale
+    encode_chunk(src, has_res, scale, words[s >> 5:(t + 31) >> 5])
+
+
 @njit(nogil=True, parallel=True, cache=True)
 def encode_cpu(x, e, has_res, chunk, square, scales, words):
-    """CPU twin: per chunk, form c (kept in e), the scale, then signs and residual."""
-    n = x.size
-    for ci in prange((n + chunk - 1) // chunk):
-        s, t, src = chunk_source(x, e, has_res, ci, chunk)
-        scale = onebit_scale(chunk_sum(src, square), t - s, square)
-        scales[ci] = scale
-        encode_chunk(src, has_res, scale, words[s >> 5:(t + 31) >> 5])
+    """CPU twin: one chunk per parallel iteration."""
+    for ci in prange((x.size + chunk - 1) // chunk):
+        encode_one(x, e, has_res, ci, chunk, square, scales, words)
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def encode_rows_cpu(x, e, has_res, part, chunk, square, scales, scol, words, wcol):
+    """CPU twin of the row form: partition k of x (and e) into row k of the (rows, width)
+    views ``scales`` / ``words`` (sections at columns scol / wcol); one (partition, chunk)
+    pair per parallel iteration, each exactly ``encode_cpu``'s chunk."""
+    nc = (part + chunk - 1) // chunk
+    nwords = (part + 31) // 32
+    for j in prange(scales.shape[0] * nc):
+        k = j // nc
+        lo = k * part
+        encode_one(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, square,
+                   scales[k, scol:scol + nc], words[k, wcol:wcol + nwords])
 
 
 @njit(nogil=True)
@@ -68,6 +88,19 @@ def decode_cpu_kernel(scales, scol, words, wcol, chunk, out, accumulate):
         for p in range(scales.shape[0]):
             decode_row(words[p, wcol + (s >> 5):], scales[p, scol + ci], out[s:t],
                        accumulate or p > 0)
+
+
+@njit(nogil=True, parallel=True, cache=True)
+def decode_rows_cpu_kernel(scales, scol, words, wcol, chunk, part, out):
+    """out[k * part + i] = +-scale of element i of row k (each row on its own)."""
+    nc = (part + chunk - 1) // chunk
+    for j in prange(scales.shape[0] * nc):
+        k = j // nc
+        ci = j - k * nc
+        s = ci * chunk
+        t = min(part, s + chunk)
+        decode_row(words[k, wcol + (s >> 5):], scales[k, scol + ci], out[k * part + s:k * part + t],
+                   False)
 
 
 def compress_onebit(x, chunk=4096, scale="l2", residual=None, out=None, stream=None):
@@ -94,11 +127,46 @@ def compress_onebit(x, chunk=4096, scale="l2", residual=None, out=None, stream=N
                           on_device, on_host)
 
 
+def compress_onebit_rows(x, out, col=0, chunk=4096, scale="l2", residual=None, stream=None):
+    """``compress_onebit`` of each of the len(out) equal partitions of x, into the rows of out.
+
+    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = x.size / rows)
+    is encoded into out[k, col:col + fmt.nbytes], byte for byte what ``compress_onebit`` of
+    that partition (with residual[k*P:(k+1)*P]) writes; ``col`` and width are multiples of
+    ALIGN.  Returns fmt = ``OneBitFormat(P, chunk)``, the format of each row's payload.
+    Device launches: 1 (a block per (chunk, partition) pair); 3 when chunk > 4096 (as
+    ``compress_onebit``, each over every partition at once); none for an empty tensor.
+    """
+    if scale not in SCALES:
+        raise KernelParameterError(f"scale must be one of {SCALES}, got {scale!r}")
+    l2 = scale == "l2"
+
+    def on_device(xa, ea, fmt, v, mat, col, st):
+        from ._cuda import onebit as kern
+        kern.encode_rows(xa, ea, fmt, l2, v, mat, col, st)
+
+    def on_host(xa, c, has_res, fmt, v):
+        scales, scol = v["scales"]
+        words, wcol = v["signs"]
+        encode_rows_cpu(xa, c, has_res, fmt.n, fmt.chunk, l2, scales, scol, words, wcol)
+
+    return encode_rows(x, residual, out, col, stream, lambda n: OneBitFormat(n, chunk),
+                       on_device, on_host)
+
+
 def decode_cpu(fmt, stack, out, accumulate):
     v = fmt.views2d(stack)
     scales, scol = v["scales"]
     words, wcol = v["signs"]
     decode_cpu_kernel(scales, scol, words, wcol, fmt.chunk, out, accumulate)
+
+
+def decode_rows_cpu(fmt, matrix, col, out):
+    """Row k of ``matrix`` (its payload at byte column ``col``) into out[k*n:(k+1)*n]."""
+    v = fmt.views2d(matrix, col)
+    scales, scol = v["scales"]
+    words, wcol = v["signs"]
+    decode_rows_cpu_kernel(scales, scol, words, wcol, fmt.chunk, fmt.n, out)
 
 
 def decode_device(fmt, stack, out, accumulate, stream):
@@ -108,3 +176,13 @@ def decode_device(fmt, stack, out, accumulate, stream):
     """
     from ._cuda import onebit as kern
     kern.decode(fmt, stack, out, accumulate, stream)
+
+
+def decode_rows_device(fmt, matrix, col, out, stream):
+    """The CUDA twin of ``decode_rows_cpu`` (see ``registry.Codec``).
+
+    Device launches: 1 (a grid of blocks over the partition by rows, each row into its own
+    partition of out).
+    """
+    from ._cuda import onebit as kern
+    kern.decode_rows(fmt, matrix, col, out, stream)

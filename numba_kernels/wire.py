@@ -95,16 +95,18 @@ class _Format:
         """Typed 1-D views of each section of one payload buffer (host or device)."""
         return {s.name: buffer[s.offset:s.offset + s.nbytes].view(s.dtype) for s in self.sections()}
 
-    def views2d(self, buffers):
+    def views2d(self, buffers, col=0):
         """For a (P, nbytes) stack of payloads: name -> (typed 2-D view, first column).
 
         Each view covers whole rows reinterpreted as the section's dtype; the
-        section starts at that column in every row.
+        section starts at that column in every row.  ``col``: the payloads sit
+        at that byte column of wider rows (a (P, width) payload matrix; col and
+        width multiples of ALIGN).
         """
         out = {}
         for s in self.sections():
             size = np.dtype(s.dtype).itemsize
-            out[s.name] = (buffers.view(s.dtype), s.offset // size)
+            out[s.name] = (buffers.view(s.dtype), (col + s.offset) // size)
         return out
 
 

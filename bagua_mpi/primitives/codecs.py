@@ -3,7 +3,10 @@
 A ``Codec`` wraps one ``numba_kernels`` compressor: it knows its wire format for n elements (a
 fixed-size uint8 payload, so receive buffers are sized before data arrives), compresses with
 optional fused error feedback into a caller's buffer, and decodes a stack of payloads with
-summation (the "server" side of a scatter-reduce).
+summation (the "server" side of a scatter-reduce).  Its row forms serve the scatter-reduce's
+two other ends: ``compress_rows`` encodes the n partitions of a tensor into the n rows of a
+payload matrix and ``decompress_rows`` decodes each row into its partition, one kernel launch
+each on a device instead of n, byte for byte the per-partition calls.
 """
 from __future__ import annotations
 
@@ -55,6 +58,28 @@ class Codec:
         fit_kernel_threads()
         return nk.decompress_many(stack, self.format(n), out=out, accumulate=accumulate)
 
+    def compress_rows(self, x, out, cols: slice, residual=None, seed: int = 0, rank: int = 0,
+                      phase: int = 1):
+        """Partition k of ``x`` (len(out) equal partitions) into ``out[k, cols]``, every k: the
+        bytes of ``compress(x_k, out[k, cols], residual=residual_k,
+        seed=call_seed(seed, rank, k, phase))``. ``out`` is a (rows, width) uint8 matrix,
+        ``cols`` a slice of ``format(len(x) // rows).nbytes`` bytes at an aligned column.
+
+        This default makes those calls one by one; the codecs below encode every partition in
+        one kernel launch."""
+        rows = out.shape[0]
+        part = x.size // rows
+        for k in range(rows):
+            self.compress(x[k * part:(k + 1) * part], out[k, cols],
+                          residual=None if residual is None else residual[k * part:(k + 1) * part],
+                          seed=call_seed(seed, rank, k, phase))
+
+    def decompress_rows(self, stack, cols: slice, n: int, out):
+        """out[k*n:(k+1)*n] = decode(stack[k, cols]) for every row k (each row on its own, not
+        summed; one kernel launch on a device)."""
+        fit_kernel_threads()
+        return nk.decompress_rows(stack, self.format(n), out=out, col=cols.start)
+
     def ratio(self, n: int) -> float:
         """Bytes of float32 data per byte of payload."""
         return 4.0 * n / max(1, self.format(n).nbytes)
@@ -75,6 +100,11 @@ class MinMaxCodec(Codec):
         fit_kernel_threads()
         return nk.compress_minmax(x, bits=self.bits, chunk=self.chunk, residual=residual, out=out)
 
+    def compress_rows(self, x, out, cols, residual=None, seed=0, rank=0, phase=1):
+        fit_kernel_threads()
+        return nk.compress_minmax_rows(x, out, cols.start, bits=self.bits, chunk=self.chunk,
+                                       residual=residual)
+
 
 @dataclass(frozen=True)
 class QSGDCodec(Codec):
@@ -91,6 +121,12 @@ class QSGDCodec(Codec):
         fit_kernel_threads()
         return nk.compress_qsgd(x, levels=self.levels, chunk=self.chunk, seed=seed,
                                 residual=residual, out=out)
+
+    def compress_rows(self, x, out, cols, residual=None, seed=0, rank=0, phase=1):
+        # row k's seed is nk.row_seed(seed, rank, k, phase) == call_seed(seed, rank, k, phase)
+        fit_kernel_threads()
+        return nk.compress_qsgd_rows(x, out, cols.start, levels=self.levels, chunk=self.chunk,
+                                     row_seeds=(seed, rank, phase), residual=residual)
 
 
 @dataclass(frozen=True)
@@ -109,10 +145,17 @@ class OneBitCodec(Codec):
         return nk.compress_onebit(x, chunk=self.chunk, scale=self.scale, residual=residual,
                                   out=out)
 
+    def compress_rows(self, x, out, cols, residual=None, seed=0, rank=0, phase=1):
+        fit_kernel_threads()
+        return nk.compress_onebit_rows(x, out, cols.start, chunk=self.chunk, scale=self.scale,
+                                       residual=residual)
+
 
 def call_seed(*parts: int | str) -> int:
     """A 31-bit seed that differs per (algorithm seed, step, parameter names, rank, partition,
     ...). A string part (the names a tensor covers) counts by the CRC-32 of its UTF-8 bytes:
-    unlike ``hash()``, which Python salts per process, that is the same on every rank and run."""
+    unlike ``hash()``, which Python salts per process, that is the same on every rank and run.
+    (``numba_kernels.row_seed(a, b, k, c)`` is ``call_seed(a, b, k, c)`` for ints, which is how
+    ``Codec.compress_rows`` seeds partition k on the device without a copy of the seeds.)"""
     words = [zlib.crc32(p.encode()) if isinstance(p, str) else p for p in parts]
     return zlib.crc32(np.asarray(words, dtype=np.int64).tobytes()) & 0x7FFFFFFF

@@ -11,6 +11,11 @@ Steps on n ranks for a flat float32 tensor of L elements (P = ceil(L/n), zero pa
 4. phase 2: compress the merged partition + server error s_k (updated likewise);
 5. allgather the n merged payloads; every rank decodes all partitions into x.
 
+On a device each segment costs 5 kernel launches whatever n: steps 1 and 5 encode / decode
+the n partitions at once (the codecs' row forms), step 3 decodes and sums the n payloads in one
+pass and scales in another (none when the scale is 1), step 4 is one encode; one more zero-pads
+an uneven length, and an encode of chunks longer than 4096 takes 3.
+
 ``worker_error``/``server_error`` = None switch error feedback off (BAGUA's own
 implementation has none; QSGD and ByteGrad run without it). Errors live with the bucket in the
 algorithm's state (sizes ``padded_length`` and ``partition_length``) and are checkpointed.
@@ -142,11 +147,9 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
                             seed=call_seed(plan.seed, rank, rank, 2))
     gathered = send  # phase-1 payloads are no longer needed
     wire.allgather(mine, gathered)
-    for plan in plans:
-        part, padded = plan.part, plan.padded
-        for k in range(n):
-            plan.codec.decompress_many(_columns(gathered[k:k + 1], plan.cols, device), part,
-                                       out=padded[k * part:(k + 1) * part])
+    for plan in plans:  # every partition decoded into its place: one launch per segment
+        padded = plan.padded
+        plan.codec.decompress_rows(gathered, plan.cols, plan.part, out=padded)
         if padded is not plan.x:
             if device:
                 plan.x.copy_to_device(padded[:plan.x.size])
@@ -222,16 +225,15 @@ def _plans(xs, wes, ses, codecs, seeds, n: int, device: bool) -> tuple[list[_Pla
 
 
 def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool):
-    """Phase 1 and the alltoall: compress partition k of every segment (worker error fused)
-    for server k; return (send, recv), recv's row j holding rank j's payload for this rank."""
+    """Phase 1 and the alltoall: compress partition k of every segment (worker error fused,
+    seed ``call_seed(seed, rank, k, 1)``) into row k of the message matrix, for server k (one
+    launch per segment); return (send, recv), recv's row j holding rank j's payload for this
+    rank."""
     n, rank = wire.size, wire.rank
     send = _empty((n, row), np.uint8, device)
     for plan in plans:
-        we, part = plan.worker_error, plan.part
-        for k in range(n):
-            plan.codec.compress(plan.padded[k * part:(k + 1) * part], send[k, plan.cols],
-                                residual=None if we is None else we[k * part:(k + 1) * part],
-                                seed=call_seed(plan.seed, rank, k, 1))
+        plan.codec.compress_rows(plan.padded, send, plan.cols, residual=plan.worker_error,
+                                 seed=plan.seed, rank=rank, phase=1)
     recv = _empty((n, row), np.uint8, device)
     wire.alltoall(send, recv)
     return send, recv

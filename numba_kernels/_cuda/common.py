@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from .._scalar import (LANES, SEGMENT, add_or_replace_py, greater_py, hash32_py, lesser_py,
-                       uniform24_py)
+                       row_key_py, uniform24_py)
 from .geometry import NL, SIM, THREADS
 from .launch import launch_over
 
@@ -23,6 +23,7 @@ lesser = cuda.jit(device=True)(lesser_py)
 greater = cuda.jit(device=True)(greater_py)
 hash32 = cuda.jit(device=True)(hash32_py)
 add_or_replace = cuda.jit(device=True)(add_or_replace_py)
+row_key = cuda.jit(device=True)(row_key_py)
 
 
 if SIM:
@@ -226,9 +227,9 @@ def segment(g, spc, chunk, n):
     return ci, start, stop
 
 
-@cuda.jit
-def seg_sums(x, e, has_res, chunk, spc, square, part):
-    """part[g] = wire-order sum over block g's segment (long chunks only)."""
+@cuda.jit(device=True)
+def seg_sum_block(x, e, has_res, chunk, spc, square, part):
+    """part[g] = wire-order sum over block g's segment."""
     sh = cuda.shared.array(LANES, np.float32)
     g = cuda.blockIdx.x
     ci, s, t = segment(g, spc, chunk, x.size)
@@ -236,6 +237,31 @@ def seg_sums(x, e, has_res, chunk, spc, square, part):
         total = block_lane_sum(x, e, has_res, s, t, square, sh)
         if cuda.threadIdx.x == 0:
             part[g] = total
+
+
+@cuda.jit
+def seg_sums(x, e, has_res, chunk, spc, square, part):
+    """part[g] = wire-order sum over block g's segment (long chunks only)."""
+    seg_sum_block(x, e, has_res, chunk, spc, square, part)
+
+
+@cuda.jit
+def seg_sums_rows(x, e, has_res, n, chunk, spc, square, part):
+    """part[k, g] = ``seg_sums`` of block (g, k) over partition k (x[k * n:(k + 1) * n])."""
+    k = cuda.blockIdx.y
+    seg_sum_block(x[k * n:(k + 1) * n], e[k * n:(k + 1) * n], has_res, chunk, spc, square,
+                  part[k])
+
+
+@cuda.jit(device=True)
+def block_row_key(prefix, phase):
+    """``row_key`` of the block's row (blockIdx.y), computed once and shared with the block."""
+    sh = cuda.shared.array(1, np.uint64)
+    if cuda.threadIdx.x == 0:
+        sh[0] = row_key(prefix, np.uint64(cuda.blockIdx.y), phase)
+    cuda.syncthreads()
+    key = sh[0]
+    return key
 
 
 @cuda.jit

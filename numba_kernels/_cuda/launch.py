@@ -8,8 +8,11 @@ several formats share:
 * ``launch_over``: THREADS-thread blocks enough to cover n items;
 * ``ChunkedEncoder``: min-max, QSGD and 1-bit encode chunk by chunk, in one
   fused kernel, or in three when a chunk is longer than one block's SEGMENT;
+  ``RowEncoder`` does the same for the n partitions of a tensor at once, on
+  grids whose y axis is the partition (the row of the payload matrix);
 * ``decode_stack``: every dense decoder sums all rows of a payload stack in
-  one grid-stride pass over the output.
+  one grid-stride pass over the output; ``decode_rows`` decodes each row of a
+  payload matrix into its own partition of the output, in one launch too.
 """
 from dataclasses import dataclass
 
@@ -94,12 +97,60 @@ class ChunkedEncoder:
         launch(self.encode, nblk, THREADS, stream, x, ee, has_res, fmt.chunk, spc, *enc, *tail)
 
 
+@dataclass(frozen=True)
+class RowEncoder(ChunkedEncoder):
+    """``ChunkedEncoder``'s kernels in their row form: every grid gets a y axis of one block
+    row per partition, so the rows' encodes cost the launches of one.
+
+    Argument conventions (``enc``, ``red``, ``comb``: the format's own row-form arguments;
+    ``part`` = fmt.n, the partition length; block (b, k) works on partition k):
+
+    * ``fused(x, e, has_res, part, chunk, *enc, mat, col, used, nbytes)``, grid (chunks, rows);
+    * ``reduce(x, e, has_res, part, chunk, spc, *red, partial)``, grid (segments, rows),
+      ``partial`` of shape (rows, segments) + part_shape;
+      ``combine(partial, spc, chunk, part, *comb)``, grid (chunks, rows);
+      ``encode(x, e, has_res, part, chunk, spc, *enc, mat, col, used, nbytes)``,
+      grid (segments, rows).
+
+    Block (0, k) of every encoding kernel zeroes row k's padding
+    ``mat[k, col + used:col + nbytes]``.
+    """
+
+    def __call__(self, x, e, rows, fmt, mat, col, stream, enc, red=(), comb=()):
+        """Encode partition k of x (+ e, updated in place) into row k of ``mat`` at column
+        ``col``, every k: 1 launch, 3 when fmt.chunk > SEGMENT."""
+        ee, has_res = (x, False) if e is None else (e, True)
+        head = (x, ee, has_res, fmt.n, fmt.chunk)
+        tail = (mat, col, fmt.used_nbytes, fmt.nbytes)
+        if fmt.chunk <= SEGMENT:
+            launch(self.fused, (fmt.nchunks, rows), THREADS, stream, *head, *enc, *tail)
+            return
+        spc = -(-fmt.chunk // SEGMENT)
+        nblk = fmt.nchunks * spc
+        part = empty((rows, nblk) + self.part_shape, np.float32, True, stream)
+        launch(self.reduce, (nblk, rows), THREADS, stream, *head, spc, *red, part)
+        launch(self.combine, (fmt.nchunks, rows), THREADS, stream, part, spc, fmt.chunk, fmt.n,
+               *comb)
+        launch(self.encode, (nblk, rows), THREADS, stream, *head, spc, *enc, *tail)
+
+
 def decode_stack(kernel, fmt, stack, sections, params, out, accumulate, stream):
     """1 launch: ``kernel(view, col, ..., *params, out, accumulate)`` over the output.
 
     ``sections`` names the payload sections the kernel reads; each is passed as
     its 2-D view of the (P, nbytes) stack and the column it starts at.
     """
-    views = fmt.views2d(stack)
-    columns = [item for name in sections for item in views[name]]
+    columns = row_sections(fmt.views2d(stack), sections)
     launch_over(kernel, out.size, stream, *columns, *params, out, accumulate)
+
+
+def row_sections(views, sections):
+    """The (typed 2-D view, first column) pairs of ``sections``, flattened, of ``views2d``."""
+    return [item for name in sections for item in views[name]]
+
+
+def decode_rows(kernel, fmt, columns, params, rows, out, stream):
+    """1 launch: ``kernel(*columns, *params, part, out)`` on a (blocks, rows) grid, block
+    (b, k) striding over partition k of out (at most GRID_LIMIT blocks in all)."""
+    blocks = min(blocks_for(fmt.n, THREADS), max(1, GRID_LIMIT // rows))
+    launch(kernel, (blocks, rows), THREADS, stream, *columns, *params, fmt.n, out)

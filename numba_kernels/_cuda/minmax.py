@@ -16,7 +16,8 @@ from .._scalar import LANES, SEGMENT
 from .common import (add_or_replace, block_range, fma32, greater, lesser, load_c, segment,
                      tree_range, zero_tail)
 from .geometry import NL, THREADS
-from .launch import ChunkedEncoder, decode_stack
+from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
+from .launch import decode_rows as decode_rows_launch
 
 # Shared words for one row of LANES codes at up to 8 bits each.
 _ROW_WORDS = LANES * 8 // 32
@@ -67,13 +68,12 @@ def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, s
         row += LANES
 
 
-@cuda.jit
-def _fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
-    zero_tail(buf, used, nbytes)
+@cuda.jit(device=True)
+def _fused_chunk(x, e, has_res, chunk, ci, bits, params, words, boff, buf):
+    """The block's chunk ci of one payload (sections ``params``, ``words`` of ``buf``)."""
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
     sw = cuda.shared.array(_ROW_WORDS, np.uint32)
-    ci = cuda.blockIdx.x
     s = ci * chunk
     t = lesser(x.size, s + chunk)
     lo, hi = block_range(x, e, has_res, s, t, shmin, shmax)
@@ -85,7 +85,25 @@ def _fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
 
 
 @cuda.jit
-def _seg_range(x, e, has_res, chunk, spc, part):
+def _fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
+    zero_tail(buf, used, nbytes)
+    _fused_chunk(x, e, has_res, chunk, cuda.blockIdx.x, bits, params, words, boff, buf)
+
+
+@cuda.jit
+def _fused_rows(x, e, has_res, part, chunk, bits, params, pcol, words, wcol, boff, mat, col,
+                used, nbytes):
+    """Block (ci, k): chunk ci of partition k into row k of ``mat`` (sections at pcol, wcol)."""
+    k = cuda.blockIdx.y
+    buf = mat[k, col:col + nbytes]
+    zero_tail(buf, used, nbytes)
+    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+                 cuda.blockIdx.x, bits, params[k, pcol:pcol + 2 * ((part + chunk - 1) // chunk)],
+                 words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
+
+
+@cuda.jit(device=True)
+def _seg_range_block(x, e, has_res, chunk, spc, part):
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
     g = cuda.blockIdx.x
@@ -98,7 +116,18 @@ def _seg_range(x, e, has_res, chunk, spc, part):
 
 
 @cuda.jit
-def _chunk_params(part, spc, chunk, n, bits, params):
+def _seg_range(x, e, has_res, chunk, spc, part):
+    _seg_range_block(x, e, has_res, chunk, spc, part)
+
+
+@cuda.jit
+def _seg_range_rows(x, e, has_res, n, chunk, spc, part):
+    k = cuda.blockIdx.y
+    _seg_range_block(x[k * n:(k + 1) * n], e[k * n:(k + 1) * n], has_res, chunk, spc, part[k])
+
+
+@cuda.jit(device=True)
+def _chunk_params_block(part, spc, chunk, n, bits, params):
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
     ci = cuda.blockIdx.x
@@ -117,8 +146,18 @@ def _chunk_params(part, spc, chunk, n, bits, params):
 
 
 @cuda.jit
-def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used, nbytes):
-    zero_tail(buf, used, nbytes)
+def _chunk_params(part, spc, chunk, n, bits, params):
+    _chunk_params_block(part, spc, chunk, n, bits, params)
+
+
+@cuda.jit
+def _chunk_params_rows(part, spc, chunk, n, bits, params, pcol):
+    k = cuda.blockIdx.y
+    _chunk_params_block(part[k], spc, chunk, n, bits, params[k, pcol:])
+
+
+@cuda.jit(device=True)
+def _seg_encode_block(x, e, has_res, chunk, spc, bits, params, words, boff, buf):
     sw = cuda.shared.array(_ROW_WORDS, np.uint32)
     ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
     if s < t:
@@ -129,31 +168,68 @@ def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used,
 
 
 @cuda.jit
+def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used, nbytes):
+    zero_tail(buf, used, nbytes)
+    _seg_encode_block(x, e, has_res, chunk, spc, bits, params, words, boff, buf)
+
+
+@cuda.jit
+def _seg_encode_rows(x, e, has_res, part, chunk, spc, bits, params, pcol, words, wcol, boff, mat,
+                     col, used, nbytes):
+    k = cuda.blockIdx.y
+    buf = mat[k, col:col + nbytes]
+    zero_tail(buf, used, nbytes)
+    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+                      spc, bits, params[k, pcol:], words[k, wcol:wcol + (part * bits + 31) // 32],
+                      boff, buf)
+
+
+@cuda.jit(device=True)
+def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, p, i):
+    """x_hat of element i of row p."""
+    ci = i // chunk
+    mn = params[p, pcol + 2 * ci]
+    scale = params[p, pcol + 2 * ci + 1]
+    if bits == 8:
+        q = np.uint32(bytes8[p, bcol + i])
+    else:
+        pos = i * bits
+        w = pos >> 5
+        off = pos & 31
+        w1 = np.uint32(0)
+        if off + bits > 32:
+            w1 = words[p, wcol + w + 1]
+        q = extract(words[p, wcol + w], w1, off, bits)
+    return fma32(np.float32(q), scale, mn)
+
+
+@cuda.jit
 def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < out.size:
-        ci = i // chunk
         acc = out[i]
         for p in range(params.shape[0]):
-            mn = params[p, pcol + 2 * ci]
-            scale = params[p, pcol + 2 * ci + 1]
-            if bits == 8:
-                q = np.uint32(bytes8[p, bcol + i])
-            else:
-                pos = i * bits
-                w = pos >> 5
-                off = pos & 31
-                w1 = np.uint32(0)
-                if off + bits > 32:
-                    w1 = words[p, wcol + w + 1]
-                q = extract(words[p, wcol + w], w1, off, bits)
-            acc = add_or_replace(acc, fma32(np.float32(q), scale, mn), accumulate or p > 0)
+            acc = add_or_replace(acc, _decoded(params, pcol, words, wcol, bytes8, bcol, bits,
+                                               chunk, p, i), accumulate or p > 0)
         out[i] = acc
         i += stride
 
 
+@cuda.jit
+def _decode_rows(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out):
+    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i."""
+    k = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    while i < part:
+        out[k * part + i] = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, k, i)
+        i += stride
+
+
 _ENCODER = ChunkedEncoder(_fused, _seg_range, _chunk_params, _seg_encode, part_shape=(2,))
+_ROWS = RowEncoder(_fused_rows, _seg_range_rows, _chunk_params_rows, _seg_encode_rows,
+                   part_shape=(2,))
 
 
 def encode(x, e, fmt, params, words, buf, stream):
@@ -166,3 +242,21 @@ def decode(fmt, stack, out, accumulate, stream):
     """1 launch: every row decoded and summed in one pass over out."""
     decode_stack(_decode, fmt, stack, ("params", "codes"),
                  (stack, fmt.section("codes").offset, fmt.bits, fmt.chunk), out, accumulate, stream)
+
+
+def encode_rows(x, e, fmt, views, mat, col, stream):
+    """Partition k of x into row k of ``mat`` at ``col`` (``views``: ``fmt.views2d(mat, col)``),
+    every k: 1 launch, 3 for long chunks."""
+    params, pcol = views["params"]
+    words, wcol = views["codes"]
+    boff = fmt.section("codes").offset
+    _ROWS(x, e, mat.shape[0], fmt, mat, col, stream,
+          enc=(fmt.bits, params, pcol, words, wcol, boff), comb=(fmt.bits, params, pcol))
+
+
+def decode_rows(fmt, mat, col, out, stream):
+    """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
+    v = fmt.views2d(mat, col)
+    decode_rows_launch(_decode_rows, fmt, row_sections(v, ("params", "codes")),
+                       (mat, col + fmt.section("codes").offset, fmt.bits, fmt.chunk),
+                       mat.shape[0], out, stream)

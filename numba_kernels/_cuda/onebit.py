@@ -5,9 +5,10 @@ from numba import cuda
 from .._chunk_rules import onebit_scale_py
 from .._scalar import LANES, SEGMENT
 from .common import (add_or_replace, ballot32, block_lane_combine, block_lane_sum, lesser, load_c,
-                     seg_sums, segment, zero_tail)
+                     seg_sums, seg_sums_rows, segment, zero_tail)
 from .geometry import NL, THREADS
-from .launch import ChunkedEncoder, decode_stack
+from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
+from .launch import decode_rows as decode_rows_launch
 
 onebit_scale = cuda.jit(device=True)(onebit_scale_py)
 
@@ -39,12 +40,11 @@ def _encode_range(x, e, has_res, s, t, scale, words, scratch):
         row += LANES
 
 
-@cuda.jit
-def _fused(x, e, has_res, chunk, square, scales, words, buf, used, nbytes):
-    zero_tail(buf, used, nbytes)
+@cuda.jit(device=True)
+def _fused_chunk(x, e, has_res, chunk, ci, square, scales, words):
+    """The block's chunk ci of one payload (sections ``scales``, ``words``)."""
     sh = cuda.shared.array(LANES, np.float32)
     scratch = cuda.shared.array(THREADS, np.uint32)
-    ci = cuda.blockIdx.x
     s = ci * chunk
     t = lesser(x.size, s + chunk)
     scale = onebit_scale(block_lane_sum(x, e, has_res, s, t, square, sh), t - s, square)
@@ -54,7 +54,24 @@ def _fused(x, e, has_res, chunk, square, scales, words, buf, used, nbytes):
 
 
 @cuda.jit
-def _chunk_scales(part, spc, chunk, n, square, scales):
+def _fused(x, e, has_res, chunk, square, scales, words, buf, used, nbytes):
+    zero_tail(buf, used, nbytes)
+    _fused_chunk(x, e, has_res, chunk, cuda.blockIdx.x, square, scales, words)
+
+
+@cuda.jit
+def _fused_rows(x, e, has_res, part, chunk, square, scales, scol, words, wcol, mat, col, used,
+                nbytes):
+    """Block (ci, k): chunk ci of partition k into row k of ``mat`` (sections at scol, wcol)."""
+    k = cuda.blockIdx.y
+    zero_tail(mat[k, col:col + nbytes], used, nbytes)
+    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+                 cuda.blockIdx.x, square, scales[k, scol:scol + (part + chunk - 1) // chunk],
+                 words[k, wcol:wcol + (part + 31) // 32])
+
+
+@cuda.jit(device=True)
+def _chunk_scales_block(part, spc, chunk, n, square, scales):
     sh = cuda.shared.array(LANES, np.float32)
     ci = cuda.blockIdx.x
     length = lesser(n - ci * chunk, chunk)
@@ -64,10 +81,18 @@ def _chunk_scales(part, spc, chunk, n, square, scales):
 
 
 @cuda.jit
-def _seg_encode(x, e, has_res, chunk, spc, square, scales, words, buf, used, nbytes):
-    # ``square`` is unused (the scale is already known): the arguments follow ChunkedEncoder's
-    # convention of passing the fused kernel's own arguments to the segment encoder.
-    zero_tail(buf, used, nbytes)
+def _chunk_scales(part, spc, chunk, n, square, scales):
+    _chunk_scales_block(part, spc, chunk, n, square, scales)
+
+
+@cuda.jit
+def _chunk_scales_rows(part, spc, chunk, n, square, scales, scol):
+    k = cuda.blockIdx.y
+    _chunk_scales_block(part[k], spc, chunk, n, square, scales[k, scol:])
+
+
+@cuda.jit(device=True)
+def _seg_encode_block(x, e, has_res, chunk, spc, scales, words):
     scratch = cuda.shared.array(THREADS, np.uint32)
     ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
     if s < t:
@@ -75,22 +100,57 @@ def _seg_encode(x, e, has_res, chunk, spc, square, scales, words, buf, used, nby
 
 
 @cuda.jit
+def _seg_encode(x, e, has_res, chunk, spc, square, scales, words, buf, used, nbytes):
+    # ``square`` is unused (the scale is already known): the arguments follow ChunkedEncoder's
+    # convention of passing the fused kernel's own arguments to the segment encoder.
+    zero_tail(buf, used, nbytes)
+    _seg_encode_block(x, e, has_res, chunk, spc, scales, words)
+
+
+@cuda.jit
+def _seg_encode_rows(x, e, has_res, part, chunk, spc, square, scales, scol, words, wcol, mat, col,
+                     used, nbytes):
+    k = cuda.blockIdx.y
+    zero_tail(mat[k, col:col + nbytes], used, nbytes)
+    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+                      spc, scales[k, scol:], words[k, wcol:wcol + (part + 31) // 32])
+
+
+@cuda.jit(device=True)
+def _decoded(scales, scol, words, wcol, chunk, p, i):
+    """x_hat of element i of row p."""
+    xh = scales[p, scol + i // chunk]
+    if (words[p, wcol + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1):
+        xh = -xh
+    return xh
+
+
+@cuda.jit
 def _decode(scales, scol, words, wcol, chunk, out, accumulate):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < out.size:
-        ci = i // chunk
         acc = out[i]
         for p in range(scales.shape[0]):
-            xh = scales[p, scol + ci]
-            if (words[p, wcol + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1):
-                xh = -xh
-            acc = add_or_replace(acc, xh, accumulate or p > 0)
+            acc = add_or_replace(acc, _decoded(scales, scol, words, wcol, chunk, p, i),
+                                 accumulate or p > 0)
         out[i] = acc
         i += stride
 
 
+@cuda.jit
+def _decode_rows(scales, scol, words, wcol, chunk, part, out):
+    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i."""
+    k = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    while i < part:
+        out[k * part + i] = _decoded(scales, scol, words, wcol, chunk, k, i)
+        i += stride
+
+
 _ENCODER = ChunkedEncoder(_fused, seg_sums, _chunk_scales, _seg_encode)
+_ROWS = RowEncoder(_fused_rows, seg_sums_rows, _chunk_scales_rows, _seg_encode_rows)
 
 
 def encode(x, e, fmt, square, scales, words, buf, stream):
@@ -102,3 +162,18 @@ def encode(x, e, fmt, square, scales, words, buf, stream):
 def decode(fmt, stack, out, accumulate, stream):
     """1 launch: every row decoded and summed in one pass over out."""
     decode_stack(_decode, fmt, stack, ("scales", "signs"), (fmt.chunk,), out, accumulate, stream)
+
+
+def encode_rows(x, e, fmt, square, views, mat, col, stream):
+    """Partition k of x into row k of ``mat`` at ``col`` (``views``: ``fmt.views2d(mat, col)``),
+    every k: 1 launch, 3 for long chunks."""
+    scales, scol = views["scales"]
+    words, wcol = views["signs"]
+    _ROWS(x, e, mat.shape[0], fmt, mat, col, stream, enc=(square, scales, scol, words, wcol),
+          red=(square,), comb=(square, scales, scol))
+
+
+def decode_rows(fmt, mat, col, out, stream):
+    """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
+    decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("scales", "signs")),
+                       (fmt.chunk,), mat.shape[0], out, stream)

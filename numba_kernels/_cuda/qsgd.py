@@ -4,10 +4,11 @@ from numba import cuda
 
 from .._chunk_rules import qsgd_level_py, qsgd_norm_py, qsgd_steps_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, block_lane_combine, block_lane_sum, lesser, load_c, mul32,
-                     seg_sums, segment, uniform24, zero_tail)
+from .common import (add_or_replace, block_lane_combine, block_lane_sum, block_row_key, lesser,
+                     load_c, mul32, seg_sums, seg_sums_rows, segment, uniform24, zero_tail)
 from .geometry import THREADS
-from .launch import ChunkedEncoder, decode_stack
+from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
+from .launch import decode_rows as decode_rows_launch
 
 qsgd_level = cuda.jit(device=True)(qsgd_level_py)
 qsgd_norm = cuda.jit(device=True)(qsgd_norm_py)
@@ -32,11 +33,10 @@ def _encode_range(x, e, has_res, s, t, levels, key, ratio, step, codes):
         i += THREADS
 
 
-@cuda.jit
-def _fused(x, e, has_res, chunk, levels, key, norms, codes, buf, used, nbytes):
-    zero_tail(buf, used, nbytes)
+@cuda.jit(device=True)
+def _fused_chunk(x, e, has_res, chunk, ci, levels, key, norms, codes):
+    """The block's chunk ci of one payload (sections ``norms``, ``codes``)."""
     sh = cuda.shared.array(LANES, np.float32)
-    ci = cuda.blockIdx.x
     s = ci * chunk
     t = lesser(x.size, s + chunk)
     norm = qsgd_norm(block_lane_sum(x, e, has_res, s, t, True, sh))
@@ -47,7 +47,26 @@ def _fused(x, e, has_res, chunk, levels, key, norms, codes, buf, used, nbytes):
 
 
 @cuda.jit
-def _chunk_norms(part, spc, chunk, n, norms):
+def _fused(x, e, has_res, chunk, levels, key, norms, codes, buf, used, nbytes):
+    zero_tail(buf, used, nbytes)
+    _fused_chunk(x, e, has_res, chunk, cuda.blockIdx.x, levels, key, norms, codes)
+
+
+@cuda.jit
+def _fused_rows(x, e, has_res, part, chunk, levels, prefix, phase, norms, ncol, codes, ccol, mat,
+                col, used, nbytes):
+    """Block (ci, k): chunk ci of partition k into row k of ``mat`` (sections at ncol, ccol),
+    drawing with ``row_key(prefix, k, phase)``."""
+    k = cuda.blockIdx.y
+    zero_tail(mat[k, col:col + nbytes], used, nbytes)
+    key = block_row_key(prefix, phase)
+    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+                 cuda.blockIdx.x, levels, key, norms[k, ncol:ncol + (part + chunk - 1) // chunk],
+                 codes[k, ccol:ccol + part])
+
+
+@cuda.jit(device=True)
+def _chunk_norms_block(part, spc, chunk, n, norms):
     sh = cuda.shared.array(LANES, np.float32)
     ci = cuda.blockIdx.x
     nseg = (lesser(n - ci * chunk, chunk) + SEGMENT - 1) // SEGMENT
@@ -57,8 +76,18 @@ def _chunk_norms(part, spc, chunk, n, norms):
 
 
 @cuda.jit
-def _seg_encode(x, e, has_res, chunk, spc, levels, key, norms, codes, buf, used, nbytes):
-    zero_tail(buf, used, nbytes)
+def _chunk_norms(part, spc, chunk, n, norms):
+    _chunk_norms_block(part, spc, chunk, n, norms)
+
+
+@cuda.jit
+def _chunk_norms_rows(part, spc, chunk, n, norms, ncol):
+    k = cuda.blockIdx.y
+    _chunk_norms_block(part[k], spc, chunk, n, norms[k, ncol:])
+
+
+@cuda.jit(device=True)
+def _seg_encode_block(x, e, has_res, chunk, spc, levels, key, norms, codes):
     ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
     if s < t:
         ratio, step = qsgd_steps(norms[ci], levels)
@@ -66,21 +95,54 @@ def _seg_encode(x, e, has_res, chunk, spc, levels, key, norms, codes, buf, used,
 
 
 @cuda.jit
+def _seg_encode(x, e, has_res, chunk, spc, levels, key, norms, codes, buf, used, nbytes):
+    zero_tail(buf, used, nbytes)
+    _seg_encode_block(x, e, has_res, chunk, spc, levels, key, norms, codes)
+
+
+@cuda.jit
+def _seg_encode_rows(x, e, has_res, part, chunk, spc, levels, prefix, phase, norms, ncol, codes,
+                     ccol, mat, col, used, nbytes):
+    k = cuda.blockIdx.y
+    zero_tail(mat[k, col:col + nbytes], used, nbytes)
+    key = block_row_key(prefix, phase)
+    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+                      spc, levels, key, norms[k, ncol:], codes[k, ccol:ccol + part])
+
+
+@cuda.jit(device=True)
+def _decoded(norms, ncol, codes, ccol, levels, chunk, p, i):
+    """x_hat of element i of row p."""
+    step = norms[p, ncol + i // chunk] / np.float32(levels)
+    return mul32(np.float32(codes[p, ccol + i]), step)
+
+
+@cuda.jit
 def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < out.size:
-        ci = i // chunk
         acc = out[i]
         for p in range(norms.shape[0]):
-            step = norms[p, ncol + ci] / np.float32(levels)
-            acc = add_or_replace(acc, mul32(np.float32(codes[p, ccol + i]), step),
+            acc = add_or_replace(acc, _decoded(norms, ncol, codes, ccol, levels, chunk, p, i),
                                  accumulate or p > 0)
         out[i] = acc
         i += stride
 
 
+@cuda.jit
+def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
+    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i."""
+    k = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    while i < part:
+        out[k * part + i] = _decoded(norms, ncol, codes, ccol, levels, chunk, k, i)
+        i += stride
+
+
 _ENCODER = ChunkedEncoder(_fused, seg_sums, _chunk_norms, _seg_encode)
+_ROWS = RowEncoder(_fused_rows, seg_sums_rows, _chunk_norms_rows, _seg_encode_rows)
 
 
 def encode(x, e, fmt, key, norms, codes, buf, stream):
@@ -93,3 +155,19 @@ def decode(fmt, stack, out, accumulate, stream):
     """1 launch: every row decoded and summed in one pass over out."""
     decode_stack(_decode, fmt, stack, ("norms", "codes"), (fmt.levels, fmt.chunk), out,
                  accumulate, stream)
+
+
+def encode_rows(x, e, fmt, prefix, phase, views, mat, col, stream):
+    """Partition k of x into row k of ``mat`` at ``col`` (``views``: ``fmt.views2d(mat, col)``),
+    keyed ``row_key(prefix, k, phase)``, every k: 1 launch, 3 for long chunks."""
+    norms, ncol = views["norms"]
+    codes, ccol = views["codes"]
+    _ROWS(x, e, mat.shape[0], fmt, mat, col, stream,
+          enc=(fmt.levels, prefix, phase, norms, ncol, codes, ccol), red=(True,),
+          comb=(norms, ncol))
+
+
+def decode_rows(fmt, mat, col, out, stream):
+    """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
+    decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("norms", "codes")),
+                       (fmt.levels, fmt.chunk), mat.shape[0], out, stream)

@@ -11,6 +11,7 @@ from numba import cuda
 import numba_kernels as nk
 from numba_kernels import _sparse_rules
 from numba_kernels.wire import Payload
+from row_refs import COL, loop_decode, partition_loop, row_form, row_format, row_matrix
 
 
 def _data(seed, n, dtype, kind="normal"):
@@ -139,3 +140,44 @@ def check_merge(cases):
         nk.restore_unselected(rh, pa, mh)
         nk.restore_unselected(rd, da, md)
         _same(rh, rd, "restore_unselected")
+
+
+def check_rows(cases, dtype=np.float32):
+    """(name, kwargs, rows, part, residual) cases: on the host and on the device, the row form
+    writes the per-partition calls' payload bytes (and nothing outside its columns) and
+    residuals, and ``decompress_rows`` gives their decodes; host == device throughout."""
+    for name, kw, rows, part, res in cases:
+        what = f"{name} {kw} rows={rows} part={part} residual={res} {np.dtype(dtype)}"
+        x = _data(rows * 100 + part, rows * part, dtype)
+        e = _data(part + 7, rows * part, dtype) * dtype(0.1) if res else None
+        fmt = row_format(name, kw, part)
+        copy = (lambda a: None if a is None else a.copy())                   # noqa: E731
+        copy_to_device = (lambda a: None if a is None else cuda.to_device(a))  # noqa: E731
+        # host: the per-partition loop, then the row form
+        hl_x, hl_e, hl = x.copy(), copy(e), row_matrix(rows, fmt)
+        partition_loop(name, kw, hl_x, hl_e, hl)
+        hr_x, hr_e, hr = x.copy(), copy(e), row_matrix(rows, fmt)
+        assert row_form(name, kw, hr_x, hr_e, hr) == fmt, what
+        _same(hl, hr, f"host row-form payloads: {what}")
+        _same(hl_x, hr_x, f"host x untouched: {what}")
+        if res:
+            _same(hl_e, hr_e, f"host row-form residual: {what}")
+        decoded = loop_decode(fmt, hl)
+        _same(decoded, nk.decompress_rows(hr, fmt, col=COL), f"host decompress_rows: {what}")
+        # device: the per-partition loop, then the row form
+        dl_e, dl = copy_to_device(e), cuda.to_device(row_matrix(rows, fmt))
+        partition_loop(name, kw, cuda.to_device(x), dl_e, dl)
+        dr_e, dr = copy_to_device(e), cuda.to_device(row_matrix(rows, fmt))
+        row_form(name, kw, cuda.to_device(x), dr_e, dr)
+        _same(hl, dl, f"device per-partition payloads: {what}")
+        _same(hl, dr, f"device row-form payloads: {what}")
+        if res:
+            _same(hl_e, dl_e, f"device per-partition residual: {what}")
+            _same(hl_e, dr_e, f"device row-form residual: {what}")
+        out = cuda.device_array(rows * part, np.float32)
+        nk.decompress_rows(dr, fmt, out=out, col=COL)
+        _same(decoded, out, f"device decompress_rows: {what}")
+        for k in range(rows):      # and the device's own per-partition decode
+            row = cuda.to_device(np.ascontiguousarray(hl[k:k + 1, COL:COL + fmt.nbytes]))
+            _same(decoded[k * part:(k + 1) * part], nk.decompress_many(row, fmt),
+                  f"device decompress_many: {what}")

@@ -93,6 +93,34 @@ def test_onebit_long_chunks():
     dc.check_onebit([(4200, 4128, "l2", F32, True)], many=False)
 
 
+# The row forms (C_LP_S's batched compress and decode): every codec, with and without error
+# feedback, n = 1 and 3 partitions whose length is not a multiple of the chunk; one packed width
+# and one case per codec of chunks longer than a segment (the three-kernel path). The simulator
+# runs every thread in Python, so the cases stay few and small: tests/kernels/test_rows.py
+# covers n = 1..4 and more lengths on the CPU twins, which share the device functions' code.
+ROW_CASES = [(name, kw, rows, part, res)
+             for name, kw, part in [("minmax", {"bits": 8, "chunk": 32}, 45),
+                                    ("qsgd", {"levels": 127, "chunk": 32}, 45),
+                                    ("onebit", {"chunk": 32, "scale": "l2"}, 45)]
+             for rows in (1, 3) for res in (False, True)]
+
+
+def test_row_forms_equal_the_per_partition_calls():
+    dc.check_rows(ROW_CASES)
+    dc.check_rows([("minmax", {"bits": 3, "chunk": 96}, 3, 200, True),
+                   ("onebit", {"chunk": 32, "scale": "mean_abs"}, 2, 45, False),
+                   ("qsgd", {"levels": 5, "chunk": 40}, 2, 1, True)])
+    dc.check_rows([("minmax", {"bits": 8, "chunk": 32}, 2, 45, True),
+                   ("qsgd", {"levels": 127, "chunk": 32}, 2, 45, False),
+                   ("onebit", {"chunk": 32, "scale": "l2"}, 2, 45, True)], dtype=F64)
+
+
+def test_row_forms_long_chunks():
+    dc.check_rows([("minmax", {"bits": 4, "chunk": 4128}, 1, 4130, True),
+                   ("qsgd", {"levels": 31, "chunk": 4100}, 1, 4130, True),
+                   ("onebit", {"chunk": 4128, "scale": "l2"}, 1, 4130, False)])
+
+
 def test_topk_exact_and_randk():
     dc.check_topk([(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exact", True),
                    (1025, 10, "normal", F64, "exact", True),

@@ -141,3 +141,36 @@ def test_merge_restore_and_scale():
     nk.reset_launch_count()
     nk.scale_topk_values(Payload(merged.format, merged.buffer), 0.5)
     assert counts() == (documented_launches(nk.scale_topk_values), 0)
+
+
+
+ROW_CODECS = [codec for codec in CODECS if codec.compress_rows is not None]
+
+
+@pytest.mark.parametrize("codec", ROW_CODECS, ids=[c.format.__name__ for c in ROW_CODECS])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_row_forms_launch_what_their_docstrings_say_whatever_the_rows(codec, rows):
+    """C_LP_S's phase-1 encode and final decode of n partitions: one launch each, not n."""
+    encode = documented_launches(codec.compress_rows)
+    decode = documented_launches(codec.decode_rows_device)
+    assert (encode, decode) == (1, 1)
+    x, e = device_data(rows * 250), cuda.to_device(np.zeros(rows * 250, np.float32))
+    mat = cuda.device_array((rows, 8 + 1024), np.uint8)   # wide enough for 250 elements
+    assert counts() == (0, 0)
+    fmt = codec.compress_rows(x, mat, 8, residual=e)
+    assert isinstance(fmt, codec.format) and fmt.n == 250
+    assert counts() == (encode, 0)
+    codec.compress_rows(x, mat, 8)
+    assert counts() == (2 * encode, 0)
+    nk.decompress_rows(mat, fmt, out=cuda.device_array(rows * 250, np.float32), col=8)
+    assert counts() == (2 * encode + decode, 0)
+
+
+@pytest.mark.parametrize("compress", [
+    lambda x, m: nk.compress_minmax_rows(x, m, bits=4, chunk=4128),
+    lambda x, m: nk.compress_qsgd_rows(x, m, chunk=4100),
+    lambda x, m: nk.compress_onebit_rows(x, m, chunk=4128),
+], ids=["minmax", "qsgd", "onebit"])
+def test_row_forms_of_chunks_longer_than_a_segment_take_three_launches(compress):
+    compress(device_data(3 * 4200), cuda.device_array((3, 8 * 1024), np.uint8))
+    assert counts() == (3, 0)

@@ -1,0 +1,56 @@
+"""The per-partition calls that the row forms replace, and the row forms themselves, for the
+row-form checks on the host (``test_rows.py``) and on the device (``device_checks.check_rows``).
+No numba.cuda here: the host tests import it in the main pytest process."""
+import numpy as np
+
+import numba_kernels as nk
+
+
+# The row forms (one launch for the n partitions of a scatter-reduce) against the per-partition
+# calls they replace: name -> (row-form compressor, per-partition compressor, format class).
+ROW_FORMS = {
+    "minmax": (nk.compress_minmax_rows, nk.compress_minmax, nk.MinMaxFormat),
+    "qsgd": (nk.compress_qsgd_rows, nk.compress_qsgd, nk.QSGDFormat),
+    "onebit": (nk.compress_onebit_rows, nk.compress_onebit, nk.OneBitFormat),
+}
+ROW_SEEDS = (123456789, 2, 1)     # (base, rank, phase): row k's seed row_seed(base, rank, k, phase)
+COL = 8                           # the payload sits after another segment's 8 bytes in each row
+JUNK = 0xA5                       # bytes outside the payload's columns, which must stay as they are
+
+
+def row_format(name, kw, part):
+    """The format of one row's payload: a partition of ``part`` elements."""
+    return ROW_FORMS[name][2](part, **{k: v for k, v in kw.items() if k in ("bits", "levels",
+                                                                          "chunk")})
+
+
+def partition_loop(name, kw, x, e, mat, col=COL):
+    """What C_LP_S did before the row forms: one compress per partition (mat rows, in place)."""
+    rows = mat.shape[0]
+    part = x.size // rows
+    fmt = row_format(name, kw, part)
+    compress = ROW_FORMS[name][1]
+    for k in range(rows):
+        extra = {"seed": nk.row_seed(ROW_SEEDS[0], ROW_SEEDS[1], k, ROW_SEEDS[2])} \
+            if name == "qsgd" else {}
+        compress(x[k * part:(k + 1) * part], residual=None if e is None else
+                 e[k * part:(k + 1) * part], out=mat[k, col:col + fmt.nbytes], **kw, **extra)
+    return fmt
+
+
+def row_form(name, kw, x, e, mat, col=COL):
+    extra = {"row_seeds": ROW_SEEDS} if name == "qsgd" else {}
+    return ROW_FORMS[name][0](x, mat, col, residual=e, **kw, **extra)
+
+
+def loop_decode(fmt, mat, col=COL):
+    """One decompress_many per row (the per-partition decode the row form replaces), host."""
+    out = np.empty(mat.shape[0] * fmt.n, np.float32)
+    for k in range(mat.shape[0]):
+        nk.decompress_many(np.ascontiguousarray(mat[k:k + 1, col:col + fmt.nbytes]), fmt,
+                           out=out[k * fmt.n:(k + 1) * fmt.n])
+    return out
+
+
+def row_matrix(rows, fmt, col=COL):
+    return np.full((rows, col + fmt.nbytes + 16), JUNK, np.uint8)
