@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from mpi4py import MPI
 
 from . import runtime
 from .algorithms.base import UnsupportedOptionError
@@ -70,8 +71,6 @@ def shard_index(topo, hierarchical: bool) -> int:
 
 def check_uniform_nodes(topo, stage: int) -> None:
     """Two-level sharding needs every node to hold the same number of ranks (collective)."""
-    from mpi4py import MPI
-
     uniform = topo.local_size * topo.cross_size == topo.size
     everywhere = runtime.get().worker.run(lambda: topo.comm.allreduce(uniform, op=MPI.LAND),
                                           ("zero nodes uniform",))
@@ -143,6 +142,8 @@ class ShardedOptimizer:
             self.inner = type(self.user)(groups)
         except TypeError:  # a class whose constructor needs its defaults spelled out
             self.inner = type(self.user)(groups, **self.user.defaults)
+        for pc in self.pieces:  # views of buffers that live as long as the buckets
+            pc.tensor.grad = self._grad_of(pc)
         if self._held is not None:
             self._apply(self._held)
             self._held = None
@@ -157,8 +158,6 @@ class ShardedOptimizer:
             for key, value in user_group.items():  # LR schedulers write the user's groups
                 if key not in ("params", "param_names"):
                     group[key] = value
-        for pc in self.pieces:
-            pc.tensor.grad = self._grad_of(pc)
         self.inner.step()
         self._allgather_params()
         return loss
@@ -202,15 +201,15 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, from the slices: each rank
         reduces its slices to one number and one allreduce combines them (float64)."""
-        from mpi4py import MPI
-
         slices = [s for s in self.grad_slices() if s.numel()]
         norm_type = float(norm_type)
+        # one number per rank, read from the device once (not once per slice)
         if norm_type == float("inf"):
-            local = max((float(s.abs().max()) for s in slices), default=0.0)
+            local = float(torch.stack([s.abs().max() for s in slices]).max()) if slices else 0.0
             op = MPI.MAX
         else:
-            local = sum(float(s.double().abs().pow(norm_type).sum()) for s in slices)
+            local = float(torch.stack([s.double().abs().pow(norm_type).sum()
+                                       for s in slices]).sum()) if slices else 0.0
             op = MPI.SUM
         total = runtime.get().worker.run(lambda: self.topo.comm.allreduce(local, op=op),
                                          ("zero grad norm",))

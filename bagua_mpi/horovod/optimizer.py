@@ -171,14 +171,8 @@ class DistributedOptimizer(_base.DistributedOptimizer):
                          backward_passes_per_step=backward_passes_per_step, op=op,
                          gradient_predivide_factor=gradient_predivide_factor,
                          sparse_as_dense=sparse_as_dense, **kwargs)
-        # Horovod's public arguments, readable as attributes.
-        self.backward_passes_per_step = backward_passes_per_step
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.num_groups = num_groups
-        self.groups = groups
-        self.sparse_as_dense = sparse_as_dense
-        self.process_set = process_set
+        _keep_arguments(self, backward_passes_per_step, op, gradient_predivide_factor,
+                        num_groups, groups, sparse_as_dense, process_set)
         self._parameter_names = {p: n for n, p in named}
 
     def step(self, closure=None):
@@ -224,14 +218,8 @@ class _UnbucketedOptimizer(DistributedOptimizer):
         self.overlap = False
         self.steps = 0
         self._synchronized = self._skip_sync = False
-        # Horovod's public arguments, readable as attributes.
-        self.backward_passes_per_step = backward_passes_per_step
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.num_groups = num_groups
-        self.groups = groups
-        self.sparse_as_dense = sparse_as_dense
-        self.process_set = process_set
+        _keep_arguments(self, backward_passes_per_step, op, gradient_predivide_factor,
+                        num_groups, groups, sparse_as_dense, process_set)
         return named
 
     def synchronize(self) -> None:
@@ -393,3 +381,15 @@ class LocalDistributedOptimizer(_UnbucketedOptimizer):
 
 class _LocalAlgorithm(_AdasumAlgorithm):
     name = "local"
+
+
+def _keep_arguments(opt, backward_passes_per_step, op, gradient_predivide_factor, num_groups,
+                    groups, sparse_as_dense, process_set) -> None:
+    """Horovod's public arguments, readable as attributes (every form keeps them)."""
+    opt.backward_passes_per_step = backward_passes_per_step
+    opt.op = op
+    opt.gradient_predivide_factor = gradient_predivide_factor
+    opt.num_groups = num_groups
+    opt.groups = groups
+    opt.sparse_as_dense = sparse_as_dense
+    opt.process_set = process_set
