@@ -1,10 +1,11 @@
-"""Process-wide counts of the kernel launches and host waits that numba_kernels makes.
+"""Process-wide counts of the kernel launches, host waits and scratch allocations that
+numba_kernels makes.
 
 bagua_mpi's "host overhead per bucket" accounting reads these: most of the host
 time a compressed collective spends is kernel launches, and a device-to-host
 synchronisation stalls the host until the stream drains.  ``_cuda/launch.py``
-is the only place that bumps them, because every launch and every wait goes
-through it.
+is the only place that bumps the first two, because every launch and every wait
+goes through it, and ``_cuda/scratch.py`` the third.
 
 Pure Python (no numba.cuda), so the package exports the readers without
 loading the CUDA driver.
@@ -43,6 +44,7 @@ class _Count:
 
 _launches = _Count()
 _syncs = _Count()
+_allocations = _Count()
 
 
 def count_launch():
@@ -55,6 +57,11 @@ def count_sync():
     _syncs.add()
 
 
+def count_allocation():
+    """Record one device allocation of a scratch array (``_cuda/scratch.py``)."""
+    _allocations.add()
+
+
 def launch_count() -> int:
     """CUDA kernel launches made by numba_kernels in this process since the last reset."""
     return _launches.value()
@@ -65,7 +72,14 @@ def sync_count() -> int:
     return _syncs.value()
 
 
+def scratch_allocations() -> int:
+    """Device allocations of kernel scratch arrays since the last reset: each is a cudaMalloc
+    (and later a cudaFree, which waits for the whole device); none in a steady state."""
+    return _allocations.value()
+
+
 def reset_launch_count() -> None:
-    """Set both the launch and the synchronisation counts back to zero."""
+    """Set the launch, synchronisation and scratch allocation counts back to zero."""
     _launches.reset()
     _syncs.reset()
+    _allocations.reset()

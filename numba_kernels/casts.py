@@ -84,18 +84,20 @@ def compress_cast(x, kind="fp16", residual=None, out=None, stream=None):
                           on_device, on_host)
 
 
-def decode_cpu(fmt, stack, out, accumulate):
-    halves, col = fmt.views2d(stack)["half"]
-    decode_cpu_kernel(halves, col, fmt.kind == "bf16", out, accumulate)
+def decode_cpu(fmt, stack, col, out, accumulate):
+    """Sum the payloads at byte column ``col`` of the rows of ``stack`` into out (see
+    ``registry.Codec``)."""
+    halves, hcol = fmt.views2d(stack, col)["half"]
+    decode_cpu_kernel(halves, hcol, fmt.kind == "bf16", out, accumulate)
 
 
-def decode_device(fmt, stack, out, accumulate, stream):
+def decode_device(fmt, stack, col, out, accumulate, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
     Device launches: 1 (every row decoded and summed in one pass over out).
     """
     from ._cuda import casts as kern
-    kern.decode(fmt, stack, out, accumulate, stream)
+    kern.decode(fmt, stack, col, out, accumulate, stream)
 
 
 # -- raw 16-bit words on the host (no payload framing) ----------------------------------------

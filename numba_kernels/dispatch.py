@@ -1,13 +1,16 @@
 """Decompression for every format, on the host or the device.
 
 ``decompress`` decodes one payload; ``decompress_many`` decodes a stack of
-payloads of one format (an all-gather's receive buffer) and sums them into
-one output in row order, in a single pass over the output for the dense
-formats; ``decompress_rows`` decodes each row of a payload matrix into its own
+payloads of one format (an all-gather's receive buffer, or payloads at one
+byte column of wider rows, read in place) and sums them into one output in
+row order, in a single pass over the output for the dense formats;
+``decompress_rows`` decodes each row of a payload matrix into its own
 partition of the output (the formats with a row form), in one pass.  The
 format object picks the codec (``registry``); where the buffer lives picks the
 CPU twin or the CUDA kernel.
 """
+import numpy as np
+
 from ._api import check_column, decode_target, payload_matrix, payload_stack
 from ._device import stream_of
 from .errors import PayloadError
@@ -15,16 +18,23 @@ from .registry import codec_for
 from .wire import Payload
 
 
-def decompress_many(buffers, format, out=None, accumulate=False, stream=None):
+def decompress_many(buffers, format, out=None, accumulate=False, stream=None, col=0):
     """out (+)= decode(row 0) + decode(row 1) + ... for a (P, nbytes) stack of payloads.
 
-    ``buffers`` may also be flat (P * nbytes bytes).  Without ``accumulate``
-    the output is overwritten (a new float32 array when ``out`` is None).
-    Rows are added in order, so the result is deterministic.  Returns out.
+    ``buffers`` may also be flat (P * nbytes bytes).  With ``col`` (or rows wider
+    than nbytes), ``buffers`` is a (P, width) payload matrix whose row p holds
+    payload p at byte columns [col, col + nbytes), checked as ``decompress_rows``
+    checks its matrix and column (P >= 1, C-contiguous, col and width multiples
+    of ALIGN): the payloads are read where they sit (an alltoall's message rows,
+    several segments side by side), no copy, with the bytes of decoding the
+    (P, nbytes) stack of those columns.
+    Without ``accumulate`` the output is overwritten (a new float32 array when
+    ``out`` is None).  Rows are added in order, so the result is deterministic.
+    Returns out.
     Device launches: those of the format's ``decode_device`` (see ``registry``);
     1 to zero ``out`` for a stack of no rows, none for an empty tensor.
     """
-    stack, dev = payload_stack(buffers, format)
+    stack, col, dev = _payload_rows(buffers, format, col)
     st = stream_of(stream) if dev else 0
     target = decode_target(out, format.n, dev, st, accumulate)
     if format.n == 0:
@@ -38,10 +48,22 @@ def decompress_many(buffers, format, out=None, accumulate=False, stream=None):
             target[:] = 0
     elif stack.shape[0]:
         if dev:
-            codec.decode_device(format, stack, target, accumulate, st)
+            codec.decode_device(format, stack, col, target, accumulate, st)
         else:
-            codec.decode_host(format, stack, target, accumulate)
+            codec.decode_host(format, stack, col, target, accumulate)
     return target if out is None else out
+
+
+def _payload_rows(buffers, fmt, col):
+    """(rows, col, dev): a (P, nbytes) stack (or P * nbytes flat) at column 0, else the
+    (P, width) matrix whose payloads sit at the checked column ``col``."""
+    shape = tuple(getattr(buffers, "shape", ()))
+    at_zero = isinstance(col, (int, np.integer)) and not isinstance(col, bool) and col == 0
+    if at_zero and (len(shape) != 2 or shape[1] == fmt.nbytes):
+        stack, dev = payload_stack(buffers, fmt)
+        return stack, 0, dev
+    mat, dev = payload_matrix(buffers, "buffers")
+    return mat, check_column(col, fmt, mat.shape[1], "buffers"), dev
 
 
 def decompress(payload, out=None, accumulate=False, stream=None):

@@ -74,8 +74,8 @@ def merge_topk(a, b, k=None, out=None, stream=None):
     ``k`` defaults to a's k and must not exceed max(a.k, b.k), so the union
     always holds k entries.  Example (one tree round):
     ``mine = merge_topk(mine, Payload(mine.format, received))``.
-    Device launches: 16 (prefill the union's two buffers, the union, the exact
-    selection's 13), +1 zeroing the padding (int64 indices, odd k); none but that
+    Device launches: 10 (prefill the union's two buffers, the union, the exact
+    selection's 7), +1 zeroing the padding (int64 indices, odd k); none but that
     when k is 0.
     """
     va, vb = _topk_views(a, "a"), _topk_views(b, "b")

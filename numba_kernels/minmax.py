@@ -234,13 +234,14 @@ def compress_minmax_rows(x, out, col=0, bits=8, chunk=1024, residual=None, strea
                        on_device, on_host)
 
 
-def decode_cpu(fmt, stack, out, accumulate):
-    v = fmt.views2d(stack)
+def decode_cpu(fmt, stack, col, out, accumulate):
+    """Sum the payloads at byte column ``col`` of the rows of ``stack`` into out (see
+    ``registry.Codec``)."""
+    v = fmt.views2d(stack, col)
     params, pcol = v["params"]
     words, wcol = v["codes"]
-    bytes8 = stack
-    decode_cpu_kernel(params, pcol, words, wcol, bytes8, fmt.section("codes").offset, fmt.bits,
-                      fmt.chunk, out, accumulate)
+    decode_cpu_kernel(params, pcol, words, wcol, stack, col + fmt.section("codes").offset,
+                      fmt.bits, fmt.chunk, out, accumulate)
 
 
 def decode_rows_cpu(fmt, matrix, col, out):
@@ -252,13 +253,13 @@ def decode_rows_cpu(fmt, matrix, col, out):
                            fmt.bits, fmt.chunk, fmt.n, out)
 
 
-def decode_device(fmt, stack, out, accumulate, stream):
+def decode_device(fmt, stack, col, out, accumulate, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
     Device launches: 1 (every row decoded and summed in one pass over out).
     """
     from ._cuda import minmax as kern
-    kern.decode(fmt, stack, out, accumulate, stream)
+    kern.decode(fmt, stack, col, out, accumulate, stream)
 
 
 def decode_rows_device(fmt, matrix, col, out, stream):

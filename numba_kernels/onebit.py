@@ -154,8 +154,10 @@ def compress_onebit_rows(x, out, col=0, chunk=4096, scale="l2", residual=None, s
                        on_device, on_host)
 
 
-def decode_cpu(fmt, stack, out, accumulate):
-    v = fmt.views2d(stack)
+def decode_cpu(fmt, stack, col, out, accumulate):
+    """Sum the payloads at byte column ``col`` of the rows of ``stack`` into out (see
+    ``registry.Codec``)."""
+    v = fmt.views2d(stack, col)
     scales, scol = v["scales"]
     words, wcol = v["signs"]
     decode_cpu_kernel(scales, scol, words, wcol, fmt.chunk, out, accumulate)
@@ -169,13 +171,13 @@ def decode_rows_cpu(fmt, matrix, col, out):
     decode_rows_cpu_kernel(scales, scol, words, wcol, fmt.chunk, fmt.n, out)
 
 
-def decode_device(fmt, stack, out, accumulate, stream):
+def decode_device(fmt, stack, col, out, accumulate, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
     Device launches: 1 (every row decoded and summed in one pass over out).
     """
     from ._cuda import onebit as kern
-    kern.decode(fmt, stack, out, accumulate, stream)
+    kern.decode(fmt, stack, col, out, accumulate, stream)
 
 
 def decode_rows_device(fmt, matrix, col, out, stream):

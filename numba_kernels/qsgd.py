@@ -171,8 +171,10 @@ def compress_qsgd_rows(x, out, col=0, levels=127, chunk=1024, row_seeds=(0, 0, 0
                        on_device, on_host)
 
 
-def decode_cpu(fmt, stack, out, accumulate):
-    v = fmt.views2d(stack)
+def decode_cpu(fmt, stack, col, out, accumulate):
+    """Sum the payloads at byte column ``col`` of the rows of ``stack`` into out (see
+    ``registry.Codec``)."""
+    v = fmt.views2d(stack, col)
     norms, ncol = v["norms"]
     codes, ccol = v["codes"]
     decode_cpu_kernel(norms, ncol, codes, ccol, fmt.levels, fmt.chunk, out, accumulate)
@@ -186,13 +188,13 @@ def decode_rows_cpu(fmt, matrix, col, out):
     decode_rows_cpu_kernel(norms, ncol, codes, ccol, fmt.levels, fmt.chunk, fmt.n, out)
 
 
-def decode_device(fmt, stack, out, accumulate, stream):
+def decode_device(fmt, stack, col, out, accumulate, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
     Device launches: 1 (every row decoded and summed in one pass over out).
     """
     from ._cuda import qsgd as kern
-    kern.decode(fmt, stack, out, accumulate, stream)
+    kern.decode(fmt, stack, col, out, accumulate, stream)
 
 
 def decode_rows_device(fmt, matrix, col, out, stream):

@@ -29,9 +29,11 @@ class Codec:
     """One payload format's code.
 
     ``compressors``: the public functions whose payloads have this format;
-    ``decode_host(fmt, stack, out, accumulate)`` and
-    ``decode_device(fmt, stack, out, accumulate, stream)`` sum a (P, nbytes)
-    stack of payloads into ``out`` (add to it with ``accumulate``).
+    ``decode_host(fmt, stack, col, out, accumulate)`` and
+    ``decode_device(fmt, stack, col, out, accumulate, stream)`` sum the P
+    payloads of a (P, width) stack, each at byte column ``col`` of its row (0
+    and width = fmt.nbytes for a plain stack), into ``out`` (add to it with
+    ``accumulate``), reading them in place.
     Row forms (None for a format without them): ``compress_rows``, and
     ``decode_rows_host(fmt, matrix, col, out)`` / ``decode_rows_device(fmt,
     matrix, col, out, stream)``, which decode row k of a (rows, width) matrix

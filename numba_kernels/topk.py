@@ -25,6 +25,9 @@ Two methods, one result:
        candidates is the exact top-k (every true top-k key is >= threshold);
        if too few, quadruple ks; if too many, halve it; after
        ``REFINEMENTS`` failed refinements fall back to the exact method.
+       On a GPU there is one attempt, and the device itself chooses between
+       the candidates and the whole array for the exact selection, so the host
+       never waits for the count.
   So "approx" is approximate in its threshold, never in its result.
 """
 import logging
@@ -131,15 +134,15 @@ def compress_topk(x, k, index_dtype="int32", method="approx", residual=None, out
     Returns a Payload of ``TopKFormat(x.size, k, index_dtype)``.
     Example: ``p = compress_topk(g, k=g.numel() // 1000, residual=r)``.
 
-    Device launches: 13 with method='exact', or any method below 32768 elements
-    (zero a histogram, 9 to find the k-th key, count, scan, compact); +1 with
+    Device launches: 7 with method='exact', or any method below 32768 elements
+    (4 radix rounds to find the k-th key, count, scan, compact); +1 with
     ``residual`` (c = x + e), +1 zeroing the padding (int64 indices, odd k); only
-    those two when k is 0.  method='approx' from 32768 elements: 28 when the first
-    sampled threshold holds (sample, zero a histogram, 12 to find and apply the
-    sample's threshold, compact the candidates, 13 to select among them), 12 more
-    per refinement, 63 when it falls back to the exact method; and 1 host
-    synchronisation per attempt (reading the candidate count), the only ones
-    numba_kernels makes.
+    those two when k is 0.  method='approx' from 32768 elements: 12 (sample, the
+    sample's threshold, count and scan above it, gather the candidates, the
+    selection's 7), the same when the device falls back to the whole array.  No
+    host synchronisation.  Scratch arrays are cached per thread and stream, so
+    only a thread's first call on a stream allocates (and zeroes the selection's
+    state and histogram: +2 launches, or +3 with 'approx').
     """
     if method not in ("exact", "approx"):
         raise KernelParameterError(f"method must be 'exact' or 'approx', got {method!r}")
@@ -166,18 +169,20 @@ def decode_cpu_kernel(idx, icol, vals, vcol, k, out, accumulate):
             out[i] = out[i] + vals[p, vcol + j] if (accumulate or p > 0) else vals[p, vcol + j]
 
 
-def decode_cpu(fmt, stack, out, accumulate):
-    v = fmt.views2d(stack)
+def decode_cpu(fmt, stack, col, out, accumulate):
+    """Sum the payloads at byte column ``col`` of the rows of ``stack`` into out (see
+    ``registry.Codec``)."""
+    v = fmt.views2d(stack, col)
     idx, icol = v["indices"]
     vals, vcol = v["values"]
     decode_cpu_kernel(idx, icol, vals, vcol, fmt.k, out, accumulate)
 
 
-def decode_device(fmt, stack, out, accumulate, stream):
+def decode_device(fmt, stack, col, out, accumulate, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
     Device launches: 2 for one payload (zero out, scatter the k values); P + 1 for a
     stack of P rows (a scatter-add per row, in order), P with ``accumulate``.
     """
     from ._cuda import topk as kern
-    kern.decode(fmt, stack, out, accumulate, stream)
+    kern.decode(fmt, stack, col, out, accumulate, stream)

@@ -52,6 +52,25 @@ def test_codec_row_forms_are_the_per_partition_calls(codec, n, ef):
         assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=repr)
+def test_codec_decompress_many_reads_the_columns_in_place(codec):
+    """C_LP_S's server decode: ``decompress_many(recv, part, cols=plan.cols)`` is the decode of
+    the contiguous copy of those columns that it used to make, with and without accumulate."""
+    rng = np.random.default_rng(3)
+    n, part = 3, 45
+    nbytes = codec.format(part).nbytes
+    cols = slice(16, 16 + nbytes)
+    mat = rng.integers(0, 256, (n, 16 + nbytes + 8), dtype=np.uint8)
+    codec.compress_rows(rng.standard_normal(n * part).astype(np.float32), mat, cols, seed=4)
+    copy = np.ascontiguousarray(mat[:, cols])
+    for accumulate in (False, True):
+        base = rng.standard_normal(part).astype(np.float32)
+        want, got = base.copy(), base.copy()
+        codec.decompress_many(copy, part, out=want, accumulate=accumulate)
+        assert codec.decompress_many(mat, part, out=got, accumulate=accumulate, cols=cols) is got
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_the_kernels_row_seed_is_call_seed():
     rng = np.random.default_rng(5)
     for words in [(0, 0, 0, 1), (123, 7, 3, 2), (2**31 - 1, 1023, 1022, 1)] + \
@@ -97,14 +116,19 @@ def per_partition_clps(xs, wes, ses, codecs, seeds, wire, scale, stats):
     wire.alltoall(send, recv)
     mine = np.empty(row, np.uint8)
     for plan in plans:
-        merged = lowprec._server_sum(plan, recv, scale, np.empty(plan.part, np.float32), False)
+        # the server's decode of a contiguous copy of the segment's columns (C_LP_S now reads
+        # them in place: Codec.decompress_many(recv, ..., cols=plan.cols))
+        merged = plan.codec.decompress_many(np.ascontiguousarray(recv[:, plan.cols]), plan.part,
+                                            out=np.empty(plan.part, np.float32))
+        if scale != 1.0:
+            merged *= np.float32(scale)
         plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
                             seed=call_seed(plan.seed, rank, rank, 2))
     wire.allgather(mine, send)
     for plan in plans:
         part = plan.part
         for k in range(n):
-            plan.codec.decompress_many(lowprec._columns(send[k:k + 1], plan.cols), part,
+            plan.codec.decompress_many(np.ascontiguousarray(send[k:k + 1, plan.cols]), part,
                                        out=plan.padded[k * part:(k + 1) * part])
         plan.x[:] = plan.padded[:plan.x.size]
     stats.add(2 * (n - 1) * row)

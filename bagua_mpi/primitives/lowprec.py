@@ -241,8 +241,9 @@ def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool):
 
 def _server_sum(plan: _Plan, recv, scale: float, out, device: bool):
     """Decode and sum the n payloads of ``plan``'s partition (in rank order: deterministic)
-    into ``out``, scaled."""
-    merged = plan.codec.decompress_many(_columns(recv, plan.cols, device), plan.part, out=out)
+    into ``out``, scaled. The payloads are read where they sit, at ``plan.cols`` of recv's rows
+    (no copy of the columns)."""
+    merged = plan.codec.decompress_many(recv, plan.part, out=out, cols=plan.cols)
     if scale != 1.0:
         _scale(merged, scale, device)
     return merged
@@ -268,18 +269,6 @@ def _scale(arr, scale: float, device: bool) -> None:
         scale_kernel(arr, np.float32(scale))
     else:
         arr *= np.float32(scale)
-
-
-def _columns(stack, cols: slice, device: bool = False):
-    """Rows of ``stack`` restricted to ``cols``, contiguous (a copy unless it spans the rows)."""
-    if cols.start == 0 and cols.stop == stack.shape[1]:
-        return stack
-    if not device:
-        return np.ascontiguousarray(stack[:, cols])
-    out = _empty((stack.shape[0], cols.stop - cols.start), np.uint8, True)
-    for r in range(stack.shape[0]):
-        out[r].copy_to_device(stack[r, cols])
-    return out
 
 
 def _check_error(err: torch.Tensor, length: int, which: str, device) -> np.ndarray:

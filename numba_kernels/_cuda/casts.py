@@ -63,6 +63,8 @@ def encode(x, e, bf16, half, buf, fmt, stream):
                 buf, fmt.used_nbytes, fmt.nbytes)
 
 
-def decode(fmt, stack, out, accumulate, stream):
-    """1 launch: every row decoded and summed in one pass over out."""
-    decode_stack(_decode, fmt, stack, ("half",), (fmt.kind == "bf16",), out, accumulate, stream)
+def decode(fmt, stack, col, out, accumulate, stream):
+    """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
+    over out."""
+    decode_stack(_decode, fmt, stack, col, ("half",), (fmt.kind == "bf16",), out, accumulate,
+                 stream)

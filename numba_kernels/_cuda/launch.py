@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _counters
-from .._device import empty
 from .._scalar import SEGMENT
 from .geometry import THREADS, blocks_for
+from .scratch import scratch
 
 # Grid-stride kernels never need more blocks than this to keep a GPU busy.
 GRID_LIMIT = 65536
@@ -91,7 +91,7 @@ class ChunkedEncoder:
             return
         spc = -(-fmt.chunk // SEGMENT)
         nblk = fmt.nchunks * spc
-        part = empty((nblk,) + self.part_shape, np.float32, True, stream)
+        part = scratch("chunked.partials", (nblk,) + self.part_shape, np.float32, stream)
         launch(self.reduce, nblk, THREADS, stream, x, ee, has_res, fmt.chunk, spc, *red, part)
         launch(self.combine, fmt.nchunks, THREADS, stream, part, spc, fmt.chunk, x.size, *comb)
         launch(self.encode, nblk, THREADS, stream, x, ee, has_res, fmt.chunk, spc, *enc, *tail)
@@ -127,20 +127,22 @@ class RowEncoder(ChunkedEncoder):
             return
         spc = -(-fmt.chunk // SEGMENT)
         nblk = fmt.nchunks * spc
-        part = empty((rows, nblk) + self.part_shape, np.float32, True, stream)
+        part = scratch("chunked.partials", (rows, nblk) + self.part_shape, np.float32,
+                       stream)
         launch(self.reduce, (nblk, rows), THREADS, stream, *head, spc, *red, part)
         launch(self.combine, (fmt.nchunks, rows), THREADS, stream, part, spc, fmt.chunk, fmt.n,
                *comb)
         launch(self.encode, (nblk, rows), THREADS, stream, *head, spc, *enc, *tail)
 
 
-def decode_stack(kernel, fmt, stack, sections, params, out, accumulate, stream):
+def decode_stack(kernel, fmt, stack, col, sections, params, out, accumulate, stream):
     """1 launch: ``kernel(view, col, ..., *params, out, accumulate)`` over the output.
 
     ``sections`` names the payload sections the kernel reads; each is passed as
-    its 2-D view of the (P, nbytes) stack and the column it starts at.
+    its 2-D view of the (P, width) stack, whose rows hold the payloads at byte
+    column ``col`` (0 for a (P, nbytes) stack), and the column it starts at.
     """
-    columns = row_sections(fmt.views2d(stack), sections)
+    columns = row_sections(fmt.views2d(stack, col), sections)
     launch_over(kernel, out.size, stream, *columns, *params, out, accumulate)
 
 

@@ -2,10 +2,10 @@
 import numpy as np
 from numba import cuda
 
-from .._device import empty
 from . import select
 from .common import fill
 from .launch import launch_over
+from .scratch import scratch
 
 
 @cuda.jit(device=True)
@@ -56,8 +56,8 @@ def _restore(resid, sidx, sval, gidx):
 def merge(va, vb, fmt, out_idx, out_val, buf, stream):
     """Union of the two payloads' views va, vb, then exact top-k into ``buf``.
 
-    Launches: 16 (prefill the union's indices and values, the union, the exact
-    selection's 13), +1 zeroing the padding (int64 indices, odd k); none but
+    Launches: 10 (prefill the union's indices and values, the union, the exact
+    selection's 7), +1 zeroing the padding (int64 indices, odd k); none but
     that when k is 0.
     """
     if fmt.nbytes > fmt.used_nbytes:
@@ -65,8 +65,8 @@ def merge(va, vb, fmt, out_idx, out_val, buf, stream):
     if fmt.k == 0:
         return
     m = va["indices"].size + vb["indices"].size
-    uidx = empty(m, np.int64, True, stream)
-    uval = empty(m, np.float32, True, stream)
+    uidx = scratch("merge.union_idx", m, np.int64, stream)
+    uval = scratch("merge.union_val", m, np.float32, stream)
     # Slots left after removing duplicate indices stay as zero-valued entries
     # past every real one: they lose all ties, and k <= the union size means
     # they are never needed.

@@ -238,10 +238,12 @@ def encode(x, e, fmt, params, words, buf, stream):
     _ENCODER(x, e, fmt, buf, stream, enc=(fmt.bits, params, words, boff), comb=(fmt.bits, params))
 
 
-def decode(fmt, stack, out, accumulate, stream):
-    """1 launch: every row decoded and summed in one pass over out."""
-    decode_stack(_decode, fmt, stack, ("params", "codes"),
-                 (stack, fmt.section("codes").offset, fmt.bits, fmt.chunk), out, accumulate, stream)
+def decode(fmt, stack, col, out, accumulate, stream):
+    """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
+    over out."""
+    decode_stack(_decode, fmt, stack, col, ("params", "codes"),
+                 (stack, col + fmt.section("codes").offset, fmt.bits, fmt.chunk), out, accumulate,
+                 stream)
 
 
 def encode_rows(x, e, fmt, views, mat, col, stream):

@@ -159,9 +159,11 @@ def encode(x, e, fmt, square, scales, words, buf, stream):
              comb=(square, scales))
 
 
-def decode(fmt, stack, out, accumulate, stream):
-    """1 launch: every row decoded and summed in one pass over out."""
-    decode_stack(_decode, fmt, stack, ("scales", "signs"), (fmt.chunk,), out, accumulate, stream)
+def decode(fmt, stack, col, out, accumulate, stream):
+    """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
+    over out."""
+    decode_stack(_decode, fmt, stack, col, ("scales", "signs"), (fmt.chunk,), out, accumulate,
+                 stream)
 
 
 def encode_rows(x, e, fmt, square, views, mat, col, stream):

@@ -151,9 +151,10 @@ def encode(x, e, fmt, key, norms, codes, buf, stream):
              comb=(norms,))
 
 
-def decode(fmt, stack, out, accumulate, stream):
-    """1 launch: every row decoded and summed in one pass over out."""
-    decode_stack(_decode, fmt, stack, ("norms", "codes"), (fmt.levels, fmt.chunk), out,
+def decode(fmt, stack, col, out, accumulate, stream):
+    """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
+    over out."""
+    decode_stack(_decode, fmt, stack, col, ("norms", "codes"), (fmt.levels, fmt.chunk), out,
                  accumulate, stream)
 
 

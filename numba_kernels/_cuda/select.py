@@ -3,32 +3,46 @@
 Same definition as the CPU twin (``numba_kernels._select``): keep keys > T
 and the first r keys == T in position order, listed by position.
 
-Kernels, all on one stream and with no host round trip:
-  1. ``_init``: state = [0, k, 0];
-  2. four rounds of ``_hist`` (256-bin histogram of one key byte among keys
-     whose higher bytes match the prefix found so far) and ``_pick`` (one
-     thread walks the bins from the top, fixes that byte of T and the
-     remaining rank); afterwards state = [T, r, .];
-  3. ``_count``: per tile of TILE elements, how many keys are > T and == T;
-  4. ``_scan``: one block turns the per-tile counts into exclusive offsets and
-     stores the number selected in state[2];
-  5. ``_compact``: each tile loads its keys to shared memory, each thread
+Kernels, all on one stream, with no host round trip and no allocation once the
+thread's scratch arrays exist (``scratch.py``):
+  1. four launches of ``_round``: each block histograms one key byte (256
+     bins, in shared memory) of the keys whose higher bytes match the prefix
+     found so far and adds it to a global histogram; the last block to finish
+     (a ticket taken after a memory fence) walks the bins from the top, fixes
+     that byte of T and the remaining rank, and leaves the histogram and the
+     ticket zeroed for the next round.  Afterwards state = [T, r, ...];
+  2. ``_count``: per tile of TILE elements, how many keys are > T and == T;
+  3. ``_scan``: one block turns the per-tile counts into exclusive offsets and
+     stores the number selected in state[TAKEN];
+  4. ``_compact``: each tile loads its keys to shared memory, each thread
      counts its ITEMS consecutive keys, a block scan gives every thread its
      output position, and the selected (index, value) pairs are written in
      order.
+
+Where the keys come from (``how``): ``FULL``, arr[:n] with the positions as
+indices; ``MAPPED``, a candidate list cand[:n] whose indices are cidx[:n];
+``DECIDED``, whichever of the two the device chose earlier on the stream
+(state[MODE]; the candidates' length in state[LEN]), so that the approximate
+method needs no host read to fall back to the full array.
 """
 import numpy as np
 from numba import cuda
 
-from .._device import empty
 from .._sparse_rules import keep_entry_py
 from .common import f32_bits, fill, lesser
 from .geometry import ITEMS, THREADS, TILE, blocks_for
 from .launch import launch
+from .scratch import scratch
 
 _ABS = np.uint32(0x7FFFFFFF)
 _HIST_BLOCKS = 2048
 keep_entry = cuda.jit(device=True)(keep_entry_py)
+
+# Sources of the keys (see the module docstring).
+FULL, MAPPED, DECIDED = 0, 1, 2
+# Slots of a selection's int64 state array.
+T, R, TAKEN, TICKET, LEN, MODE = 0, 1, 2, 3, 4, 5
+STATE_SLOTS = 8
 
 
 @cuda.jit(device=True)
@@ -37,70 +51,106 @@ def key_of(arr, i):
     return f32_bits(np.float32(arr[i])) & _ABS
 
 
-@cuda.jit
-def _init(state, k):
-    state[0] = 0
-    state[1] = k
-    state[2] = 0
+@cuda.jit(device=True)
+def _uses_cand(how, state):
+    return how == MAPPED or (how == DECIDED and state[MODE] == 1)
+
+
+@cuda.jit(device=True)
+def _length(n, how, state):
+    """Number of keys of the source: n, or the candidates the device counted."""
+    if how == DECIDED and state[MODE] == 1:
+        return state[LEN]
+    return np.int64(n)
+
+
+@cuda.jit(device=True)
+def _key(arr, cand, use_cand, i):
+    if use_cand:
+        return np.int64(key_of(cand, i))
+    return np.int64(key_of(arr, i))
+
+
+@cuda.jit(device=True)
+def _bin_key(bins, key, shift, prefix):
+    """Count ``key`` in its bin of byte ``shift`` if its higher bytes match ``prefix``."""
+    if shift == 24 or (key >> (shift + 8)) == (prefix >> (shift + 8)):
+        cuda.atomic.add(bins, (key >> shift) & 255, 1)
+
+
+@cuda.jit(device=True)
+def _walk(bins, rem):
+    """From the top bin down: the bin holding the rem-th largest key, and its rank in there."""
+    d = 255
+    while d > 0 and bins[d] < rem:
+        rem -= bins[d]
+        d -= 1
+    return d, rem
 
 
 @cuda.jit
-def _hist(arr, m, state, shift, hist):
+def _round(arr, cand, n, how, state, k, shift, hist):
+    """One radix round over the source's keys: histogram byte ``shift``, then (last block)
+    fix it.  Round 1 (shift 24) starts from rank k and no prefix; later rounds read them."""
     sh = cuda.shared.array(256, np.int32)
+    tot = cuda.shared.array(256, np.int64)
+    last = cuda.shared.array(1, np.int32)
     tid = cuda.threadIdx.x
     for b in range(tid, 256, THREADS):
         sh[b] = 0
     cuda.syncthreads()
-    prefix = np.int64(state[0])
+    use_cand = _uses_cand(how, state)
+    m = _length(n, how, state)
+    prefix = np.int64(0)
+    if shift != 24:
+        prefix = state[T]
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < m:
-        key = np.int64(key_of(arr, i))
-        if shift == 24 or (key >> (shift + 8)) == (prefix >> (shift + 8)):
-            cuda.atomic.add(sh, (key >> shift) & 255, 1)
+        _bin_key(sh, _key(arr, cand, use_cand, i), shift, prefix)
         i += stride
     cuda.syncthreads()
     for b in range(tid, 256, THREADS):
         if sh[b] > 0:
             cuda.atomic.add(hist, b, np.int64(sh[b]))
+    # this block's additions land before its ticket: the last block sees every block's
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        last[0] = 1 if cuda.atomic.add(state, TICKET, 1) == cuda.gridDim.x - 1 else 0
+    cuda.syncthreads()
+    if last[0] == 0:
+        return
+    for b in range(tid, 256, THREADS):
+        tot[b] = cuda.atomic.exch(hist, b, np.int64(0))   # read from L2 and leave the bin zeroed
+    cuda.syncthreads()
+    if tid == 0:
+        rem = np.int64(k)
+        if shift != 24:
+            rem = state[R]
+        d, rem = _walk(tot, rem)
+        state[T] = prefix | (np.int64(d) << shift)
+        state[R] = rem
+        state[TICKET] = 0
 
 
 @cuda.jit
-def _pick(hist, state, shift):
-    rem = state[1]
-    d = 255
-    while d > 0 and hist[d] < rem:
-        rem -= hist[d]
-        d -= 1
-    state[0] = state[0] | (np.int64(d) << shift)
-    state[1] = rem
-    for b in range(256):
-        hist[b] = 0
-
-
-@cuda.jit
-def set_threshold(sample_state, state):
-    """Select keys >= the sample's threshold: T = threshold - 1, take no ties."""
-    state[0] = sample_state[0] - 1
-    state[1] = 0
-    state[2] = 0
-
-
-@cuda.jit
-def _count(arr, m, state, blk):
+def _count(arr, cand, n, how, state, blk):
     shc = cuda.shared.array(2, np.int32)
     tid = cuda.threadIdx.x
     if tid < 2:
         shc[tid] = 0
     cuda.syncthreads()
-    thr = state[0]
+    use_cand = _uses_cand(how, state)
+    m = _length(n, how, state)
+    thr = state[T]
     base = cuda.blockIdx.x * TILE
     gt = 0
     eq = 0
     for j in range(ITEMS):
         i = base + j * THREADS + tid
         if i < m:
-            key = np.int64(key_of(arr, i))
+            key = _key(arr, cand, use_cand, i)
             if key > thr:
                 gt += 1
             elif key == thr:
@@ -157,23 +207,23 @@ def _scan(blk, nblk, state):
         gt_off += g
         eq_off += q
     if tid == 0:
-        state[2] = (total & 0xFFFFFFFF) + lesser(total >> 32, state[1])
+        state[TAKEN] = (total & 0xFFFFFFFF) + lesser(total >> 32, state[R])
 
 
-@cuda.jit
-def _compact(arr, m, state, blk, out_idx, out_val, index_map, use_map, resid,
-             has_res):
-    keys = cuda.shared.array(TILE, np.uint32)
-    sh = cuda.shared.array(THREADS, np.int64)
+@cuda.jit(device=True)
+def _compact_tile(arr, cand, cidx, use_cand, m, state, blk, out_idx, out_val, resid, has_res,
+                  keys, sh):
+    """Write this tile's keys > T and its share of the first r keys == T at their offsets
+    (every thread of the block calls it)."""
     tid = cuda.threadIdx.x
     base = cuda.blockIdx.x * TILE
     for j in range(ITEMS):
         i = base + j * THREADS + tid
         if i < m:
-            keys[j * THREADS + tid] = key_of(arr, i)
+            keys[j * THREADS + tid] = np.uint32(_key(arr, cand, use_cand, i))
     cuda.syncthreads()
-    thr = state[0]
-    r = state[1]
+    thr = state[T]
+    r = state[R]
     mine = tid * ITEMS
     packed = np.int64(0)
     for j in range(ITEMS):
@@ -194,64 +244,126 @@ def _compact(arr, m, state, blk, out_idx, out_val, index_map, use_map, resid,
             if key == thr:
                 take = eq < r
             if take:
-                idx = i
-                if use_map:
-                    idx = index_map[i]
-                keep_entry(idx, np.float32(arr[i]), gt + lesser(eq, r), out_idx, out_val, resid,
-                           has_res)
+                if use_cand:
+                    keep_entry(cidx[i], np.float32(cand[i]), gt + lesser(eq, r), out_idx,
+                               out_val, resid, has_res)
+                else:
+                    keep_entry(i, np.float32(arr[i]), gt + lesser(eq, r), out_idx, out_val,
+                               resid, has_res)
             if key > thr:
                 gt += 1
             elif key == thr:
                 eq += 1
 
 
-def new_state(stream):
-    """The selection's [T, r, count, .] state on the device (no launch: set by ``_init``)."""
-    return empty(4, np.int64, True, stream)
+@cuda.jit
+def _compact(arr, cand, cidx, n, how, state, blk, out_idx, out_val, resid, has_res):
+    keys = cuda.shared.array(TILE, np.uint32)
+    sh = cuda.shared.array(THREADS, np.int64)
+    _compact_tile(arr, cand, cidx, _uses_cand(how, state), _length(n, how, state), state, blk,
+                  out_idx, out_val, resid, has_res, keys, sh)
 
 
-def find_threshold(arr, m, k, state, hist, stream):
-    """Steps 1-2, 9 launches: leave [T, r] of the k largest keys of arr[:m] in ``state``."""
-    launch(_init, 1, 1, stream, state, k)
-    grid = min(blocks_for(m, THREADS * 8), _HIST_BLOCKS)
-    for shift in (24, 16, 8, 0):
-        launch(_hist, grid, THREADS, stream, arr, m, state, shift, hist)
-        launch(_pick, 1, 1, stream, hist, state, shift)
+@cuda.jit
+def _gather_candidates(arr, n, cstate, blk, k, cap, cidx, cval, sel):
+    """The approximate method's candidates: when k <= count <= cap (cstate: threshold and
+    count), compact the keys above the threshold into (cidx, cval) in position order; block
+    0 records the choice for the selection that follows (sel's MODE 1 and LEN = count, or
+    MODE 0: select over the whole array)."""
+    keys = cuda.shared.array(TILE, np.uint32)
+    sh = cuda.shared.array(THREADS, np.int64)
+    count = cstate[TAKEN]
+    ok = k <= count and count <= cap
+    if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+        sel[MODE] = 1 if ok else 0
+        sel[LEN] = count
+    if ok:   # the same for every thread of the block: the block scan's barriers are safe
+        _compact_tile(arr, arr, cidx, False, np.int64(n), cstate, blk, cidx, cval, cval, False,
+                      keys, sh)
 
 
-def count_and_scan(arr, m, state, stream):
-    """Steps 3-4, 2 launches: per-tile offsets for ``state``'s threshold; state[2] = count taken."""
-    nblk = blocks_for(m, TILE)
-    blk = empty((nblk, 2), np.int64, True, stream)
-    launch(_count, nblk, THREADS, stream, arr, m, state, blk)
+@cuda.jit
+def _sample_threshold(sample, m, ks, cstate):
+    """One block: T = the ks-th largest key of sample[:m]; cstate = [T - 1, 0] selects the
+    keys >= T (keys > T - 1, no ties to take)."""
+    sh = cuda.shared.array(256, np.int32)
+    found = cuda.shared.array(2, np.int64)    # prefix, remaining rank
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        found[0] = 0
+        found[1] = ks
+    shift = 24
+    while shift >= 0:
+        for b in range(tid, 256, THREADS):
+            sh[b] = 0
+        cuda.syncthreads()
+        prefix = found[0]
+        for i in range(tid, m, THREADS):
+            _bin_key(sh, np.int64(key_of(sample, i)), shift, prefix)
+        cuda.syncthreads()
+        if tid == 0:
+            d, rem = _walk(sh, found[1])
+            found[0] = prefix | (np.int64(d) << shift)
+            found[1] = rem
+        cuda.syncthreads()
+        shift -= 8
+    if tid == 0:
+        cstate[T] = found[0] - 1
+        cstate[R] = 0
+
+
+def _zeroed(stream):
+    return lambda arr: fill(arr, 0, stream)
+
+
+def new_state(stream, name="select.state"):
+    """A selection's int64 state (scratch, ticket zeroed: ``_round`` leaves it so)."""
+    return scratch(name, STATE_SLOTS, np.int64, stream, on_allocate=_zeroed(stream))
+
+
+def _hist(stream):
+    """The global 256-bin histogram (scratch; every ``_round`` leaves it zeroed)."""
+    return scratch("select.hist", 256, np.int64, stream, on_allocate=_zeroed(stream))
+
+
+def tile_counts(n, stream):
+    """Per-tile (gt, eq) counts for n keys (scratch)."""
+    return scratch("select.tiles", (blocks_for(n, TILE), 2), np.int64, stream)
+
+
+def count_and_scan(arr, cand, n, how, state, blk, stream):
+    """Steps 2-3, 2 launches: per-tile offsets for ``state``'s threshold; state[TAKEN] = count."""
+    nblk = blk.shape[0]
+    launch(_count, nblk, THREADS, stream, arr, cand, n, how, state, blk)
     launch(_scan, 1, THREADS, stream, blk, nblk, state)
-    return blk
 
 
-def compact(arr, m, state, blk, out_idx, out_val, index_map, resid, stream):
-    """Step 5, 1 launch (index_map None: output positions themselves; resid None: no feedback)."""
-    use_map = index_map is not None
+def select(arr, cand, cidx, n, how, k, out_idx, out_val, resid, state, stream):
+    """The k largest keys of the source (``how``; n: its length, or the most it can be) into
+    (out_idx, out_val), in position order.  7 launches, no host synchronisation."""
+    hist = _hist(stream)
+    grid = min(blocks_for(n, THREADS * 8), _HIST_BLOCKS)
+    for shift in (24, 16, 8, 0):
+        launch(_round, grid, THREADS, stream, arr, cand, n, how, state, k, shift, hist)
+    blk = tile_counts(n, stream)
+    count_and_scan(arr, cand, n, how, state, blk, stream)
     has_res = resid is not None
-    launch(_compact, blk.shape[0], THREADS, stream, arr, m, state, blk, out_idx, out_val,
-           index_map if use_map else out_idx, use_map, resid if has_res else arr, has_res)
-
-
-def zeroed_hist(stream):
-    """A zeroed 256-bin histogram (1 launch; ``_pick`` leaves it zeroed for the next round)."""
-    hist = empty(256, np.int64, True, stream)
-    fill(hist, 0, stream)
-    return hist
+    launch(_compact, blk.shape[0], THREADS, stream, arr, cand, cidx, n, how, state, blk, out_idx,
+           out_val, resid if has_res else out_val, has_res)
 
 
 def select_exact(arr, m, k, out_idx, out_val, index_map, resid, stream):
-    """The k largest keys of arr[:m] into (out_idx, out_val), in position order.
+    """The k largest keys of arr[:m] into (out_idx, out_val), in position order (index_map:
+    the output index of position i is index_map[i]; resid: error feedback at those indices).
 
-    Launches: 13 (zero the histogram, ``find_threshold``'s 9, ``count_and_scan``'s 2,
-    ``compact``); none when k or m is 0.  No host synchronisation.
+    Launches: 7 (4 radix rounds, count, scan, compact); none when k or m is 0; +2 the
+    first time a thread selects on a stream (zeroing its cached state and histogram).
+    No host synchronisation.
     """
     if k == 0 or m == 0:
         return
     state = new_state(stream)
-    find_threshold(arr, m, k, state, zeroed_hist(stream), stream)
-    blk = count_and_scan(arr, m, state, stream)
-    compact(arr, m, state, blk, out_idx, out_val, index_map, resid, stream)
+    if index_map is None:
+        select(arr, arr, out_idx, m, FULL, k, out_idx, out_val, resid, state, stream)
+    else:
+        select(arr, arr, index_map, m, MAPPED, k, out_idx, out_val, resid, state, stream)

@@ -2,25 +2,25 @@
 
 Random-k is one thread per stratum.  The exact method is
 ``select.select_exact`` over all of c.  The approximate method samples keys,
-finds the sample's threshold with the same radix select, counts the keys above
-it (one host read of the count per attempt), compacts those candidates in
-order and runs the exact selection on them.  The rules shared with the CPU
-twin (stratum positions, the sample plan) come from ``_sparse_rules``.
+finds the sample's threshold in one block, counts the keys above it, gathers
+those candidates in order when their count lies in [k, capacity], and runs the
+exact selection on them, or on all of c when it does not: the device makes
+that choice itself, so the host never waits (the CPU twin refines the
+threshold instead, with the same result).  The rules shared with the CPU twin
+(stratum positions, the sample plan) come from ``_sparse_rules``.
 """
-import logging
-
 import numpy as np
 from numba import cuda
 
-from .._device import empty
 from .._scalar import rng_key
-from .._sparse_rules import REFINEMENTS, SAMPLE_SEED, sample_plan, stratum_position_py, uses_approx
+from .._sparse_rules import SAMPLE_SEED, sample_plan, stratum_position_py, uses_approx
 from . import select
 from .common import add_or_replace, fill, hash32
-from .launch import launch, launch_over, read_scalar
+from .geometry import THREADS
+from .launch import launch, launch_over
+from .scratch import scratch
 from .select import keep_entry
 
-log = logging.getLogger(__name__)
 stratum_position = cuda.jit(device=True)(stratum_position_py)
 
 
@@ -61,34 +61,28 @@ def _scatter(idx, icol, vals, vcol, row, k, out, add):
 
 
 def _approx(arr, n, k, out_idx, out_val, resid, stream):
-    """Approximate-threshold selection; returns False when the exact fallback is needed.
+    """Approximate-threshold selection, decided on the device; returns the selection state
+    (its MODE slot: 1 when the sampled threshold held, 0 when the whole array was selected).
 
-    Launches: 2 (sample, zero the histogram), then 12 per attempt (the sample's
-    threshold: 9, mark it, count, scan) with one host read of the count each,
-    and on success 14 (compact the candidates, then the exact selection's 13).
+    Launches: 12 whichever way it goes (sample, the sample's threshold, count and scan
+    above it, gather the candidates, the selection's 7) and no host synchronisation: when
+    the count falls outside [k, capacity] the gather writes nothing and the selection runs
+    over the whole array instead of the candidates.
     """
     m, ks, cap = sample_plan(n, k)
-    sample = empty(m, np.float32, True, stream)
+    sample = scratch("topk.sample", m, np.float32, stream)
     launch_over(_sample, m, stream, arr, n, m, rng_key(SAMPLE_SEED), sample)
-    hist = select.zeroed_hist(stream)
-    sample_state = select.new_state(stream)
-    state = select.new_state(stream)
-    cidx = empty(cap, np.int64, True, stream)
-    cval = empty(cap, np.float32, True, stream)
-    for _ in range(REFINEMENTS + 1):
-        select.find_threshold(sample, m, ks, sample_state, hist, stream)
-        launch(select.set_threshold, 1, 1, stream, sample_state, state)
-        blk = select.count_and_scan(arr, n, state, stream)
-        cnt = int(read_scalar(state, 2, stream))
-        if cnt > cap:
-            ks = max(1, ks // 2)
-        elif cnt < k:
-            ks = min(m, 4 * ks)
-        else:
-            select.compact(arr, n, state, blk, cidx, cval, None, None, stream)
-            select.select_exact(cval, cnt, k, out_idx, out_val, cidx, resid, stream)
-            return True
-    return False
+    cstate = select.new_state(stream, "topk.sample_state")
+    launch(select._sample_threshold, 1, THREADS, stream, sample, m, ks, cstate)
+    blk = select.tile_counts(n, stream)
+    select.count_and_scan(arr, arr, n, select.FULL, cstate, blk, stream)
+    cidx = scratch("topk.cand_idx", cap, np.int64, stream)
+    cval = scratch("topk.cand_val", cap, np.float32, stream)
+    sel = select.new_state(stream)
+    launch(select._gather_candidates, blk.shape[0], THREADS, stream, arr, n, cstate, blk, k, cap,
+           cidx, cval, sel)
+    select.select(arr, cval, cidx, n, select.DECIDED, k, out_idx, out_val, resid, sel, stream)
+    return sel
 
 
 def sparsify(x, e, fmt, rkey, method, out_idx, out_val, buf, stream):
@@ -108,15 +102,15 @@ def sparsify(x, e, fmt, rkey, method, out_idx, out_val, buf, stream):
                     e is not None, max_blocks=None)
         return
     if uses_approx(method, fmt.n):
-        if _approx(arr, fmt.n, fmt.k, out_idx, out_val, e, stream):
-            return
-        log.debug("approximate top-k (n=%d, k=%d) fell back to the exact method", fmt.n, fmt.k)
-    select.select_exact(arr, fmt.n, fmt.k, out_idx, out_val, None, e, stream)
+        _approx(arr, fmt.n, fmt.k, out_idx, out_val, e, stream)
+    else:
+        select.select_exact(arr, fmt.n, fmt.k, out_idx, out_val, None, e, stream)
 
 
-def decode(fmt, stack, out, accumulate, stream):
-    """Zero out (unless accumulating), then scatter(-add) each row's k values: rows + 1 launches."""
-    v = fmt.views2d(stack)
+def decode(fmt, stack, col, out, accumulate, stream):
+    """Zero out (unless accumulating), then scatter(-add) each row's k values (its payload at
+    byte column ``col``): rows + 1 launches."""
+    v = fmt.views2d(stack, col)
     idx, icol = v["indices"]
     vals, vcol = v["values"]
     if not accumulate:

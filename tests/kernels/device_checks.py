@@ -11,7 +11,8 @@ from numba import cuda
 import numba_kernels as nk
 from numba_kernels import _sparse_rules
 from numba_kernels.wire import Payload
-from row_refs import COL, loop_decode, partition_loop, row_form, row_format, row_matrix
+from row_refs import (COL, at_column, loop_decode, partition_loop, payload_stack, row_form,
+                      row_format, row_matrix)
 
 
 def _data(seed, n, dtype, kind="normal"):
@@ -53,6 +54,26 @@ def check_decode_many(ph, rows=3):
     dev = cuda.to_device(base)
     nk.decompress_many(cuda.to_device(stack), ph.format, out=dev, accumulate=True)
     _same(host, dev, "decompress_many accumulate")
+
+
+def check_decode_at_column(cases, n, rows, col):
+    """(id, compressor, kwargs) cases (``row_refs.registry_cases``): on the device,
+    decompress_many of host payloads (different data in each row) at byte column ``col`` of
+    wider rows of random bytes gives the bytes of the host's decode of the contiguous stack,
+    with and without accumulate, and leaves the rows as they were."""
+    for what, compress, kw in cases:
+        fmt, stack = payload_stack(compress, kw, n, rows, seed=[rows, col])
+        mat = at_column(stack, col, seed=col + 1)
+        dmat = cuda.to_device(mat)
+        _same(nk.decompress_many(stack, fmt), nk.decompress_many(dmat, fmt, col=col),
+              f"decompress_many at column {col}: {what}")
+        base = _data(5, n, np.float32)
+        host = base.copy()
+        nk.decompress_many(stack, fmt, out=host, accumulate=True)
+        dev = cuda.to_device(base)
+        nk.decompress_many(dmat, fmt, out=dev, accumulate=True, col=col)
+        _same(host, dev, f"decompress_many accumulate at column {col}: {what}")
+        _same(mat, dmat, f"rows untouched: {what}")
 
 
 def check_casts(cases, many=True):
@@ -116,15 +137,33 @@ def check_topk(cases, approx_min_n=None, many=True):
 
 
 def check_approx_path(n, k, kind="normal"):
-    """The device's sampled-threshold path succeeds (no fallback) and equals the host."""
+    """Each way the device's approximate method can go equals the host's exact top-k (indices,
+    values and residual): the sampled threshold holds (the selection runs on the candidates),
+    it is too high (fewer than k candidates) or too low (more than the capacity), where the
+    device selects over the whole array, having decided so itself."""
+    from numba_kernels._cuda import select
     from numba_kernels._cuda import topk as dev_topk
     x = _data(11, n, np.float32, kind)
-    idx = cuda.device_array(k, np.int32)
-    val = cuda.device_array(k, np.float32)
-    assert dev_topk._approx(cuda.to_device(x), n, k, idx, val, None, 0)
-    ph = nk.compress_topk(x, k, method="exact")
-    _same(ph.views()["indices"], idx, "approx indices")
-    _same(ph.views()["values"], val, "approx values")
+    e = _data(12, n, np.float32, kind) * np.float32(0.1)
+    real = dev_topk.sample_plan
+    m, ks, cap = real(n, k)
+    plans = {"sample holds": ((m, ks, cap), 1), "too few": ((m, 1, cap), 0),
+             "too many": ((m, ks, k), 0)}
+    try:
+        for what, (plan, mode) in plans.items():
+            dev_topk.sample_plan = lambda n_, k_, plan=plan: plan          # noqa: E731
+            idx = cuda.device_array(k, np.int32)
+            val = cuda.device_array(k, np.float32)
+            eh = e.copy()
+            ed = cuda.to_device(x + e)    # c = x + e, formed in place as compress_topk does
+            state = dev_topk._approx(ed, n, k, idx, val, ed, 0).copy_to_host()
+            assert state[select.MODE] == mode, f"{what}: mode {state[select.MODE]}"
+            ph = nk.compress_topk(x, k, method="exact", residual=eh)
+            _same(ph.views()["indices"], idx, f"approx indices ({what})")
+            _same(ph.views()["values"], val, f"approx values ({what})")
+            _same(eh, ed, f"approx residual ({what})")
+    finally:
+        dev_topk.sample_plan = real
 
 
 def check_merge(cases):

@@ -1,9 +1,15 @@
 """The per-partition calls that the row forms replace, and the row forms themselves, for the
-row-form checks on the host (``test_rows.py``) and on the device (``device_checks.check_rows``).
+row-form checks on the host (``test_rows.py``) and on the device (``device_checks.check_rows``);
+and the payloads of every registry format at a byte column of wider rows, for
+``decompress_many(..., col=)`` (``test_dispatch.py``, ``device_checks.check_decode_at_column``).
 No numba.cuda here: the host tests import it in the main pytest process."""
+import inspect
+import itertools
+
 import numpy as np
 
 import numba_kernels as nk
+from numba_kernels.registry import CODECS
 
 
 # The row forms (one launch for the n partitions of a scatter-reduce) against the per-partition
@@ -54,3 +60,43 @@ def loop_decode(fmt, mat, col=COL):
 
 def row_matrix(rows, fmt, col=COL):
     return np.full((rows, col + fmt.nbytes + 16), JUNK, np.uint8)
+
+
+# decompress_many at a column: every compressor of every format in numba_kernels.registry, with
+# values for its parameters by name: ``REQUIRED`` for those without a default (a new one fails
+# here until it is given one), ``SETTINGS`` for several chunks at small sizes, and each of the
+# ``VARIANTS`` (other section dtypes, min-max's byte codes and packed ones) where the compressor takes that parameter.
+REQUIRED = {"k": 17}
+SETTINGS = {"chunk": 64, "levels": 15, "seed": 3}
+VARIANTS = {"kind": ("fp16", "bf16"), "index_dtype": ("int32", "int64"), "bits": (8, 3)}
+
+
+def registry_cases():
+    """(id, compressor, kwargs) for every compressor in the registry and variant of its args."""
+    cases = []
+    for codec in CODECS:
+        for compress in codec.compressors:
+            params = list(inspect.signature(compress).parameters.values())[1:]
+            kw = {p.name: REQUIRED[p.name] for p in params if p.default is inspect.Parameter.empty}
+            kw.update({p.name: SETTINGS[p.name] for p in params if p.name in SETTINGS})
+            names = [p.name for p in params if p.name in VARIANTS]
+            for values in itertools.product(*(VARIANTS[name] for name in names)):
+                args = dict(kw, **dict(zip(names, values)))
+                cases.append(("-".join([compress.__name__, *map(str, values)]), compress, args))
+    return cases
+
+
+def payload_stack(compress, kw, n, rows, seed):
+    """(format, (rows, nbytes) stack): ``compress`` on different data in each row, host."""
+    rng = np.random.default_rng(seed)
+    payloads = [compress(rng.standard_normal(n).astype(np.float32), **kw) for _ in range(rows)]
+    return payloads[0].format, np.stack([p.buffer for p in payloads])
+
+
+def at_column(stack, col, seed, extra=16):
+    """The rows of ``stack`` at byte column ``col`` of wider rows of random bytes (``extra``
+    more after them)."""
+    rng = np.random.default_rng(seed)
+    mat = rng.integers(0, 256, (stack.shape[0], col + stack.shape[1] + extra), dtype=np.uint8)
+    mat[:, col:col + stack.shape[1]] = stack
+    return mat

@@ -17,6 +17,7 @@ if not config.ENABLE_CUDASIM:
     pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (see test_simulator.py)", allow_module_level=True)
 
 import device_checks as dc  # noqa: E402
+from row_refs import registry_cases  # noqa: E402
 
 F32, F64 = np.float32, np.float64
 
@@ -119,6 +120,12 @@ def test_row_forms_long_chunks():
     dc.check_rows([("minmax", {"bits": 4, "chunk": 4128}, 1, 4130, True),
                    ("qsgd", {"levels": 31, "chunk": 4100}, 1, 4130, True),
                    ("onebit", {"chunk": 4128, "scale": "l2"}, 1, 4130, False)])
+
+
+def test_decompress_many_at_a_column_every_format():
+    """C_LP_S's server decode: the payloads read in place at a byte column of the message rows
+    (every format and compressor of the registry), as the contiguous stack's host decode."""
+    dc.check_decode_at_column(registry_cases(), n=70, rows=2, col=24)
 
 
 def test_topk_exact_and_randk():

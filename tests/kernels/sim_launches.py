@@ -52,9 +52,27 @@ def counts():
 
 
 @pytest.fixture(autouse=True)
-def zeroed_counters():
+def zeroed_counters(warm_scratch):
     nk.reset_launch_count()
     yield
+
+
+@pytest.fixture(scope="module")
+def warm_scratch():
+    """Every scratch array a selection uses, allocated at the largest size the tests ask for:
+    only a thread's first calls allocate (and zero the selection's state and histogram), and
+    the counts below are those of every later call."""
+    saved = _sparse_rules.APPROX_MIN_N
+    _sparse_rules.APPROX_MIN_N = 1000
+    try:
+        nk.compress_topk(device_data(2000), 20, method="approx")
+        a, b = nk.compress_topk(device_data(seed=1), 10), nk.compress_topk(device_data(seed=2), 10)
+        nk.merge_topk(a, b)
+        nk.compress_minmax(device_data(5000), bits=4, chunk=4128)
+        nk.compress_minmax_rows(device_data(3 * 4200), cuda.device_array((3, 8 * 1024), np.uint8),
+                                bits=4, chunk=4128)
+    finally:
+        _sparse_rules.APPROX_MIN_N = saved
 
 
 @pytest.mark.parametrize("codec, compress", CALLS, ids=[fn.__name__ for _, fn in CALLS])
@@ -74,6 +92,7 @@ def test_each_call_launches_what_its_docstring_says(codec, compress):
     assert counts() == (2 * encode + decode, 0)
     nk.decompress(p, out=out)
     assert counts() == (2 * (encode + decode), 0)
+    assert nk.scratch_allocations() == 0
     nk.reset_launch_count()
     assert counts() == (0, 0)
 
@@ -93,10 +112,10 @@ def test_chunks_longer_than_a_segment_take_three_launches(compress):
 def test_residual_and_padding_add_a_launch_each_to_the_sparse_formats():
     x, e = device_data(), cuda.to_device(np.zeros(N, np.float32))
     nk.compress_topk(x, 10, residual=e)
-    assert counts() == (13 + 1, 0)
+    assert counts() == (7 + 1, 0)
     nk.reset_launch_count()
     nk.compress_topk(x, 11, index_dtype="int64")     # 11 * 12 bytes: 4 bytes of padding
-    assert counts() == (13 + 1, 0)
+    assert counts() == (7 + 1, 0)
     nk.reset_launch_count()
     nk.compress_randk(x, 11, index_dtype="int64", residual=e)
     assert counts() == (1 + 2, 0)
@@ -121,13 +140,29 @@ def test_decoding_a_stack():
         nk.reset_launch_count()
         nk.decompress_many(stack[:0], p.format, out=out)
         assert nk.launch_count() == 1                 # no rows: zero out
+        # payloads at a column of wider rows are read in place: the same launches, no copy
+        mat = np.zeros((rows, 16 + p.nbytes + 8), np.uint8)
+        mat[:, 16:16 + p.nbytes] = stack.copy_to_host()
+        mat = cuda.to_device(mat)
+        nk.reset_launch_count()
+        nk.decompress_many(mat, p.format, out=out, col=16)
+        assert nk.launch_count() == (1 if one_pass else rows + 1)
     assert nk.sync_count() == 0
 
 
-def test_the_approximate_method_reads_its_count_once_per_attempt(monkeypatch):
+@pytest.mark.parametrize("plan", ["sample holds", "too few candidates", "too many"])
+def test_the_approximate_method_never_waits_for_the_host(monkeypatch, plan):
+    """12 launches and no host read whichever way the device goes (it decides by itself
+    whether to select among the candidates or over the whole array), and no allocation."""
+    from numba_kernels._cuda import topk as dev_topk
     monkeypatch.setattr(_sparse_rules, "APPROX_MIN_N", 1000)
+    m, ks, cap = _sparse_rules.sample_plan(2000, 20)
+    forced = {"sample holds": (m, ks, cap), "too few candidates": (m, 1, cap),
+              "too many": (m, ks, 20)}[plan]
+    monkeypatch.setattr(dev_topk, "sample_plan", lambda n, k: forced)
     nk.compress_topk(device_data(2000, seed=11), 20, method="approx")
-    assert counts() == (28, 1)                        # the first sampled threshold holds
+    assert counts() == (12, 0)
+    assert nk.scratch_allocations() == 0
 
 
 def test_merge_restore_and_scale():
@@ -174,3 +209,29 @@ def test_row_forms_launch_what_their_docstrings_say_whatever_the_rows(codec, row
 def test_row_forms_of_chunks_longer_than_a_segment_take_three_launches(compress):
     compress(device_data(3 * 4200), cuda.device_array((3, 8 * 1024), np.uint8))
     assert counts() == (3, 0)
+
+
+def test_scratch_arrays_are_kept_per_thread_and_stream_and_grow():
+    """A thread's calls on one stream reuse one array per name (a view of the largest asked
+    for); another thread, or another stream, gets its own, since its launches could interleave."""
+    import threading
+
+    from numba_kernels._cuda.scratch import scratch
+
+    def pointer(arr):   # the simulator's device arrays wrap NumPy arrays
+        return arr._ary.__array_interface__["data"][0]
+
+    first = scratch("test.a", 100, np.int64, 0)
+    assert nk.scratch_allocations() == 1
+    smaller = scratch("test.a", (5, 2), np.int64, 0)
+    assert smaller.shape == (5, 2) and pointer(smaller) == pointer(first)
+    assert nk.scratch_allocations() == 1
+    scratch("test.a", 101, np.int64, 0)                   # larger: a new array
+    assert nk.scratch_allocations() == 2
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(a=scratch("test.a", 10, np.int64, 0)))
+    thread.start()
+    thread.join()
+    assert pointer(other["a"]) != pointer(scratch("test.a", 10, np.int64, 0))
+    assert pointer(scratch("test.a", 10, np.int64, cuda.stream())) != pointer(first)
+    assert pointer(scratch("test.a", 10, np.float32, 0)) != pointer(first)

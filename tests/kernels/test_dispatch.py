@@ -7,8 +7,10 @@ import pytest
 
 import numba_kernels as nk
 from conftest import data
+from numba_kernels.errors import KernelParameterError, PayloadError
 from numba_kernels.registry import CODECS, codec_for
 from numba_kernels.wire import FORMATS
+from row_refs import at_column, payload_stack, registry_cases
 
 COMPRESSORS = {
     "cast": lambda x, **kw: nk.compress_cast(x, "bf16", **kw),
@@ -49,6 +51,68 @@ def test_decompress_many_sums_rows_in_order(name, rng):
     # no rows: zero, or out untouched when accumulating
     empty = np.empty((0, payloads[0].nbytes), np.uint8)
     assert (nk.decompress_many(empty, payloads[0].format) == 0).all()
+
+
+COLUMN_CASES = registry_cases()
+
+
+def test_the_column_cases_cover_every_format_of_the_registry():
+    formats = {type(payload_stack(fn, kw, 100, 1, 0)[0]) for _, fn, kw in COLUMN_CASES}
+    assert formats == {codec.format for codec in CODECS}
+
+
+def _bits(a):
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
+
+
+@pytest.mark.parametrize("_, compress, kw", COLUMN_CASES, ids=[c[0] for c in COLUMN_CASES])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("col", [0, 8, 24])
+def test_decompress_many_reads_payloads_at_a_column_of_wider_rows(_, compress, kw, rows, col):
+    """The payloads at byte column ``col`` of wider rows of random bytes (different data in
+    each row) decode, read in place, to exactly the bytes of the contiguous stack's decode."""
+    n = 1000
+    fmt, stack = payload_stack(compress, kw, n, rows, seed=[rows, col])
+    mat = at_column(stack, col, seed=col + 1)
+    before = mat.copy()
+    want = nk.decompress_many(stack, fmt)
+    np.testing.assert_array_equal(_bits(nk.decompress_many(mat, fmt, col=col)), _bits(want))
+    out = np.full(n, np.nan, np.float32)
+    assert nk.decompress_many(mat, fmt, out=out, col=col) is out
+    np.testing.assert_array_equal(_bits(out), _bits(want))
+    for dtype in (np.float32, np.float64):          # accumulate adds on top of out
+        base = np.random.default_rng(7).standard_normal(n).astype(dtype)
+        want_acc, got_acc = base.copy(), base.copy()
+        nk.decompress_many(stack, fmt, out=want_acc, accumulate=True)
+        nk.decompress_many(mat, fmt, out=got_acc, accumulate=True, col=col)
+        np.testing.assert_array_equal(_bits(got_acc), _bits(want_acc))
+    assert np.array_equal(mat, before)               # read, not written
+
+
+def test_decompress_many_checks_the_column_as_the_row_form_does():
+    fmt = nk.MinMaxFormat(100, 8, 32)
+    width = 8 + fmt.nbytes
+    mat = np.zeros((2, width), np.uint8)
+    for bad in (4, 16):            # misaligned; aligned but the payload runs past the width
+        for decode in (lambda m, c: nk.decompress_many(m, fmt, col=c),
+                       lambda m, c: nk.decompress_rows(m, fmt, col=c)):
+            with pytest.raises(PayloadError, match=f"column {bad} must start at a multiple of 8"):
+                decode(mat, bad)
+    with pytest.raises(PayloadError, match="column"):
+        nk.decompress_many(mat, fmt, col=width)
+    with pytest.raises(PayloadError, match="column"):
+        nk.decompress_many(mat, fmt, col=-8)
+    with pytest.raises(PayloadError, match="rows, width"):      # a flat buffer has no columns
+        nk.decompress_many(np.zeros(width, np.uint8), fmt, col=8)
+    with pytest.raises(PayloadError, match="multiple of 8"):
+        nk.decompress_many(np.zeros((2, width + 4), np.uint8), fmt, col=8)
+    with pytest.raises(PayloadError, match="C-contiguous"):
+        nk.decompress_many(np.zeros((2, 2 * width), np.uint8)[:, ::2], fmt, col=8)
+    for bad in (8.0, True, "8"):
+        with pytest.raises(KernelParameterError, match="col must be an integer"):
+            nk.decompress_many(mat, fmt, col=bad)
+    with pytest.raises(KernelParameterError, match="col must be an integer"):
+        nk.decompress_many(mat[:, :fmt.nbytes].copy(), fmt, col=False)
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
