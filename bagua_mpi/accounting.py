@@ -114,5 +114,13 @@ class HostOverhead:
         kernel_syncs = getattr(nk, "sync_count", lambda: 0)()
         return launches, self.syncs + kernel_syncs
 
+    @staticmethod
+    def allocations() -> int:
+        """Device allocations the compression kernels made for scratch arrays so far (none
+        once each thread's scratch exists: ``numba_kernels.scratch_allocations``)."""
+        import numba_kernels as nk
+
+        return getattr(nk, "scratch_allocations", lambda: 0)()
+
 
 overhead = HostOverhead()

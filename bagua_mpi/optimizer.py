@@ -336,9 +336,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def communication_stats(self) -> dict:
         """Bytes this rank sent to others (counted from message sizes) and per step;
         ``shared_memory_bytes`` is the part that node-shared buckets moved without MPI;
-        ``launches_per_bucket`` / ``syncs_per_bucket``: the compression kernels launched and
-        the times the host waited for the device in each bucket's last exchange (by bucket
-        index: the host cost of driving a GPU, zero waits being the aim); ``wait_seconds``: the
+        ``launches_per_bucket`` / ``syncs_per_bucket`` / ``allocations_per_bucket``: the
+        compression kernels launched, the times the host waited for the device and the device
+        allocations the kernels made for scratch in each bucket's last exchange (by bucket
+        index: the host cost of driving a GPU, zero waits and, after the first step, zero
+        allocations being the aim); ``wait_seconds``: the
         time the training thread spent blocked on communication, summed over steps (waiting
         for gradient buckets in ``synchronize()``, or for algorithms that communicate no
         gradients, their exchange after the step): the communication overlap did not hide."""
@@ -349,7 +351,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "shared_memory_bytes": self.impl.wire.shared_bytes,
                 "wait_seconds": self._engine.wait_seconds,
                 "launches_per_bucket": {i: c[0] for i, c in sorted(per_bucket.items())},
-                "syncs_per_bucket": {i: c[1] for i, c in sorted(per_bucket.items())}}
+                "syncs_per_bucket": {i: c[1] for i, c in sorted(per_bucket.items())},
+                "allocations_per_bucket": {i: c[2] for i, c in sorted(per_bucket.items())}}
 
     def memory_stats(self) -> dict:
         """Bytes this rank holds now: ``optimizer_state_bytes`` (the wrapped optimizer's state

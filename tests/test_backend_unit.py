@@ -258,6 +258,8 @@ def test_per_bucket_launches_and_waits_reach_communication_stats(monkeypatch):
         assert set(stats["launches_per_bucket"]) == {b.index for b in opt.buckets}
         assert set(stats["launches_per_bucket"].values()) == {0}
         assert set(stats["syncs_per_bucket"].values()) == {0}
+        assert set(stats["allocations_per_bucket"]) == set(stats["launches_per_bucket"])
+        assert set(stats["allocations_per_bucket"].values()) == {0}
         original = dense.allreduce_
 
         def waiting(*args, **kwargs):

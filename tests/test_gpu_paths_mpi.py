@@ -17,3 +17,12 @@ SIM = {"NUMBA_ENABLE_CUDASIM": "1", "PYTHONWARNINGS": "ignore::RuntimeWarning"}
 def test_clps_device_path_matches_host(nprocs):
     assert_mpi_ok(run_mpi("gpu_device_suite.py", nprocs, "clps", env=SIM, timeout=400),
                   f"gpu device suite OK on {nprocs} ranks")
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_sparse_and_decentralized_device_paths_match_host(nprocs):
+    """Top-k's allgather (with the selection's steady state: no scratch allocated after the
+    first step), gTop-k's tree staged through the pool, and D_FP_S/D_LP_S's peer exchanges."""
+    assert_mpi_ok(run_mpi("gpu_device_suite.py", nprocs, "topk", "gtopk", "decentralized",
+                          env=SIM, timeout=400),
+                  f"gpu device suite OK on {nprocs} ranks")

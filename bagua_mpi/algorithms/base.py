@@ -133,7 +133,7 @@ class AlgorithmImpl:
         self._state_checked = False  # loaded state all claimed (see check_state_claimed)
         self._shared_ok = True  # node-shared buckets may reduce in place (no rank joined)
         # bucket index -> (kernel launches, host waits for the device) of its last exchange
-        self.bucket_overhead: dict[int, tuple[int, int]] = {}
+        self.bucket_overhead: dict[int, tuple[int, int, int]] = {}
 
     @property
     def step(self) -> int:
@@ -278,9 +278,11 @@ class AlgorithmImpl:
         self._shared_ok = not (consistency.enabled() and not self.ctx.hierarchical
                                and self._agree(bucket, step))
         launches, syncs = overhead.snapshot()
+        allocations = overhead.allocations()
         self._exchange_bucket(bucket, step)
         launched, synced = overhead.snapshot()
-        self.bucket_overhead[bucket.index] = (launched - launches, synced - syncs)
+        self.bucket_overhead[bucket.index] = (launched - launches, synced - syncs,
+                                              overhead.allocations() - allocations)
 
     def _exchange_bucket(self, bucket: "Bucket", step: int) -> None:
         if self.zero_stage == 2:

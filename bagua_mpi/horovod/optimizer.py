@@ -368,7 +368,7 @@ class LocalDistributedOptimizer(_UnbucketedOptimizer):
     def communication_stats(self) -> dict:
         return {"bytes_sent": 0, "steps": self.steps, "bytes_per_step": 0.0,
                 "shared_memory_bytes": 0, "wait_seconds": 0.0, "launches_per_bucket": {},
-                "syncs_per_bucket": {}}
+                "syncs_per_bucket": {}, "allocations_per_bucket": {}}
 
     @property
     def backend(self) -> str:

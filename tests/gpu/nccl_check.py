@@ -82,8 +82,9 @@ def main():
 
 def every_algorithm_on_nccl() -> dict:
     """Each registered algorithm, 20 steps of a CUDA model with backend="nccl": the loss falls,
-    nothing is staged through the host, and the exchanges make the host wait for the device
-    zero times (``communication_stats()["syncs_per_bucket"]``)."""
+    nothing is staged through the host, the exchanges make the host wait for the device zero
+    times (``communication_stats()["syncs_per_bucket"]``) and the last step's allocate no
+    kernel scratch (``["allocations_per_bucket"]``)."""
     found = {}
     for algo in bm.algorithms.names():
         torch.manual_seed(0)
@@ -109,14 +110,18 @@ def every_algorithm_on_nccl() -> dict:
         opt.close()
         snap = staging.snapshot()
         waits = sum(stats["syncs_per_bucket"].values())
-        ok = snap["d2h_bytes"] == 0 and waits == 0 and losses[-1] < losses[0]
+        allocations = sum(stats["allocations_per_bucket"].values())   # the last step's
+        ok = (snap["d2h_bytes"] == 0 and waits == 0 and allocations == 0
+              and losses[-1] < losses[0])
         found[algo] = {"ok": ok, "backend": opt.backend, "d2h_bytes": snap["d2h_bytes"],
                        "syncs_per_bucket": stats["syncs_per_bucket"],
                        "launches_per_bucket": stats["launches_per_bucket"],
+                       "allocations_per_bucket": stats["allocations_per_bucket"],
                        "loss": [losses[0], losses[-1]]}
         print(f"NCCL {algo}: {'OK' if ok else 'FAIL'} {found[algo]}", flush=True)
     failed = [a for a, r in found.items() if not r["ok"]]
-    assert not failed, f"on NCCL, these staged bytes, waited or did not learn: {failed}"
+    assert not failed, (f"on NCCL, these staged bytes, waited, allocated scratch in their last "
+                        f"step or did not learn: {failed}")
     return found
 
 

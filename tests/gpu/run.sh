@@ -8,7 +8,8 @@
 #       centralized algorithms must end identical on both ranks, every loss must fall, and the
 #       compressed algorithms must copy no dense tensor to the host
 #       and again with a 21.5M-parameter MLP (timing only): compressed steps against
-#       gradient_allreduce's over staged MPI
+#       gradient_allreduce's over staged MPI; the small model's staged run then samples the
+#       host's stacks for 30 more steps (tests/gpu/stack_sampler.py): where the time goes
 #   (b') with Intel MPI (impi-rt, CUDA-aware on GPU nodes) when .whl/impi-slim.tar.xz was
 #       carried: every algorithm with device buffers, no payload byte through the host
 #   (c) the NCCL backend at world size 1 (NCCL refuses two ranks on one GPU, so its multi-rank
@@ -57,7 +58,7 @@ rc=$?; tail -15 "$RES/pytest_gpu.log"; [ $rc -eq 0 ] || { status=1; note "pytest
 
 note "(b) every algorithm at 2 ranks on one GPU, payloads staged"
 BAGUA_MPI_CUDA_AWARE=0 timeout 130 mpiexec -n 2 python3 tests/gpu/train_all.py \
-    --mode staged --out "$RES/train.jsonl" 2>&1 | tail -40
+    --mode staged --profile 30 --out "$RES/train.jsonl" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "staged training: rc $rc"; }
 
 note "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)"

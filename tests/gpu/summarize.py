@@ -5,9 +5,31 @@ import sys
 
 
 def per_bucket(row) -> str:
-    """'launches, waits' of each bucket's last exchange, e.g. '12, 2 / 3, 0'."""
+    """'launches, waits, allocations' of each bucket's last exchange, e.g. '12, 2, 0 / 3, 0, 0'."""
     launches, waits = row.get("launches_per_bucket", {}), row.get("syncs_per_bucket", {})
-    return " / ".join(f"{launches[k]}, {waits.get(k, '')}" for k in sorted(launches))
+    allocations = row.get("allocations_per_bucket", {})
+    return " / ".join(f"{launches[k]}, {waits.get(k, '')}, {allocations.get(k, '')}"
+                      for k in sorted(launches))
+
+
+def profiles(rows, top: int = 8) -> list:
+    """Where each profiled run's host time went (``train_all.py --profile``): the innermost
+    library frames and the library functions on the stack, as shares of the samples."""
+    found = [r for r in rows if r.get("profile")]
+    if not found:
+        return []
+    out = ["", "## Where the host's time goes (stack samples of the training and "
+           "communication threads)", "",
+           "| mode | algorithm | ms/step | innermost frames | on the stack |", "|---|---|---|---|---|"]
+    for r in found:
+        p = r["profile"]
+
+        def shares(pairs):
+            return "; ".join(f"{name} {share:.0%}" for name, share in pairs[:top])
+        ms = 1e3 * p["seconds"] / max(1, p["steps"])
+        out.append(f"| {r['mode']} | {r['algorithm']} | {ms:.2f} | {shares(p['innermost'])} | "
+                   f"{shares(p['inclusive'])} |")
+    return out
 
 
 def main():
@@ -20,7 +42,7 @@ def main():
         rows = [json.loads(line) for line in open(path) if line.strip()]
     out += ["## Every algorithm, 2 ranks sharing the GPU", "",
             "| mode | algorithm | ok | loss first -> last | identical | step ms (median) | "
-            "d2h bytes/run | dense d2h | launches, host waits per bucket | problems |",
+            "d2h bytes/run | dense d2h | launches, host waits, allocations per bucket | problems |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
@@ -43,6 +65,7 @@ def main():
                                   "gtopk", "lgreco") and r.get("mode") in base:
             out.append(f"- {r['mode']} {r['algorithm']}: "
                        f"{r['step_ms_median'] / base[r['mode']]:.2f}")
+    out += profiles(rows)
     nccl = os.path.join(res, "nccl.json")
     out += ["", "## NCCL at world size 1", "",
             "NCCL refuses two ranks on one GPU: its multi-rank path is not checked here.", "",

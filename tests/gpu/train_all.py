@@ -64,7 +64,7 @@ def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def run_one(name, comm, device, mode, width=256, timing_only=False):
+def run_one(name, comm, device, mode, width=256, timing_only=False, profile_steps=0):
     rank = comm.Get_rank()
     algo = bm.algorithms.create(name, **OVERRIDES.get(name, {}))
     torch.manual_seed(0)
@@ -81,19 +81,28 @@ def run_one(name, comm, device, mode, width=256, timing_only=False):
         first = loss_fn(model(x), y).item()
     times = []
     counted_steps = STEPS - WARMUP.get(name, 0)
-    for step in range(STEPS):
-        if step == WARMUP.get(name, 0):
-            staging.reset()
-        sync(device)
-        t0 = time.perf_counter()
+
+    def one_step(step):
         opt.zero_grad()
         i = (step * 64) % 1024
         loss_fn(model(x[i:i + 64]), y[i:i + 64]).backward()
         opt.step()
         sync(device)
+
+    for step in range(STEPS):
+        if step == WARMUP.get(name, 0):
+            staging.reset()
+        sync(device)
+        t0 = time.perf_counter()
+        one_step(step)
         times.append(time.perf_counter() - t0)
     snap = staging.snapshot()
     stats = opt.communication_stats()
+    profile = None
+    if profile_steps:   # after the timed steps, which the sampler would slow down
+        from stack_sampler import measure
+        steps = iter(range(STEPS, STEPS + profile_steps))
+        profile = measure(lambda: one_step(next(steps)), profile_steps)
     backend = opt.backend
     opt.close()
     with torch.no_grad():
@@ -128,7 +137,8 @@ def run_one(name, comm, device, mode, width=256, timing_only=False):
             "parameters": sum(p.numel() for p in model.parameters()), "backend": backend,
             "launches_per_bucket": stats["launches_per_bucket"],
             "syncs_per_bucket": stats["syncs_per_bucket"],
-            "ok": not problems, "problems": problems}
+            "allocations_per_bucket": stats["allocations_per_bucket"],
+            "profile": profile, "ok": not problems, "problems": problems}
 
 
 def main():
@@ -140,6 +150,9 @@ def main():
                     help="hidden width (above 256 a third layer: 4608 gives 21.5M parameters)")
     ap.add_argument("--timing-only", action="store_true",
                     help="record step times; do not require the loss to fall")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after the timed steps, sample the host's stacks for STEPS more "
+                         "(tests/gpu/stack_sampler.py) and record where the time went")
     ap.add_argument("--device", default="cuda",
                     help="cuda (the check); cpu only smoke-tests this script")
     args = ap.parse_args()
@@ -154,7 +167,8 @@ def main():
     rows = []
     for name in args.only or bm.algorithms.names():
         try:
-            row = run_one(name, comm, device, args.mode, args.width, args.timing_only)
+            row = run_one(name, comm, device, args.mode, args.width, args.timing_only,
+                          args.profile)
         except Exception as exc:  # noqa: BLE001 - report it, run the other algorithms
             row = {"algorithm": name, "mode": args.mode, "ok": False,
                    "problems": [f"{type(exc).__name__}: {exc}"],

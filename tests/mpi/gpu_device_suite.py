@@ -107,10 +107,13 @@ def check_topk(comm, aware: bool):
         _topk_arrays(host, host_res, k, comm, 1.0 / n, "int32", None, False)
         staging.reset()
         syncs = overhead.snapshot()[1]
+        scratch_before = overhead.allocations()
         _topk_arrays(dev, dev_res, k, comm, 1.0 / n, "int32", None, True)
         snap = staging.snapshot()
-        waits = overhead.snapshot()[1] - syncs  # exact selection at this size: no wait of its own
+        waits = overhead.snapshot()[1] - syncs  # the selection itself never waits
         assert waits == (1 if n > 1 else 0), f"{waits} host waits for one top-k allgather"
+        if step:   # the selection's scratch arrays exist after the first step
+            assert overhead.allocations() == scratch_before, "top-k allocated scratch again"
         assert np.array_equal(dev.copy_to_host(), host), f"topk result step {step}"
         assert np.array_equal(dev_res.copy_to_host(), host_res), f"topk residual step {step}"
         if not aware:
