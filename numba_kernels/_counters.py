@@ -4,8 +4,10 @@ numba_kernels makes.
 bagua_mpi's "host overhead per bucket" accounting reads these: most of the host
 time a compressed collective spends is kernel launches, and a device-to-host
 synchronisation stalls the host until the stream drains.  ``_cuda/launch.py``
-is the only place that bumps the first two, because every launch and every wait
-goes through it, and ``_cuda/scratch.py`` the third.
+bumps the launches, because every launch goes through it, and ``_cuda/scratch.py``
+the allocations.  The kernels make no host wait (the last one, top-k's
+candidate count, is decided on the device now); ``count_sync`` stays for any
+code that must read the device.
 
 Pure Python (no numba.cuda), so the package exports the readers without
 loading the CUDA driver.

@@ -1,8 +1,9 @@
-"""Every kernel launch and every host wait of numba_kernels goes through this module.
+"""Every kernel launch of numba_kernels goes through this module.
 
 ``launch`` is the only place a kernel is started, so ``numba_kernels.launch_count()``
-sees them all; ``read_scalar`` is the only place the host waits for the device
-(``numba_kernels.sync_count()``).  On top of them sit the launch shapes that
+sees them all.  No function of the package reads device memory on the host, so
+the host never waits for the device here (``numba_kernels.sync_count()`` stays 0,
+as the simulator tests assert).  On top of ``launch`` sit the launch shapes that
 several formats share:
 
 * ``launch_over``: THREADS-thread blocks enough to cover n items;
@@ -43,18 +44,6 @@ def launch_over(kernel, n, stream, *args, max_blocks=GRID_LIMIT):
     if max_blocks is not None:
         blocks = min(blocks, max_blocks)
     launch(kernel, blocks, THREADS, stream, *args)
-
-
-def read_scalar(arr, i, stream):
-    """arr[i] on the host: one device-to-host copy the host waits for (counted as a sync).
-
-    A copy on a non-default stream is asynchronous, so wait for the stream too.
-    """
-    host = arr[i:i + 1].copy_to_host(stream=stream)
-    if stream != 0:
-        stream.synchronize()
-    _counters.count_sync()
-    return host[0]
 
 
 @dataclass(frozen=True)

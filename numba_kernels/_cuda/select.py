@@ -316,6 +316,18 @@ def _zeroed(stream):
     return lambda arr: fill(arr, 0, stream)
 
 
+def sample_threshold(sample, m, ks, cstate, stream):
+    """1 launch (one block): cstate selects the keys >= the ks-th largest of sample[:m]."""
+    launch(_sample_threshold, 1, THREADS, stream, sample, m, ks, cstate)
+
+
+def gather_candidates(arr, n, cstate, blk, k, cap, cidx, cval, sel, stream):
+    """1 launch: the candidates above cstate's threshold into (cidx, cval) when k <= their
+    count <= cap, and sel's MODE saying whether they were (``blk``: count_and_scan's)."""
+    launch(_gather_candidates, blk.shape[0], THREADS, stream, arr, n, cstate, blk, k, cap, cidx,
+           cval, sel)
+
+
 def new_state(stream, name="select.state"):
     """A selection's int64 state (scratch, ticket zeroed: ``_round`` leaves it so)."""
     return scratch(name, STATE_SLOTS, np.int64, stream, on_allocate=_zeroed(stream))

@@ -16,8 +16,7 @@ from .._scalar import rng_key
 from .._sparse_rules import SAMPLE_SEED, sample_plan, stratum_position_py, uses_approx
 from . import select
 from .common import add_or_replace, fill, hash32
-from .geometry import THREADS
-from .launch import launch, launch_over
+from .launch import launch_over
 from .scratch import scratch
 from .select import keep_entry
 
@@ -73,14 +72,13 @@ def _approx(arr, n, k, out_idx, out_val, resid, stream):
     sample = scratch("topk.sample", m, np.float32, stream)
     launch_over(_sample, m, stream, arr, n, m, rng_key(SAMPLE_SEED), sample)
     cstate = select.new_state(stream, "topk.sample_state")
-    launch(select._sample_threshold, 1, THREADS, stream, sample, m, ks, cstate)
+    select.sample_threshold(sample, m, ks, cstate, stream)
     blk = select.tile_counts(n, stream)
     select.count_and_scan(arr, arr, n, select.FULL, cstate, blk, stream)
     cidx = scratch("topk.cand_idx", cap, np.int64, stream)
     cval = scratch("topk.cand_val", cap, np.float32, stream)
     sel = select.new_state(stream)
-    launch(select._gather_candidates, blk.shape[0], THREADS, stream, arr, n, cstate, blk, k, cap,
-           cidx, cval, sel)
+    select.gather_candidates(arr, n, cstate, blk, k, cap, cidx, cval, sel, stream)
     select.select(arr, cval, cidx, n, select.DECIDED, k, out_idx, out_val, resid, sel, stream)
     return sel
 
