@@ -16,8 +16,8 @@ free of numba.cuda on machines without a GPU.
 
 Layering (no module here imports a public module of the package):
 
-* ``geometry``: block shapes; ``launch``: the counted launch, host reads and
-  the launch shapes the formats share;
+* ``geometry``: block shapes; ``launch``: the counted launch and the launch
+  shapes the formats share; ``scratch``: the kernels' cached scratch arrays;
 * ``common``: device building blocks (and the ``fill``/``scale`` kernels);
 * one module per format (``casts``, ``minmax``, ``qsgd``, ``onebit``, ``topk``)
   plus ``select`` and ``merge`` for top-k; the rules they share with the CPU
