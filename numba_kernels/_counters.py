@@ -80,6 +80,17 @@ def scratch_allocations() -> int:
     return _allocations.value()
 
 
+def release_scratch() -> None:
+    """Drop the kernels' cached scratch arrays (every thread's and stream's; the largest are
+    top-k's candidates, 12 bytes each, a few times k).  They are allocated again on the next
+    device call.  Nothing to do when no device call has been made."""
+    import sys
+
+    scratch = sys.modules.get("numba_kernels._cuda.scratch")
+    if scratch is not None:
+        scratch.release_scratch()
+
+
 def reset_launch_count() -> None:
     """Set the launch, synchronisation and scratch allocation counts back to zero."""
     _launches.reset()

@@ -10,7 +10,7 @@ def test_sparse_allreduces_against_simulation_and_training(nprocs):
                   f"sparse suite OK on {nprocs} ranks")
 
 
-@pytest.mark.parametrize("nprocs", [2, 3, 4])
+@pytest.mark.parametrize("nprocs", [2, 3])   # 3: a tree with a missing partner
 def test_gtopk_device_path_in_cuda_simulator(nprocs):
     """The device-resident gTop-k (kernels on device arrays, MPI on device buffers) gives the
     host path's bytes; Numba's CUDA simulator stands in for the GPU, as for the kernels."""

@@ -59,18 +59,17 @@ def zeroed_counters(warm_scratch):
 
 @pytest.fixture(scope="module")
 def warm_scratch():
-    """Every scratch array a selection uses, allocated at the largest size the tests ask for:
-    only a thread's first calls allocate (and zero the selection's state and histogram), and
+    warm()
+
+
+def warm():
+    """The selection's scratch arrays, allocated at the largest size the tests ask for: only a
+    thread's first selection allocates (and zeroes its state and histogram, 2-3 launches), and
     the counts below are those of every later call."""
     saved = _sparse_rules.APPROX_MIN_N
     _sparse_rules.APPROX_MIN_N = 1000
     try:
         nk.compress_topk(device_data(2000), 20, method="approx")
-        a, b = nk.compress_topk(device_data(seed=1), 10), nk.compress_topk(device_data(seed=2), 10)
-        nk.merge_topk(a, b)
-        nk.compress_minmax(device_data(5000), bits=4, chunk=4128)
-        nk.compress_minmax_rows(device_data(3 * 4200), cuda.device_array((3, 8 * 1024), np.uint8),
-                                bits=4, chunk=4128)
     finally:
         _sparse_rules.APPROX_MIN_N = saved
 
@@ -207,7 +206,7 @@ def test_row_forms_launch_what_their_docstrings_say_whatever_the_rows(codec, row
     lambda x, m: nk.compress_onebit_rows(x, m, chunk=4128),
 ], ids=["minmax", "qsgd", "onebit"])
 def test_row_forms_of_chunks_longer_than_a_segment_take_three_launches(compress):
-    compress(device_data(3 * 4200), cuda.device_array((3, 8 * 1024), np.uint8))
+    compress(device_data(2 * 4200), cuda.device_array((2, 8 * 1024), np.uint8))
     assert counts() == (3, 0)
 
 
@@ -235,3 +234,8 @@ def test_scratch_arrays_are_kept_per_thread_and_stream_and_grow():
     assert pointer(other["a"]) != pointer(scratch("test.a", 10, np.int64, 0))
     assert pointer(scratch("test.a", 10, np.int64, cuda.stream())) != pointer(first)
     assert pointer(scratch("test.a", 10, np.float32, 0)) != pointer(first)
+    assert nk.scratch_allocations() == 5
+    nk.release_scratch()                                  # dropped: allocated again
+    scratch("test.a", 10, np.int64, 0)
+    assert nk.scratch_allocations() == 6
+    warm()                                                # for the tests that may follow
