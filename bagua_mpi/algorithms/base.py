@@ -132,7 +132,8 @@ class AlgorithmImpl:
         self.clock = StepClock()
         self._state_checked = False  # loaded state all claimed (see check_state_claimed)
         self._shared_ok = True  # node-shared buckets may reduce in place (no rank joined)
-        # bucket index -> (kernel launches, host waits for the device) of its last exchange
+        # bucket index -> (kernel launches, host waits for the device, kernel scratch
+        # allocations) of its last exchange
         self.bucket_overhead: dict[int, tuple[int, int, int]] = {}
 
     @property
