@@ -91,8 +91,8 @@ staging = StagingStats()
 
 class HostOverhead:
     """The host's cost of driving the device, process-wide: the times the library made the host
-    wait for the device (``syncs``) and the compression kernels launched (``launches``, counted
-    by ``numba_kernels``, which also reports the waits it makes itself).
+    wait for the device (``syncs``), the compression kernels launched (``launches``) and their
+    scratch allocations, both counted by ``numba_kernels`` (whose kernels never wait).
 
     ``AlgorithmImpl.communicate_bucket`` reads the counters around each bucket's exchange, so
     ``DistributedOptimizer.communication_stats()`` can report launches and syncs per bucket.
@@ -110,9 +110,7 @@ class HostOverhead:
         """(launches, syncs) so far."""
         import numba_kernels as nk
 
-        launches = getattr(nk, "launch_count", lambda: 0)()
-        kernel_syncs = getattr(nk, "sync_count", lambda: 0)()
-        return launches, self.syncs + kernel_syncs
+        return getattr(nk, "launch_count", lambda: 0)(), self.syncs
 
     @staticmethod
     def allocations() -> int:

@@ -16,11 +16,11 @@ partitions of a tensor into the n rows of a payload matrix and
 ``decompress_rows`` decodes each row into its partition, one launch each
 instead of n, byte for byte the per-partition calls.
 
-Every CUDA kernel launch is counted: ``launch_count()``, ``sync_count()``
-(device-to-host waits: none) and ``scratch_allocations()`` (kernel scratch
-arrays are cached per thread and stream, so only the first calls allocate;
-``release_scratch()`` frees them) give the host overhead of a bucket's
-compression; ``reset_launch_count()`` zeroes all three.
+Every CUDA kernel launch is counted: ``launch_count()`` and
+``scratch_allocations()`` (kernel scratch arrays are cached per thread and
+stream, so only the first calls allocate; ``release_scratch()`` frees them)
+give the host overhead of a bucket's compression (no call makes the host wait
+for the device); ``reset_launch_count()`` zeroes both.
 Each compressor documents its launches ("Device launches: ...").
 
 >>> import numpy as np, numba_kernels as nk
@@ -31,8 +31,7 @@ True
 >>> bool(np.allclose(nk.decompress(p) + e, g, atol=1e-6))
 True
 """
-from ._counters import (launch_count, release_scratch, reset_launch_count, scratch_allocations,
-                        sync_count)
+from ._counters import launch_count, release_scratch, reset_launch_count, scratch_allocations
 from ._scalar import row_seed
 from .casts import compress_cast, sum_halves
 from .dispatch import decompress, decompress_many, decompress_rows
@@ -52,7 +51,7 @@ __all__ = [
     "compress_minmax_rows", "compress_qsgd_rows", "compress_onebit_rows", "decompress_rows",
     "row_seed",
     "merge_topk", "restore_unselected", "scale_topk_values",
-    "launch_count", "sync_count", "scratch_allocations", "release_scratch", "reset_launch_count",
+    "launch_count", "scratch_allocations", "release_scratch", "reset_launch_count",
     "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
     "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",
     "DeviceMismatchError", "CudaUnavailableError",

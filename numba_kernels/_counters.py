@@ -1,13 +1,13 @@
-"""Process-wide counts of the kernel launches, host waits and scratch allocations that
-numba_kernels makes.
+"""Process-wide counts of the kernel launches and scratch allocations that numba_kernels
+makes.
 
 bagua_mpi's "host overhead per bucket" accounting reads these: most of the host
-time a compressed collective spends is kernel launches, and a device-to-host
-synchronisation stalls the host until the stream drains.  ``_cuda/launch.py``
+time a compressed collective spends is kernel launches, and an allocation is a
+cudaMalloc whose cudaFree later waits for the whole device.  ``_cuda/launch.py``
 bumps the launches, because every launch goes through it, and ``_cuda/scratch.py``
-the allocations.  The kernels make no host wait (the last one, top-k's
-candidate count, is decided on the device now); ``count_sync`` stays for any
-code that must read the device.
+the allocations.  No numba_kernels function waits for the device (reads device
+memory on the host), so there is no wait to count; the simulator tests check
+that no call copies device memory to the host or synchronises.
 
 Pure Python (no numba.cuda), so the package exports the readers without
 loading the CUDA driver.
@@ -45,18 +45,12 @@ class _Count:
 
 
 _launches = _Count()
-_syncs = _Count()
 _allocations = _Count()
 
 
 def count_launch():
     """Record one kernel launch."""
     _launches.add()
-
-
-def count_sync():
-    """Record one device-to-host synchronisation."""
-    _syncs.add()
 
 
 def count_allocation():
@@ -67,11 +61,6 @@ def count_allocation():
 def launch_count() -> int:
     """CUDA kernel launches made by numba_kernels in this process since the last reset."""
     return _launches.value()
-
-
-def sync_count() -> int:
-    """Device-to-host synchronisations numba_kernels performed since the last reset."""
-    return _syncs.value()
 
 
 def scratch_allocations() -> int:
@@ -92,7 +81,6 @@ def release_scratch() -> None:
 
 
 def reset_launch_count() -> None:
-    """Set the launch, synchronisation and scratch allocation counts back to zero."""
+    """Set the launch and scratch allocation counts back to zero."""
     _launches.reset()
-    _syncs.reset()
     _allocations.reset()

@@ -2,8 +2,8 @@
 
 ``launch`` is the only place a kernel is started, so ``numba_kernels.launch_count()``
 sees them all.  No function of the package reads device memory on the host, so
-the host never waits for the device here (``numba_kernels.sync_count()`` stays 0,
-as the simulator tests assert).  On top of ``launch`` sit the launch shapes that
+the host never waits for the device here (the simulator tests count copies to the
+host and synchronisations: none).  On top of ``launch`` sit the launch shapes that
 several formats share:
 
 * ``launch_over``: THREADS-thread blocks enough to cover n items;

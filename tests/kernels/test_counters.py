@@ -1,4 +1,4 @@
-"""The process-wide launch and sync counters (the host side; counts per format: sim_launches.py)."""
+"""The process-wide launch and allocation counters (the host side; counts per format: sim_launches.py)."""
 import threading
 
 import numba_kernels as nk
@@ -7,16 +7,16 @@ from numba_kernels import _counters
 
 def test_counts_read_without_disturbing_and_reset_together():
     nk.reset_launch_count()
-    assert (nk.launch_count(), nk.sync_count()) == (0, 0)
+    assert (nk.launch_count(), nk.scratch_allocations()) == (0, 0)
     for _ in range(3):
         _counters.count_launch()
-    _counters.count_sync()
-    assert (nk.launch_count(), nk.sync_count()) == (3, 1)
-    assert (nk.launch_count(), nk.sync_count()) == (3, 1)      # reading takes nothing away
+    _counters.count_allocation()
+    assert (nk.launch_count(), nk.scratch_allocations()) == (3, 1)
+    assert (nk.launch_count(), nk.scratch_allocations()) == (3, 1)      # reading takes nothing away
     _counters.count_launch()
     assert nk.launch_count() == 4
     nk.reset_launch_count()
-    assert (nk.launch_count(), nk.sync_count()) == (0, 0)
+    assert (nk.launch_count(), nk.scratch_allocations()) == (0, 0)
 
 
 def test_concurrent_launches_are_all_counted():
