@@ -11,10 +11,11 @@ when device data arrives, so the package imports on machines without a GPU.
 A payload is one flat uint8 buffer whose size follows from ``(n, params)``
 (see ``wire``).  Compressors take ``residual=`` for fused error feedback and
 ``out=`` for a preallocated payload buffer.  The dense chunked formats have a
-row form for scatter-reduces: ``compress_*_rows`` encodes the n equal
-partitions of a tensor into the n rows of a payload matrix and
-``decompress_rows`` decodes each row into its partition, one launch each
-instead of n, byte for byte the per-partition calls.
+row form for scatter-reduces: ``compress_*_rows`` encodes the n partitions
+of a tensor (zero-padded to n equal ones by reading past its end as zeros, not
+by a copy) into the n rows of a payload matrix and ``decompress_rows`` decodes
+each row into its partition, one launch each instead of n, byte for byte the
+per-partition calls.
 
 Every CUDA kernel launch is counted: ``launch_count()`` and
 ``scratch_allocations()`` (kernel scratch arrays are cached per thread and

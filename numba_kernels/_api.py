@@ -79,16 +79,18 @@ def check_column(col, fmt, width, name="out"):
 
 def prepare_rows(x, residual, out, col, make_format, stream):
     """Validate a row-form compress call (partition k of x into row k of ``out``); return
-    (x, e, on_device, format, matrix, col, stream), ``format`` that of one partition."""
+    (x, e, on_device, format, matrix, col, stream), ``format`` that of one partition.
+
+    The partitions have P = ceil(len(x) / rows) elements; x may end short of rows x P (its
+    missing tail reads as zeros) and the residual, if any, covers all rows x P."""
     xa, dev = flat(x, "x")
     mat, mdev = payload_matrix(out)
     same_place(dev, out=(mat, mdev))
     rows = mat.shape[0]
-    if xa.size % rows:
-        raise LayoutError(f"x has {xa.size} elements, not {rows} equal partitions")
-    fmt = make_format(xa.size // rows)
+    part = -(-xa.size // rows) if rows else 0
+    fmt = make_format(part)
     col = check_column(col, fmt, mat.shape[1])
-    ea = _residual(residual, xa, dev)
+    ea = _residual(residual, xa, dev, rows * part)
     st = stream_of(stream) if dev else 0
     return xa, ea, dev, fmt, mat, col, st
 
@@ -134,16 +136,19 @@ def payload_stack(buffers, fmt):
     return arr, dev
 
 
-def decode_target(out, n, dev, stream, accumulate):
-    """The float array that decompression writes: ``out`` flat, or a new float32 array."""
+def decode_target(out, n, dev, stream, accumulate, short_by=0):
+    """The float array that decompression writes: ``out`` flat, or a new float32 array of n.
+    ``out`` may end short of n by at most ``short_by`` elements (a zero-padded tail)."""
     if out is None:
         if accumulate:
             raise LayoutError("accumulate=True needs an out array to accumulate into")
         return empty(n, np.float32, dev, stream)
     arr, odev = flat(out, "out", FLOATS)
     same_place(dev, out=(arr, odev))
-    if arr.size != n:
-        raise LayoutError(f"out has {arr.size} elements, the payload decodes to {n}")
+    if not n - short_by <= arr.size <= n:
+        raise LayoutError(f"out has {arr.size} elements, the payload decodes to {n}"
+                          + (f" (out may end short of that by up to {short_by})"
+                             if short_by else ""))
     return arr
 
 
@@ -152,13 +157,15 @@ def require_same(dev_a, dev_b, what):
         raise DeviceMismatchError(f"{what}: one argument is on the host, the other on a device")
 
 
-def _residual(residual, xa, dev):
-    """The flat residual beside ``xa`` (same dtype, size and place), or None."""
+def _residual(residual, xa, dev, size=None):
+    """The flat residual beside ``xa`` (same dtype and place; ``size`` elements, x's own by
+    default), or None."""
     if residual is None:
         return None
     ea, edev = flat(residual, "residual")
     same_place(dev, residual=(ea, edev))
-    if ea.dtype != xa.dtype or ea.size != xa.size:
-        raise LayoutError(f"residual must match x: x is {xa.dtype}[{xa.size}], "
-                          f"residual is {ea.dtype}[{ea.size}]")
+    size = xa.size if size is None else size
+    if ea.dtype != xa.dtype or ea.size != size:
+        raise LayoutError(f"residual must match x: x is {xa.dtype}[{xa.size}], so the residual "
+                          f"must be {xa.dtype}[{size}], got {ea.dtype}[{ea.size}]")
     return ea

@@ -5,7 +5,13 @@ way: find the chunk's bounds and the view it reads, c = x + e formed in e's
 view under error feedback (the encoder then writes the residual over it; one
 array read and written, so the loops vectorise without aliasing checks).  The
 GPU's counterpart is ``_cuda/common.load_c``, which forms c per element.
+
+``size`` is the length the chunks cover: x's own, or for the row forms the
+partition length, which x's last partitions may end short of (a scatter-reduce
+of a tensor whose length n does not divide).  Elements past x's end read as
+zeros, so such a partition encodes exactly as the zero-padded copy it replaces.
 """
+import numpy as np
 from numba import njit
 
 
@@ -16,12 +22,26 @@ def add_into(e, x):
         e[i] = x[i] + e[i]
 
 
+@njit(nogil=True)
+def add_zero(e):
+    """e = 0 + e: a zero-padded x's sum, bit for bit (it turns -0.0 into +0.0)."""
+    for i in range(e.size):
+        e[i] = e[i] + np.float32(0.0)
+
+
 @njit(nogil=True, inline="always")
-def chunk_source(x, e, has_res, ci, chunk):
-    """(start, stop, c) of chunk ci: c is e[start:stop] holding x + e with has_res, else x's."""
+def chunk_source(x, e, has_res, ci, chunk, size):
+    """(start, stop, c) of chunk ci of ``size`` elements: c is e[start:stop] holding x + e with
+    has_res, else x's (a zero-padded copy where the chunk runs past x's end)."""
     s = ci * chunk
-    t = min(x.size, s + chunk)
+    t = min(size, s + chunk)
+    have = max(0, min(t, x.size) - s)      # elements of the chunk that x holds
     if has_res:
-        add_into(e[s:t], x[s:t])
+        add_into(e[s:s + have], x[s:s + have])
+        add_zero(e[s + have:t])
         return s, t, e[s:t]
-    return s, t, x[s:t]
+    if have == t - s:
+        return s, t, x[s:t]
+    src = np.zeros(t - s, x.dtype)
+    src[:have] = x[s:s + have]
+    return s, t, src

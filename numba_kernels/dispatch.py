@@ -81,7 +81,10 @@ def decompress_rows(matrix, format, out=None, col=0, stream=None):
     Each row holds a payload of ``format`` (n = format.n elements) at byte column ``col``
     (a multiple of ALIGN, as the width); rows are decoded each on its own, not summed: the
     bytes of ``decompress`` of each row into its slice of out (a new float32 array of
-    rows * n when None).  Formats with a row form only (min-max, QSGD, 1-bit).  Returns out.
+    rows * n when None).  ``out`` may end short of rows * n by fewer than ``rows`` elements
+    (a tensor of a length the rows do not divide, which the row-form compressors take
+    without its zero padding): the decode stops at its end.
+    Formats with a row form only (min-max, QSGD, 1-bit).  Returns out.
     Device launches: those of the format's ``decode_rows_device`` (see ``registry``); none
     for an empty tensor.
     """
@@ -89,7 +92,8 @@ def decompress_rows(matrix, format, out=None, col=0, stream=None):
     col = check_column(col, format, mat.shape[1], "matrix")
     st = stream_of(stream) if dev else 0
     rows = mat.shape[0]
-    target = decode_target(out, rows * format.n, dev, st, False)
+    target = decode_target(out, rows * format.n, dev, st, False,
+                           short_by=rows - 1 if format.n else 0)
     codec = codec_for(format)
     if codec.decode_rows_host is None:
         raise PayloadError(f"{type(format).__name__} has no row form; decode each payload "

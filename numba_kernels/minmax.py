@@ -106,12 +106,12 @@ def pack_codes(codes, bits, words):
 
 
 @njit(nogil=True)
-def encode_chunk(x, e, has_res, ci, chunk, bits, params, words):
-    """Chunk ci of one payload: form c (kept in e), find its range, then write codes (through
-    a scratch row when packing) and the new residual.  ``params``, ``words``: the payload's
-    sections."""
+def encode_chunk(x, e, has_res, ci, chunk, size, bits, params, words):
+    """Chunk ci of one payload of ``size`` elements (x may end short: zeros): form c (kept in
+    e), find its range, then write codes (through a scratch row when packing) and the new
+    residual.  ``params``, ``words``: the payload's sections."""
     levels = (1 << bits) - 1
-    s, t, src = chunk_source(x, e, has_res, ci, chunk)
+    s, t, src = chunk_source(x, e, has_res, ci, chunk, size)
     lo, hi = value_range(src)
     mn, scale, inv = minmax_params(lo, hi, levels)
     params[2 * ci] = mn
@@ -129,20 +129,21 @@ def encode_chunk(x, e, has_res, ci, chunk, bits, params, words):
 def encode_cpu(x, e, has_res, chunk, bits, params, words):
     """CPU twin: one chunk per parallel iteration."""
     for ci in prange((x.size + chunk - 1) // chunk):
-        encode_chunk(x, e, has_res, ci, chunk, bits, params, words)
+        encode_chunk(x, e, has_res, ci, chunk, x.size, bits, params, words)
 
 
 @njit(nogil=True, parallel=True, cache=True)
 def encode_rows_cpu(x, e, has_res, part, chunk, bits, params, pcol, words, wcol):
     """CPU twin of the row form: partition k of x (and e) into row k of the (rows, width)
     views ``params`` / ``words``, its sections at columns pcol / wcol; one (partition, chunk)
-    pair per parallel iteration, each exactly ``encode_cpu``'s chunk."""
+    pair per parallel iteration, each exactly ``encode_cpu``'s chunk (x may end short of the
+    last partitions: zeros there)."""
     nc = (part + chunk - 1) // chunk
     nwords = (part * bits + 31) // 32
     for j in prange(params.shape[0] * nc):
         k = j // nc
         lo = k * part
-        encode_chunk(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, bits,
+        encode_chunk(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, part, bits,
                      params[k, pcol:pcol + 2 * nc], words[k, wcol:wcol + nwords])
 
 
@@ -212,12 +213,14 @@ def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None)
 
 
 def compress_minmax_rows(x, out, col=0, bits=8, chunk=1024, residual=None, stream=None):
-    """``compress_minmax`` of each of the len(out) equal partitions of x, into the rows of out.
+    """``compress_minmax`` of each of the len(out) partitions of x, into the rows of out.
 
-    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = x.size / rows)
+    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = ceil(x.size /
+    rows); x zero-padded to rows * P, without a copy: elements past its end read as zeros)
     is encoded into out[k, col:col + fmt.nbytes], byte for byte what ``compress_minmax`` of
-    that partition (with residual[k*P:(k+1)*P]) writes; ``col`` and width are multiples of
-    ALIGN.  Returns fmt = ``MinMaxFormat(P, bits, chunk)``, the format of each row's payload.
+    that partition (with residual[k*P:(k+1)*P]; the residual has rows * P elements) writes;
+    ``col`` and width are multiples of ALIGN.  Returns fmt = ``MinMaxFormat(P, bits, chunk)``,
+    the format of each row's payload.
     Device launches: 1 (a block per (chunk, partition) pair); 3 when chunk > 4096 (as
     ``compress_minmax``, each over every partition at once); none for an empty tensor.
     """

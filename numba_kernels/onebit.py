@@ -40,10 +40,10 @@ def encode_chunk(src, has_res, scale, words):
 
 
 @njit(nogil=True)
-def encode_one(x, e, has_res, ci, chunk, square, scales, words):
-    """Chunk ci of one payload: form c (kept in e), the scale, then signs and residual.
-    ``scales``, ``words``: the payload's sections."""
-    s, t, src = chunk_source(x, e, has_res, ci, chunk)
+def encode_one(x, e, has_res, ci, chunk, size, square, scales, words):
+    """Chunk ci of one payload of ``size`` elements (x may end short: zeros): form c (kept in
+    e), the scale, then signs and residual.  ``scales``, ``words``: the payload's sections."""
+    s, t, src = chunk_source(x, e, has_res, ci, chunk, size)
     scale = onebit_scale(chunk_sum(src, square), t - s, square)
     scales[ci] = scale
     encode_chunk(src, has_res, scale, words[s >> 5:(t + 31) >> 5])
@@ -53,7 +53,7 @@ def encode_one(x, e, has_res, ci, chunk, square, scales, words):
 def encode_cpu(x, e, has_res, chunk, square, scales, words):
     """CPU twin: one chunk per parallel iteration."""
     for ci in prange((x.size + chunk - 1) // chunk):
-        encode_one(x, e, has_res, ci, chunk, square, scales, words)
+        encode_one(x, e, has_res, ci, chunk, x.size, square, scales, words)
 
 
 @njit(nogil=True, parallel=True, cache=True)
@@ -66,7 +66,7 @@ def encode_rows_cpu(x, e, has_res, part, chunk, square, scales, scol, words, wco
     for j in prange(scales.shape[0] * nc):
         k = j // nc
         lo = k * part
-        encode_one(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, square,
+        encode_one(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, part, square,
                    scales[k, scol:scol + nc], words[k, wcol:wcol + nwords])
 
 
@@ -128,12 +128,14 @@ def compress_onebit(x, chunk=4096, scale="l2", residual=None, out=None, stream=N
 
 
 def compress_onebit_rows(x, out, col=0, chunk=4096, scale="l2", residual=None, stream=None):
-    """``compress_onebit`` of each of the len(out) equal partitions of x, into the rows of out.
+    """``compress_onebit`` of each of the len(out) partitions of x, into the rows of out.
 
-    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = x.size / rows)
+    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = ceil(x.size /
+    rows); x zero-padded to rows * P, without a copy: elements past its end read as zeros)
     is encoded into out[k, col:col + fmt.nbytes], byte for byte what ``compress_onebit`` of
-    that partition (with residual[k*P:(k+1)*P]) writes; ``col`` and width are multiples of
-    ALIGN.  Returns fmt = ``OneBitFormat(P, chunk)``, the format of each row's payload.
+    that partition (with residual[k*P:(k+1)*P]; the residual has rows * P elements) writes;
+    ``col`` and width are multiples of ALIGN.  Returns fmt = ``OneBitFormat(P, chunk)``,
+    the format of each row's payload.
     Device launches: 1 (a block per (chunk, partition) pair); 3 when chunk > 4096 (as
     ``compress_onebit``, each over every partition at once); none for an empty tensor.
     """

@@ -44,10 +44,10 @@ def encode_chunk(src, has_res, first, ratio, step, levels, key, codes):
 
 
 @njit(nogil=True)
-def encode_one(x, e, has_res, ci, chunk, levels, key, norms, codes):
-    """Chunk ci of one payload: form c (kept in e), its norm, then codes and residual.
-    ``norms``, ``codes``: the payload's sections."""
-    s, t, src = chunk_source(x, e, has_res, ci, chunk)
+def encode_one(x, e, has_res, ci, chunk, size, levels, key, norms, codes):
+    """Chunk ci of one payload of ``size`` elements (x may end short: zeros): form c (kept in
+    e), its norm, then codes and residual.  ``norms``, ``codes``: the payload's sections."""
+    s, t, src = chunk_source(x, e, has_res, ci, chunk, size)
     norm = qsgd_norm(chunk_sum(src, True))
     ratio, step = qsgd_steps(norm, levels)
     norms[ci] = norm
@@ -58,7 +58,7 @@ def encode_one(x, e, has_res, ci, chunk, levels, key, norms, codes):
 def encode_cpu(x, e, has_res, chunk, levels, key, norms, codes):
     """CPU twin: one chunk per parallel iteration."""
     for ci in prange((x.size + chunk - 1) // chunk):
-        encode_one(x, e, has_res, ci, chunk, levels, key, norms, codes)
+        encode_one(x, e, has_res, ci, chunk, x.size, levels, key, norms, codes)
 
 
 @njit(nogil=True, parallel=True, cache=True)
@@ -76,7 +76,7 @@ def encode_rows_cpu(x, e, has_res, part, chunk, levels, prefix, phase, norms, nc
     for j in prange(rows * nc):
         k = j // nc
         lo = k * part
-        encode_one(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, levels,
+        encode_one(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, part, levels,
                    keys[k], norms[k, ncol:ncol + nc], codes[k, ccol:ccol + part])
 
 
@@ -141,12 +141,13 @@ def compress_qsgd(x, levels=127, chunk=1024, seed=0, residual=None, out=None, st
 
 def compress_qsgd_rows(x, out, col=0, levels=127, chunk=1024, row_seeds=(0, 0, 0),
                        residual=None, stream=None):
-    """``compress_qsgd`` of each of the len(out) equal partitions of x, into the rows of out.
+    """``compress_qsgd`` of each of the len(out) partitions of x, into the rows of out.
 
-    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = x.size / rows)
+    ``out`` is a (rows, width) uint8 matrix; partition k (x[k*P:(k+1)*P], P = ceil(x.size /
+    rows); x zero-padded to rows * P, without a copy: elements past its end read as zeros)
     is encoded into out[k, col:col + fmt.nbytes], byte for byte what ``compress_qsgd`` of
-    that partition (with residual[k*P:(k+1)*P]) writes with
-    ``seed=row_seed(base, rank, k, phase)`` for ``row_seeds=(base, rank, phase)``: the CRC-32
+    that partition (with residual[k*P:(k+1)*P]; the residual has rows * P elements) writes
+    with ``seed=row_seed(base, rank, k, phase)`` for ``row_seeds=(base, rank, phase)``: the CRC-32
     of the int64 words (base, rank, k, phase) & 0x7FFFFFFF, bagua_mpi's
     ``call_seed(base, rank, k, phase)`` (the device derives each row's key itself).  ``col``
     and width are multiples of ALIGN.  Returns fmt = ``QSGDFormat(P, levels, chunk)``.

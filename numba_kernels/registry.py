@@ -7,9 +7,11 @@ host function does (see ``numba_kernels._cuda``): a function-level
 ``from ._cuda import <name>``, so this table imports no numba.cuda.
 
 The dense chunked formats (min-max, QSGD, 1-bit) also have a row form, which a
-scatter-reduce uses: ``compress_rows`` encodes the n equal partitions of a
-tensor into the n rows of a payload matrix, and ``decode_rows_*`` decode each
-row of such a matrix into its own partition, each in one launch.
+scatter-reduce uses: ``compress_rows`` encodes the n partitions of a tensor
+(zero-padded to n equal ones without a copy: elements past its end read as
+zeros) into the n rows of a payload matrix, and ``decode_rows_*`` decode each
+row of such a matrix into its own partition (the last ones cut at the tensor's
+end), each in one launch.
 
 Every compressor, ``decode_device`` and ``decode_rows_device`` documents its
 CUDA kernel launches in a ``Device launches: N ...`` line of its docstring (N

@@ -2,9 +2,10 @@
 
 ``lowprec`` compresses the n partitions of a segment with one ``Codec.compress_rows`` and
 decodes the n gathered partitions with one ``Codec.decompress_rows`` (one kernel launch each on
-a GPU, where it made n). Here: the row forms equal the codecs' per-partition calls (the
-``Codec`` default), and the whole exchange equals the old loop's, for n = 1..4 ranks run as
-threads of one process (an in-process wire with real alltoall/allgather semantics). The
+a GPU, where it made n), the segment's uneven tail read as zeros where it used to be copied
+into a zero-padded buffer. Here: the row forms equal the codecs' per-partition calls on padded
+copies, and the whole exchange equals the old loop's, for n = 1..4 ranks run as threads of one
+process (an in-process wire with real alltoall/allgather semantics). The
 kernels' own checks, host and simulated device, are ``tests/kernels/test_rows.py`` and
 ``tests/kernels/sim_kernels.py``; the device path under MPI is ``tests/mpi/gpu_device_suite.py``.
 """
@@ -17,39 +18,60 @@ import numba_kernels as nk
 from bagua_mpi import transport
 from bagua_mpi.accounting import WireStats
 from bagua_mpi.primitives import lowprec
-from bagua_mpi.primitives.codecs import Codec, MinMaxCodec, OneBitCodec, QSGDCodec, call_seed
+from bagua_mpi.primitives.codecs import MinMaxCodec, OneBitCodec, QSGDCodec, call_seed
 
 CODECS = [MinMaxCodec(8, 64), MinMaxCodec(3, 96), QSGDCodec(127, 32), QSGDCodec(7, 100),
           OneBitCodec(64), OneBitCodec(96, "mean_abs")]
+
+
+def zero_padded(x, n):
+    """x followed by zeros to n equal partitions (what C_LP_S copied an uneven segment into)."""
+    part = lowprec.partition_length(x.size, n)
+    return np.concatenate([x, np.zeros(part * n - x.size, x.dtype)]), part
+
+
+def partition_loop(codec, x, mat, cols, residual, seed, rank, phase):
+    """Partition k of x, zero-padded, compressed on its own into mat[k, cols], every k."""
+    n = mat.shape[0]
+    padded, part = zero_padded(x, n)
+    for k in range(n):
+        codec.compress(padded[k * part:(k + 1) * part], mat[k, cols],
+                       residual=None if residual is None else residual[k * part:(k + 1) * part],
+                       seed=call_seed(seed, rank, k, phase))
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=repr)
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("ef", [False, True], ids=["plain", "error-feedback"])
 def test_codec_row_forms_are_the_per_partition_calls(codec, n, ef):
+    """Also for lengths n does not divide (short by 1 to n - 1, down to partitions wholly in
+    the padding): the row form reads past the tensor's end as the zeros the loop padded with,
+    and decodes only up to the end."""
     rng = np.random.default_rng([n, int(ef)])
-    for part in (1, 45, 1000):
-        x = rng.standard_normal(n * part).astype(np.float32)
+    for length in sorted({1, 5, 45 * n, 45 * n - 1, 45 * n - n + 1, 1000 * n - 1}):
+        x = rng.standard_normal(length).astype(np.float32)
+        part = lowprec.partition_length(length, n)
         e = (rng.standard_normal(n * part) * 0.1).astype(np.float32) if ef else None
         nbytes = codec.format(part).nbytes
         cols = slice(16, 16 + nbytes)          # after another segment's payload
         mats, errs = [], []
-        for compress_rows in (Codec.compress_rows, type(codec).compress_rows):
+        for compress_rows in (partition_loop, type(codec).compress_rows):
             mat = np.full((n, 16 + nbytes + 8), 0x5A, np.uint8)
             err = None if e is None else e.copy()
             compress_rows(codec, x.copy(), mat, cols, residual=err, seed=77, rank=n - 1, phase=1)
             mats.append(mat)
             errs.append(err)
-        assert np.array_equal(mats[0], mats[1]), (codec, n, part)
+        assert np.array_equal(mats[0], mats[1]), (codec, n, length)
         if ef:
-            assert np.array_equal(errs[0], errs[1])
+            assert np.array_equal(errs[0], errs[1]), (codec, n, length)
         want = np.empty(n * part, np.float32)
         for k in range(n):
             codec.decompress_many(np.ascontiguousarray(mats[0][k:k + 1, cols]), part,
                                   out=want[k * part:(k + 1) * part])
-        got = np.full(n * part, np.nan, np.float32)
-        codec.decompress_rows(mats[1], cols, part, out=got)
-        assert np.array_equal(got, want)
+        got = np.full(length + 1, np.nan, np.float32)
+        codec.decompress_rows(mats[1], cols, part, out=got[:length])
+        assert np.array_equal(got[:length], want[:length]), (codec, n, length)
+        assert np.isnan(got[length])           # nothing written past the tensor's end
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=repr)
@@ -104,12 +126,13 @@ class ThreadWire(transport.Transport):
 def per_partition_clps(xs, wes, ses, codecs, seeds, wire, scale, stats):
     """C_LP_S as ``lowprec._clps_arrays`` made it before the row forms (host arrays)."""
     n, rank = wire.size, wire.rank
-    plans, row = lowprec._plans(xs, wes, ses, codecs, seeds, n, False)
+    plans, row = lowprec._plans(xs, wes, ses, codecs, seeds, n)
+    padded = [zero_padded(plan.x, n)[0] for plan in plans]
     send = np.empty((n, row), np.uint8)
-    for plan in plans:
+    for plan, xp in zip(plans, padded):
         we, part = plan.worker_error, plan.part
         for k in range(n):
-            plan.codec.compress(plan.padded[k * part:(k + 1) * part], send[k, plan.cols],
+            plan.codec.compress(xp[k * part:(k + 1) * part], send[k, plan.cols],
                                 residual=None if we is None else we[k * part:(k + 1) * part],
                                 seed=call_seed(plan.seed, rank, k, 1))
     recv = np.empty((n, row), np.uint8)
@@ -125,12 +148,12 @@ def per_partition_clps(xs, wes, ses, codecs, seeds, wire, scale, stats):
         plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
                             seed=call_seed(plan.seed, rank, rank, 2))
     wire.allgather(mine, send)
-    for plan in plans:
+    for plan, xp in zip(plans, padded):
         part = plan.part
         for k in range(n):
             plan.codec.decompress_many(np.ascontiguousarray(send[k:k + 1, plan.cols]), part,
-                                       out=plan.padded[k * part:(k + 1) * part])
-        plan.x[:] = plan.padded[:plan.x.size]
+                                       out=xp[k * part:(k + 1) * part])
+        plan.x[:] = xp[:plan.x.size]
     stats.add(2 * (n - 1) * row)
 
 

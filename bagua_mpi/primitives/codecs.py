@@ -63,19 +63,14 @@ class Codec:
 
     def compress_rows(self, x, out, cols: slice, residual=None, seed: int = 0, rank: int = 0,
                       phase: int = 1):
-        """Partition k of ``x`` (len(out) equal partitions) into ``out[k, cols]``, every k: the
-        bytes of ``compress(x_k, out[k, cols], residual=residual_k,
-        seed=call_seed(seed, rank, k, phase))``. ``out`` is a (rows, width) uint8 matrix,
-        ``cols`` a slice of ``format(len(x) // rows).nbytes`` bytes at an aligned column.
-
-        This default makes those calls one by one; the codecs below encode every partition in
-        one kernel launch."""
-        rows = out.shape[0]
-        part = x.size // rows
-        for k in range(rows):
-            self.compress(x[k * part:(k + 1) * part], out[k, cols],
-                          residual=None if residual is None else residual[k * part:(k + 1) * part],
-                          seed=call_seed(seed, rank, k, phase))
+        """Partition k of ``x`` into ``out[k, cols]``, every k: the bytes of
+        ``compress(x_k, out[k, cols], residual=residual_k, seed=call_seed(seed, rank, k,
+        phase))``, x_k of P = ceil(len(x) / rows) elements (the last ones zero-padded, without
+        a copy), residual_k its slice of the residual (rows * P elements). ``out`` is a
+        (rows, width) uint8 matrix, ``cols`` a slice of ``format(P).nbytes`` bytes at an
+        aligned column. One kernel launch for every partition on a device (the codecs' row
+        forms in numba_kernels)."""
+        raise NotImplementedError
 
     def decompress_rows(self, stack, cols: slice, n: int, out):
         """out[k*n:(k+1)*n] = decode(stack[k, cols]) for every row k (each row on its own, not

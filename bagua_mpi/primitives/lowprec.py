@@ -2,7 +2,8 @@
 
     x'_i = Q^-1 Q( sum_j Q^-1 Q(x_j + e_j) + s_i )      (then averaged when ``average``)
 
-Steps on n ranks for a flat float32 tensor of L elements (P = ceil(L/n), zero padded):
+Steps on n ranks for a flat float32 tensor of L elements (P = ceil(L/n); the kernels read
+past L as zeros, so an uneven length is padded without a copy):
 
 1. phase 1: compress each partition k of x_i + e_i (worker error e_i, fused in the kernel,
    updated to what the compression lost);
@@ -13,8 +14,8 @@ Steps on n ranks for a flat float32 tensor of L elements (P = ceil(L/n), zero pa
 
 On a device each segment costs 5 kernel launches whatever n: steps 1 and 5 encode / decode
 the n partitions at once (the codecs' row forms), step 3 decodes and sums the n payloads in one
-pass and scales in another (none when the scale is 1), step 4 is one encode; one more zero-pads
-an uneven length, and an encode of chunks longer than 4096 takes 3.
+pass and scales in another (none when the scale is 1), step 4 is one encode; an encode of
+chunks longer than 4096 takes 3.
 
 ``worker_error``/``server_error`` = None switch error feedback off (BAGUA's own
 implementation has none; QSGD and ByteGrad run without it). Errors live with the bucket in the
@@ -136,7 +137,7 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
     must read device memory."""
     wire = transport.of(comm)
     n, rank = wire.size, wire.rank
-    plans, row = _plans(xs, wes, ses, codecs, seeds, n, device)
+    plans, row = _plans(xs, wes, ses, codecs, seeds, n)
     if not plans:
         return
     send, recv = _scatter_payloads(plans, row, wire, device)
@@ -147,14 +148,8 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
                             seed=call_seed(plan.seed, rank, rank, 2))
     gathered = send  # phase-1 payloads are no longer needed
     wire.allgather(mine, gathered)
-    for plan in plans:  # every partition decoded into its place: one launch per segment
-        padded = plan.padded
-        plan.codec.decompress_rows(gathered, plan.cols, plan.part, out=padded)
-        if padded is not plan.x:
-            if device:
-                plan.x.copy_to_device(padded[:plan.x.size])
-            else:
-                plan.x[:] = padded[:plan.x.size]
+    for plan in plans:  # every partition decoded into its place (the padding cut off): one
+        plan.codec.decompress_rows(gathered, plan.cols, plan.part, out=plan.x)  # launch each
     if stats is not None:
         stats.add(2 * (n - 1) * row)
 
@@ -184,7 +179,7 @@ def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torc
     device = flat.is_cuda
     we = None if worker_error is None else _check_error(worker_error, part * n, "worker",
                                                         flat.device)
-    plans, row = _plans([_array(flat.view(-1))], [we], [None], [codec], [seed], n, device)
+    plans, row = _plans([_array(flat.view(-1))], [we], [None], [codec], [seed], n)
     if not plans:
         out.zero_()
         return out
@@ -201,15 +196,14 @@ class _Plan:
 
     codec: Codec
     seed: int
-    x: object  # the segment (1-D float32 array)
-    padded: object  # x, or x followed by zeros to n partitions
+    x: object  # the segment (1-D float32 array; its last partitions may end short)
     part: int  # partition length
     cols: slice  # its bytes in each rank's message
     worker_error: object
     server_error: object
 
 
-def _plans(xs, wes, ses, codecs, seeds, n: int, device: bool) -> tuple[list[_Plan], int]:
+def _plans(xs, wes, ses, codecs, seeds, n: int) -> tuple[list[_Plan], int]:
     """The non-empty segments' plans, and the bytes of one rank's message to one server."""
     plans, row = [], 0
     for x, we, se, codec, seed in zip(xs, wes, ses, codecs, seeds):
@@ -217,9 +211,8 @@ def _plans(xs, wes, ses, codecs, seeds, n: int, device: bool) -> tuple[list[_Pla
         if length == 0:
             continue
         part = partition_length(length, n)
-        padded = x if part * n == length else _padded(x, part * n, device)
         nbytes = codec.format(part).nbytes
-        plans.append(_Plan(codec, seed, x, padded, part, slice(row, row + nbytes), we, se))
+        plans.append(_Plan(codec, seed, x, part, slice(row, row + nbytes), we, se))
         row += nbytes
     return plans, row
 
@@ -232,7 +225,7 @@ def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool):
     n, rank = wire.size, wire.rank
     send = _empty((n, row), np.uint8, device)
     for plan in plans:
-        plan.codec.compress_rows(plan.padded, send, plan.cols, residual=plan.worker_error,
+        plan.codec.compress_rows(plan.x, send, plan.cols, residual=plan.worker_error,
                                  seed=plan.seed, rank=rank, phase=1)
     recv = _empty((n, row), np.uint8, device)
     wire.alltoall(send, recv)
@@ -250,17 +243,6 @@ def _server_sum(plan: _Plan, recv, scale: float, out, device: bool):
 
 
 _empty = device_arrays.empty
-
-
-def _padded(x, length: int, device: bool):
-    """x followed by zeros up to ``length`` (a new array where x lives)."""
-    if not device:
-        return np.concatenate([x, np.zeros(length - x.size, dtype=np.float32)])
-    from numba_kernels._cuda.common import fill
-    out = _empty(length, np.float32, True)
-    out[:x.size].copy_to_device(x)
-    fill(out[x.size:], np.float32(0))
-    return out
 
 
 def _scale(arr, scale: float, device: bool) -> None:

@@ -102,10 +102,16 @@ else:
 
 @cuda.jit(device=True)
 def load_c(x, e, has_res, i):
-    """c_i = x_i + e_i with error feedback, x_i without (in x's dtype)."""
+    """c_i = x_i + e_i with error feedback, x_i without (in x's dtype).  Past x's end x_i is
+    0: a row form's partition that the tensor ends short of reads as its zero padding (the
+    sum 0 + e_i included, which turns -0.0 into +0.0 as the padded copy did)."""
+    if i < x.size:
+        xi = x[i]
+    else:
+        xi = np.float32(0.0)
     if has_res:
-        return x[i] + e[i]
-    return x[i]
+        return xi + e[i]
+    return xi
 
 
 @cuda.jit(device=True)
@@ -228,11 +234,11 @@ def segment(g, spc, chunk, n):
 
 
 @cuda.jit(device=True)
-def seg_sum_block(x, e, has_res, chunk, spc, square, part):
-    """part[g] = wire-order sum over block g's segment."""
+def seg_sum_block(x, e, has_res, size, chunk, spc, square, part):
+    """part[g] = wire-order sum over block g's segment of the ``size`` elements."""
     sh = cuda.shared.array(LANES, np.float32)
     g = cuda.blockIdx.x
-    ci, s, t = segment(g, spc, chunk, x.size)
+    ci, s, t = segment(g, spc, chunk, size)
     if s < t:
         total = block_lane_sum(x, e, has_res, s, t, square, sh)
         if cuda.threadIdx.x == 0:
@@ -242,14 +248,14 @@ def seg_sum_block(x, e, has_res, chunk, spc, square, part):
 @cuda.jit
 def seg_sums(x, e, has_res, chunk, spc, square, part):
     """part[g] = wire-order sum over block g's segment (long chunks only)."""
-    seg_sum_block(x, e, has_res, chunk, spc, square, part)
+    seg_sum_block(x, e, has_res, x.size, chunk, spc, square, part)
 
 
 @cuda.jit
 def seg_sums_rows(x, e, has_res, n, chunk, spc, square, part):
     """part[k, g] = ``seg_sums`` of block (g, k) over partition k (x[k * n:(k + 1) * n])."""
     k = cuda.blockIdx.y
-    seg_sum_block(x[k * n:(k + 1) * n], e[k * n:(k + 1) * n], has_res, chunk, spc, square,
+    seg_sum_block(x[k * n:(k + 1) * n], e[k * n:(k + 1) * n], has_res, n, chunk, spc, square,
                   part[k])
 
 

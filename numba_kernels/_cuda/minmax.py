@@ -69,13 +69,14 @@ def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, s
 
 
 @cuda.jit(device=True)
-def _fused_chunk(x, e, has_res, chunk, ci, bits, params, words, boff, buf):
-    """The block's chunk ci of one payload (sections ``params``, ``words`` of ``buf``)."""
+def _fused_chunk(x, e, has_res, size, chunk, ci, bits, params, words, boff, buf):
+    """The block's chunk ci of one payload of ``size`` elements (sections ``params``,
+    ``words`` of ``buf``)."""
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
     sw = cuda.shared.array(_ROW_WORDS, np.uint32)
     s = ci * chunk
-    t = lesser(x.size, s + chunk)
+    t = lesser(size, s + chunk)
     lo, hi = block_range(x, e, has_res, s, t, shmin, shmax)
     mn, scale, inv = minmax_params(lo, hi, (1 << bits) - 1)
     if cuda.threadIdx.x == 0:
@@ -87,7 +88,7 @@ def _fused_chunk(x, e, has_res, chunk, ci, bits, params, words, boff, buf):
 @cuda.jit
 def _fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
     zero_tail(buf, used, nbytes)
-    _fused_chunk(x, e, has_res, chunk, cuda.blockIdx.x, bits, params, words, boff, buf)
+    _fused_chunk(x, e, has_res, x.size, chunk, cuda.blockIdx.x, bits, params, words, boff, buf)
 
 
 @cuda.jit
@@ -97,17 +98,17 @@ def _fused_rows(x, e, has_res, part, chunk, bits, params, pcol, words, wcol, bof
     k = cuda.blockIdx.y
     buf = mat[k, col:col + nbytes]
     zero_tail(buf, used, nbytes)
-    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part, chunk,
                  cuda.blockIdx.x, bits, params[k, pcol:pcol + 2 * ((part + chunk - 1) // chunk)],
                  words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
 
 
 @cuda.jit(device=True)
-def _seg_range_block(x, e, has_res, chunk, spc, part):
+def _seg_range_block(x, e, has_res, size, chunk, spc, part):
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
     g = cuda.blockIdx.x
-    ci, s, t = segment(g, spc, chunk, x.size)
+    ci, s, t = segment(g, spc, chunk, size)
     if s < t:
         mn, mx = block_range(x, e, has_res, s, t, shmin, shmax)
         if cuda.threadIdx.x == 0:
@@ -117,13 +118,14 @@ def _seg_range_block(x, e, has_res, chunk, spc, part):
 
 @cuda.jit
 def _seg_range(x, e, has_res, chunk, spc, part):
-    _seg_range_block(x, e, has_res, chunk, spc, part)
+    _seg_range_block(x, e, has_res, x.size, chunk, spc, part)
 
 
 @cuda.jit
 def _seg_range_rows(x, e, has_res, n, chunk, spc, part):
     k = cuda.blockIdx.y
-    _seg_range_block(x[k * n:(k + 1) * n], e[k * n:(k + 1) * n], has_res, chunk, spc, part[k])
+    _seg_range_block(x[k * n:(k + 1) * n], e[k * n:(k + 1) * n], has_res, n, chunk, spc,
+                     part[k])
 
 
 @cuda.jit(device=True)
@@ -157,9 +159,9 @@ def _chunk_params_rows(part, spc, chunk, n, bits, params, pcol):
 
 
 @cuda.jit(device=True)
-def _seg_encode_block(x, e, has_res, chunk, spc, bits, params, words, boff, buf):
+def _seg_encode_block(x, e, has_res, size, chunk, spc, bits, params, words, boff, buf):
     sw = cuda.shared.array(_ROW_WORDS, np.uint32)
-    ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
+    ci, s, t = segment(cuda.blockIdx.x, spc, chunk, size)
     if s < t:
         mn = params[2 * ci]
         scale = params[2 * ci + 1]
@@ -170,7 +172,7 @@ def _seg_encode_block(x, e, has_res, chunk, spc, bits, params, words, boff, buf)
 @cuda.jit
 def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used, nbytes):
     zero_tail(buf, used, nbytes)
-    _seg_encode_block(x, e, has_res, chunk, spc, bits, params, words, boff, buf)
+    _seg_encode_block(x, e, has_res, x.size, chunk, spc, bits, params, words, boff, buf)
 
 
 @cuda.jit
@@ -179,9 +181,9 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, bits, params, pcol, words,
     k = cuda.blockIdx.y
     buf = mat[k, col:col + nbytes]
     zero_tail(buf, used, nbytes)
-    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
-                      spc, bits, params[k, pcol:], words[k, wcol:wcol + (part * bits + 31) // 32],
-                      boff, buf)
+    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part,
+                      chunk, spc, bits, params[k, pcol:],
+                      words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
 
 
 @cuda.jit(device=True)
@@ -218,11 +220,13 @@ def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulat
 
 @cuda.jit
 def _decode_rows(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out):
-    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i."""
+    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
+    (up to out's end)."""
     k = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     stride = cuda.gridDim.x * cuda.blockDim.x
-    while i < part:
+    stop = lesser(part, out.size - k * part)
+    while i < stop:
         out[k * part + i] = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, k, i)
         i += stride
 

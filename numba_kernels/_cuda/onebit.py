@@ -41,12 +41,13 @@ def _encode_range(x, e, has_res, s, t, scale, words, scratch):
 
 
 @cuda.jit(device=True)
-def _fused_chunk(x, e, has_res, chunk, ci, square, scales, words):
-    """The block's chunk ci of one payload (sections ``scales``, ``words``)."""
+def _fused_chunk(x, e, has_res, size, chunk, ci, square, scales, words):
+    """The block's chunk ci of one payload of ``size`` elements (sections ``scales``,
+    ``words``)."""
     sh = cuda.shared.array(LANES, np.float32)
     scratch = cuda.shared.array(THREADS, np.uint32)
     s = ci * chunk
-    t = lesser(x.size, s + chunk)
+    t = lesser(size, s + chunk)
     scale = onebit_scale(block_lane_sum(x, e, has_res, s, t, square, sh), t - s, square)
     if cuda.threadIdx.x == 0:
         scales[ci] = scale
@@ -56,7 +57,7 @@ def _fused_chunk(x, e, has_res, chunk, ci, square, scales, words):
 @cuda.jit
 def _fused(x, e, has_res, chunk, square, scales, words, buf, used, nbytes):
     zero_tail(buf, used, nbytes)
-    _fused_chunk(x, e, has_res, chunk, cuda.blockIdx.x, square, scales, words)
+    _fused_chunk(x, e, has_res, x.size, chunk, cuda.blockIdx.x, square, scales, words)
 
 
 @cuda.jit
@@ -65,7 +66,7 @@ def _fused_rows(x, e, has_res, part, chunk, square, scales, scol, words, wcol, m
     """Block (ci, k): chunk ci of partition k into row k of ``mat`` (sections at scol, wcol)."""
     k = cuda.blockIdx.y
     zero_tail(mat[k, col:col + nbytes], used, nbytes)
-    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part, chunk,
                  cuda.blockIdx.x, square, scales[k, scol:scol + (part + chunk - 1) // chunk],
                  words[k, wcol:wcol + (part + 31) // 32])
 
@@ -92,9 +93,9 @@ def _chunk_scales_rows(part, spc, chunk, n, square, scales, scol):
 
 
 @cuda.jit(device=True)
-def _seg_encode_block(x, e, has_res, chunk, spc, scales, words):
+def _seg_encode_block(x, e, has_res, size, chunk, spc, scales, words):
     scratch = cuda.shared.array(THREADS, np.uint32)
-    ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
+    ci, s, t = segment(cuda.blockIdx.x, spc, chunk, size)
     if s < t:
         _encode_range(x, e, has_res, s, t, scales[ci], words, scratch)
 
@@ -104,7 +105,7 @@ def _seg_encode(x, e, has_res, chunk, spc, square, scales, words, buf, used, nby
     # ``square`` is unused (the scale is already known): the arguments follow ChunkedEncoder's
     # convention of passing the fused kernel's own arguments to the segment encoder.
     zero_tail(buf, used, nbytes)
-    _seg_encode_block(x, e, has_res, chunk, spc, scales, words)
+    _seg_encode_block(x, e, has_res, x.size, chunk, spc, scales, words)
 
 
 @cuda.jit
@@ -112,8 +113,8 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, square, scales, scol, word
                      used, nbytes):
     k = cuda.blockIdx.y
     zero_tail(mat[k, col:col + nbytes], used, nbytes)
-    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
-                      spc, scales[k, scol:], words[k, wcol:wcol + (part + 31) // 32])
+    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part,
+                      chunk, spc, scales[k, scol:], words[k, wcol:wcol + (part + 31) // 32])
 
 
 @cuda.jit(device=True)
@@ -140,11 +141,13 @@ def _decode(scales, scol, words, wcol, chunk, out, accumulate):
 
 @cuda.jit
 def _decode_rows(scales, scol, words, wcol, chunk, part, out):
-    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i."""
+    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
+    (up to out's end)."""
     k = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     stride = cuda.gridDim.x * cuda.blockDim.x
-    while i < part:
+    stop = lesser(part, out.size - k * part)
+    while i < stop:
         out[k * part + i] = _decoded(scales, scol, words, wcol, chunk, k, i)
         i += stride
 

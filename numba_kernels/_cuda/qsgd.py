@@ -34,11 +34,12 @@ def _encode_range(x, e, has_res, s, t, levels, key, ratio, step, codes):
 
 
 @cuda.jit(device=True)
-def _fused_chunk(x, e, has_res, chunk, ci, levels, key, norms, codes):
-    """The block's chunk ci of one payload (sections ``norms``, ``codes``)."""
+def _fused_chunk(x, e, has_res, size, chunk, ci, levels, key, norms, codes):
+    """The block's chunk ci of one payload of ``size`` elements (sections ``norms``,
+    ``codes``)."""
     sh = cuda.shared.array(LANES, np.float32)
     s = ci * chunk
-    t = lesser(x.size, s + chunk)
+    t = lesser(size, s + chunk)
     norm = qsgd_norm(block_lane_sum(x, e, has_res, s, t, True, sh))
     ratio, step = qsgd_steps(norm, levels)
     if cuda.threadIdx.x == 0:
@@ -49,7 +50,7 @@ def _fused_chunk(x, e, has_res, chunk, ci, levels, key, norms, codes):
 @cuda.jit
 def _fused(x, e, has_res, chunk, levels, key, norms, codes, buf, used, nbytes):
     zero_tail(buf, used, nbytes)
-    _fused_chunk(x, e, has_res, chunk, cuda.blockIdx.x, levels, key, norms, codes)
+    _fused_chunk(x, e, has_res, x.size, chunk, cuda.blockIdx.x, levels, key, norms, codes)
 
 
 @cuda.jit
@@ -60,7 +61,7 @@ def _fused_rows(x, e, has_res, part, chunk, levels, prefix, phase, norms, ncol, 
     k = cuda.blockIdx.y
     zero_tail(mat[k, col:col + nbytes], used, nbytes)
     key = block_row_key(prefix, phase)
-    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
+    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part, chunk,
                  cuda.blockIdx.x, levels, key, norms[k, ncol:ncol + (part + chunk - 1) // chunk],
                  codes[k, ccol:ccol + part])
 
@@ -87,8 +88,8 @@ def _chunk_norms_rows(part, spc, chunk, n, norms, ncol):
 
 
 @cuda.jit(device=True)
-def _seg_encode_block(x, e, has_res, chunk, spc, levels, key, norms, codes):
-    ci, s, t = segment(cuda.blockIdx.x, spc, chunk, x.size)
+def _seg_encode_block(x, e, has_res, size, chunk, spc, levels, key, norms, codes):
+    ci, s, t = segment(cuda.blockIdx.x, spc, chunk, size)
     if s < t:
         ratio, step = qsgd_steps(norms[ci], levels)
         _encode_range(x, e, has_res, s, t, levels, key, ratio, step, codes)
@@ -97,7 +98,7 @@ def _seg_encode_block(x, e, has_res, chunk, spc, levels, key, norms, codes):
 @cuda.jit
 def _seg_encode(x, e, has_res, chunk, spc, levels, key, norms, codes, buf, used, nbytes):
     zero_tail(buf, used, nbytes)
-    _seg_encode_block(x, e, has_res, chunk, spc, levels, key, norms, codes)
+    _seg_encode_block(x, e, has_res, x.size, chunk, spc, levels, key, norms, codes)
 
 
 @cuda.jit
@@ -106,8 +107,8 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, levels, prefix, phase, nor
     k = cuda.blockIdx.y
     zero_tail(mat[k, col:col + nbytes], used, nbytes)
     key = block_row_key(prefix, phase)
-    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, chunk,
-                      spc, levels, key, norms[k, ncol:], codes[k, ccol:ccol + part])
+    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part,
+                      chunk, spc, levels, key, norms[k, ncol:], codes[k, ccol:ccol + part])
 
 
 @cuda.jit(device=True)
@@ -132,11 +133,13 @@ def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
 
 @cuda.jit
 def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
-    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i."""
+    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
+    (up to out's end)."""
     k = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     stride = cuda.gridDim.x * cuda.blockDim.x
-    while i < part:
+    stop = lesser(part, out.size - k * part)
+    while i < stop:
         out[k * part + i] = _decoded(norms, ncol, codes, ccol, levels, chunk, k, i)
         i += stride
 

@@ -182,12 +182,20 @@ def check_merge(cases):
 
 
 def check_rows(cases, dtype=np.float32):
-    """(name, kwargs, rows, part, residual) cases: on the host and on the device, the row form
-    writes the per-partition calls' payload bytes (and nothing outside its columns) and
-    residuals, and ``decompress_rows`` gives their decodes; host == device throughout."""
-    for name, kw, rows, part, res in cases:
-        what = f"{name} {kw} rows={rows} part={part} residual={res} {np.dtype(dtype)}"
+    """(name, kwargs, rows, part, residual[, short]) cases: on the host and on the device, the
+    row form writes the per-partition calls' payload bytes (and nothing outside its columns)
+    and residuals, and ``decompress_rows`` gives their decodes; host == device throughout.
+    With ``short``, the row forms take a tensor that many elements short of rows * part (read
+    as zeros past its end) and decode up to its end; the per-partition calls take it
+    zero-padded."""
+    for case in cases:
+        name, kw, rows, part, res = case[:5]
+        short = case[5] if len(case) > 5 else 0
+        length = rows * part - short
+        what = (f"{name} {kw} rows={rows} part={part} residual={res} short={short} "
+                f"{np.dtype(dtype)}")
         x = _data(rows * 100 + part, rows * part, dtype)
+        x[length:] = 0                   # the zero padding that the per-partition calls take
         e = _data(part + 7, rows * part, dtype) * dtype(0.1) if res else None
         fmt = row_format(name, kw, part)
         copy = (lambda a: None if a is None else a.copy())                   # noqa: E731
@@ -195,27 +203,32 @@ def check_rows(cases, dtype=np.float32):
         # host: the per-partition loop, then the row form
         hl_x, hl_e, hl = x.copy(), copy(e), row_matrix(rows, fmt)
         partition_loop(name, kw, hl_x, hl_e, hl)
-        hr_x, hr_e, hr = x.copy(), copy(e), row_matrix(rows, fmt)
+        hr_x, hr_e, hr = x[:length].copy(), copy(e), row_matrix(rows, fmt)
         assert row_form(name, kw, hr_x, hr_e, hr) == fmt, what
         _same(hl, hr, f"host row-form payloads: {what}")
-        _same(hl_x, hr_x, f"host x untouched: {what}")
+        _same(hl_x[:length], hr_x, f"host x untouched: {what}")
         if res:
             _same(hl_e, hr_e, f"host row-form residual: {what}")
         decoded = loop_decode(fmt, hl)
         _same(decoded, nk.decompress_rows(hr, fmt, col=COL), f"host decompress_rows: {what}")
+        if short:
+            _same(decoded[:length], nk.decompress_rows(hr, fmt, out=np.empty(length, np.float32),
+                                                       col=COL), f"host short decode: {what}")
         # device: the per-partition loop, then the row form
         dl_e, dl = copy_to_device(e), cuda.to_device(row_matrix(rows, fmt))
         partition_loop(name, kw, cuda.to_device(x), dl_e, dl)
         dr_e, dr = copy_to_device(e), cuda.to_device(row_matrix(rows, fmt))
-        row_form(name, kw, cuda.to_device(x), dr_e, dr)
+        row_form(name, kw, cuda.to_device(x[:length]), dr_e, dr)
         _same(hl, dl, f"device per-partition payloads: {what}")
         _same(hl, dr, f"device row-form payloads: {what}")
         if res:
             _same(hl_e, dl_e, f"device per-partition residual: {what}")
             _same(hl_e, dr_e, f"device row-form residual: {what}")
-        out = cuda.device_array(rows * part, np.float32)
-        nk.decompress_rows(dr, fmt, out=out, col=COL)
-        _same(decoded, out, f"device decompress_rows: {what}")
+        out = cuda.to_device(np.full(length + 1, np.nan, np.float32))
+        nk.decompress_rows(dr, fmt, out=out[:length], col=COL)
+        got = out.copy_to_host()
+        _same(decoded[:length], got[:length], f"device decompress_rows: {what}")
+        assert np.isnan(got[length]), f"device decompress_rows wrote past out's end: {what}"
         for k in range(rows):      # and the device's own per-partition decode
             row = cuda.to_device(np.ascontiguousarray(hl[k:k + 1, COL:COL + fmt.nbytes]))
             _same(decoded[k * part:(k + 1) * part], nk.decompress_many(row, fmt),

@@ -116,10 +116,23 @@ def test_row_forms_equal_the_per_partition_calls():
                    ("onebit", {"chunk": 32, "scale": "l2"}, 2, 45, True)], dtype=F64)
 
 
+def test_row_forms_of_a_tensor_the_rows_do_not_divide():
+    """The tensor ends 1 to rows - 1 elements short of rows equal partitions (down to a
+    partition wholly past its end): read as zeros, decoded up to its end."""
+    dc.check_rows([("minmax", {"bits": 3, "chunk": 32}, 3, 45, True, 2),
+                   ("minmax", {"bits": 8, "chunk": 32}, 4, 2, False, 3),
+                   ("qsgd", {"levels": 127, "chunk": 32}, 3, 45, True, 1),
+                   ("qsgd", {"levels": 5, "chunk": 32}, 4, 2, True, 3),
+                   ("onebit", {"chunk": 32, "scale": "l2"}, 3, 45, False, 2),
+                   ("onebit", {"chunk": 32, "scale": "mean_abs"}, 4, 2, True, 3)])
+    dc.check_rows([("minmax", {"bits": 8, "chunk": 32}, 2, 45, True, 1)], dtype=F64)
+
+
 def test_row_forms_long_chunks():
     dc.check_rows([("minmax", {"bits": 4, "chunk": 4128}, 1, 4130, True),
                    ("qsgd", {"levels": 31, "chunk": 4100}, 1, 4130, True),
-                   ("onebit", {"chunk": 4128, "scale": "l2"}, 1, 4130, False)])
+                   ("onebit", {"chunk": 4128, "scale": "l2"}, 1, 4130, False),
+                   ("minmax", {"bits": 8, "chunk": 4128}, 2, 4130, False, 1)])
 
 
 def test_decompress_many_at_a_column_every_format():

@@ -64,14 +64,14 @@ def test_onebit(dc):
 @needs_gpu
 def test_row_forms(dc):
     """C_LP_S's batched encode and decode at bucket sizes: n = 1..4 partitions, every codec."""
-    dc.check_rows([(name, kw, rows, part, res)
+    dc.check_rows([(name, kw, rows, part, res, short)
                    for name, kw in [("minmax", {"bits": 8, "chunk": 1024}),
                                     ("minmax", {"bits": 3, "chunk": 96}),
                                     ("qsgd", {"levels": 127, "chunk": 1024}),
                                     ("onebit", {"chunk": 4096, "scale": "l2"}),
                                     ("onebit", {"chunk": 1 << 20, "scale": "l2"})]
                    for rows in (1, 2, 3, 4) for part in (1025, BIG // 4 + 1)
-                   for res in (False, True)])
+                   for res in (False, True) for short in {0, rows - 1}])
 
 
 @needs_gpu

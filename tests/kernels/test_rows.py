@@ -125,10 +125,44 @@ def test_qsgd_rows_draw_with_each_rows_seed():
         assert np.array_equal(p.buffer, b[k])
 
 
+@pytest.mark.parametrize("name, kw", CODECS, ids=[f"{n}-{kw}" for n, kw in CODECS])
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("res", [False, True], ids=["plain", "error-feedback"])
+def test_row_form_of_a_tensor_the_rows_do_not_divide(name, kw, rows, res):
+    """x short of rows equal partitions (P = ceil(len / rows)) by 1 to rows - 1 elements,
+    down to partitions wholly past its end: the bytes and residuals of the per-partition calls
+    on x zero-padded, and the decode up to x's end (nothing written past it)."""
+    for part in (1, 2, 250, 1001):
+        for short in range(1, rows):
+            length = rows * part - short
+            if -(-length // rows) != part:       # that length has shorter partitions
+                continue
+            x, e = _case(name, kw, rows, part, res)
+            x[length:] = 0
+            fmt = row_format(name, kw, part)
+            lmat, rmat = row_matrix(rows, fmt), row_matrix(rows, fmt)
+            le, re_ = (None, None) if e is None else (e.copy(), e.copy())
+            partition_loop(name, kw, x.copy(), le, lmat)
+            assert row_form(name, kw, x[:length].copy(), re_, rmat) == fmt
+            what = (name, kw, rows, length)
+            assert np.array_equal(lmat, rmat), what
+            if res:
+                assert np.array_equal(le, re_), what
+            out = np.full(length + 1, np.nan, np.float32)
+            assert nk.decompress_rows(rmat, fmt, out=out[:length], col=COL).size == length
+            assert np.array_equal(out[:length], loop_decode(fmt, lmat)[:length]), what
+            assert np.isnan(out[length]), what
+
+
 def test_row_form_arguments_are_checked():
     x = np.zeros(12, np.float32)
-    with pytest.raises(LayoutError, match="equal partitions"):
-        nk.compress_minmax_rows(x, np.zeros((5, 64), np.uint8))
+    with pytest.raises(LayoutError, match=r"residual must be float32\[15\]"):
+        # 12 elements over 5 rows: partitions of 3, so the residual covers 15
+        nk.compress_minmax_rows(x, np.zeros((5, 64), np.uint8), residual=np.zeros(12, np.float32))
+    with pytest.raises(LayoutError, match="short of that by up to 4"):
+        # rows of 3 elements decode to 15, and out may end at most 4 short (a 12-element x)
+        nk.decompress_rows(np.zeros((5, 64), np.uint8), nk.MinMaxFormat(3),
+                           out=np.zeros(10, np.float32))
     with pytest.raises(PayloadError, match="multiple of 8"):
         nk.compress_minmax_rows(x, np.zeros((3, 60), np.uint8))
     with pytest.raises(PayloadError, match="column"):
