@@ -3,7 +3,9 @@ import numpy as np
 from numba import cuda
 
 from .._half_bits import bf16_from_f32bits_py, half_fields_py, half_from_f32bits_py
-from .common import add_or_replace, bits_f32, f32_bits, load_c, zero_tail
+from .common import (add_or_replace, bits_f32, f32_bits, ilp_index, ilp_load, ilp_store, load_c,
+                     zero_tail)
+from .geometry import ILP, ILP_SPAN
 from .launch import decode_stack, launch_over
 
 half_from_f32bits = cuda.jit(device=True)(half_from_f32bits_py)
@@ -40,21 +42,31 @@ def _encode(x, e, has_res, bf16, half, buf8, used, nbytes):
         i += stride
 
 
+@cuda.jit(device=True)
+def _decoded(halves, col, bf16, p, i):
+    """Element i of row p as a float32."""
+    h = np.uint32(halves[p, col + i])
+    if bf16:
+        return bits_f32(h << _U16)
+    return f32_from_half(h)
+
+
 @cuda.jit
 def _decode(halves, col, bf16, out, accumulate):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < out.size:
-        acc = out[i]
+    """Every row decoded and summed into out in row order, ILP elements per thread."""
+    n = out.size
+    acc = cuda.local.array(ILP, out.dtype)
+    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
+    while base < n:
+        ilp_load(out, acc, base, n, accumulate)
         for p in range(halves.shape[0]):
-            h = np.uint32(halves[p, col + i])
-            if bf16:
-                v = bits_f32(h << _U16)
-            else:
-                v = f32_from_half(h)
-            acc = add_or_replace(acc, v, accumulate or p > 0)
-        out[i] = acc
-        i += stride
+            fold = accumulate or p > 0
+            for u in range(ILP):
+                value = _decoded(halves, col, bf16, p,
+                                 ilp_index(base, u, n))
+                acc[u] = add_or_replace(acc[u], value, fold)
+        ilp_store(out, acc, base, n)
+        base += cuda.gridDim.x * ILP_SPAN
 
 
 def encode(x, e, bf16, half, buf, fmt, stream):

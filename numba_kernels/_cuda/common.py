@@ -13,7 +13,7 @@ from numba import cuda
 
 from .._scalar import (LANES, SEGMENT, add_or_replace_py, greater_py, hash32_py, lesser_py,
                        row_key_py, uniform24_py)
-from .geometry import NL, SIM, THREADS
+from .geometry import ILP, NL, SIM, THREADS
 from .launch import launch_over
 
 uniform24 = cuda.jit(device=True)(uniform24_py)
@@ -112,6 +112,31 @@ def load_c(x, e, has_res, i):
     if has_res:
         return xi + e[i]
     return xi
+
+
+@cuda.jit(device=True)
+def ilp_index(base, u, n):
+    """Element u of the thread's group (base, base + THREADS, ..., ILP of them) clamped to
+    n - 1: the loads of the group stay in bounds without a branch, so they issue together;
+    ``ilp_load`` and ``ilp_store`` check base + u * THREADS < n."""
+    return lesser(base + u * THREADS, n - 1)
+
+
+@cuda.jit(device=True)
+def ilp_load(out, acc, base, n, accumulate):
+    """acc[u] = out's element u of the group when accumulating (0 otherwise: not read)."""
+    for u in range(ILP):
+        acc[u] = 0
+        if accumulate and base + u * THREADS < n:
+            acc[u] = out[base + u * THREADS]
+
+
+@cuda.jit(device=True)
+def ilp_store(out, acc, base, n):
+    """out's element u of the group = acc[u], for the elements before n."""
+    for u in range(ILP):
+        if base + u * THREADS < n:
+            out[base + u * THREADS] = acc[u]
 
 
 @cuda.jit(device=True)

@@ -15,6 +15,11 @@ THREADS = 32 if SIM else 256
 NL = LANES // THREADS          # lanes per thread
 ITEMS = 16                     # elements per thread in tiled (selection) kernels
 TILE = THREADS * ITEMS
+# The decoders give each thread ILP elements THREADS apart per pass and load all of them before
+# using any: a decode is a few dependent loads per element, so one element per thread leaves
+# too few bytes in flight to cover the memory latency.
+ILP = 4
+ILP_SPAN = THREADS * ILP       # elements a block covers per pass
 
 
 def blocks_for(n, per_block):

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _counters
 from .._scalar import SEGMENT
-from .geometry import THREADS, blocks_for
+from .geometry import ILP, ILP_SPAN, THREADS, blocks_for
 from .scratch import scratch
 
 # Grid-stride kernels never need more blocks than this to keep a GPU busy.
@@ -125,14 +125,15 @@ class RowEncoder(ChunkedEncoder):
 
 
 def decode_stack(kernel, fmt, stack, col, sections, params, out, accumulate, stream):
-    """1 launch: ``kernel(view, col, ..., *params, out, accumulate)`` over the output.
+    """1 launch: ``kernel(view, col, ..., *params, out, accumulate)`` over the output, each
+    thread taking ILP elements per pass (``common.ilp_index``).
 
     ``sections`` names the payload sections the kernel reads; each is passed as
     its 2-D view of the (P, width) stack, whose rows hold the payloads at byte
     column ``col`` (0 for a (P, nbytes) stack), and the column it starts at.
     """
     columns = row_sections(fmt.views2d(stack, col), sections)
-    launch_over(kernel, out.size, stream, *columns, *params, out, accumulate)
+    launch_over(kernel, -(-out.size // ILP), stream, *columns, *params, out, accumulate)
 
 
 def row_sections(views, sections):
@@ -142,6 +143,7 @@ def row_sections(views, sections):
 
 def decode_rows(kernel, fmt, columns, params, rows, out, stream):
     """1 launch: ``kernel(*columns, *params, part, out)`` on a (blocks, rows) grid, block
-    (b, k) striding over partition k of out (at most GRID_LIMIT blocks in all)."""
-    blocks = min(blocks_for(fmt.n, THREADS), max(1, GRID_LIMIT // rows))
+    (b, k) striding over partition k of out, ILP elements per thread and pass (at most
+    GRID_LIMIT blocks in all)."""
+    blocks = min(blocks_for(fmt.n, ILP_SPAN), max(1, GRID_LIMIT // rows))
     launch(kernel, (blocks, rows), THREADS, stream, *columns, *params, fmt.n, out)

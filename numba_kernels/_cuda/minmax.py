@@ -13,9 +13,9 @@ from numba import cuda
 from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, block_range, fma32, greater, lesser, load_c, segment,
-                     tree_range, zero_tail)
-from .geometry import NL, THREADS
+from .common import (add_or_replace, block_range, fma32, greater, ilp_index, ilp_load, ilp_store,
+                     lesser, load_c, segment, tree_range, zero_tail)
+from .geometry import ILP, ILP_SPAN, NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
 
@@ -188,7 +188,9 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, bits, params, pcol, words,
 
 @cuda.jit(device=True)
 def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, p, i):
-    """x_hat of element i of row p."""
+    """x_hat of element i of row p.  A packed code's second word is read whether the code
+    spills into it or not (``extract`` masks it off), at an index kept inside the row, so no
+    load waits on a branch."""
     ci = i // chunk
     mn = params[p, pcol + 2 * ci]
     scale = params[p, pcol + 2 * ci + 1]
@@ -197,38 +199,44 @@ def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, p, i):
     else:
         pos = i * bits
         w = pos >> 5
-        off = pos & 31
-        w1 = np.uint32(0)
-        if off + bits > 32:
-            w1 = words[p, wcol + w + 1]
-        q = extract(words[p, wcol + w], w1, off, bits)
+        w1 = words[p, lesser(wcol + w + 1, words.shape[1] - 1)]
+        q = extract(words[p, wcol + w], w1, pos & 31, bits)
     return fma32(np.float32(q), scale, mn)
 
 
 @cuda.jit
 def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < out.size:
-        acc = out[i]
+    """Every row decoded and summed into out in row order, ILP elements per thread."""
+    n = out.size
+    acc = cuda.local.array(ILP, out.dtype)
+    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
+    while base < n:
+        ilp_load(out, acc, base, n, accumulate)
         for p in range(params.shape[0]):
-            acc = add_or_replace(acc, _decoded(params, pcol, words, wcol, bytes8, bcol, bits,
-                                               chunk, p, i), accumulate or p > 0)
-        out[i] = acc
-        i += stride
+            fold = accumulate or p > 0
+            for u in range(ILP):
+                value = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, p,
+                                 ilp_index(base, u, n))
+                acc[u] = add_or_replace(acc[u], value, fold)
+        ilp_store(out, acc, base, n)
+        base += cuda.gridDim.x * ILP_SPAN
 
 
 @cuda.jit
 def _decode_rows(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out):
     """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
-    (up to out's end)."""
+    (up to out's end), ILP elements per thread."""
     k = cuda.blockIdx.y
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    stride = cuda.gridDim.x * cuda.blockDim.x
     stop = lesser(part, out.size - k * part)
-    while i < stop:
-        out[k * part + i] = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, k, i)
-        i += stride
+    mine = out[k * part:]
+    vals = cuda.local.array(ILP, out.dtype)
+    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
+    while base < stop:
+        for u in range(ILP):
+            vals[u] = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, k,
+                               ilp_index(base, u, stop))
+        ilp_store(mine, vals, base, stop)
+        base += cuda.gridDim.x * ILP_SPAN
 
 
 _ENCODER = ChunkedEncoder(_fused, _seg_range, _chunk_params, _seg_encode, part_shape=(2,))

@@ -4,9 +4,10 @@ from numba import cuda
 
 from .._chunk_rules import qsgd_level_py, qsgd_norm_py, qsgd_steps_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, block_lane_combine, block_lane_sum, block_row_key, lesser,
-                     load_c, mul32, seg_sums, seg_sums_rows, segment, uniform24, zero_tail)
-from .geometry import THREADS
+from .common import (add_or_replace, block_lane_combine, block_lane_sum, block_row_key,
+                     ilp_index, ilp_load, ilp_store, lesser, load_c, mul32, seg_sums,
+                     seg_sums_rows, segment, uniform24, zero_tail)
+from .geometry import ILP, ILP_SPAN, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
 
@@ -120,28 +121,37 @@ def _decoded(norms, ncol, codes, ccol, levels, chunk, p, i):
 
 @cuda.jit
 def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < out.size:
-        acc = out[i]
+    """Every row decoded and summed into out in row order, ILP elements per thread."""
+    n = out.size
+    acc = cuda.local.array(ILP, out.dtype)
+    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
+    while base < n:
+        ilp_load(out, acc, base, n, accumulate)
         for p in range(norms.shape[0]):
-            acc = add_or_replace(acc, _decoded(norms, ncol, codes, ccol, levels, chunk, p, i),
-                                 accumulate or p > 0)
-        out[i] = acc
-        i += stride
+            fold = accumulate or p > 0
+            for u in range(ILP):
+                value = _decoded(norms, ncol, codes, ccol, levels, chunk, p,
+                                 ilp_index(base, u, n))
+                acc[u] = add_or_replace(acc[u], value, fold)
+        ilp_store(out, acc, base, n)
+        base += cuda.gridDim.x * ILP_SPAN
 
 
 @cuda.jit
 def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
     """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
-    (up to out's end)."""
+    (up to out's end), ILP elements per thread."""
     k = cuda.blockIdx.y
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    stride = cuda.gridDim.x * cuda.blockDim.x
     stop = lesser(part, out.size - k * part)
-    while i < stop:
-        out[k * part + i] = _decoded(norms, ncol, codes, ccol, levels, chunk, k, i)
-        i += stride
+    mine = out[k * part:]
+    vals = cuda.local.array(ILP, out.dtype)
+    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
+    while base < stop:
+        for u in range(ILP):
+            vals[u] = _decoded(norms, ncol, codes, ccol, levels, chunk, k,
+                               ilp_index(base, u, stop))
+        ilp_store(mine, vals, base, stop)
+        base += cuda.gridDim.x * ILP_SPAN
 
 
 _ENCODER = ChunkedEncoder(_fused, seg_sums, _chunk_norms, _seg_encode)
