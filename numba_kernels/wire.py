@@ -65,10 +65,22 @@ class Section:
 
 
 class _Format:
-    """Shared behaviour of the formats: sizes and views of a buffer."""
+    """Shared behaviour of the formats: sizes and views of a buffer.
 
-    def sections(self):  # pragma: no cover - abstract
+    A format is immutable, so its layout is worked out once per instance: the primitives ask
+    for sections, sizes and views several times per call on every step, and on a GPU that
+    host time adds to every bucket's."""
+
+    def _layout(self):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def sections(self):
+        """The payload's sections, in order (computed on first use, then kept)."""
+        kept = self.__dict__.get("_sections")
+        if kept is None:
+            kept = self._layout()
+            object.__setattr__(self, "_sections", kept)  # not a field: eq and hash ignore it
+        return kept
 
     @property
     def used_nbytes(self):  # pragma: no cover - abstract
@@ -77,8 +89,12 @@ class _Format:
     @property
     def nbytes(self):
         """Size of the whole payload in bytes (a multiple of ALIGN)."""
-        last = self.sections()[-1]
-        return _round_up(last.offset + last.nbytes, ALIGN)
+        kept = self.__dict__.get("_nbytes")
+        if kept is None:
+            last = self.sections()[-1]
+            kept = _round_up(last.offset + last.nbytes, ALIGN)
+            object.__setattr__(self, "_nbytes", kept)
+        return kept
 
     @property
     def ratio(self):
@@ -138,7 +154,7 @@ class CastFormat(_Format):
         if self.kind not in ("fp16", "bf16"):
             raise KernelParameterError(f"kind must be 'fp16' or 'bf16', got {self.kind!r}")
 
-    def sections(self):
+    def _layout(self):
         return (Section("half", 0, np.dtype(np.uint16), self.n),)
 
     @property
@@ -166,7 +182,7 @@ class MinMaxFormat(_Format):
     def nwords(self):
         return _ceil_div(self.n * self.bits, 32)
 
-    def sections(self):
+    def _layout(self):
         nc = self.nchunks
         return (Section("params", 0, np.dtype(np.float32), 2 * nc),
                 Section("codes", 8 * nc, np.dtype(np.uint32), self.nwords))
@@ -192,7 +208,7 @@ class QSGDFormat(_Format):
     def nchunks(self):
         return _ceil_div(self.n, self.chunk)
 
-    def sections(self):
+    def _layout(self):
         nc = self.nchunks
         return (Section("norms", 0, np.dtype(np.float32), nc),
                 Section("codes", 4 * nc, np.dtype(np.int8), self.n))
@@ -220,7 +236,7 @@ class OneBitFormat(_Format):
     def nwords(self):
         return _ceil_div(self.n, 32)
 
-    def sections(self):
+    def _layout(self):
         nc = self.nchunks
         return (Section("scales", 0, np.dtype(np.float32), nc),
                 Section("signs", 4 * nc, np.dtype(np.uint32), self.nwords))
@@ -251,7 +267,7 @@ class TopKFormat(_Format):
     def itemsize(self):
         return np.dtype(self.index_dtype).itemsize
 
-    def sections(self):
+    def _layout(self):
         return (Section("indices", 0, np.dtype(self.index_dtype), self.k),
                 Section("values", self.k * self.itemsize, np.dtype(np.float32), self.k))
 

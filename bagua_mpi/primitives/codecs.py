@@ -10,6 +10,7 @@ each on a device instead of n, byte for byte the per-partition calls.
 """
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ class Codec:
     name = "codec"
 
     def format(self, n: int):
+        """The wire format of n elements. The codecs keep the formats they made (an LRU
+        cache: codecs are few and immutable), since C_LP_S asks for each segment's several
+        times per step."""
         raise NotImplementedError
 
     def compress(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None = None,
@@ -91,6 +95,7 @@ class MinMaxCodec(Codec):
     chunk: int = 1024
     name = "minmax"
 
+    @functools.lru_cache(maxsize=256)  # see Codec.format
     def format(self, n):
         return nk.MinMaxFormat(n, self.bits, self.chunk)
 
@@ -112,6 +117,7 @@ class QSGDCodec(Codec):
     chunk: int = 1024
     name = "qsgd"
 
+    @functools.lru_cache(maxsize=256)  # see Codec.format
     def format(self, n):
         return nk.QSGDFormat(n, self.levels, self.chunk)
 
@@ -135,6 +141,7 @@ class OneBitCodec(Codec):
     scale: str = "l2"
     name = "onebit"
 
+    @functools.lru_cache(maxsize=256)  # see Codec.format
     def format(self, n):
         return nk.OneBitFormat(n, self.chunk)
 
