@@ -39,7 +39,7 @@ def test_train_all_profiles_and_summarizes_on_cpu(tmp_path):
 
 def test_kernel_benchmark_gpu_section_runs_in_the_simulator():
     """``benchmarks/kernels.py``'s GPU section (step (d) of the check) end to end on Numba's
-    CUDA simulator at a tiny size: every row and the host-time column are printed."""
+    CUDA simulator at a tiny size: every row with its device, idle-device and host times."""
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import kernels; "
             "print('\\n'.join(kernels.gpu_section(256, 1)))")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore")
@@ -49,4 +49,4 @@ def test_kernel_benchmark_gpu_section_runs_in_the_simulator():
     rows = [line for line in out.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| kernel")]
     assert len(rows) == 10, out.stdout
-    assert all(len(row.split("|")) == 7 for row in rows), out.stdout   # five columns each
+    assert all(len(row.split("|")) == 8 for row in rows), out.stdout   # six columns each
