@@ -50,3 +50,39 @@ def test_kernel_benchmark_gpu_section_runs_in_the_simulator():
             if line.startswith("| ") and not line.startswith("| kernel")]
     assert len(rows) == 10, out.stdout
     assert all(len(row.split("|")) == 8 for row in rows), out.stdout   # six columns each
+
+
+def test_gpu_check_budget_cuts_skips_and_saves(tmp_path):
+    """``run.sh``'s time budget (``tests/gpu/budget.sh``): a step's timeout is cut to what is
+    left after the summary's 20 s, a step with under 30 s left gets 0 (skipped, and said so in
+    steps.log, which the summary shows), and ``save`` copies the results so far to $OUT (the
+    device tool brings back only that folder, and only what is there when it stops a run)."""
+    res, out = tmp_path / "res", tmp_path / "out"
+    res.mkdir()
+    out.mkdir()
+    (res / "train.jsonl").write_text('{"mode": "cuda-aware", "skipped": "not CUDA-aware"}\n')
+    script = f"""
+set -u
+RES={res}; OUT={out}; BUDGET=100
+START=$(( $(date +%s) - 10 ))     # 10 s into 100: 70 s left after the summary's 20
+echo "early $(allow 200) $(allow 50)"
+START=$(( $(date +%s) - 55 ))     # 25 s left: too little for a step
+echo "late $(allow 50)"
+skip "(x) a step"
+save
+"""
+    run = subprocess.run(["bash", "-c", f"source {REPO}/tests/gpu/budget.sh\n{script}"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    words = run.stdout.split()
+    early = words.index("early")
+    assert 68 <= int(words[early + 1]) <= 70, run.stdout        # cut to what is left
+    assert int(words[early + 2]) == 50, run.stdout               # fits: as asked
+    assert words[words.index("late") + 1] == "0", run.stdout     # under 30 s: skip
+    assert "(x) a step skipped" in (res / "steps.log").read_text()
+    assert (out / "train.jsonl").exists() and (out / "steps.log").exists()
+    summary = subprocess.run([sys.executable, str(REPO / "tests/gpu/summarize.py"), str(res),
+                              "cpu", "MPICH", "0"], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+    assert "## Steps" in summary and "(x) a step skipped" in summary
+

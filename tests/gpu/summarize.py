@@ -76,6 +76,9 @@ def main():
     log = os.path.join(res, "pytest_gpu.log")
     tail = open(log).read().splitlines()[-12:] if os.path.exists(log) else ["(no log)"]
     out += ["", "## pytest -m gpu (tail)", "", "```", *tail, "```"]
+    steps = os.path.join(res, "steps.log")
+    if os.path.exists(steps):   # run.sh's notes: when each step started, what it skipped
+        out += ["", "## Steps", "", "```", *open(steps).read().splitlines(), "```"]
     print("\n".join(out))
 
 
