@@ -17,6 +17,7 @@ from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDC
                                   peers_for, random_pairing)
 from bagua_mpi.algorithms import AlgorithmContext, AlgorithmImpl
 from bagua_mpi.primitives.codecs import call_seed
+from bagua_mpi.primitives.lowprec import compressed_reduce_scatter_
 
 
 def inputs(seed, size, length, integer=False):
@@ -93,6 +94,45 @@ def check_compressed_allreduce(rank, size):
                 gap = np.abs(running_got - running_exact)
                 carried = np.abs(w_sim[rank]).max() + np.abs(np.concatenate(s_sim)).max()
                 assert gap.max() <= size * (carried + 1e-3) + 1e-3, (codec, gap.max(), carried)
+    return checks
+
+
+def check_compressed_reduce_scatter(rank, size):
+    """The first half of C_LP_S (ZeRO stage 2's exchange) at lengths the ranks do not divide:
+    this rank's reduced partition, and its worker error, against every rank's payloads made
+    from zero-padded copies in one process."""
+    comm = bm.runtime.get().topo.comm
+    checks = 0
+    for codec in (MinMaxCodec(8, 64), QSGDCodec(127, 64), OneBitCodec(64)):
+        for length in (1, 257, 1000 * size - 1):
+            part = partition_length(length, size)
+            xs = inputs([length, 17], size, length)
+            padded = [np.concatenate([x, np.zeros(part * size - length, np.float32)])
+                      for x in xs]
+            errors = [np.random.default_rng([i, 5]).standard_normal(part * size)
+                      .astype(np.float32) * np.float32(0.1) for i in range(size)]
+            fmt = codec.format(part)
+            payloads = np.empty((size, fmt.nbytes), np.uint8)   # the senders' partition `rank`
+            my_error = errors[rank].copy()
+            for i in range(size):
+                err = errors[i].copy() if i != rank else my_error
+                for k in range(size):
+                    out = np.empty(fmt.nbytes, np.uint8)
+                    codec.compress(padded[i][k * part:(k + 1) * part], out,
+                                   residual=err[k * part:(k + 1) * part],
+                                   seed=call_seed(3, i, k, 1))
+                    if k == rank:
+                        payloads[i] = out
+            expected = codec.decompress_many(payloads, part, out=np.empty(part, np.float32))
+            expected *= np.float32(1.0 / size)
+            got = torch.empty(part)
+            worker = torch.from_numpy(errors[rank].copy())
+            compressed_reduce_scatter_(torch.from_numpy(xs[rank].copy()), comm, codec, got,
+                                       worker_error=worker, scale=1.0 / size, seed=3)
+            what = f"compressed reduce-scatter {codec} length {length}"
+            assert np.array_equal(got.numpy(), expected), what
+            assert np.array_equal(worker.numpy(), my_error), what + " worker error"
+            checks += 1
     return checks
 
 
@@ -252,6 +292,7 @@ def main():
     checks = check_cast_allreduce(rank, size)
     checks += check_compressed_allreduce(rank, size)
     checks += check_packed_compressed_allreduce(rank, size)
+    checks += check_compressed_reduce_scatter(rank, size)
     checks += check_hierarchical_compressed(rank, size)
     checks += check_decentralized(rank, size)
     checks += check_low_precision_decentralized(rank, size)
