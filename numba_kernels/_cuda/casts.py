@@ -62,8 +62,7 @@ def _decode(halves, col, bf16, out, accumulate):
         for p in range(halves.shape[0]):
             fold = accumulate or p > 0
             for u in range(ILP):
-                value = _decoded(halves, col, bf16, p,
-                                 ilp_index(base, u, n))
+                value = _decoded(halves, col, bf16, p, ilp_index(base, u, n))
                 acc[u] = add_or_replace(acc[u], value, fold)
         ilp_store(out, acc, base, n)
         base += cuda.gridDim.x * ILP_SPAN

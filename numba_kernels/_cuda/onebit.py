@@ -138,8 +138,7 @@ def _decode(scales, scol, words, wcol, chunk, out, accumulate):
         for p in range(scales.shape[0]):
             fold = accumulate or p > 0
             for u in range(ILP):
-                value = _decoded(scales, scol, words, wcol, chunk, p,
-                                 ilp_index(base, u, n))
+                value = _decoded(scales, scol, words, wcol, chunk, p, ilp_index(base, u, n))
                 acc[u] = add_or_replace(acc[u], value, fold)
         ilp_store(out, acc, base, n)
         base += cuda.gridDim.x * ILP_SPAN
@@ -156,8 +155,7 @@ def _decode_rows(scales, scol, words, wcol, chunk, part, out):
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
         for u in range(ILP):
-            vals[u] = _decoded(scales, scol, words, wcol, chunk, k,
-                               ilp_index(base, u, stop))
+            vals[u] = _decoded(scales, scol, words, wcol, chunk, k, ilp_index(base, u, stop))
         ilp_store(mine, vals, base, stop)
         base += cuda.gridDim.x * ILP_SPAN
 

@@ -130,8 +130,7 @@ def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
         for p in range(norms.shape[0]):
             fold = accumulate or p > 0
             for u in range(ILP):
-                value = _decoded(norms, ncol, codes, ccol, levels, chunk, p,
-                                 ilp_index(base, u, n))
+                value = _decoded(norms, ncol, codes, ccol, levels, chunk, p, ilp_index(base, u, n))
                 acc[u] = add_or_replace(acc[u], value, fold)
         ilp_store(out, acc, base, n)
         base += cuda.gridDim.x * ILP_SPAN
@@ -148,8 +147,7 @@ def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
         for u in range(ILP):
-            vals[u] = _decoded(norms, ncol, codes, ccol, levels, chunk, k,
-                               ilp_index(base, u, stop))
+            vals[u] = _decoded(norms, ncol, codes, ccol, levels, chunk, k, ilp_index(base, u, stop))
         ilp_store(mine, vals, base, stop)
         base += cuda.gridDim.x * ILP_SPAN
 
