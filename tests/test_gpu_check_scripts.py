@@ -70,6 +70,14 @@ START=$(( $(date +%s) - 55 ))     # 25 s left: too little for a step
 echo "late $(allow 50)"
 skip "(x) a step"
 save
+status=0
+START=$(date +%s)
+step 60 "(y) a step that passes" y.log 1 echo fine
+echo "after y: $status"
+step 60 "(z) a step that fails" z.log 1 bash -c "echo broken; exit 3"
+echo "after z: $status"
+START=$(( $(date +%s) - 70 ))
+step 60 "(w) a late step" w.log 1 echo never
 """
     run = subprocess.run(["bash", "-c", f"source {REPO}/tests/gpu/budget.sh\n{script}"],
                          capture_output=True, text=True, timeout=60)
@@ -79,7 +87,14 @@ save
     assert 68 <= int(words[early + 1]) <= 70, run.stdout        # cut to what is left
     assert int(words[early + 2]) == 50, run.stdout               # fits: as asked
     assert words[words.index("late") + 1] == "0", run.stdout     # under 30 s: skip
-    assert "(x) a step skipped" in (res / "steps.log").read_text()
+    steps = (res / "steps.log").read_text()
+    assert "(x) a step skipped" in steps
+    # step: runs the command into its log and shows its tail, a failure sets status and is
+    # noted, a step without time is skipped without running
+    assert "fine\nafter y: 0" in run.stdout and "\nbroken\n" in run.stdout
+    assert "after z: 1" in run.stdout
+    assert "(z) a step that fails: rc 3" in steps and "(w) a late step skipped" in steps
+    assert not (res / "w.log").exists() and (out / "z.log").exists()
     assert (out / "train.jsonl").exists() and (out / "steps.log").exists()
     summary = subprocess.run([sys.executable, str(REPO / "tests/gpu/summarize.py"), str(res),
                               "cpu", "MPICH", "0"], capture_output=True, text=True, check=True,

@@ -1,4 +1,4 @@
-# Time budget and incremental results for tests/gpu/run.sh (sourced; tested on its own by
+# Time budget, steps and incremental results for tests/gpu/run.sh (sourced; tested on its own by
 # tests/test_gpu_check_scripts.py). Needs START (the run's start, epoch seconds), BUDGET
 # (seconds for the whole run), RES (the results folder) and, when set, OUT (the folder the
 # device tool brings back).
@@ -25,4 +25,23 @@ save() {
         cp "$RES"/*.jsonl "$RES"/*.log "$RES"/*.json "$RES"/kernels_gpu.md "$OUT"/ 2>/dev/null
     fi
     return 0
+}
+
+# step WANT NAME LOG LINES CMD...: run CMD with the timeout ``allow WANT`` gives (or skip it),
+# its output into $RES/LOG and the last LINES of that shown; a failure sets status to 1 and
+# is noted; the results so far are saved either way
+step() {
+    local want=$1 name=$2 log=$3 lines=$4 t rc
+    shift 4
+    t=$(allow "$want")
+    if [ "$t" -eq 0 ]; then
+        skip "$name"
+    else
+        note "$name"
+        timeout "$t" "$@" > "$RES/$log" 2>&1
+        rc=$?
+        tail -"$lines" "$RES/$log"
+        [ $rc -eq 0 ] || { status=1; note "$name: rc $rc"; }
+    fi
+    save
 }

@@ -40,7 +40,7 @@ rm -f "$RES"/*.jsonl "$RES"/*.log
 START=$(date +%s)
 BUDGET=${GPU_CHECK_SECONDS:-560}
 status=0
-source tests/gpu/budget.sh   # note, allow, skip, save
+source tests/gpu/budget.sh   # note, allow, skip, save, step
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     note "installing the carried wheels"
@@ -58,35 +58,15 @@ DEVICE=$(python3 -c "import torch; print(torch.cuda.get_device_name(0))") || {
 MPIVER=$(python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])")
 note "device: $DEVICE; MPI: $MPIVER; mpiexec: $(command -v mpiexec)"
 
-T=$(allow 170)
-if [ "$T" -gt 0 ]; then
-    note "(a) pytest -m gpu"
-    timeout "$T" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests \
-        > "$RES/pytest_gpu.log" 2>&1
-    rc=$?; tail -15 "$RES/pytest_gpu.log"
-    [ $rc -eq 0 ] || { status=1; note "pytest -m gpu: rc $rc"; }
-else skip "(a) pytest -m gpu"; fi
-save
-
-T=$(allow 130)
-if [ "$T" -gt 0 ]; then
-    note "(b) every algorithm at 2 ranks on one GPU, payloads staged"
-    BAGUA_MPI_CUDA_AWARE=0 timeout "$T" mpiexec -n 2 python3 tests/gpu/train_all.py \
-        --mode staged --profile 30 --out "$RES/train.jsonl" 2>&1 | tail -40
-    rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "staged training: rc $rc"; }
-else skip "(b) staged training"; fi
-save
-
-T=$(allow 150)
-if [ "$T" -gt 0 ]; then
-    note "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)"
-    BAGUA_MPI_CUDA_AWARE=0 timeout "$T" mpiexec -n 2 python3 tests/gpu/train_all.py \
-        --width 4608 --timing-only \
-        --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \
-        --mode staged-21M --out "$RES/train.jsonl" 2>&1 | tail -12
-    rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "21M staged timing: rc $rc"; }
-else skip "(b) 21.5M staged timing"; fi
-save
+step 170 "(a) pytest -m gpu" pytest_gpu.log 15 \
+    python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests
+step 130 "(b) every algorithm at 2 ranks on one GPU, payloads staged" train_staged.log 40 \
+    env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py \
+    --mode staged --profile 30 --out "$RES/train.jsonl"
+step 150 "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)" train_21m.log 12 \
+    env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py --width 4608 \
+    --timing-only --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \
+    --mode staged-21M --out "$RES/train.jsonl"
 
 T=$(allow 210)
 if [ -f .whl/impi-slim.tar.xz ] && [ "$T" -ge 120 ]; then
@@ -122,13 +102,9 @@ if [ "$(allow 170)" -lt 70 ]; then
     skip "(b) CUDA-aware training"
 elif timeout 40 python3 -c "import sys; from bagua_mpi.cuda import probe_cuda_aware as p; \
 sys.exit(0 if p(30) else 1)"; then
-    T=$(allow 130)
-    if [ "$T" -gt 0 ]; then
-        note "(b) again with device buffers (the MPI is CUDA-aware)"
-        BAGUA_MPI_CUDA_AWARE=1 timeout "$T" mpiexec -n 2 python3 tests/gpu/train_all.py \
-            --mode cuda-aware --out "$RES/train.jsonl" 2>&1 | tail -40
-        rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "CUDA-aware training: rc $rc"; }
-    else skip "(b) CUDA-aware training"; fi
+    step 130 "(b) again with device buffers (the MPI is CUDA-aware)" train_aware.log 40 \
+        env BAGUA_MPI_CUDA_AWARE=1 mpiexec -n 2 python3 tests/gpu/train_all.py \
+        --mode cuda-aware --out "$RES/train.jsonl"
 else
     note "(b) CUDA-aware run skipped: the probe says this MPI ($MPIVER) cannot read device memory"
     echo '{"mode": "cuda-aware", "skipped": "MPI not CUDA-aware (probe failed)"}' >> "$RES/train.jsonl"
@@ -136,22 +112,11 @@ fi
 
 save
 
-T=$(allow 120)
-if [ "$T" -gt 0 ]; then
-    note "(c) NCCL at world size 1"
-    timeout "$T" mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json" 2>&1 | tail -16
-    rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || { status=1; note "NCCL check: rc $rc"; }
-else skip "(c) NCCL"; fi
-save
-
-T=$(allow 150)
-if [ "$T" -gt 0 ]; then
-    note "(d) kernel benchmark at 1e8 elements"
-    timeout "$T" python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
-        --markdown "$RES/kernels_gpu.md" > "$RES/kernels.log" 2>&1
-    rc=$?; tail -30 "$RES/kernels.log"; [ $rc -eq 0 ] || { status=1; note "benchmark: rc $rc"; }
-else skip "(d) kernel benchmark"; fi
-save
+step 120 "(c) NCCL at world size 1" nccl.log 16 \
+    mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json"
+step 150 "(d) kernel benchmark at 1e8 elements" kernels.log 30 \
+    python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
+    --markdown "$RES/kernels_gpu.md"
 
 note "(e) summary"
 python3 tests/gpu/summarize.py "$RES" "$DEVICE" "$MPIVER" "$status" > "$RES/gpu_check.md"
