@@ -40,8 +40,9 @@ def inp(tag, r, shape, dtype="float32", scale=1.0):
     return torch.from_numpy(rng.standard_normal(shape) * scale).to(TORCH_DTYPES[dtype])
 
 
-def close(got, inputs, what, pre=1.0, post=1.0, expected=None):
-    """``got`` (tensor or array) against the simulation of ``inputs``, to TOL of its dtype."""
+def close(got, inputs, what, pre=1.0, post=1.0, expected=None, tol=None):
+    """``got`` (tensor or array) against the simulation of ``inputs``, to ``tol`` (TOL of its
+    dtype by default)."""
     if isinstance(got, np.ndarray):
         got = torch.from_numpy(got)
     dtype = str(inputs[0].dtype).replace("torch.", "")
@@ -54,8 +55,9 @@ def close(got, inputs, what, pre=1.0, post=1.0, expected=None):
         assert not np.any(have), f"{what}: expected zeros, got {have}"
         return
     err = np.max(np.abs(have - want)) / scale
-    assert np.all(np.isfinite(have)) and err <= TOL[dtype], (
-        f"{what}: relative error {err:.3g} > {TOL[dtype]} (largest |expected| {scale:.3g})")
+    tol = TOL[dtype] if tol is None else tol
+    assert np.all(np.isfinite(have)) and err <= tol, (
+        f"{what}: relative error {err:.3g} > {tol} (largest |expected| {scale:.3g})")
 
 
 def expect(exc, fn, needle):
@@ -317,8 +319,13 @@ def optimizer_matches_simulation(rank, size):
                 deltas.append([p.detach() - t for p, t in zip(replicas[q].parameters(), theta)])
             theta = [t + torch.from_numpy(adasum_all([d[i] for d in deltas]))
                      for i, t in enumerate(theta)]
+        # Three optimizer steps carry the last-bit differences between the library's Adasum
+        # sums and NumPy's (whose order depends on the CPU's vector width) through Adam's
+        # division by sqrt(v), which is small in the first steps: 1.0e-11 was seen on an AMD
+        # EPYC (1e-12 held on another machine). A wrong combination is off by far more.
         for (pname, p), t in zip(model.named_parameters(), theta):
-            close(p.detach(), [t], f"{name} {pname} after 3 steps", expected=t.numpy())
+            close(p.detach(), [t], f"{name} {pname} after 3 steps", expected=t.numpy(),
+                  tol=1e-9)
 
 
 def reducescatter_raises(rank, size):
