@@ -8,6 +8,7 @@ compiled to PTX for a real GPU (see ``ptx_compile.py``).
 """
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -16,8 +17,12 @@ from numba import config
 if not config.ENABLE_CUDASIM:
     pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (see test_simulator.py)", allow_module_level=True)
 
+from numba import cuda  # noqa: E402
+
 import device_checks as dc  # noqa: E402
+import numba_kernels._cuda  # noqa: E402,F401 - installs the simulator's counting swap
 from row_refs import registry_cases  # noqa: E402
+from sim_swap_helpers import leaves_first, stays_longer  # noqa: E402
 
 F32, F64 = np.float32, np.float64
 
@@ -43,7 +48,7 @@ def record_launches():
         return ["int" if isinstance(arr, int) else "float"]
 
     def recording(self, *args):
-        if not self._device:
+        if not self._device and self.fn.__module__.startswith("numba_kernels."):
             seen.add(json.dumps([self.fn.__module__, self.fn.__name__, [spec(a) for a in args]]))
         return original(self, *args)
 
@@ -173,3 +178,25 @@ def test_scale_and_fill_as_the_primitives_launch_them():
     fill(d[100:], F32(0))
     got = d.copy_to_host()
     assert np.array_equal(got[:100], x[:100] * F32(0.25)) and not got[100:].any()
+
+
+@cuda.jit
+def _two_threads(out):
+    t = cuda.threadIdx.x
+    if t == 1:
+        out[t] = leaves_first()
+    else:
+        time.sleep(0.01)       # enter after thread 1 has swapped sim_swap_helpers' cuda
+        out[t] = stays_longer()
+
+
+def test_two_threads_inside_one_modules_device_functions():
+    """Thread 1 enters a device function of ``sim_swap_helpers`` and returns while thread 0,
+    which entered another one of that module later, is still inside. The simulator alone put
+    the real ``numba.cuda`` back on thread 1's return, and thread 0 failed on
+    ``cuda.threadIdx``; ``numba_kernels._simulator_compat`` counts the threads inside instead.
+    (The kernel sits in another module than the device functions, as qsgd's kernels do with
+    ``common``'s: within the kernel's own module the launch's swap covers every thread.)"""
+    out = np.full(2, -1, np.int64)
+    _two_threads[1, 2](out)
+    assert list(out) == [0, 1]

@@ -1,0 +1,17 @@
+"""Device functions for ``sim_kernels.py``'s test of the simulator's ``cuda`` swap: two
+simulated threads inside functions of this one module at once. Simulator only (they sleep)."""
+import time
+
+from numba import cuda
+
+
+@cuda.jit(device=True)
+def leaves_first():
+    time.sleep(0.05)
+    return cuda.threadIdx.x
+
+
+@cuda.jit(device=True)
+def stays_longer():
+    time.sleep(0.1)
+    return cuda.threadIdx.x
