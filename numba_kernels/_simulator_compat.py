@@ -5,41 +5,39 @@ swaps the ``cuda`` name in that function's module for its fake module, restoring
 Two simulated threads inside functions of one module race: the one that swapped first restores
 the real module on return while the other is still running, which then fails with
 ``AttributeError: module 'numba.cuda' has no attribute 'syncthreads'`` (seen once in three CI
-runs: ``block_lane_sum`` and ``load_c`` share ``_cuda/common.py``). Counting the threads inside
-each module's functions, and restoring only when the last one leaves, removes the race; with
-one thread it does exactly what the simulator did.
+runs: ``block_lane_sum`` and ``load_c`` share ``_cuda/common.py``). Here a device function's
+call puts the fake module in and leaves it there; the kernel's own swap, made by the launching
+thread around all of the kernel's blocks, puts the real module back into every module touched
+when the kernel ends. A lock around a per-call count fixed the race too, but made the simulator
+suite six times slower: hundreds of simulated threads queued on it.
 """
 import contextlib
 import threading
 
-_lock = threading.Lock()
-_inside = {}   # id of a module's globals -> [threads inside its functions, the names swapped]
+_touched = {}   # id of a module's globals -> (the globals, the names that held ``cuda``)
 
 
 @contextlib.contextmanager
 def _swapped_cuda_module(fn, fake_cuda_module):
     from numba import cuda
+    from numba.cuda.simulator.kernel import BlockThread
     globs = fn.__globals__
-    key = id(globs)
-    with _lock:
-        entry = _inside.get(key)
-        if entry is None:
-            names = [k for k, v in globs.items() if v is cuda]
-            globs.update((k, fake_cuda_module) for k in names)
-            entry = _inside[key] = [0, names, cuda]
-        entry[0] += 1
+    names = [k for k, v in globs.items() if v is cuda]
+    if names:
+        _touched.setdefault(id(globs), (globs, names))
+        globs.update((k, fake_cuda_module) for k in names)
     try:
         yield
     finally:
-        with _lock:
-            entry[0] -= 1
-            if entry[0] == 0:
-                globs.update((k, entry[2]) for k in entry[1])
-                del _inside[key]
+        if not isinstance(threading.current_thread(), BlockThread):
+            # the kernel's swap: no simulated thread is left inside any module
+            while _touched:
+                globs, names = _touched.popitem()[1]
+                globs.update((k, cuda) for k in names)
 
 
 def make_simulator_thread_safe() -> None:
-    """Install the counting swap in the simulator (only where it runs)."""
+    """Install the race-free swap in the simulator (only where it runs)."""
     from numba import config
     if not config.ENABLE_CUDASIM:
         return
