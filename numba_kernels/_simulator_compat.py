@@ -9,7 +9,8 @@ runs: ``block_lane_sum`` and ``load_c`` share ``_cuda/common.py``). Here a devic
 call puts the fake module in and leaves it there; the kernel's own swap, made by the launching
 thread around all of the kernel's blocks, puts the real module back into every module touched
 when the kernel ends. A lock around a per-call count fixed the race too, but made the simulator
-suite six times slower: hundreds of simulated threads queued on it.
+suite six times slower: hundreds of simulated threads queued on it. Like the simulator itself,
+whose kernel context is one global, this assumes one kernel runs at a time.
 """
 import contextlib
 import threading

@@ -194,7 +194,8 @@ def test_two_threads_inside_one_modules_device_functions():
     """Thread 1 enters a device function of ``sim_swap_helpers`` and returns while thread 0,
     which entered another one of that module later, is still inside. The simulator alone put
     the real ``numba.cuda`` back on thread 1's return, and thread 0 failed on
-    ``cuda.threadIdx``; ``numba_kernels._simulator_compat`` keeps the fake module in until the kernel ends.
+    ``cuda.threadIdx``; ``numba_kernels._simulator_compat`` keeps the fake module in until the
+    kernel ends.
     (The kernel sits in another module than the device functions, as qsgd's kernels do with
     ``common``'s: within the kernel's own module the launch's swap covers every thread.)"""
     out = np.full(2, -1, np.int64)
