@@ -123,6 +123,23 @@ def ilp_index(base, u, n):
 
 
 @cuda.jit(device=True)
+def ilp_chunks(base, n, chunk, idx, cix):
+    """idx[u] = ilp_index(base, u, n) and cix[u] = idx[u] // chunk for the thread's group, with
+    one division: the indices rise with u, so each chunk index follows from the one before by
+    stepping over chunk boundaries.  (A 64-bit division is a long instruction sequence on the
+    device; taken per element and row it made the stack decoders compute-bound.)"""
+    c = ilp_index(base, 0, n) // chunk
+    end = (c + 1) * chunk          # the first element past chunk c
+    for u in range(ILP):
+        i = ilp_index(base, u, n)
+        while i >= end:
+            end += chunk
+            c += 1
+        idx[u] = i
+        cix[u] = c
+
+
+@cuda.jit(device=True)
 def ilp_load(out, acc, base, n, accumulate):
     """acc[u] = out's element u of the group when accumulating (0 otherwise: not read)."""
     for u in range(ILP):

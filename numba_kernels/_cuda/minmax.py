@@ -13,7 +13,7 @@ from numba import cuda
 from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, block_range, fma32, greater, ilp_index, ilp_load, ilp_store,
+from .common import (add_or_replace, block_range, fma32, greater, ilp_chunks, ilp_load, ilp_store,
                      lesser, load_c, segment, tree_range, zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
@@ -187,11 +187,10 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, bits, params, pcol, words,
 
 
 @cuda.jit(device=True)
-def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, p, i):
-    """x_hat of element i of row p.  A packed code's second word is read whether the code
-    spills into it or not (``extract`` masks it off), at an index kept inside the row, so no
-    load waits on a branch."""
-    ci = i // chunk
+def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, ci, p, i):
+    """x_hat of element i (in chunk ci) of row p.  A packed code's second word is read whether
+    the code spills into it or not (``extract`` masks it off), at an index kept inside the row,
+    so no load waits on a branch."""
     mn = params[p, pcol + 2 * ci]
     scale = params[p, pcol + 2 * ci + 1]
     if bits == 8:
@@ -209,14 +208,17 @@ def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulat
     """Every row decoded and summed into out in row order, ILP elements per thread."""
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
+    idx = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int64)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
         ilp_load(out, acc, base, n, accumulate)
+        ilp_chunks(base, n, chunk, idx, cix)     # once for every row
         for p in range(params.shape[0]):
             fold = accumulate or p > 0
             for u in range(ILP):
-                value = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, p,
-                                 ilp_index(base, u, n))
+                value = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, cix[u], p,
+                                 idx[u])
                 acc[u] = add_or_replace(acc[u], value, fold)
         ilp_store(out, acc, base, n)
         base += cuda.gridDim.x * ILP_SPAN
@@ -230,11 +232,13 @@ def _decode_rows(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out
     stop = lesser(part, out.size - k * part)
     mine = out[k * part:]
     vals = cuda.local.array(ILP, out.dtype)
+    idx = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int64)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
+        ilp_chunks(base, stop, chunk, idx, cix)
         for u in range(ILP):
-            vals[u] = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, chunk, k,
-                               ilp_index(base, u, stop))
+            vals[u] = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, cix[u], k, idx[u])
         ilp_store(mine, vals, base, stop)
         base += cuda.gridDim.x * ILP_SPAN
 

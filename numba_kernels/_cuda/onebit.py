@@ -4,7 +4,7 @@ from numba import cuda
 
 from .._chunk_rules import onebit_scale_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, ballot32, block_lane_combine, block_lane_sum, ilp_index,
+from .common import (add_or_replace, ballot32, block_lane_combine, block_lane_sum, ilp_chunks,
                      ilp_load, ilp_store, lesser, load_c, seg_sums, seg_sums_rows, segment,
                      zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
@@ -119,9 +119,9 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, square, scales, scol, word
 
 
 @cuda.jit(device=True)
-def _decoded(scales, scol, words, wcol, chunk, p, i):
-    """x_hat of element i of row p."""
-    xh = scales[p, scol + i // chunk]
+def _decoded(scales, scol, words, wcol, ci, p, i):
+    """x_hat of element i (in chunk ci) of row p."""
+    xh = scales[p, scol + ci]
     if (words[p, wcol + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1):
         xh = -xh
     return xh
@@ -132,13 +132,16 @@ def _decode(scales, scol, words, wcol, chunk, out, accumulate):
     """Every row decoded and summed into out in row order, ILP elements per thread."""
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
+    idx = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int64)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
         ilp_load(out, acc, base, n, accumulate)
+        ilp_chunks(base, n, chunk, idx, cix)     # once for every row
         for p in range(scales.shape[0]):
             fold = accumulate or p > 0
             for u in range(ILP):
-                value = _decoded(scales, scol, words, wcol, chunk, p, ilp_index(base, u, n))
+                value = _decoded(scales, scol, words, wcol, cix[u], p, idx[u])
                 acc[u] = add_or_replace(acc[u], value, fold)
         ilp_store(out, acc, base, n)
         base += cuda.gridDim.x * ILP_SPAN
@@ -152,10 +155,13 @@ def _decode_rows(scales, scol, words, wcol, chunk, part, out):
     stop = lesser(part, out.size - k * part)
     mine = out[k * part:]
     vals = cuda.local.array(ILP, out.dtype)
+    idx = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int64)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
+        ilp_chunks(base, stop, chunk, idx, cix)
         for u in range(ILP):
-            vals[u] = _decoded(scales, scol, words, wcol, chunk, k, ilp_index(base, u, stop))
+            vals[u] = _decoded(scales, scol, words, wcol, cix[u], k, idx[u])
         ilp_store(mine, vals, base, stop)
         base += cuda.gridDim.x * ILP_SPAN
 

@@ -5,7 +5,7 @@ from numba import cuda
 from .._chunk_rules import qsgd_level_py, qsgd_norm_py, qsgd_steps_py
 from .._scalar import LANES, SEGMENT
 from .common import (add_or_replace, block_lane_combine, block_lane_sum, block_row_key,
-                     ilp_index, ilp_load, ilp_store, lesser, load_c, mul32, seg_sums,
+                     ilp_chunks, ilp_load, ilp_store, lesser, load_c, mul32, seg_sums,
                      seg_sums_rows, segment, uniform24, zero_tail)
 from .geometry import ILP, ILP_SPAN, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
@@ -113,9 +113,19 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, levels, prefix, phase, nor
 
 
 @cuda.jit(device=True)
-def _decoded(norms, ncol, codes, ccol, levels, chunk, p, i):
-    """x_hat of element i of row p."""
-    step = norms[p, ncol + i // chunk] / np.float32(levels)
+def _steps(norms, ncol, levels, p, cix, steps):
+    """steps[u] = the quantization step of chunk cix[u] of row p; the group's elements mostly
+    share a chunk, so the division is made once per chunk met."""
+    for u in range(ILP):
+        if u > 0 and cix[u] == cix[u - 1]:
+            steps[u] = steps[u - 1]
+        else:
+            steps[u] = norms[p, ncol + cix[u]] / np.float32(levels)
+
+
+@cuda.jit(device=True)
+def _decoded(codes, ccol, step, p, i):
+    """x_hat of element i of row p, whose chunk's step is ``step``."""
     return mul32(np.float32(codes[p, ccol + i]), step)
 
 
@@ -124,13 +134,18 @@ def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
     """Every row decoded and summed into out in row order, ILP elements per thread."""
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
+    idx = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int64)
+    steps = cuda.local.array(ILP, np.float32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
         ilp_load(out, acc, base, n, accumulate)
+        ilp_chunks(base, n, chunk, idx, cix)     # once for every row
         for p in range(norms.shape[0]):
             fold = accumulate or p > 0
+            _steps(norms, ncol, levels, p, cix, steps)
             for u in range(ILP):
-                value = _decoded(norms, ncol, codes, ccol, levels, chunk, p, ilp_index(base, u, n))
+                value = _decoded(codes, ccol, steps[u], p, idx[u])
                 acc[u] = add_or_replace(acc[u], value, fold)
         ilp_store(out, acc, base, n)
         base += cuda.gridDim.x * ILP_SPAN
@@ -144,10 +159,15 @@ def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
     stop = lesser(part, out.size - k * part)
     mine = out[k * part:]
     vals = cuda.local.array(ILP, out.dtype)
+    idx = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int64)
+    steps = cuda.local.array(ILP, np.float32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
+        ilp_chunks(base, stop, chunk, idx, cix)
+        _steps(norms, ncol, levels, k, cix, steps)
         for u in range(ILP):
-            vals[u] = _decoded(norms, ncol, codes, ccol, levels, chunk, k, ilp_index(base, u, stop))
+            vals[u] = _decoded(codes, ccol, steps[u], k, idx[u])
         ilp_store(mine, vals, base, stop)
         base += cuda.gridDim.x * ILP_SPAN
 
