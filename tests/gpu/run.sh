@@ -50,6 +50,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         --ignore-installed --prefix /tmp/mpich .whl/mpich-*.whl || exit 3
     export PYTHONPATH=/tmp/site PATH=/tmp/mpich/bin:$PATH
     export LD_LIBRARY_PATH=/tmp/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # mpi4py's wheel looks for a libmpi on its own and may find the image's Open MPI first
+    export MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 PYTHONWARNINGS=ignore::RuntimeWarning
@@ -76,9 +78,11 @@ if [ -f .whl/impi-slim.tar.xz ] && [ "$T" -ge 120 ]; then
     (   # its own environment: Intel MPI and MPICH both ship libmpi.so.12 and mpiexec
         export PATH=/tmp/impi/bin:${PATH#/tmp/mpich/bin:} LD_LIBRARY_PATH=/tmp/impi/lib
         export I_MPI_ROOT=/tmp/impi FI_PROVIDER_PATH=/tmp/impi/lib
+        export MPI4PY_LIBMPI=/tmp/impi/lib/libmpi.so.12  # not whichever libmpi it finds first
         export I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda I_MPI_OFFLOAD_CUDA_LIBRARY=libcuda.so.1
-        WHY=$(timeout 60 mpiexec -n 1 python3 -c "from bagua_mpi import cuda; \
-print(cuda.mpi_is_cuda_aware(), cuda.how_decided())" 2>&1 | tail -1)
+        WHY=$(timeout 60 mpiexec -n 1 python3 -c "from mpi4py import MPI; \
+from bagua_mpi import cuda; lib = MPI.Get_library_version().splitlines()[0]; \
+print(cuda.mpi_is_cuda_aware(), cuda.how_decided(), '; loaded:', lib)" 2>&1 | tail -1)
         note "Intel MPI: CUDA-aware: $WHY"
         case "$WHY" in
         True*)

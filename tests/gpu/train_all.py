@@ -98,6 +98,8 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
         times.append(time.perf_counter() - t0)
     snap = staging.snapshot()
     stats = opt.communication_stats()
+    with torch.no_grad():   # the loss check covers the STEPS steps, not the profiled ones after
+        last = loss_fn(model(x), y).item()
     profile = None
     if profile_steps:   # after the timed steps, which the sampler would slow down
         from stack_sampler import measure
@@ -105,8 +107,6 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
         profile = measure(lambda: one_step(next(steps)), profile_steps)
     backend = opt.backend
     opt.close()
-    with torch.no_grad():
-        last = loss_fn(model(x), y).item()
     params = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
     everyone = comm.allgather(params.numpy().tobytes())
     identical = all(e == everyone[0] for e in everyone)
