@@ -124,6 +124,36 @@ def test_onebit_adam_allocates_its_momentum_errors_at_the_switch():
     assert torch.equal(m[15:], optimizer.state[model.bias]["exp_avg"].reshape(-1))
 
 
+def test_onebit_adam_leaves_elements_unseen_in_the_warm_up_as_they_are(caplog):
+    """An element with no gradient in the whole warm-up (variance 0) gets no compressed-stage
+    step: the 1-bit momentum gives it its chunk's scale, which eps alone would divide (it took
+    a 21.5M-parameter MLP to NaN within two steps); the others step as Adam's formula says."""
+    impl = make_impl(OneBitAdam(warmup_steps=1, chunk=32))
+    model = torch.nn.Linear(5, 3)
+    names = ["weight", "bias"]
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.ones(2, 5)
+    x[:, 2] = 0            # column 2 of the weight gets no gradient in the warm-up
+    model(x).sum().backward()
+    optimizer.step()
+    buckets = [Bucket(0, [0, 1], list(model.parameters()), names, True)]
+    impl.setup_buckets(buckets)
+    impl.step = 0
+    with caplog.at_level("WARNING", logger="bagua_mpi.algorithms.onebit_adam"):
+        impl.after_step(optimizer)  # the switch
+    assert "3 parameter elements had no gradient in the 1 warm-up steps" in caplog.text
+    m, v = impl.moments(buckets[0])
+    m.fill_(0.5)           # what the 1-bit exchange gives every element of a chunk
+    before = model.weight.detach().clone()
+    impl.step = 1
+    impl.optimizer_step(optimizer)
+    after = model.weight.detach()
+    assert torch.equal(after[:, 2], before[:, 2])
+    seen = [0, 1, 3, 4]
+    expected = before[:, seen] - 0.1 * 0.5 / (v[:15].view(3, 5)[:, seen].sqrt() + 1e-8)
+    assert torch.equal(after[:, seen], expected)
+
+
 # -- state keyed by the tensor's parameter names ---------------------------------------------------
 def test_tensor_state_follows_the_parameters_not_the_bucket():
     impl = make_impl(GTopK(density=0.5))

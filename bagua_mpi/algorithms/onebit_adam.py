@@ -22,6 +22,12 @@ Stages:
    feedback on both phases (worker and server errors, per rank, checkpointed); the update is
    ``p <- p - lr m / (sqrt(v) + eps)`` (AdamW also ``p <- p (1 - lr wd)``).
 
+An element whose v is 0 at the switch (its parameter had no gradient in the whole warm-up, a
+dead ReLU unit's weights for example) is not updated in the compressed stage: 1-bit compression
+gives every element of a chunk the chunk's scale, so its step would be that scale divided by
+eps alone (1e8 times it for the default eps), and the model would diverge within steps. Its v is
+frozen as +inf, so its step is 0; the switch logs how many such elements there are.
+
 Each rank then sends ~1/32 of the float32 bytes per step. The stage follows from the step
 (the optimizer's count), so a resumed job continues in the right one; m, v and the errors are
 per-rank state keyed by parameter. ``op=Sum`` sums the momenta (the momentum of the summed
@@ -29,6 +35,8 @@ gradient); with ``hierarchical=True`` the leaders exchange m and broadcast it in
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +48,8 @@ from .compressed import CompressedAllReduceImpl
 from .registry import register
 from .state import names_key
 from .validation import positive_int, random_seed, word_aligned_chunk
+
+logger = logging.getLogger(__name__)
 
 
 class OneBitAdamImpl(CompressedAllReduceImpl):
@@ -117,8 +127,10 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
 
     def _freeze(self, optimizer) -> None:
         """The switch: take m and (bias-corrected) v over from Adam's state, bucket by bucket,
-        then allocate the momentum exchange's error feedback."""
+        v = 0 frozen as +inf (see the module docstring), then allocate the momentum exchange's
+        error feedback."""
         self.bind_optimizer(optimizer)
+        unseen = 0
         for bucket in self.buckets:
             m, v = self.moments(bucket)
             for p, m_p, v_p in self.param_slices(bucket, m, v):
@@ -126,6 +138,13 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                 m_p.copy_(state["exp_avg"].reshape(-1))
                 v_p.copy_((state["exp_avg_sq"] / (
                     1 - self.betas[1] ** float(state["step"]))).reshape(-1))
+            never = v == 0
+            unseen += int(never.sum())    # one host read per bucket, once per run
+            v.masked_fill_(never, math.inf)
+        if unseen and self.ctx.topo.rank == 0:
+            logger.warning("onebit_adam: %d parameter elements had no gradient in the %d warm-up "
+                           "steps (Adam's variance is 0); they stay as they are in the compressed "
+                           "stage", unseen, self.algorithm.warmup_steps)
         self.switched = True
         self.setup_exchange()
 
