@@ -154,6 +154,26 @@ def test_onebit_adam_leaves_elements_unseen_in_the_warm_up_as_they_are(caplog):
     assert torch.equal(after[:, seen], expected)
 
 
+def test_onebit_adam_resumed_from_a_checkpoint_with_zero_variance_freezes_it_too():
+    """A checkpoint written before the rule above holds v = 0: resuming in the compressed stage
+    applies the rule to it (the switch, where it is otherwise applied, does not run again)."""
+    names, params = make_params()
+    first = make_impl(OneBitAdam(warmup_steps=1, chunk=32))
+    first.step = 5
+    first.setup_buckets([Bucket(0, [0, 1, 2], params, names, True)])
+    m, v = first.moments(first.buckets[0])
+    m.fill_(0.5)
+    v.fill_(4.0)
+    v[2] = 0.0             # as an older version froze it
+    saved = first.state.state_dict()
+    resumed = make_impl(OneBitAdam(warmup_steps=1, chunk=32))
+    resumed.state.load_state_dict(saved)
+    resumed.step = 5       # in the compressed stage
+    resumed.setup_buckets([Bucket(0, [0, 1, 2], params, names, True)])
+    v = resumed.moments(resumed.buckets[0])[1]
+    assert v[2] == float("inf") and torch.all(v[:2] == 4.0) and torch.all(v[3:] == 4.0)
+
+
 # -- state keyed by the tensor's parameter names ---------------------------------------------------
 def test_tensor_state_follows_the_parameters_not_the_bucket():
     impl = make_impl(GTopK(density=0.5))

@@ -85,6 +85,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         if self.compressed:  # resumed in the compressed stage: claim the loaded moments
             for bucket in buckets:
                 self.moments(bucket)
+            self._freeze_unseen()   # a checkpoint written before the rule holds v = 0
 
     def init_exchange(self, buckets) -> None:
         """The momentum exchange's error feedback, from the switch on (a run resumed in the
@@ -130,7 +131,6 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         v = 0 frozen as +inf (see the module docstring), then allocate the momentum exchange's
         error feedback."""
         self.bind_optimizer(optimizer)
-        unseen = 0
         for bucket in self.buckets:
             m, v = self.moments(bucket)
             for p, m_p, v_p in self.param_slices(bucket, m, v):
@@ -138,15 +138,24 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                 m_p.copy_(state["exp_avg"].reshape(-1))
                 v_p.copy_((state["exp_avg_sq"] / (
                     1 - self.betas[1] ** float(state["step"]))).reshape(-1))
+        self._freeze_unseen()
+        self.switched = True
+        self.setup_exchange()
+
+    def _freeze_unseen(self) -> None:
+        """v = 0 (no gradient in the whole warm-up) becomes +inf, so that element's step is 0
+        (see the module docstring); logs how many there were. One host read per bucket, at
+        the switch or on resuming in the compressed stage."""
+        unseen = 0
+        for bucket in self.buckets:
+            v = self.moments(bucket)[1]
             never = v == 0
-            unseen += int(never.sum())    # one host read per bucket, once per run
+            unseen += int(never.sum())
             v.masked_fill_(never, math.inf)
         if unseen and self.ctx.topo.rank == 0:
             logger.warning("onebit_adam: %d parameter elements had no gradient in the %d warm-up "
                            "steps (Adam's variance is 0); they stay as they are in the compressed "
                            "stage", unseen, self.algorithm.warmup_steps)
-        self.switched = True
-        self.setup_exchange()
 
     @property
     def l2(self) -> float:
