@@ -42,17 +42,7 @@ BUDGET=${GPU_CHECK_SECONDS:-560}
 status=0
 source tests/gpu/budget.sh   # note, allow, skip, save, step
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-    note "installing the carried wheels"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/mpi4py-*.whl || exit 3
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --ignore-installed --prefix /tmp/mpich .whl/mpich-*.whl || exit 3
-    export PYTHONPATH=/tmp/site PATH=/tmp/mpich/bin:$PATH
-    export LD_LIBRARY_PATH=/tmp/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    # mpi4py's wheel looks for a libmpi on its own and may find the image's Open MPI first
-    export MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12
-fi
+source tests/gpu/wheels_env.sh || exit 3   # the carried mpi4py and MPICH wheels, when there
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 PYTHONWARNINGS=ignore::RuntimeWarning
 DEVICE=$(python3 -c "import torch; print(torch.cuda.get_device_name(0))") || {

@@ -1,0 +1,71 @@
+"""cProfile of both threads of a rank while train_all.py's check model trains (GPU check aid).
+
+Usage: mpiexec -n 2 python3 tests/gpu/profile_comm.py OUTDIR ALGORITHM [cpu]
+
+Rank 0 writes OUTDIR/profile_<algorithm>.txt: the top functions by own time and by
+cumulative time, for the training thread and for the communication thread, over
+train_all.py's steps (the stack sampler shows shares; this shows calls and microseconds).
+``cpu`` runs it on CPU tensors (a smoke test of this script).
+"""
+import cProfile
+import io
+import os
+import pstats
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+
+import bagua_mpi as bm  # noqa: E402
+from bagua_mpi import worker  # noqa: E402
+import train_all  # noqa: E402
+
+PROFILES = []
+_loop = worker.CommWorker._loop
+
+
+def _profiled_loop(self):
+    prof = cProfile.Profile()
+    PROFILES.append(("communication thread", prof))
+    prof.enable()
+    try:
+        _loop(self)
+    finally:
+        prof.disable()
+
+
+def report(prof, title, out):
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)
+        out.write(f"## {title}, by {key}\n\n```\n{s.getvalue()}\n```\n\n")
+
+
+def main():
+    outdir, name = sys.argv[1], sys.argv[2]
+    device = torch.device("cpu" if sys.argv[3:] == ["cpu"] else "cuda")
+    warnings.filterwarnings("ignore", message=".*Grid size")
+    worker.CommWorker._loop = _profiled_loop
+    bm.init()
+    comm = bm.runtime.get().topo.comm
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    main_prof = cProfile.Profile()
+    main_prof.enable()
+    row = train_all.run_one(name, comm, device, "staged")
+    main_prof.disable()
+    rank = comm.Get_rank()
+    bm.shutdown()   # ends the communication thread, and its profile
+    if rank == 0:
+        with open(os.path.join(outdir, f"profile_{name}.txt"), "w") as out:
+            out.write(f"# {name}: step {row['step_ms_median']:.2f} ms, "
+                      f"{train_all.STEPS} steps, profiled\n\n")
+            report(main_prof, "training thread", out)
+            for title, prof in PROFILES:
+                report(prof, title, out)
+        print(name, f"{row['step_ms_median']:.2f} ms (profiled)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
