@@ -8,8 +8,7 @@ what one launch costs the host:
 * ``numba, torch tensors``: the same with torch CUDA tensors, which Numba reads through
   ``__cuda_array_interface__`` per call;
 * ``as_cuda_array``: only the view of a torch tensor as a Numba device array;
-* ``numba_kernels.launch``: the package's launch path (after the first launch, the compiled
-  kernel Numba picked, started directly);
+* ``numba_kernels.launch``: the package's launch path (the dispatcher, and the launch count);
 * ``as_cuda_array``, ``from_cuda_array_interface`` (no owner, no sync) and
   ``__cuda_array_interface__``: what viewing a torch tensor as a Numba array costs, and which
   part of it is torch's;

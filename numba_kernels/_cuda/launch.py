@@ -15,7 +15,6 @@ several formats share:
   one grid-stride pass over the output; ``decode_rows`` decodes each row of a
   payload matrix into its own partition of the output, in one launch too.
 """
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,96 +22,16 @@ import numpy as np
 from .. import _counters
 from .._scalar import SEGMENT
 from .geometry import ILP, ILP_SPAN, THREADS, blocks_for
-from .scratch import _stream_key, scratch
+from .scratch import scratch
 
 # Grid-stride kernels never need more blocks than this to keep a GPU busy.
 GRID_LIMIT = 65536
 
 
 def launch(kernel, blocks, threads, stream, *args):
-    """Launch ``kernel[blocks, threads, stream](*args)`` and count it.
-
-    The first launch of a kernel with arguments of given types goes through Numba's
-    dispatcher, which types every argument, compiles if needed and launches.  Later ones
-    with arguments of the same kinds start the compiled kernel that launch picked
-    directly: Numba's dispatch costs the host about 50 us a launch (H100 machine,
-    ``benchmarks/launch_overhead.py``), a large part of a small bucket's host time, and
-    typing the arguments again is most of it.
-    """
-    key = _launch_key(kernel, args)
-    compiled = _COMPILED.get(key) if key is not None else False
-    if compiled:
-        compiled.launch(args, _dims(blocks), _dims(threads), _numba_stream(kernel, stream), 0)
-    else:
-        kernel[blocks, threads, stream](*args)
-        if compiled is None:
-            _COMPILED[key] = _compiled_for(kernel, args)
+    """Launch ``kernel[blocks, threads, stream](*args)`` and count it."""
+    kernel[blocks, threads, stream](*args)
     _counters.count_launch()
-
-
-# (kernel, argument kinds) -> the compiled kernel Numba launched for such arguments, or
-# False where the direct path does not apply (the simulator, launch-configuration
-# sensitive kernels, a Numba without the attributes it relies on)
-_COMPILED: dict = {}
-# stream handle -> the stream as compiled kernels take it (kept with the stream given, so
-# that the handle stays valid while it is cached)
-_STREAMS: dict = {}
-
-
-def _launch_key(kernel, args):
-    """What decides the compiled kernel Numba picks for ``args``: each argument's type, and
-    for arrays their dtype, rank and contiguity (Numba's array layout).  None where an
-    argument is of another kind (then every launch goes through the dispatcher)."""
-    kinds = [kernel]
-    for a in args:
-        t = type(a)
-        if t in _SCALARS:
-            kinds.append(t)
-        elif getattr(a, "__cuda_ndarray__", False) and hasattr(a, "flags"):
-            flags = a.flags
-            kinds.append((t, a.dtype, a.ndim, flags["C_CONTIGUOUS"], flags["F_CONTIGUOUS"]))
-        else:
-            return None
-    return tuple(kinds)
-
-
-_SCALARS = frozenset({int, float, bool, np.float32, np.float64, np.int32, np.int64,
-                      np.uint32, np.uint64, np.bool_})
-
-
-def _compiled_for(kernel, args):
-    """The compiled kernel that ``kernel[...](*args)`` just launched, when it can be launched
-    directly; else False."""
-    try:
-        if getattr(kernel, "_launch_config_sensitive", False) or kernel.specialized:
-            return False
-        compiled = kernel.overloads.get(tuple(kernel.typeof_pyval(a) for a in args))
-    except AttributeError:          # the simulator's kernels, or a Numba without them
-        return False
-    if compiled is None or getattr(compiled, "launch_config_sensitive", False) \
-            or getattr(compiled, "cooperative", False) or getattr(compiled, "debug", False):
-        return False
-    return compiled
-
-
-def _numba_stream(kernel, stream):
-    """``stream`` as Numba's compiled kernels take it.  Numba converts it when it configures
-    a launch; the conversion is made once per stream handle."""
-    key = _stream_key(stream)
-    held = _STREAMS.get(key)
-    if held is None:
-        with warnings.catch_warnings():     # a 1-block configuration, never launched
-            warnings.simplefilter("ignore")
-            held = (stream, kernel[1, 1, stream].stream)
-        _STREAMS[key] = held
-    return held[1]
-
-
-def _dims(d):
-    """A grid or block size as the (x, y, z) triple a compiled kernel's launch takes."""
-    if isinstance(d, (int, np.integer)):
-        return (int(d), 1, 1)
-    return tuple(int(x) for x in d) + (1,) * (3 - len(d))
 
 
 def launch_over(kernel, n, stream, *args, max_blocks=GRID_LIMIT):

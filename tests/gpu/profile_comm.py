@@ -1,10 +1,11 @@
-"""cProfile of both threads of a rank while train_all.py's check model trains (GPU check aid).
+"""cProfile of a rank's communication thread while train_all.py's check model trains.
 
 Usage: mpiexec -n 2 python3 tests/gpu/profile_comm.py OUTDIR ALGORITHM [cpu]
 
 Rank 0 writes OUTDIR/profile_<algorithm>.txt: the top functions by own time and by
-cumulative time, for the training thread and for the communication thread, over
-train_all.py's steps (the stack sampler shows shares; this shows calls and microseconds).
+cumulative time of the communication thread (where a compressed bucket's host work runs),
+over train_all.py's steps (the stack sampler shows shares; this shows calls and
+microseconds).  Only that thread: from Python 3.12 one profiler at a time per process.
 ``cpu`` runs it on CPU tensors (a smoke test of this script).
 """
 import cProfile
@@ -44,24 +45,20 @@ def report(prof, title, out):
 
 def main():
     outdir, name = sys.argv[1], sys.argv[2]
-    device = torch.device("cpu" if sys.argv[3:] == ["cpu"] else "cuda")
+    device = torch.device("cpu") if sys.argv[3:] == ["cpu"] else torch.device("cuda", 0)
     warnings.filterwarnings("ignore", message=".*Grid size")
     worker.CommWorker._loop = _profiled_loop
     bm.init()
     comm = bm.runtime.get().topo.comm
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    main_prof = cProfile.Profile()
-    main_prof.enable()
     row = train_all.run_one(name, comm, device, "staged")
-    main_prof.disable()
     rank = comm.Get_rank()
     bm.shutdown()   # ends the communication thread, and its profile
     if rank == 0:
         with open(os.path.join(outdir, f"profile_{name}.txt"), "w") as out:
             out.write(f"# {name}: step {row['step_ms_median']:.2f} ms, "
                       f"{train_all.STEPS} steps, profiled\n\n")
-            report(main_prof, "training thread", out)
             for title, prof in PROFILES:
                 report(prof, title, out)
         print(name, f"{row['step_ms_median']:.2f} ms (profiled)", flush=True)

@@ -158,10 +158,6 @@ def main():
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after the timed steps, sample the host's stacks for STEPS more "
                          "(tests/gpu/stack_sampler.py) and record where the time went")
-    ap.add_argument("--compare-launch", action="store_true",
-                    help="run each algorithm twice, interleaved: kernels started directly "
-                         "(mode label -direct) and every one through Numba's dispatcher "
-                         "(-dispatcher), the baseline of the direct launch")
     ap.add_argument("--device", default="cuda",
                     help="cuda (the check); cpu only smoke-tests this script")
     args = ap.parse_args()
@@ -174,20 +170,12 @@ def main():
         torch.cuda.set_device(device)  # every rank of this check shares the one GPU
     failed = False
     rows = []
-    from numba_kernels._cuda import launch
-    direct_key = launch._launch_key
-    ways = (("-direct", direct_key), ("-dispatcher", lambda kernel, launch_args: None)) \
-        if args.compare_launch else (("", direct_key),)
-    names = args.only or bm.algorithms.names()
-    # the two ways alternate which goes first, algorithm by algorithm
-    order = ((n, w) for i, n in enumerate(names) for w in (ways if i % 2 == 0 else ways[::-1]))
-    for name, (label, key) in order:
-        launch._launch_key = key    # None: every launch through Numba's dispatcher
+    for name in args.only or bm.algorithms.names():
         try:
-            row = run_one(name, comm, device, args.mode + label, args.width, args.timing_only,
+            row = run_one(name, comm, device, args.mode, args.width, args.timing_only,
                           args.profile)
         except Exception as exc:  # noqa: BLE001 - report it, run the other algorithms
-            row = {"algorithm": name, "mode": args.mode + label, "ok": False,
+            row = {"algorithm": name, "mode": args.mode, "ok": False,
                    "problems": [f"{type(exc).__name__}: {exc}"],
                    "traceback": traceback.format_exc()[-3000:]}
             # a rank failing alone would leave the other in a collective: end the job
@@ -198,7 +186,7 @@ def main():
         if comm.Get_rank() == 0:
             with open(args.out, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"{row['mode']:>10} {name:<28} {'OK ' if row['ok'] else 'FAIL'} "
+            print(f"{args.mode:>10} {name:<28} {'OK ' if row['ok'] else 'FAIL'} "
                   f"loss {row.get('loss_first', 0):.4f}->{row.get('loss_last', 0):.4f} "
                   f"step {row.get('step_ms_median', 0):.2f} ms "
                   f"d2h {row.get('staging', {}).get('d2h_bytes', 0)} B "

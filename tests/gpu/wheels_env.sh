@@ -1,6 +1,6 @@
 # Installs the carried mpi4py and MPICH wheels (.whl/, tests/gpu/fetch_wheels.sh) outside the
-# image's environment and points this shell at them (sourced by run.sh and launch_check.sh,
-# from the repository root; needs the function note of budget.sh or defines a plain one).
+# image's environment and points this shell at them. Sourced from the repository root by run.sh,
+# and handy in a device command of its own; uses budget.sh's note, or a plain one.
 declare -F note > /dev/null || note() { echo "[gpu] $*"; }
 if compgen -G ".whl/*.whl" > /dev/null; then
     note "installing the carried wheels"
