@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 from mpi_harness import REPO, assert_mpi_ok, run_mpi
 
@@ -37,6 +38,21 @@ def test_train_all_profiles_and_summarizes_on_cpu(tmp_path):
     assert "- cpu topk: " in summary        # its step against gradient_allreduce's
 
 
+def test_profile_of_the_communication_thread_runs_on_cpu_and_reaches_the_summary(tmp_path):
+    """``profile_comm.py`` (the cProfile step of run.sh) on CPU tensors: rank 0 writes the
+    communication thread's tables, and the summary shows them."""
+    result = run_mpi("../gpu/profile_comm.py", 2, str(tmp_path), "qsgd", "cpu", timeout=300)
+    assert_mpi_ok(result, "qsgd")
+    text = (tmp_path / "profile_qsgd.txt").read_text()
+    assert "## communication thread, by tottime" in text, text[:2000]
+    assert "## communication thread, by cumulative" in text
+    assert "compressed_allreduce_" in text         # the bucket's work ran in that thread
+    summary = subprocess.run([sys.executable, str(REPO / "tests/gpu/summarize.py"), str(tmp_path),
+                              "cpu", "MPICH", "0"], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+    assert "## cProfile of qsgd's communication thread" in summary
+
+
 def test_kernel_benchmark_gpu_section_runs_in_the_simulator():
     """``benchmarks/kernels.py``'s GPU section (step (d) of the check) end to end on Numba's
     CUDA simulator at a tiny size: every row with its device, idle-device and host times."""
@@ -55,8 +71,9 @@ def test_kernel_benchmark_gpu_section_runs_in_the_simulator():
 def test_gpu_check_budget_cuts_skips_and_saves(tmp_path):
     """``run.sh``'s time budget (``tests/gpu/budget.sh``): a step's timeout is cut to what is
     left after the summary's 20 s, a step with under 30 s left gets 0 (skipped, and said so in
-    steps.log, which the summary shows), and ``save`` copies the results so far to $OUT (the
-    device tool brings back only that folder, and only what is there when it stops a run)."""
+    steps.log, which the summary shows), and ``save`` packs the results so far into
+    $OUT/raw.tar.gz (the device tool brings back only that folder, only what is there when it
+    stops a run, and 8 files at most)."""
     res, out = tmp_path / "res", tmp_path / "out"
     res.mkdir()
     out.mkdir()
@@ -94,8 +111,10 @@ step 60 "(w) a late step" w.log 1 echo never
     assert "fine\nafter y: 0" in run.stdout and "\nbroken\n" in run.stdout
     assert "after z: 1" in run.stdout
     assert "(z) a step that fails: rc 3" in steps and "(w) a late step skipped" in steps
-    assert not (res / "w.log").exists() and (out / "z.log").exists()
-    assert (out / "train.jsonl").exists() and (out / "steps.log").exists()
+    assert not (res / "w.log").exists()
+    assert [p.name for p in out.iterdir()] == ["raw.tar.gz"]
+    with tarfile.open(out / "raw.tar.gz") as packed:
+        assert {"z.log", "y.log", "train.jsonl", "steps.log"} <= set(packed.getnames())
     summary = subprocess.run([sys.executable, str(REPO / "tests/gpu/summarize.py"), str(res),
                               "cpu", "MPICH", "0"], capture_output=True, text=True, check=True,
                              timeout=60).stdout

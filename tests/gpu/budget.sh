@@ -18,11 +18,14 @@ allow() {
 # skip NAME: say that step NAME did not run for lack of time
 skip() { note "$1 skipped: too little of the ${BUDGET} s budget left"; }
 
-# save: copy the raw results so far to $OUT, so that a run stopped from outside still brings
-# back every finished step's files
+# save: pack the raw results so far into $OUT/raw.tar.gz, so that a run stopped from outside
+# still brings back every finished step's files (the device tool brings back 8 files at most,
+# so they travel as one)
 save() {
     if [ -n "${OUT:-}" ]; then
-        cp "$RES"/*.jsonl "$RES"/*.log "$RES"/*.json "$RES"/kernels_gpu.md "$OUT"/ 2>/dev/null
+        (cd "$RES" && tar -czf "$OUT/raw.tar.gz.part" --ignore-failed-read \
+            $(ls *.jsonl *.log *.json *.txt kernels_gpu.md 2>/dev/null)) \
+            && mv "$OUT/raw.tar.gz.part" "$OUT/raw.tar.gz"
     fi
     return 0
 }

@@ -9,15 +9,17 @@
 #       compressed algorithms must copy no dense tensor to the host
 #       and again with a 21.5M-parameter MLP (timing only): compressed steps against
 #       gradient_allreduce's over staged MPI; the small model's staged run then samples the
-#       host's stacks for 30 more steps (tests/gpu/stack_sampler.py): where the time goes
+#       host's stacks for 30 more steps (tests/gpu/stack_sampler.py): where the time goes;
+#       and qsgd's communication thread under cProfile (tests/gpu/profile_comm.py): calls and us
 #   (b') with Intel MPI (impi-rt, CUDA-aware on GPU nodes) when .whl/impi-slim.tar.xz was
 #       carried: every algorithm with device buffers, no payload byte through the host
 #   (c) the NCCL backend at world size 1 (NCCL refuses two ranks on one GPU, so its multi-rank
 #       path cannot be checked on a one-GPU machine): every algorithm on NCCL with no payload
 #       byte through the host and no host wait in its exchanges
 #   (d) benchmarks/kernels.py with the GPU section at 1e8 elements
-#   (e) results, with the device name, in benchmarks/results/ (gpu_check.md and raw files),
-#       copied to $OUT too when set (the device tool brings $OUT back)
+#   (e) results, with the device name, in benchmarks/results/gpu/ (gpu_check.md and raw files),
+#       and in $OUT when set (the device tool brings $OUT back): gpu_check.md, and the raw
+#       files packed in raw.tar.gz (it brings back 8 files at most)
 #
 # The device tool stops a command at 600 s and then brings back only what is under $OUT. So the
 # steps share a time budget (GPU_CHECK_SECONDS, default 560 s, less 20 s kept for the summary):
@@ -36,7 +38,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 RES=$ROOT/benchmarks/results/gpu
 mkdir -p "$RES"
-rm -f "$RES"/*.jsonl "$RES"/*.log
+rm -f "$RES"/*.jsonl "$RES"/*.log "$RES"/profile_*.txt
 START=$(date +%s)
 BUDGET=${GPU_CHECK_SECONDS:-560}
 status=0
@@ -55,6 +57,8 @@ step 170 "(a) pytest -m gpu" pytest_gpu.log 15 \
 step 130 "(b) every algorithm at 2 ranks on one GPU, payloads staged" train_staged.log 40 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py \
     --mode staged --profile 30 --out "$RES/train.jsonl"
+step 60 "(b) cProfile of the communication thread, qsgd on the check model" profile.log 2 \
+    env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/profile_comm.py "$RES" qsgd
 step 150 "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)" train_21m.log 12 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py --width 4608 \
     --timing-only --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \

@@ -66,6 +66,11 @@ def main():
             out.append(f"- {r['mode']} {r['algorithm']}: "
                        f"{r['step_ms_median'] / base[r['mode']]:.2f}")
     out += profiles(rows)
+    prof = os.path.join(res, "profile_qsgd.txt")
+    if os.path.exists(prof):    # profile_comm.py: the first table, by own time
+        lines = open(prof).read().splitlines()
+        out += ["", "## cProfile of qsgd's communication thread (tests/gpu/profile_comm.py)", "",
+                *lines[:40]]
     nccl = os.path.join(res, "nccl.json")
     out += ["", "## NCCL at world size 1", "",
             "NCCL refuses two ranks on one GPU: its multi-rank path is not checked here.", "",
