@@ -7,7 +7,6 @@ what one launch costs the host:
   made once (Numba types every argument and picks the compiled overload per call);
 * ``numba, torch tensors``: the same with torch CUDA tensors, which Numba reads through
   ``__cuda_array_interface__`` per call;
-* ``as_cuda_array``: only the view of a torch tensor as a Numba device array;
 * ``numba_kernels.launch``: the package's launch path (the dispatcher, and the launch count);
 * ``as_cuda_array``, ``from_cuda_array_interface`` (no owner, no sync) and
   ``__cuda_array_interface__``: what viewing a torch tensor as a Numba array costs, and which
@@ -23,9 +22,9 @@ synchronised between rounds, not inside them).  Usage::
 import argparse
 import statistics
 import time
-
 import warnings
 
+import numba
 import numpy as np
 import torch
 from numba import cuda
@@ -79,7 +78,6 @@ def main():
         "torch.as_tensor(numba array)": lambda: torch.as_tensor(xd, device="cuda"),
         "torch add_": lambda: yt.add_(xt, alpha=0.5),
     }
-    import numba
     print(f"device: {torch.cuda.get_device_name(0)}; numba {numba.__version__}; "
           f"dispatcher: {type(_axpy).__module__}; {a.launches} launches x {a.rounds} rounds")
     print("| how | host us per call |\n|---|---|")

@@ -4,8 +4,8 @@ Usage: mpiexec -n 2 python3 tests/gpu/profile_comm.py OUTDIR ALGORITHM [cpu]
 
 Rank 0 writes OUTDIR/profile_<algorithm>.txt: the top functions by own time and by
 cumulative time of the communication thread (where a compressed bucket's host work runs),
-over train_all.py's steps (the stack sampler shows shares; this shows calls and
-microseconds).  Only that thread: from Python 3.12 one profiler at a time per process.
+over train_all.py's steps of a second run (the first compiles the kernels; the stack sampler
+shows shares, this shows calls and microseconds).  Only that thread: from Python 3.12 one profiler at a time per process.
 ``cpu`` runs it on CPU tensors (a smoke test of this script).
 """
 import cProfile
@@ -52,6 +52,9 @@ def main():
     comm = bm.runtime.get().topo.comm
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    train_all.run_one(name, comm, device, "staged")   # warm-up: compiles the kernels
+    for _, prof in PROFILES:
+        prof.clear()    # the communication thread waits on its queue meanwhile
     row = train_all.run_one(name, comm, device, "staged")
     rank = comm.Get_rank()
     bm.shutdown()   # ends the communication thread, and its profile
