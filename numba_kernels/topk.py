@@ -181,8 +181,9 @@ def decode_cpu(fmt, stack, col, out, accumulate):
 def decode_device(fmt, stack, col, out, accumulate, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
-    Device launches: 2 for one payload (zero out, scatter the k values); P + 1 for a
-    stack of P rows (a scatter-add per row, in order), P with ``accumulate``.
+    Device launches: 2 for a stack of P rows while P x k is at most 65,536 (zero out, then
+    one block scatters the rows in order; 8,192 under the simulator), else P + 1 (a grid per
+    row, in order); one fewer with ``accumulate``.
     """
     from ._cuda import topk as kern
     kern.decode(fmt, stack, col, out, accumulate, stream)

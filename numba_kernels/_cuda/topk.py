@@ -16,7 +16,8 @@ from .._scalar import rng_key
 from .._sparse_rules import SAMPLE_SEED, sample_plan, stratum_position_py, uses_approx
 from . import select
 from .common import add_or_replace, fill, hash32
-from .launch import launch_over
+from .geometry import THREADS
+from .launch import launch, launch_over
 from .scratch import scratch
 from .select import keep_entry
 
@@ -105,15 +106,46 @@ def sparsify(x, e, fmt, rkey, method, out_idx, out_val, buf, stream):
         select.select_exact(arr, fmt.n, fmt.k, out_idx, out_val, None, e, stream)
 
 
+# A stack of at most this many (row, entry) pairs is scattered by one block of ROW_BLOCK
+# threads, row after row; a larger one by a grid per row.  Launches cost the host far more
+# than such a block's passes cost the device (about 50 us a launch through Numba on an H100
+# machine; 64 passes of a block at most).
+ROW_BLOCK = 4 * THREADS
+ONE_BLOCK_ENTRIES = 64 * ROW_BLOCK
+
+
+@cuda.jit
+def _scatter_rows(idx, icol, vals, vcol, rows, k, out, accumulate):
+    """Every row of the stack by one block, in row order: a row's k indices are distinct, so
+    its threads never write one element twice, and the barrier after each row orders the
+    adds to an element that several rows hold, as the CPU twin does."""
+    step = cuda.blockDim.x
+    for row in range(rows):
+        add = accumulate or row > 0
+        j = cuda.threadIdx.x
+        while j < k:
+            i = idx[row, icol + j]
+            out[i] = add_or_replace(out[i], vals[row, vcol + j], add)
+            j += step
+        cuda.syncthreads()
+
+
 def decode(fmt, stack, col, out, accumulate, stream):
     """Zero out (unless accumulating), then scatter(-add) each row's k values (its payload at
-    byte column ``col``): rows + 1 launches."""
+    byte column ``col``), rows in order: 2 launches (1 accumulating) while rows x k is at most
+    ONE_BLOCK_ENTRIES, else rows + 1 (rows)."""
     v = fmt.views2d(stack, col)
     idx, icol = v["indices"]
     vals, vcol = v["values"]
+    rows = stack.shape[0]
     if not accumulate:
         fill(out, 0, stream)
-    for row in range(stack.shape[0]):
-        if fmt.k:
-            launch_over(_scatter, fmt.k, stream, idx, icol, vals, vcol, row, fmt.k, out,
-                        accumulate or row > 0)
+    if not fmt.k or not rows:
+        return
+    if rows * fmt.k <= ONE_BLOCK_ENTRIES:
+        launch(_scatter_rows, 1, ROW_BLOCK, stream, idx, icol, vals, vcol, rows, fmt.k, out,
+               accumulate)
+        return
+    for row in range(rows):
+        launch_over(_scatter, fmt.k, stream, idx, icol, vals, vcol, row, fmt.k, out,
+                    accumulate or row > 0)

@@ -146,6 +146,17 @@ def test_decompress_many_at_a_column_every_format():
     dc.check_decode_at_column(registry_cases(), n=70, rows=2, col=24)
 
 
+def test_sparse_stacks_above_one_blocks_share_take_a_grid_per_row(monkeypatch):
+    """Top-k and random-k stacks of more than ONE_BLOCK_ENTRIES (row, entry) pairs are
+    scattered by a grid per row, not by one block: the same bytes as the host (the other
+    tests' stacks are small and take the one block)."""
+    from numba_kernels._cuda import topk as kern
+    monkeypatch.setattr(kern, "ONE_BLOCK_ENTRIES", 1)
+    sparse = [c for c in registry_cases() if c[0].startswith(("compress_topk", "compress_randk"))]
+    assert sparse
+    dc.check_decode_at_column(sparse, n=70, rows=3, col=24)
+
+
 def test_topk_exact_and_randk():
     dc.check_topk([(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exact", True),
                    (1025, 10, "normal", F64, "exact", True),

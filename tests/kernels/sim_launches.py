@@ -142,10 +142,19 @@ def test_residual_and_padding_add_a_launch_each_to_the_sparse_formats():
     assert counts() == (1, 0)
 
 
-def test_decoding_a_stack():
+@pytest.mark.parametrize("one_block_entries", [None, 1],
+                         ids=["small stack: one block", "large stack: a grid per row"])
+def test_decoding_a_stack(monkeypatch, one_block_entries):
+    """A dense format's stack decodes in one pass; a sparse one zeroes out and then scatters
+    its rows with one block (1 more launch), or with a grid per row above
+    ONE_BLOCK_ENTRIES (rows more)."""
+    from numba_kernels._cuda import topk as kern
+    if one_block_entries is not None:
+        monkeypatch.setattr(kern, "ONE_BLOCK_ENTRIES", one_block_entries)
     x = device_data()
     for compress, rows, one_pass in [(nk.compress_minmax, 3, True),
                                      (lambda x: nk.compress_topk(x, 10), 3, False)]:
+        scatters = 1 if one_block_entries is None else rows
         p = compress(x)
         host = np.stack([p.buffer.copy_to_host()] * rows)
         stack = cuda.to_device(host)
@@ -156,17 +165,17 @@ def test_decoding_a_stack():
         HOST_READS.clear()
         nk.reset_launch_count()
         nk.decompress_many(stack, p.format, out=out)
-        assert nk.launch_count() == (1 if one_pass else rows + 1)
+        assert nk.launch_count() == (1 if one_pass else 1 + scatters)
         nk.reset_launch_count()
         nk.decompress_many(stack, p.format, out=out, accumulate=True)
-        assert nk.launch_count() == (1 if one_pass else rows)
+        assert nk.launch_count() == (1 if one_pass else scatters)
         nk.reset_launch_count()
         nk.decompress_many(stack[:0], p.format, out=out)
         assert nk.launch_count() == 1                 # no rows: zero out
         # payloads at a column of wider rows are read in place: the same launches, no copy
         nk.reset_launch_count()
         nk.decompress_many(mat, p.format, out=out, col=16)
-        assert nk.launch_count() == (1 if one_pass else rows + 1)
+        assert nk.launch_count() == (1 if one_pass else 1 + scatters)
         assert not HOST_READS
 
 
