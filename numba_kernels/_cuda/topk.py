@@ -107,9 +107,9 @@ def sparsify(x, e, fmt, rkey, method, out_idx, out_val, buf, stream):
 
 
 # A stack of at most this many (row, entry) pairs is scattered by one block of ROW_BLOCK
-# threads, row after row; a larger one by a grid per row.  Launches cost the host far more
-# than such a block's passes cost the device (about 50 us a launch through Numba on an H100
-# machine; 64 passes of a block at most).
+# threads, row after row; a larger one by a grid per row.  A launch costs the host about
+# 50 us through Numba (H100 machine), more than such a block's work, 64 block-widths of
+# entries, costs the device (chosen, not measured on a GPU).
 ROW_BLOCK = 4 * THREADS
 ONE_BLOCK_ENTRIES = 64 * ROW_BLOCK
 

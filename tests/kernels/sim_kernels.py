@@ -146,7 +146,7 @@ def test_decompress_many_at_a_column_every_format():
     dc.check_decode_at_column(registry_cases(), n=70, rows=2, col=24)
 
 
-def test_sparse_stacks_above_one_blocks_share_take_a_grid_per_row(monkeypatch):
+def test_sparse_stacks_too_large_for_one_block_take_a_grid_per_row(monkeypatch):
     """Top-k and random-k stacks of more than ONE_BLOCK_ENTRIES (row, entry) pairs are
     scattered by a grid per row, not by one block: the same bytes as the host (the other
     tests' stacks are small and take the one block)."""
