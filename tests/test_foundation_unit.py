@@ -215,8 +215,9 @@ def test_cuda_awareness_override(monkeypatch):
 def test_cuda_tensors_staged_or_direct(initialized, aware):
     from bagua_mpi import cuda
 
-    if aware and not cuda.probe_cuda_aware():
-        pytest.skip("this MPI is not CUDA-aware (probe failed)")
+    cuda.set_cuda_aware(None)   # the library's own decision: MPIX_Query_cuda_support first
+    if aware and not cuda.mpi_is_cuda_aware():
+        pytest.skip(f"this MPI is not CUDA-aware ({cuda.how_decided()})")
     cuda.set_cuda_aware(aware)
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -410,8 +411,9 @@ def test_gtopk_on_cuda_tensors_matches_host(initialized, aware):
     from bagua_mpi import cuda
     from bagua_mpi.primitives.sparse import gtopk_allreduce_
 
-    if aware and not cuda.probe_cuda_aware():
-        pytest.skip("this MPI is not CUDA-aware (probe failed)")
+    cuda.set_cuda_aware(None)   # the library's own decision: MPIX_Query_cuda_support first
+    if aware and not cuda.mpi_is_cuda_aware():
+        pytest.skip(f"this MPI is not CUDA-aware ({cuda.how_decided()})")
     cuda.set_cuda_aware(aware)
     try:
         g = torch.randn(100_000, generator=torch.Generator().manual_seed(3))
