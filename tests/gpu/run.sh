@@ -4,7 +4,8 @@
 #   (a) pytest -m gpu                        (kernels and primitives on the real device)
 #   (b) every registered algorithm trains a CUDA model with DistributedOptimizer at 2 ranks
 #       sharing the GPU: payloads staged through pinned host memory, and again with device
-#       buffers where the MPI is CUDA-aware (the probe decides; skipped with the reason if not);
+#       buffers where the MPI is CUDA-aware (MPIX_Query_cuda_support, then the probe where the
+#       MPI does not say; skipped with the reason if not);
 #       centralized algorithms must end identical on both ranks, every loss must fall, and the
 #       compressed algorithms must copy no dense tensor to the host
 #       and again with a 21.5M-parameter MLP (timing only): compressed steps against
