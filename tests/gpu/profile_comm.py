@@ -5,7 +5,8 @@ Usage: mpiexec -n 2 python3 tests/gpu/profile_comm.py OUTDIR ALGORITHM [cpu]
 Rank 0 writes OUTDIR/profile_<algorithm>.txt: the top functions by own time and by
 cumulative time of the communication thread (where a compressed bucket's host work runs),
 over train_all.py's steps of a second run (the first compiles the kernels; the stack sampler
-shows shares, this shows calls and microseconds).  Only that thread: from Python 3.12 one profiler at a time per process.
+shows shares, this shows calls and microseconds).  Only that thread: from Python 3.12 one
+profiler at a time per process.
 ``cpu`` runs it on CPU tensors (a smoke test of this script).
 """
 import cProfile
@@ -22,25 +23,23 @@ import bagua_mpi as bm  # noqa: E402
 from bagua_mpi import worker  # noqa: E402
 import train_all  # noqa: E402
 
-PROFILES = []
+COMM_THREAD = cProfile.Profile()   # the runtime has one communication thread
 _loop = worker.CommWorker._loop
 
 
 def _profiled_loop(self):
-    prof = cProfile.Profile()
-    PROFILES.append(("communication thread", prof))
-    prof.enable()
+    COMM_THREAD.enable()
     try:
         _loop(self)
     finally:
-        prof.disable()
+        COMM_THREAD.disable()
 
 
-def report(prof, title, out):
+def report(prof, out):
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)
-        out.write(f"## {title}, by {key}\n\n```\n{s.getvalue()}\n```\n\n")
+        out.write(f"## communication thread, by {key}\n\n```\n{s.getvalue()}\n```\n\n")
 
 
 def main():
@@ -53,8 +52,7 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)
     train_all.run_one(name, comm, device, "staged")   # warm-up: compiles the kernels
-    for _, prof in PROFILES:
-        prof.clear()    # the communication thread waits on its queue meanwhile
+    COMM_THREAD.clear()   # the communication thread waits on its queue meanwhile
     row = train_all.run_one(name, comm, device, "staged")
     rank = comm.Get_rank()
     bm.shutdown()   # ends the communication thread, and its profile
@@ -62,8 +60,7 @@ def main():
         with open(os.path.join(outdir, f"profile_{name}.txt"), "w") as out:
             out.write(f"# {name}: step {row['step_ms_median']:.2f} ms, "
                       f"{train_all.STEPS} steps, profiled\n\n")
-            for title, prof in PROFILES:
-                report(prof, title, out)
+            report(COMM_THREAD, out)
         print(name, f"{row['step_ms_median']:.2f} ms (profiled)", flush=True)
 
 
