@@ -38,7 +38,7 @@ from .casts import compress_cast, sum_halves
 from .dispatch import decompress, decompress_many, decompress_rows
 from .errors import (CudaUnavailableError, DeviceMismatchError, KernelError,
                      KernelParameterError, KernelTypeError, LayoutError, PayloadError)
-from .merge import merge_topk, restore_unselected, scale_topk_values
+from .merge import merge_topk, restore_unselected, scale_topk_stack, scale_topk_values
 from .minmax import compress_minmax, compress_minmax_rows, minmax_errors
 from .onebit import compress_onebit, compress_onebit_rows
 from .qsgd import compress_qsgd, compress_qsgd_rows
@@ -51,7 +51,7 @@ __all__ = [
     "compress_topk", "compress_randk", "minmax_errors", "decompress", "decompress_many",
     "compress_minmax_rows", "compress_qsgd_rows", "compress_onebit_rows", "decompress_rows",
     "row_seed",
-    "merge_topk", "restore_unselected", "scale_topk_values",
+    "merge_topk", "restore_unselected", "scale_topk_values", "scale_topk_stack",
     "launch_count", "scratch_allocations", "release_scratch", "reset_launch_count",
     "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
     "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",

@@ -169,3 +169,15 @@ def _residual(residual, xa, dev, size=None):
         raise LayoutError(f"residual must match x: x is {xa.dtype}[{xa.size}], so the residual "
                           f"must be {xa.dtype}[{size}], got {ea.dtype}[{ea.size}]")
     return ea
+
+
+def payload_rows(buffers, fmt, col):
+    """(rows, col, dev): a (P, nbytes) stack (or P * nbytes flat) at column 0, else the
+    (P, width) matrix whose payloads sit at the checked column ``col``."""
+    shape = tuple(getattr(buffers, "shape", ()))
+    at_zero = isinstance(col, (int, np.integer)) and not isinstance(col, bool) and col == 0
+    if at_zero and (len(shape) != 2 or shape[1] == fmt.nbytes):
+        stack, dev = payload_stack(buffers, fmt)
+        return stack, 0, dev
+    mat, dev = payload_matrix(buffers, "buffers")
+    return mat, check_column(col, fmt, mat.shape[1], "buffers"), dev

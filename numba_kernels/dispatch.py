@@ -9,9 +9,8 @@ partition of the output (the formats with a row form), in one pass.  The
 format object picks the codec (``registry``); where the buffer lives picks the
 CPU twin or the CUDA kernel.
 """
-import numpy as np
 
-from ._api import check_column, decode_target, payload_matrix, payload_stack
+from ._api import check_column, decode_target, payload_matrix, payload_rows
 from ._device import stream_of
 from .errors import PayloadError
 from .registry import codec_for
@@ -34,7 +33,7 @@ def decompress_many(buffers, format, out=None, accumulate=False, stream=None, co
     Device launches: those of the format's ``decode_device`` (see ``registry``);
     1 to zero ``out`` for a stack of no rows, none for an empty tensor.
     """
-    stack, col, dev = _payload_rows(buffers, format, col)
+    stack, col, dev = payload_rows(buffers, format, col)
     st = stream_of(stream) if dev else 0
     target = decode_target(out, format.n, dev, st, accumulate)
     if format.n == 0:
@@ -52,18 +51,6 @@ def decompress_many(buffers, format, out=None, accumulate=False, stream=None, co
         else:
             codec.decode_host(format, stack, col, target, accumulate)
     return target if out is None else out
-
-
-def _payload_rows(buffers, fmt, col):
-    """(rows, col, dev): a (P, nbytes) stack (or P * nbytes flat) at column 0, else the
-    (P, width) matrix whose payloads sit at the checked column ``col``."""
-    shape = tuple(getattr(buffers, "shape", ()))
-    at_zero = isinstance(col, (int, np.integer)) and not isinstance(col, bool) and col == 0
-    if at_zero and (len(shape) != 2 or shape[1] == fmt.nbytes):
-        stack, dev = payload_stack(buffers, fmt)
-        return stack, 0, dev
-    mat, dev = payload_matrix(buffers, "buffers")
-    return mat, check_column(col, fmt, mat.shape[1], "buffers"), dev
 
 
 def decompress(payload, out=None, accumulate=False, stream=None):

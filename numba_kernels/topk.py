@@ -134,15 +134,17 @@ def compress_topk(x, k, index_dtype="int32", method="approx", residual=None, out
     Returns a Payload of ``TopKFormat(x.size, k, index_dtype)``.
     Example: ``p = compress_topk(g, k=g.numel() // 1000, residual=r)``.
 
-    Device launches: 7 with method='exact', or any method below 32768 elements
-    (4 radix rounds to find the k-th key, count, scan, compact); +1 with
-    ``residual`` (c = x + e), +1 zeroing the padding (int64 indices, odd k); only
-    those two when k is 0.  method='approx' from 32768 elements: 12 (sample, the
+    Device launches: 1 up to 32,768 elements (4,096 under the simulator), either
+    method: one block adds the residual and selects.  Above that, 7 with
+    method='exact' (4 radix rounds to find the k-th key, count, scan, compact)
+    and +1 with ``residual`` (c = x + e); method='approx': 12 (sample, the
     sample's threshold, count and scan above it, gather the candidates, the
-    selection's 7), the same when the device falls back to the whole array.  No
-    host synchronisation.  Scratch arrays are cached per thread and stream, so
-    only a thread's first call on a stream allocates (and zeroes the selection's
-    state and histogram: +2 launches, or +3 with 'approx').
+    selection's 7), the same when the device falls back to the whole array,
+    +1 with ``residual``.  Any size: +1 zeroing the padding (int64 indices, odd
+    k); only that and the residual's when k is 0.  No host synchronisation.
+    Scratch arrays are cached per thread and stream, so only a thread's first
+    call on a stream above 32,768 elements allocates (and zeroes the
+    selection's state and histogram: +2 launches, or +3 with 'approx').
     """
     if method not in ("exact", "approx"):
         raise KernelParameterError(f"method must be 'exact' or 'approx', got {method!r}")

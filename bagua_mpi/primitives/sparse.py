@@ -96,8 +96,7 @@ def _topk_arrays(x, res, k: int, comm, scale: float, index_dtype: str,
     gathered = _alloc(n * mine.nbytes, device).reshape(n, mine.nbytes)
     wire.allgather(mine.buffer, gathered)
     if scale != 1.0:  # scale the n x k values, not the whole decoded tensor
-        for r in range(n):
-            nk.scale_topk_values(nk.Payload(mine.format, gathered[r]), scale)
+        nk.scale_topk_stack(gathered, mine.format, scale)
     nk.decompress_many(gathered, mine.format, out=x)
     if stats is not None:
         stats.add((n - 1) * mine.nbytes)

@@ -327,3 +327,23 @@ def scale(arr, factor, stream=0):
     Device launches: 1 (none for an empty array)."""
     if arr.size:
         launch_over(_scale, arr.size, stream, arr, factor, max_blocks=1024)
+
+
+@cuda.jit
+def _scale_columns(arr, col, width, factor):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < arr.shape[0] * width:
+        row = i // width
+        at = col + i - row * width
+        arr[row, at] = arr[row, at] * factor
+        i += stride
+
+
+def scale_columns(arr, col, width, factor, stream=0):
+    """arr[:, col:col + width] *= factor (in arr's dtype) for a 2-D device array, every row.
+
+    Device launches: 1 (none when there is nothing to scale)."""
+    if arr.shape[0] and width:
+        launch_over(_scale_columns, arr.shape[0] * width, stream, arr, col, width, factor,
+                    max_blocks=1024)

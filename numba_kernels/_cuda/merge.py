@@ -4,8 +4,11 @@ from numba import cuda
 
 from . import select
 from .common import fill
-from .launch import launch_over
+from .geometry import THREADS
+from .launch import launch, launch_over
 from .scratch import scratch
+
+_PAST_EVERY_INDEX = np.iinfo(np.int64).max
 
 
 @cuda.jit(device=True)
@@ -22,9 +25,9 @@ def _lower_bound(arr, value):
     return lo
 
 
-@cuda.jit
-def _union(ia, va, ib, vb, uidx, uval):
-    j = cuda.grid(1)
+@cuda.jit(device=True)
+def _union_entry(ia, va, ib, vb, uidx, uval, j):
+    """Place entry j of the concatenation a, b at its position in the union."""
     ka = ia.size
     if j < ka:
         i = ia[j]
@@ -44,6 +47,25 @@ def _union(ia, va, ib, vb, uidx, uval):
 
 
 @cuda.jit
+def _union(ia, va, ib, vb, uidx, uval):
+    _union_entry(ia, va, ib, vb, uidx, uval, cuda.grid(1))
+
+
+@cuda.jit
+def _one_block_merge(ia, va, ib, vb, uidx, uval, m, k, out_idx, out_val):
+    """The whole merge by one block: prefill, union, exact selection, barriers between."""
+    tid = cuda.threadIdx.x
+    for j in range(tid, m, THREADS):
+        uidx[j] = _PAST_EVERY_INDEX
+        uval[j] = np.float32(0)
+    cuda.syncthreads()
+    for j in range(tid, m, THREADS):
+        _union_entry(ia, va, ib, vb, uidx, uval, j)
+    cuda.syncthreads()
+    select.block_select(uval, uval, uidx, True, m, k, out_idx, out_val, uval, False)
+
+
+@cuda.jit
 def _restore(resid, sidx, sval, gidx):
     j = cuda.grid(1)
     if j < sidx.size:
@@ -56,9 +78,10 @@ def _restore(resid, sidx, sval, gidx):
 def merge(va, vb, fmt, out_idx, out_val, buf, stream):
     """Union of the two payloads' views va, vb, then exact top-k into ``buf``.
 
-    Launches: 10 (prefill the union's indices and values, the union, the exact
-    selection's 7), +1 zeroing the padding (int64 indices, odd k); none but
-    that when k is 0.
+    Launches: 1 while the union has at most ``select.ONE_BLOCK_KEYS`` entries
+    (one block prefills, unites and selects), else 10 (prefill the union's
+    indices and values, the union, the exact selection's 7); +1 zeroing the
+    padding (int64 indices, odd k); none but that when k is 0.
     """
     if fmt.nbytes > fmt.used_nbytes:
         fill(buf[fmt.used_nbytes:], 0, stream)
@@ -67,10 +90,14 @@ def merge(va, vb, fmt, out_idx, out_val, buf, stream):
     m = va["indices"].size + vb["indices"].size
     uidx = scratch("merge.union_idx", m, np.int64, stream)
     uval = scratch("merge.union_val", m, np.float32, stream)
+    if select.one_block(m):
+        launch(_one_block_merge, 1, THREADS, stream, va["indices"], va["values"], vb["indices"],
+               vb["values"], uidx, uval, m, fmt.k, out_idx, out_val)
+        return
     # Slots left after removing duplicate indices stay as zero-valued entries
     # past every real one: they lose all ties, and k <= the union size means
     # they are never needed.
-    fill(uidx, np.iinfo(np.int64).max, stream)
+    fill(uidx, _PAST_EVERY_INDEX, stream)
     fill(uval, 0, stream)
     launch_over(_union, m, stream, va["indices"], va["values"], vb["indices"], vb["values"], uidx,
                 uval, max_blocks=None)

@@ -19,6 +19,12 @@ thread's scratch arrays exist (``scratch.py``):
      output position, and the selected (index, value) pairs are written in
      order.
 
+Up to ONE_BLOCK_KEYS keys, one block does all of it in one launch
+(``block_select``): the four radix rounds with the histogram in shared
+memory, then the tiles compacted one after another, each tile's offsets the
+running counts of the tiles before it.  Top-k (``one_block_topk``) and the
+gTop-k merge (``merge.py``) fuse their preparation into that launch.
+
 Where the keys come from (``how``): ``FULL``, arr[:n] with the positions as
 indices; ``MAPPED``, a candidate list cand[:n] whose indices are cidx[:n];
 ``DECIDED``, whichever of the two the device chose earlier on the stream
@@ -36,6 +42,11 @@ from .scratch import scratch
 
 _ABS = np.uint32(0x7FFFFFFF)
 _HIST_BLOCKS = 2048
+# Up to this many keys one block does a whole selection in 1 launch instead of the grid's 7
+# (``block_select``: five passes over the keys, read from L2).  A launch costs the host about
+# 50 us through Numba (H100 machine); one block's five passes over 32,768 keys should cost the
+# device less than the six launches they replace (chosen, not measured on a GPU).
+ONE_BLOCK_KEYS = 8 * TILE
 keep_entry = cuda.jit(device=True)(keep_entry_py)
 
 # Sources of the keys (see the module docstring).
@@ -211,19 +222,18 @@ def _scan(blk, nblk, state):
 
 
 @cuda.jit(device=True)
-def _compact_tile(arr, cand, cidx, use_cand, m, state, blk, out_idx, out_val, resid, has_res,
-                  keys, sh):
-    """Write this tile's keys > T and its share of the first r keys == T at their offsets
-    (every thread of the block calls it)."""
+def _compact_tile(arr, cand, cidx, use_cand, m, base, thr, r, gt, eq, out_idx, out_val, resid,
+                  has_res, keys, sh):
+    """Write the keys > thr and the first r keys == thr of the tile at ``base`` at their
+    output positions, given gt keys > thr and eq keys == thr before the tile; return the
+    tile's own counts, packed (gt in the low 32 bits, eq above).  Every thread of the block
+    calls it."""
     tid = cuda.threadIdx.x
-    base = cuda.blockIdx.x * TILE
     for j in range(ITEMS):
         i = base + j * THREADS + tid
         if i < m:
             keys[j * THREADS + tid] = np.uint32(_key(arr, cand, use_cand, i))
     cuda.syncthreads()
-    thr = state[T]
-    r = state[R]
     mine = tid * ITEMS
     packed = np.int64(0)
     for j in range(ITEMS):
@@ -234,8 +244,8 @@ def _compact_tile(arr, cand, cidx, use_cand, m, state, blk, out_idx, out_val, re
             elif key == thr:
                 packed += np.int64(1) << 32
     before, total = _block_scan(packed, sh)
-    gt = blk[cuda.blockIdx.x, 0] + (before & 0xFFFFFFFF)
-    eq = blk[cuda.blockIdx.x, 1] + (before >> 32)
+    gt += before & 0xFFFFFFFF
+    eq += before >> 32
     for j in range(ITEMS):
         i = base + mine + j
         if i < m:
@@ -254,14 +264,17 @@ def _compact_tile(arr, cand, cidx, use_cand, m, state, blk, out_idx, out_val, re
                 gt += 1
             elif key == thr:
                 eq += 1
+    return total
 
 
 @cuda.jit
 def _compact(arr, cand, cidx, n, how, state, blk, out_idx, out_val, resid, has_res):
     keys = cuda.shared.array(TILE, np.uint32)
     sh = cuda.shared.array(THREADS, np.int64)
-    _compact_tile(arr, cand, cidx, _uses_cand(how, state), _length(n, how, state), state, blk,
-                  out_idx, out_val, resid, has_res, keys, sh)
+    b = cuda.blockIdx.x
+    _compact_tile(arr, cand, cidx, _uses_cand(how, state), _length(n, how, state), b * TILE,
+                  state[T], state[R], blk[b, 0], blk[b, 1], out_idx, out_val, resid, has_res,
+                  keys, sh)
 
 
 @cuda.jit
@@ -278,38 +291,96 @@ def _gather_candidates(arr, n, cstate, blk, k, cap, cidx, cval, sel):
         sel[MODE] = 1 if ok else 0
         sel[LEN] = count
     if ok:   # the same for every thread of the block: the block scan's barriers are safe
-        _compact_tile(arr, arr, cidx, False, np.int64(n), cstate, blk, cidx, cval, cval, False,
-                      keys, sh)
+        b = cuda.blockIdx.x
+        _compact_tile(arr, arr, cidx, False, np.int64(n), b * TILE, cstate[T], cstate[R],
+                      blk[b, 0], blk[b, 1], cidx, cval, cval, False, keys, sh)
+
+
+@cuda.jit(device=True)
+def _block_kth(arr, cand, use_cand, m, k, bins, found):
+    """(T, r) of the source's first m keys, found by one block alone: four radix rounds over
+    the keys, each histogramming one byte in shared memory (``bins``: 256 int32; ``found``:
+    2 int64).  Every thread of the block calls it and gets the same pair."""
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        found[0] = 0
+        found[1] = k
+    shift = 24
+    while shift >= 0:
+        for b in range(tid, 256, THREADS):
+            bins[b] = 0
+        cuda.syncthreads()
+        prefix = found[0]
+        for i in range(tid, m, THREADS):
+            _bin_key(bins, _key(arr, cand, use_cand, i), shift, prefix)
+        cuda.syncthreads()
+        if tid == 0:
+            d, rem = _walk(bins, found[1])
+            found[0] = prefix | (np.int64(d) << shift)
+            found[1] = rem
+        cuda.syncthreads()
+        shift -= 8
+    thr = found[0]
+    r = found[1]
+    cuda.syncthreads()   # every thread has read ``found`` before a later call resets it
+    return thr, r
+
+
+@cuda.jit(device=True)
+def block_select(arr, cand, cidx, use_cand, m, k, out_idx, out_val, resid, has_res):
+    """The whole exact selection by one block (every thread calls it): the k-th key, then
+    the tiles compacted in order, each starting from the counts of the tiles before it."""
+    bins = cuda.shared.array(256, np.int32)
+    found = cuda.shared.array(2, np.int64)
+    keys = cuda.shared.array(TILE, np.uint32)
+    sh = cuda.shared.array(THREADS, np.int64)
+    thr, r = _block_kth(arr, cand, use_cand, m, k, bins, found)
+    gt = np.int64(0)
+    eq = np.int64(0)
+    base = np.int64(0)
+    while base < m:
+        total = _compact_tile(arr, cand, cidx, use_cand, m, base, thr, r, gt, eq, out_idx,
+                              out_val, resid, has_res, keys, sh)
+        gt += total & 0xFFFFFFFF
+        eq += total >> 32
+        base += TILE
+        cuda.syncthreads()   # the tile's keys are read before the next tile overwrites them
 
 
 @cuda.jit
 def _sample_threshold(sample, m, ks, cstate):
     """One block: T = the ks-th largest key of sample[:m]; cstate = [T - 1, 0] selects the
     keys >= T (keys > T - 1, no ties to take)."""
-    sh = cuda.shared.array(256, np.int32)
-    found = cuda.shared.array(2, np.int64)    # prefix, remaining rank
-    tid = cuda.threadIdx.x
-    if tid == 0:
-        found[0] = 0
-        found[1] = ks
-    shift = 24
-    while shift >= 0:
-        for b in range(tid, 256, THREADS):
-            sh[b] = 0
-        cuda.syncthreads()
-        prefix = found[0]
-        for i in range(tid, m, THREADS):
-            _bin_key(sh, np.int64(key_of(sample, i)), shift, prefix)
-        cuda.syncthreads()
-        if tid == 0:
-            d, rem = _walk(sh, found[1])
-            found[0] = prefix | (np.int64(d) << shift)
-            found[1] = rem
-        cuda.syncthreads()
-        shift -= 8
-    if tid == 0:
-        cstate[T] = found[0] - 1
+    bins = cuda.shared.array(256, np.int32)
+    found = cuda.shared.array(2, np.int64)
+    thr, _ = _block_kth(sample, sample, False, m, ks, bins, found)
+    if cuda.threadIdx.x == 0:
+        cstate[T] = thr - 1
         cstate[R] = 0
+
+
+@cuda.jit
+def _one_block_topk(x, arr, has_res, n, k, out_idx, out_val):
+    """compress_topk's selection by one block: with error feedback c = x + e is formed in
+    ``arr`` (= e) first, and the selected values are taken out of it."""
+    if has_res:
+        for i in range(cuda.threadIdx.x, n, THREADS):
+            arr[i] = arr[i] + x[i]
+        cuda.syncthreads()   # every c is formed before any thread reads one
+    block_select(arr, arr, out_idx, False, n, k, out_idx, out_val, arr, has_res)
+
+
+def one_block(m):
+    """Whether a selection over m keys runs in one block (``ONE_BLOCK_KEYS``)."""
+    return m <= ONE_BLOCK_KEYS
+
+
+def one_block_topk(x, e, k, out_idx, out_val, stream):
+    """1 launch: the k largest keys of x (+ e, formed in e and updated in place) into
+    (out_idx, out_val), x of at most ONE_BLOCK_KEYS elements and k >= 1."""
+    has_res = e is not None
+    launch(_one_block_topk, 1, THREADS, stream, x, e if has_res else x, has_res, x.size, k,
+           out_idx, out_val)
 
 
 def _zeroed(stream):

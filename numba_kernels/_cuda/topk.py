@@ -1,12 +1,14 @@
 """Device top-k / random-k (see numba_kernels.topk for the definition and methods).
 
-Random-k is one thread per stratum.  The exact method is
-``select.select_exact`` over all of c.  The approximate method samples keys,
-finds the sample's threshold in one block, counts the keys above it, gathers
-those candidates in order when their count lies in [k, capacity], and runs the
-exact selection on them, or on all of c when it does not: the device makes
-that choice itself, so the host never waits (the CPU twin refines the
-threshold instead, with the same result).  The rules shared with the CPU twin
+Random-k is one thread per stratum.  Up to ``select.ONE_BLOCK_KEYS`` elements,
+either selection method is one block's exact selection, error feedback added
+in the same kernel.  Above that, the exact method is ``select.select_exact``
+over all of c, and the approximate method samples keys, finds the sample's
+threshold in one block, counts the keys above it, gathers those candidates in
+order when their count lies in [k, capacity], and runs the exact selection on
+them, or on all of c when it does not: the device makes that choice itself,
+so the host never waits (the CPU twin refines the threshold instead, with the
+same result).  The rules shared with the CPU twin
 (stratum positions, the sample plan) come from ``_sparse_rules``.
 """
 import numpy as np
@@ -91,6 +93,9 @@ def sparsify(x, e, fmt, rkey, method, out_idx, out_val, buf, stream):
     """
     if fmt.nbytes > fmt.used_nbytes:
         fill(buf[fmt.used_nbytes:], 0, stream)
+    if method != "random" and fmt.k and select.one_block(fmt.n):   # the residual added inside
+        select.one_block_topk(x, e, fmt.k, out_idx, out_val, stream)
+        return
     if e is not None:
         launch_over(_add, x.size, stream, e, x)
     if fmt.k == 0:

@@ -181,6 +181,25 @@ def check_merge(cases):
         _same(rh, rd, "restore_unselected")
 
 
+def check_scale_topk_stack(n, k, rows, col=24, factor=0.3):
+    """``scale_topk_stack`` on a (rows, nbytes) stack and at byte column ``col`` of wider rows,
+    host == device == each payload's values times the float32 factor, nothing else touched."""
+    payloads = [nk.compress_topk(_data(40 + r, n, np.float32), k) for r in range(rows)]
+    fmt = payloads[0].format
+    stack = np.stack([p.buffer for p in payloads])
+    wide = np.random.default_rng(7).integers(0, 256, (rows, col + fmt.nbytes + 8), np.uint8)
+    wide[:, col:col + fmt.nbytes] = stack
+    for host, at in ((stack, 0), (wide, col)):
+        expected = host.copy()
+        for r in range(rows):   # each payload's values, scaled in place through its views
+            fmt.views(expected[r, at:at + fmt.nbytes])["values"][:] *= np.float32(factor)
+        dev = cuda.to_device(host)
+        nk.scale_topk_stack(host, fmt, factor, col=at)
+        nk.scale_topk_stack(dev, fmt, factor, col=at)
+        _same(expected, host, f"host scale_topk_stack at column {at}")
+        _same(expected, dev, f"device scale_topk_stack at column {at}")
+
+
 def check_rows(cases, dtype=np.float32):
     """(name, kwargs, rows, part, residual[, short]) cases: on the host and on the device, the
     row form writes the per-partition calls' payload bytes (and nothing outside its columns)

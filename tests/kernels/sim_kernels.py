@@ -157,23 +157,58 @@ def test_sparse_stacks_too_large_for_one_block_take_a_grid_per_row(monkeypatch):
     dc.check_decode_at_column(sparse, n=70, rows=3, col=24)
 
 
+@pytest.fixture
+def grid_selection(monkeypatch):
+    """Selections over more than ONE_BLOCK_KEYS keys run on a grid (7 launches), not in one
+    block: with the limit at 0 every selection does, so the small tensors here cover it."""
+    from numba_kernels._cuda import select
+    monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 0)
+
+
+EXACT_TOPK = [(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exact", True),
+              (1025, 10, "normal", F64, "exact", True), (200, 200, "ties", F32, "exact", True),
+              (5000, 50, "ties", F32, "exact", True)]     # 5000: ONE_BLOCK_KEYS < n
+
+
 def test_topk_exact_and_randk():
-    dc.check_topk([(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exact", True),
-                   (1025, 10, "normal", F64, "exact", True),
-                   (200, 200, "ties", F32, "exact", True)], many=False)
+    """Up to ONE_BLOCK_KEYS elements (all but the last case) one block selects."""
+    dc.check_topk(EXACT_TOPK, many=False)
     dc.check_topk([(33, 5, "ties", F32, "exact", False)])
     dc.check_topk([(33, 7, "normal", F32, "randk", True),
                    (300, 100, "normal", F64, "randk", False)], many=False)
 
 
-def test_topk_approx():
+def test_topk_exact_on_a_grid(grid_selection):
+    dc.check_topk(EXACT_TOPK[:4], many=False)
+
+
+def test_topk_approx(grid_selection):
+    """The approximate method runs above ONE_BLOCK_KEYS only (below it one block selects
+    exactly); with the limit at 0 it runs on these small tensors."""
     dc.check_topk([(1200, 12, "normal", F32, "approx", True),
                    (1200, 300, "ties", F64, "approx", True)], approx_min_n=1000, many=False)
     dc.check_approx_path(2000, 20)
 
 
+# (1000, 400): a union of several tiles; (200, 20) again: the union's scratch then holds the
+# entries of a longer union, which the prefill must clear; (6000, 2500): a union of 5000
+# entries, more than ONE_BLOCK_KEYS
+MERGES = [(1, 1, "normal"), (200, 20, "ties"), (1025, 40, "normal"), (1000, 400, "normal"),
+          (200, 20, "ties"), (6000, 2500, "ties")]
+
+
 def test_merge_and_restore():
-    dc.check_merge([(1, 1, "normal"), (200, 20, "ties"), (1025, 40, "normal")])
+    dc.check_merge(MERGES)
+
+
+def test_merge_on_a_grid(grid_selection):
+    dc.check_merge(MERGES[:5])
+
+
+def test_scale_topk_stack():
+    """Every row's k values scaled in one pass, as the host's; a stack at a column of wider
+    rows too, whose other bytes stay as they were."""
+    dc.check_scale_topk_stack(n=300, k=17, rows=3)
 
 
 def test_scale_and_fill_as_the_primitives_launch_them():

@@ -22,6 +22,7 @@ from numba import cuda  # noqa: E402
 
 import numba_kernels as nk  # noqa: E402
 from numba_kernels import _sparse_rules  # noqa: E402
+from numba_kernels._cuda import select  # noqa: E402
 from numba_kernels.registry import CODECS  # noqa: E402
 from numba_kernels.wire import Payload  # noqa: E402
 
@@ -82,15 +83,35 @@ def warm_scratch():
 
 
 def warm():
-    """The selection's scratch arrays, allocated at the largest size the tests ask for: only a
-    thread's first selection allocates (and zeroes its state and histogram, 2-3 launches), and
-    the counts below are those of every later call."""
-    saved = _sparse_rules.APPROX_MIN_N
-    _sparse_rules.APPROX_MIN_N = 1000
+    """The grid selection's scratch arrays, allocated at the largest size the tests ask for:
+    only a thread's first selection on a grid allocates (and zeroes its state and histogram,
+    2-3 launches), and the counts below are those of every later call."""
+    saved = _sparse_rules.APPROX_MIN_N, select.ONE_BLOCK_KEYS
+    _sparse_rules.APPROX_MIN_N, select.ONE_BLOCK_KEYS = 1000, 0
     try:
         nk.compress_topk(device_data(2000), 20, method="approx")
+        a, b = nk.compress_topk(device_data(seed=1), 10), nk.compress_topk(device_data(seed=2), 10)
+        nk.merge_topk(a, b)
     finally:
-        _sparse_rules.APPROX_MIN_N = saved
+        _sparse_rules.APPROX_MIN_N, select.ONE_BLOCK_KEYS = saved
+
+
+@pytest.fixture
+def grid_selection(monkeypatch):
+    """Every selection on a grid, as above ONE_BLOCK_KEYS keys."""
+    monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 0)
+
+
+def test_the_documented_one_block_limit():
+    """The docstrings give ONE_BLOCK_KEYS as 32,768 on a GPU and 4,096 here: 8 tiles of
+    THREADS x ITEMS keys, THREADS being 256 on a GPU and 32 under the simulator."""
+    from numba_kernels._cuda.geometry import ITEMS, THREADS
+    assert (THREADS, ITEMS) == (32, 16)
+    assert select.ONE_BLOCK_KEYS == 8 * THREADS * ITEMS == 4096
+    assert 8 * 256 * ITEMS == 32768
+    for fn in (nk.compress_topk, nk.merge_topk):
+        doc = " ".join(inspect.getdoc(fn).split())
+        assert "32,768" in doc and "4,096 under the simulator" in doc, fn.__name__
 
 
 @pytest.mark.parametrize("codec, compress", CALLS, ids=[fn.__name__ for _, fn in CALLS])
@@ -127,19 +148,37 @@ def test_chunks_longer_than_a_segment_take_three_launches(compress):
     assert counts() == (3, 0)
 
 
-def test_residual_and_padding_add_a_launch_each_to_the_sparse_formats():
+def test_residual_and_padding_of_the_sparse_formats():
+    """One block adds the residual inside its one launch; padding (int64 indices, odd k)
+    takes a launch of its own."""
     x, e = device_data(), cuda.to_device(np.zeros(N, np.float32))
-    nk.compress_topk(x, 10, residual=e)
-    assert counts() == (7 + 1, 0)
+    for method in ("exact", "approx"):
+        nk.reset_launch_count()
+        nk.compress_topk(x, 10, residual=e, method=method)
+        assert counts() == (1, 0)
     nk.reset_launch_count()
-    nk.compress_topk(x, 11, index_dtype="int64")     # 11 * 12 bytes: 4 bytes of padding
-    assert counts() == (7 + 1, 0)
+    nk.compress_topk(x, 11, index_dtype="int64", residual=e)   # 11 * 12 bytes: 4 of padding
+    assert counts() == (1 + 1, 0)
     nk.reset_launch_count()
     nk.compress_randk(x, 11, index_dtype="int64", residual=e)
     assert counts() == (1 + 2, 0)
     nk.reset_launch_count()
     nk.compress_topk(x, 0, residual=e)
     assert counts() == (1, 0)
+
+
+def test_residual_and_padding_of_a_grid_selection(grid_selection):
+    """Above ONE_BLOCK_KEYS: the exact selection's 7 launches, +1 each for the residual and
+    the padding."""
+    x, e = device_data(), cuda.to_device(np.zeros(N, np.float32))
+    nk.compress_topk(x, 10, residual=e)
+    assert counts() == (7 + 1, 0)
+    nk.reset_launch_count()
+    nk.compress_topk(x, 11, index_dtype="int64")
+    assert counts() == (7 + 1, 0)
+    nk.reset_launch_count()
+    nk.compress_topk(x, 11, index_dtype="int64", residual=e)
+    assert counts() == (7 + 2, 0)
 
 
 @pytest.mark.parametrize("one_block_entries", [None, 1],
@@ -180,7 +219,7 @@ def test_decoding_a_stack(monkeypatch, one_block_entries):
 
 
 @pytest.mark.parametrize("plan", ["sample holds", "too few candidates", "too many"])
-def test_the_approximate_method_never_waits_for_the_host(monkeypatch, plan):
+def test_the_approximate_method_never_waits_for_the_host(monkeypatch, grid_selection, plan):
     """12 launches and no host read whichever way the device goes (it decides by itself
     whether to select among the candidates or over the whole array), and no allocation."""
     from numba_kernels._cuda import topk as dev_topk
@@ -198,13 +237,28 @@ def test_merge_restore_and_scale():
     a, b = nk.compress_topk(device_data(seed=1), 10), nk.compress_topk(device_data(seed=2), 10)
     nk.reset_launch_count()
     merged = nk.merge_topk(a, b)
-    assert counts() == (documented_launches(nk.merge_topk), 0)
+    assert counts() == (documented_launches(nk.merge_topk), 0) == (1, 0)
     nk.reset_launch_count()
     nk.restore_unselected(cuda.device_array(N, np.float32), a, merged)
     assert counts() == (documented_launches(nk.restore_unselected), 0)
     nk.reset_launch_count()
     nk.scale_topk_values(Payload(merged.format, merged.buffer), 0.5)
     assert counts() == (documented_launches(nk.scale_topk_values), 0)
+    nk.reset_launch_count()
+    stack = cuda.to_device(np.stack([a.buffer.copy_to_host(), b.buffer.copy_to_host()] * 2))
+    HOST_READS.clear()
+    nk.scale_topk_stack(stack, a.format, 0.5)     # four rows, one launch
+    assert counts() == (documented_launches(nk.scale_topk_stack), 0)
+    assert nk.scratch_allocations() == 0
+
+
+def test_merge_on_a_grid(grid_selection):
+    """Above ONE_BLOCK_KEYS entries in the union: prefill (2), union, the selection's 7."""
+    a, b = nk.compress_topk(device_data(seed=1), 10), nk.compress_topk(device_data(seed=2), 10)
+    nk.reset_launch_count()
+    nk.merge_topk(a, b)
+    assert counts() == (10, 0)
+    assert nk.scratch_allocations() == 0
 
 
 

@@ -70,3 +70,28 @@ def test_gtopk_tree_round_and_restore(rng):
         # ... and everything else is back where it was
         rest = np.setdiff1d(np.arange(n), shipped)
         np.testing.assert_array_equal(r[rest], g[rest])
+
+
+def test_scale_topk_stack_is_each_rows_scale(rng):
+    """One call scales every row's values as ``scale_topk_values`` on each row, and leaves the
+    indices and the padding (int64 indices, odd k) alone; a stack at a column of wider rows
+    too. Other formats are refused."""
+    k, rows = 7, 3
+    payloads = [nk.compress_topk(rng.standard_normal(100).astype(np.float32), k,
+                                 index_dtype="int64") for _ in range(rows)]
+    fmt = payloads[0].format
+    assert fmt.nbytes > fmt.used_nbytes
+    stack = np.stack([p.buffer for p in payloads])
+    wide = np.zeros((rows, 16 + fmt.nbytes + 8), np.uint8)
+    wide[:, 16:16 + fmt.nbytes] = stack
+    expected = stack.copy()
+    for r in range(rows):
+        nk.scale_topk_values(nk.Payload(fmt, expected[r]), 0.25)
+    assert not np.array_equal(expected, stack)
+    nk.scale_topk_stack(stack, fmt, 0.25)
+    np.testing.assert_array_equal(stack, expected)
+    nk.scale_topk_stack(wide, fmt, 0.25, col=16)
+    np.testing.assert_array_equal(wide[:, 16:16 + fmt.nbytes], expected)
+    assert not wide[:, :16].any() and not wide[:, 16 + fmt.nbytes:].any()
+    with pytest.raises(nk.PayloadError, match="TopKFormat"):
+        nk.scale_topk_stack(stack, nk.MinMaxFormat(100, 8, 32), 0.5)

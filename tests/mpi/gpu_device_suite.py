@@ -105,12 +105,16 @@ def check_topk(comm, aware: bool):
         host, dev = g.copy(), cuda.to_device(g)
         _topk_arrays(host, host_res, k, comm, 1.0 / n, "int32", None, False)
         staging.reset()
-        syncs = overhead.snapshot()[1]
+        launches, syncs = overhead.snapshot()
         scratch_before = overhead.allocations()
         _topk_arrays(dev, dev_res, k, comm, 1.0 / n, "int32", None, True)
         snap = staging.snapshot()
         waits = overhead.snapshot()[1] - syncs  # the selection itself never waits
         assert waits == (1 if n > 1 else 0), f"{waits} host waits for one top-k allgather"
+        # one block selects (residual added inside), one pass scales the n gathered rows'
+        # values (none at n = 1), the decode zeroes out and one block scatters every row
+        launched = overhead.snapshot()[0] - launches
+        assert launched == 1 + (n > 1) + 2, f"{launched} kernel launches for top-k on {n} ranks"
         if step:   # the selection's scratch arrays exist after the first step
             assert overhead.allocations() == scratch_before, "top-k allocated scratch again"
         assert np.array_equal(dev.copy_to_host(), host), f"topk result step {step}"
@@ -123,6 +127,19 @@ def check_topk(comm, aware: bool):
         else:
             assert snap["d2h_bytes"] == 0, snap
     say(comm, f"Top-k device == host ({'CUDA-aware' if aware else 'staged'}) on {n} ranks")
+
+
+def merges_made(rank, n):
+    """How many payloads ``rank`` merges in gTop-k on n ranks: at n = 2 both ranks merge
+    once; else in the binomial tree's round j (mask 2^j) a rank with bit j set sends and
+    leaves, and the others merge what rank + mask sends, when that rank exists."""
+    if n == 2:
+        return 1
+    merges, mask = 0, 1
+    while mask < n and not rank & mask:
+        merges += rank + mask < n
+        mask <<= 1
+    return merges
 
 
 def check_gtopk_staged(comm):
@@ -142,8 +159,14 @@ def check_gtopk_staged(comm):
         ks = [k for _, k in layers]
         _gtopk_arrays(host, host_res, ks, comm, 1.0 / n, "int32", None)
         staging.reset()
+        launches = overhead.snapshot()[0]
         _gtopk_arrays(dev, dev_res, ks, comm, 1.0 / n, "int32", None)
         snap = staging.snapshot()
+        # per segment: the selection, one launch per merge this rank makes, the restore, the
+        # scale (none at n = 1), the decode's zero fill and scatter
+        launched = overhead.snapshot()[0] - launches
+        expected = len(layers) * (1 + merges_made(rank, n) + 1 + (n > 1) + 2)
+        assert launched == expected, f"rank {rank}: {launched} kernel launches, not {expected}"
         for j in range(len(layers)):
             assert np.array_equal(dev[j].copy_to_host(), host[j]), f"gtopk {j} step {step}"
             assert np.array_equal(dev_res[j].copy_to_host(), host_res[j]), f"residual {j}"
