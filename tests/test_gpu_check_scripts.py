@@ -120,3 +120,31 @@ step 60 "(w) a late step" w.log 1 echo never
                              timeout=60).stdout
     assert "## Steps" in summary and "(x) a step skipped" in summary
 
+
+
+def test_under_mps_starts_the_daemon_for_the_command_and_stops_it(tmp_path):
+    """``tests/gpu/under_mps.sh`` (run.sh's MPS row) with a stand-in for
+    ``nvidia-cuda-mps-control``: the daemon starts before the command, the command sees the
+    daemon's pipe directory, the daemon is told to quit after it (after a failing command
+    too), the command's exit status comes back, and with no MPS at all it says so and exits 4
+    without running the command."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-cuda-mps-control"
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "${{1:-}}" = -d ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
+                    f'else read line; echo "$line" >> {calls}; fi\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    command = f'echo "cmd $CUDA_MPS_PIPE_DIRECTORY" >> {calls}; exit 5'
+    run = subprocess.run(["bash", str(REPO / "tests/gpu/under_mps.sh"), "bash", "-c", command],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 5, run.stdout + run.stderr
+    start, cmd, quit_ = calls.read_text().splitlines()
+    assert start.startswith("start /tmp/mps.") and cmd == "cmd " + start.split()[1]
+    assert quit_ == "quit"
+    assert not os.path.exists(start.split()[1])          # its folder is removed afterwards
+    bare = dict(os.environ, PATH="/usr/bin:/bin")
+    run = subprocess.run(["bash", str(REPO / "tests/gpu/under_mps.sh"), "bash", "-c", command],
+                         env=bare, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 4 and "not found" in run.stdout
+    assert len(calls.read_text().splitlines()) == 3      # the command did not run

@@ -18,6 +18,9 @@
 #       path cannot be checked on a one-GPU machine): every algorithm on NCCL with no payload
 #       byte through the host and no host wait in its exchanges
 #   (d) benchmarks/kernels.py with the GPU section at 1e8 elements
+#   (f) when the image has NVIDIA's MPS (nvidia-cuda-mps-control): the check model's staged
+#       row again under MPS (tests/gpu/under_mps.sh), where the two ranks' processes do not
+#       take turns on the GPU; the step ratios of both rows are in the summary
 #   (e) results, with the device name, in benchmarks/results/gpu/ (gpu_check.md and raw files),
 #       and in $OUT when set (the device tool brings $OUT back): gpu_check.md, and the raw
 #       files packed in raw.tar.gz (it brings back 8 files at most)
@@ -121,6 +124,16 @@ step 120 "(c) NCCL at world size 1" nccl.log 16 \
 step 150 "(d) kernel benchmark at 1e8 elements" kernels.log 30 \
     python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
     --markdown "$RES/kernels_gpu.md"
+
+# (f) the check model again under MPS: the ratios without the two processes' turns on the GPU
+if command -v nvidia-cuda-mps-control > /dev/null; then
+    step 100 "(f) the check model at 2 ranks under MPS, payloads staged" train_mps.log 12 \
+        bash tests/gpu/under_mps.sh env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 \
+        python3 tests/gpu/train_all.py --only gradient_allreduce qsgd bytegrad onebit_adam \
+        topk gtopk powersgd lgreco --mode staged-mps --out "$RES/train.jsonl"
+else
+    note "(f) MPS row skipped: nvidia-cuda-mps-control not found"
+fi
 
 note "(e) summary"
 python3 tests/gpu/summarize.py "$RES" "$DEVICE" "$MPIVER" "$status" > "$RES/gpu_check.md"
