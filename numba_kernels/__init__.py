@@ -32,19 +32,44 @@ True
 >>> bool(np.allclose(nk.decompress(p) + e, g, atol=1e-6))
 True
 """
-from ._counters import launch_count, release_scratch, reset_launch_count, scratch_allocations
-from ._scalar import row_seed
-from .casts import compress_cast, sum_halves
-from .dispatch import decompress, decompress_many, decompress_rows
-from .errors import (CudaUnavailableError, DeviceMismatchError, KernelError,
-                     KernelParameterError, KernelTypeError, LayoutError, PayloadError)
-from .merge import merge_topk, restore_unselected, scale_topk_stack, scale_topk_values
-from .minmax import compress_minmax, compress_minmax_rows, minmax_errors
-from .onebit import compress_onebit, compress_onebit_rows
-from .qsgd import compress_qsgd, compress_qsgd_rows
-from .topk import compress_randk, compress_topk
-from .wire import (ALIGN, CastFormat, MinMaxFormat, OneBitFormat, Payload, QSGDFormat,
-                   TopKFormat)
+import importlib
+
+# Where each public name lives. The submodules import numba (about 0.3 s per process), so
+# they load on a name's first use, not with the package: bagua_mpi imports this package in
+# every rank, and most ranks of a job that compresses nothing never touch a kernel.
+_HOMES = {
+    "launch_count": "._counters", "release_scratch": "._counters",
+    "reset_launch_count": "._counters", "scratch_allocations": "._counters",
+    "row_seed": "._scalar",
+    "compress_cast": ".casts", "sum_halves": ".casts",
+    "decompress": ".dispatch", "decompress_many": ".dispatch", "decompress_rows": ".dispatch",
+    "CudaUnavailableError": ".errors", "DeviceMismatchError": ".errors", "KernelError": ".errors",
+    "KernelParameterError": ".errors", "KernelTypeError": ".errors", "LayoutError": ".errors",
+    "PayloadError": ".errors",
+    "merge_topk": ".merge", "restore_unselected": ".merge", "scale_topk_stack": ".merge",
+    "scale_topk_values": ".merge",
+    "compress_minmax": ".minmax", "compress_minmax_rows": ".minmax", "minmax_errors": ".minmax",
+    "compress_onebit": ".onebit", "compress_onebit_rows": ".onebit",
+    "compress_qsgd": ".qsgd", "compress_qsgd_rows": ".qsgd",
+    "compress_randk": ".topk", "compress_topk": ".topk",
+    "ALIGN": ".wire", "CastFormat": ".wire", "MinMaxFormat": ".wire", "OneBitFormat": ".wire",
+    "Payload": ".wire", "QSGDFormat": ".wire", "TopKFormat": ".wire",
+}
+
+
+def __getattr__(name):
+    """Import the submodule that defines ``name`` on first use (PEP 562)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))
+
 
 __all__ = [
     "compress_cast", "sum_halves", "compress_minmax", "compress_qsgd", "compress_onebit",

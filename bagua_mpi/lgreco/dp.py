@@ -19,9 +19,9 @@ costs more than the default and never exceeds E_max.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 
@@ -55,8 +55,8 @@ def solve(err: np.ndarray, cost: np.ndarray, e_max: float, default: list[int] | 
     choices = np.zeros((layers, steps + 1), dtype=np.int32)
     for layer in range(layers):
         front = np.array(pareto_front(units[layer], cost[layer]), dtype=np.int64)
-        best = _relax(best, front, units[layer, front].astype(np.int64), cost[layer, front],
-                      choices[layer])
+        best = _relax()(best, front, units[layer, front].astype(np.int64), cost[layer, front],
+                        choices[layer])
     solution = None
     if np.isfinite(best).any():
         e = int(np.argmin(best))
@@ -76,8 +76,15 @@ def solve(err: np.ndarray, cost: np.ndarray, e_max: float, default: list[int] | 
     return solution
 
 
-@numba.njit(cache=True, nogil=True)
-def _relax(best, cands, units, cost, pick):
+@functools.cache
+def _relax():
+    """``_relax_layer`` compiled, on first use: importing numba costs every rank about 0.3 s,
+    and most ranks never solve a knapsack."""
+    import numba
+    return numba.njit(cache=True, nogil=True)(_relax_layer)
+
+
+def _relax_layer(best, cands, units, cost, pick):
     """One layer of the knapsack: new[e] = min over c of best[e - units[c]] + cost[c], with
     ``pick[e]`` the first candidate reaching the minimum (the lowest index on ties)."""
     new = np.full(best.size, np.inf)

@@ -15,7 +15,6 @@ import os
 import zlib
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 import numba_kernels as nk
@@ -32,6 +31,7 @@ def fit_kernel_threads() -> None:
     thread that compresses calls this (a cheap check after the first time).
     """
     global _threads_per_rank
+    import numba   # here, not at the top: importing numba costs every rank about 0.3 s
     if _threads_per_rank is None:
         from .. import config, runtime
         local = runtime.get().topo.local_size if runtime.is_initialized() else 1
