@@ -91,13 +91,13 @@ def decode_cpu(fmt, stack, col, out, accumulate):
     decode_cpu_kernel(halves, hcol, fmt.kind == "bf16", out, accumulate)
 
 
-def decode_device(fmt, stack, col, out, accumulate, stream):
+def decode_device(fmt, stack, col, out, accumulate, factor, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
     Device launches: 1 (every row decoded and summed in one pass over out).
     """
     from ._cuda import casts as kern
-    kern.decode(fmt, stack, col, out, accumulate, stream)
+    kern.decode(fmt, stack, col, out, accumulate, factor, stream)
 
 
 # -- raw 16-bit words on the host (no payload framing) ----------------------------------------

@@ -10,14 +10,16 @@ format object picks the codec (``registry``); where the buffer lives picks the
 CPU twin or the CUDA kernel.
 """
 
+import numpy as np
+
 from ._api import check_column, decode_target, payload_matrix, payload_rows
 from ._device import stream_of
-from .errors import PayloadError
+from .errors import KernelParameterError, PayloadError
 from .registry import codec_for
 from .wire import Payload
 
 
-def decompress_many(buffers, format, out=None, accumulate=False, stream=None, col=0):
+def decompress_many(buffers, format, out=None, accumulate=False, stream=None, col=0, factor=1.0):
     """out (+)= decode(row 0) + decode(row 1) + ... for a (P, nbytes) stack of payloads.
 
     ``buffers`` may also be flat (P * nbytes bytes).  With ``col`` (or rows wider
@@ -29,10 +31,16 @@ def decompress_many(buffers, format, out=None, accumulate=False, stream=None, co
     (P, nbytes) stack of those columns.
     Without ``accumulate`` the output is overwritten (a new float32 array when
     ``out`` is None).  Rows are added in order, so the result is deterministic.
+    ``factor`` (not with ``accumulate``): out = factor x the sum, one rounded
+    float32 multiply after it, the bytes of scaling the decoded sum in a pass of
+    its own; the dense formats' decoders apply it as they store, at no launch.
     Returns out.
     Device launches: those of the format's ``decode_device`` (see ``registry``);
     1 to zero ``out`` for a stack of no rows, none for an empty tensor.
     """
+    if factor != 1.0 and accumulate:
+        raise KernelParameterError(f"factor={factor} scales a sum that replaces out; it does "
+                                   "not combine with accumulate=True")
     stack, col, dev = payload_rows(buffers, format, col)
     st = stream_of(stream) if dev else 0
     target = decode_target(out, format.n, dev, st, accumulate)
@@ -47,9 +55,11 @@ def decompress_many(buffers, format, out=None, accumulate=False, stream=None, co
             target[:] = 0
     elif stack.shape[0]:
         if dev:
-            codec.decode_device(format, stack, col, target, accumulate, st)
+            codec.decode_device(format, stack, col, target, accumulate, factor, st)
         else:
             codec.decode_host(format, stack, col, target, accumulate)
+            if factor != 1.0:
+                target *= np.float32(factor)
     return target if out is None else out
 
 

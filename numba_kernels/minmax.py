@@ -256,13 +256,13 @@ def decode_rows_cpu(fmt, matrix, col, out):
                            fmt.bits, fmt.chunk, fmt.n, out)
 
 
-def decode_device(fmt, stack, col, out, accumulate, stream):
+def decode_device(fmt, stack, col, out, accumulate, factor, stream):
     """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
 
     Device launches: 1 (every row decoded and summed in one pass over out).
     """
     from ._cuda import minmax as kern
-    kern.decode(fmt, stack, col, out, accumulate, stream)
+    kern.decode(fmt, stack, col, out, accumulate, factor, stream)
 
 
 def decode_rows_device(fmt, matrix, col, out, stream):

@@ -32,10 +32,12 @@ class Codec:
 
     ``compressors``: the public functions whose payloads have this format;
     ``decode_host(fmt, stack, col, out, accumulate)`` and
-    ``decode_device(fmt, stack, col, out, accumulate, stream)`` sum the P
+    ``decode_device(fmt, stack, col, out, accumulate, factor, stream)`` sum the P
     payloads of a (P, width) stack, each at byte column ``col`` of its row (0
     and width = fmt.nbytes for a plain stack), into ``out`` (add to it with
-    ``accumulate``), reading them in place.
+    ``accumulate``), reading them in place; the device decoder also multiplies
+    the result by the float32 ``factor`` (the host's is scaled by
+    ``dispatch.decompress_many`` afterwards, with the same bytes).
     Row forms (None for a format without them): ``compress_rows``, and
     ``decode_rows_host(fmt, matrix, col, out)`` / ``decode_rows_device(fmt,
     matrix, col, out, stream)``, which decode row k of a (rows, width) matrix

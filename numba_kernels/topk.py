@@ -180,12 +180,16 @@ def decode_cpu(fmt, stack, col, out, accumulate):
     decode_cpu_kernel(idx, icol, vals, vcol, fmt.k, out, accumulate)
 
 
-def decode_device(fmt, stack, col, out, accumulate, stream):
-    """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``).
+def decode_device(fmt, stack, col, out, accumulate, factor, stream):
+    """The CUDA twin of ``decode_cpu`` (see ``registry.Codec``), times ``factor``.
 
     Device launches: 2 for a stack of P rows while P x k is at most 65,536 (zero out, then
     one block scatters the rows in order; 8,192 under the simulator), else P + 1 (a grid per
-    row, in order); one fewer with ``accumulate``.
+    row, in order); one fewer with ``accumulate``; one more scaling out by a factor other
+    than 1.
     """
     from ._cuda import topk as kern
     kern.decode(fmt, stack, col, out, accumulate, stream)
+    if factor != 1.0:
+        from ._cuda.common import scale
+        scale(out, np.float32(factor), stream)

@@ -131,7 +131,8 @@ def test_under_mps_starts_the_daemon_for_the_command_and_stops_it(tmp_path):
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     fake = bin_dir / "nvidia-cuda-mps-control"
-    fake.write_text(f'#!/usr/bin/env bash\nif [ "${{1:-}}" = -d ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "${{1:-}}" = -d ]; then\n'
+                    f'  echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
                     f'else read line; echo "$line" >> {calls}; fi\n')
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")

@@ -57,13 +57,15 @@ class Codec:
         raise NotImplementedError
 
     def decompress_many(self, stack: np.ndarray, n: int, out: np.ndarray,
-                        accumulate: bool = False, cols: slice | None = None) -> np.ndarray:
+                        accumulate: bool = False, cols: slice | None = None,
+                        factor: float = 1.0) -> np.ndarray:
         """out (+)= sum of the decoded rows of ``stack`` ((rows, nbytes) uint8); with ``cols``
         (a slice of ``format(n).nbytes`` bytes at an aligned column), of ``stack[:, cols]`` for
-        a (rows, width) ``stack``, read in place (no copy of the columns)."""
+        a (rows, width) ``stack``, read in place (no copy of the columns); with ``factor``
+        (not accumulating), out = factor x the sum, in the decoder's own launch."""
         fit_kernel_threads()
         return nk.decompress_many(stack, self.format(n), out=out, accumulate=accumulate,
-                                  col=0 if cols is None else cols.start)
+                                  col=0 if cols is None else cols.start, factor=factor)
 
     def compress_rows(self, x, out, cols: slice, residual=None, seed: int = 0, rank: int = 0,
                       phase: int = 1):

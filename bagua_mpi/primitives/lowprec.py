@@ -12,10 +12,9 @@ past L as zeros, so an uneven length is padded without a copy):
 4. phase 2: compress the merged partition + server error s_k (updated likewise);
 5. allgather the n merged payloads; every rank decodes all partitions into x.
 
-On a device each segment costs 5 kernel launches whatever n: steps 1 and 5 encode / decode
-the n partitions at once (the codecs' row forms), step 3 decodes and sums the n payloads in one
-pass and scales in another (none when the scale is 1), step 4 is one encode; an encode of
-chunks longer than 4096 takes 3.
+On a device each segment costs 4 kernel launches whatever n: steps 1 and 5 encode / decode
+the n partitions at once (the codecs' row forms), step 3 decodes, sums and scales the n
+payloads in one pass, step 4 is one encode; an encode of chunks longer than 4096 takes 3.
 
 ``worker_error``/``server_error`` = None switch error feedback off (BAGUA's own
 implementation has none; QSGD and ByteGrad run without it). Errors live with the bucket in the
@@ -143,7 +142,7 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
     send, recv = _scatter_payloads(plans, row, wire, device)
     mine = _empty(row, np.uint8, device)
     for plan in plans:  # server: sum, scale, phase 2
-        merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, device), device)
+        merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, device))
         plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
                             seed=call_seed(plan.seed, rank, rank, 2))
     gathered = send  # phase-1 payloads are no longer needed
@@ -184,7 +183,7 @@ def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torc
         out.zero_()
         return out
     _, recv = _scatter_payloads(plans, row, wire, device)
-    _server_sum(plans[0], recv, scale, _array(out), device)
+    _server_sum(plans[0], recv, scale, _array(out))
     if stats is not None:
         stats.add((n - 1) * row)
     return out
@@ -232,25 +231,14 @@ def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool):
     return send, recv
 
 
-def _server_sum(plan: _Plan, recv, scale: float, out, device: bool):
+def _server_sum(plan: _Plan, recv, scale: float, out):
     """Decode and sum the n payloads of ``plan``'s partition (in rank order: deterministic)
-    into ``out``, scaled. The payloads are read where they sit, at ``plan.cols`` of recv's rows
-    (no copy of the columns)."""
-    merged = plan.codec.decompress_many(recv, plan.part, out=out, cols=plan.cols)
-    if scale != 1.0:
-        _scale(merged, scale, device)
-    return merged
+    into ``out``, scaled as the decoder stores the sum. The payloads are read where they sit,
+    at ``plan.cols`` of recv's rows (no copy of the columns)."""
+    return plan.codec.decompress_many(recv, plan.part, out=out, cols=plan.cols, factor=scale)
 
 
 _empty = device_arrays.empty
-
-
-def _scale(arr, scale: float, device: bool) -> None:
-    if device:
-        from numba_kernels._cuda.common import scale as scale_kernel
-        scale_kernel(arr, np.float32(scale))
-    else:
-        arr *= np.float32(scale)
 
 
 def _check_error(err: torch.Tensor, length: int, which: str, device) -> np.ndarray:

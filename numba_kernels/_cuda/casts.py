@@ -3,8 +3,8 @@ import numpy as np
 from numba import cuda
 
 from .._half_bits import bf16_from_f32bits_py, half_fields_py, half_from_f32bits_py
-from .common import (add_or_replace, bits_f32, f32_bits, ilp_index, ilp_load, ilp_store, load_c,
-                     zero_tail)
+from .common import (add_or_replace, bits_f32, f32_bits, ilp_index, ilp_load, ilp_store_times,
+                     load_c, zero_tail)
 from .geometry import ILP, ILP_SPAN
 from .launch import decode_stack, launch_over
 
@@ -52,8 +52,9 @@ def _decoded(halves, col, bf16, p, i):
 
 
 @cuda.jit
-def _decode(halves, col, bf16, out, accumulate):
-    """Every row decoded and summed into out in row order, ILP elements per thread."""
+def _decode(halves, col, bf16, out, accumulate, factor):
+    """Every row decoded and summed into out in row order, times ``factor``, ILP elements
+    per thread."""
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
@@ -64,7 +65,7 @@ def _decode(halves, col, bf16, out, accumulate):
             for u in range(ILP):
                 value = _decoded(halves, col, bf16, p, ilp_index(base, u, n))
                 acc[u] = add_or_replace(acc[u], value, fold)
-        ilp_store(out, acc, base, n)
+        ilp_store_times(out, acc, base, n, factor)
         base += cuda.gridDim.x * ILP_SPAN
 
 
@@ -74,8 +75,8 @@ def encode(x, e, bf16, half, buf, fmt, stream):
                 buf, fmt.used_nbytes, fmt.nbytes)
 
 
-def decode(fmt, stack, col, out, accumulate, stream):
+def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
-    over out."""
+    over out, times ``factor``."""
     decode_stack(_decode, fmt, stack, col, ("half",), (fmt.kind == "bf16",), out, accumulate,
-                 stream)
+                 factor, stream)

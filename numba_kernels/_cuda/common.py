@@ -157,6 +157,15 @@ def ilp_store(out, acc, base, n):
 
 
 @cuda.jit(device=True)
+def ilp_store_times(out, acc, base, n, factor):
+    """out's element u of the group = acc[u] * factor (one rounded multiply: the bytes of a
+    separate scaling pass; times 1 changes nothing), for the elements before n."""
+    for u in range(ILP):
+        if base + u * THREADS < n:
+            out[base + u * THREADS] = acc[u] * factor
+
+
+@cuda.jit(device=True)
 def block_tree_sum(sh):
     """Pairwise tree over the LANES entries of shared ``sh``; all threads get sh[0]."""
     t = cuda.threadIdx.x

@@ -124,16 +124,18 @@ class RowEncoder(ChunkedEncoder):
         launch(self.encode, (nblk, rows), THREADS, stream, *head, spc, *enc, *tail)
 
 
-def decode_stack(kernel, fmt, stack, col, sections, params, out, accumulate, stream):
-    """1 launch: ``kernel(view, col, ..., *params, out, accumulate)`` over the output, each
-    thread taking ILP elements per pass (``common.ilp_index``).
+def decode_stack(kernel, fmt, stack, col, sections, params, out, accumulate, factor, stream):
+    """1 launch: ``kernel(view, col, ..., *params, out, accumulate, factor)`` over the output,
+    each thread taking ILP elements per pass (``common.ilp_index``) and storing its sums times
+    ``factor`` (a float32; times 1 leaves every float as it is).
 
     ``sections`` names the payload sections the kernel reads; each is passed as
     its 2-D view of the (P, width) stack, whose rows hold the payloads at byte
     column ``col`` (0 for a (P, nbytes) stack), and the column it starts at.
     """
     columns = row_sections(fmt.views2d(stack, col), sections)
-    launch_over(kernel, -(-out.size // ILP), stream, *columns, *params, out, accumulate)
+    launch_over(kernel, -(-out.size // ILP), stream, *columns, *params, out, accumulate,
+                np.float32(factor))
 
 
 def row_sections(views, sections):

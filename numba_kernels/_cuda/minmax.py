@@ -14,7 +14,7 @@ from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import LANES, SEGMENT
 from .common import (add_or_replace, block_range, fma32, greater, ilp_chunks, ilp_load, ilp_store,
-                     lesser, load_c, segment, tree_range, zero_tail)
+                     ilp_store_times, lesser, load_c, segment, tree_range, zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
@@ -204,8 +204,9 @@ def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, ci, p, i):
 
 
 @cuda.jit
-def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate):
-    """Every row decoded and summed into out in row order, ILP elements per thread."""
+def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate, factor):
+    """Every row decoded and summed into out in row order, times ``factor``, ILP elements
+    per thread."""
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
@@ -220,7 +221,7 @@ def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulat
                 value = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, cix[u], p,
                                  idx[u])
                 acc[u] = add_or_replace(acc[u], value, fold)
-        ilp_store(out, acc, base, n)
+        ilp_store_times(out, acc, base, n, factor)
         base += cuda.gridDim.x * ILP_SPAN
 
 
@@ -254,12 +255,12 @@ def encode(x, e, fmt, params, words, buf, stream):
     _ENCODER(x, e, fmt, buf, stream, enc=(fmt.bits, params, words, boff), comb=(fmt.bits, params))
 
 
-def decode(fmt, stack, col, out, accumulate, stream):
+def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
-    over out."""
+    over out, times ``factor``."""
     decode_stack(_decode, fmt, stack, col, ("params", "codes"),
                  (stack, col + fmt.section("codes").offset, fmt.bits, fmt.chunk), out, accumulate,
-                 stream)
+                 factor, stream)
 
 
 def encode_rows(x, e, fmt, views, mat, col, stream):

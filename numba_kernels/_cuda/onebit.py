@@ -5,8 +5,8 @@ from numba import cuda
 from .._chunk_rules import onebit_scale_py
 from .._scalar import LANES, SEGMENT
 from .common import (add_or_replace, ballot32, block_lane_combine, block_lane_sum, ilp_chunks,
-                     ilp_load, ilp_store, lesser, load_c, seg_sums, seg_sums_rows, segment,
-                     zero_tail)
+                     ilp_load, ilp_store, ilp_store_times, lesser, load_c, seg_sums, seg_sums_rows,
+                     segment, zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
@@ -128,8 +128,9 @@ def _decoded(scales, scol, words, wcol, ci, p, i):
 
 
 @cuda.jit
-def _decode(scales, scol, words, wcol, chunk, out, accumulate):
-    """Every row decoded and summed into out in row order, ILP elements per thread."""
+def _decode(scales, scol, words, wcol, chunk, out, accumulate, factor):
+    """Every row decoded and summed into out in row order, times ``factor``, ILP elements
+    per thread."""
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
@@ -143,7 +144,7 @@ def _decode(scales, scol, words, wcol, chunk, out, accumulate):
             for u in range(ILP):
                 value = _decoded(scales, scol, words, wcol, cix[u], p, idx[u])
                 acc[u] = add_or_replace(acc[u], value, fold)
-        ilp_store(out, acc, base, n)
+        ilp_store_times(out, acc, base, n, factor)
         base += cuda.gridDim.x * ILP_SPAN
 
 
@@ -176,11 +177,11 @@ def encode(x, e, fmt, square, scales, words, buf, stream):
              comb=(square, scales))
 
 
-def decode(fmt, stack, col, out, accumulate, stream):
+def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
-    over out."""
+    over out, times ``factor``."""
     decode_stack(_decode, fmt, stack, col, ("scales", "signs"), (fmt.chunk,), out, accumulate,
-                 stream)
+                 factor, stream)
 
 
 def encode_rows(x, e, fmt, square, views, mat, col, stream):

@@ -4,8 +4,8 @@ from numba import cuda
 
 from .._chunk_rules import qsgd_level_py, qsgd_norm_py, qsgd_steps_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, block_lane_combine, block_lane_sum, block_row_key,
-                     ilp_chunks, ilp_load, ilp_store, lesser, load_c, mul32, seg_sums,
+from .common import (add_or_replace, block_lane_combine, block_lane_sum, block_row_key, ilp_chunks,
+                     ilp_load, ilp_store, ilp_store_times, lesser, load_c, mul32, seg_sums,
                      seg_sums_rows, segment, uniform24, zero_tail)
 from .geometry import ILP, ILP_SPAN, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
@@ -130,8 +130,9 @@ def _decoded(codes, ccol, step, p, i):
 
 
 @cuda.jit
-def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
-    """Every row decoded and summed into out in row order, ILP elements per thread."""
+def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate, factor):
+    """Every row decoded and summed into out in row order, times ``factor``, ILP elements
+    per thread."""
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
@@ -147,7 +148,7 @@ def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
             for u in range(ILP):
                 value = _decoded(codes, ccol, steps[u], p, idx[u])
                 acc[u] = add_or_replace(acc[u], value, fold)
-        ilp_store(out, acc, base, n)
+        ilp_store_times(out, acc, base, n, factor)
         base += cuda.gridDim.x * ILP_SPAN
 
 
@@ -182,11 +183,11 @@ def encode(x, e, fmt, key, norms, codes, buf, stream):
              comb=(norms,))
 
 
-def decode(fmt, stack, col, out, accumulate, stream):
+def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
-    over out."""
+    over out, times ``factor``."""
     decode_stack(_decode, fmt, stack, col, ("norms", "codes"), (fmt.levels, fmt.chunk), out,
-                 accumulate, stream)
+                 accumulate, factor, stream)
 
 
 def encode_rows(x, e, fmt, prefix, phase, views, mat, col, stream):

@@ -74,6 +74,13 @@ def check_decode_at_column(cases, n, rows, col):
         nk.decompress_many(dmat, fmt, out=dev, accumulate=True, col=col)
         _same(host, dev, f"decompress_many accumulate at column {col}: {what}")
         _same(mat, dmat, f"rows untouched: {what}")
+        # factor: the decoder stores the sum times the float32 factor, the bytes of the host's
+        # sum scaled afterwards (1/3: inexact in float32, so a rounding slip would show)
+        scaled = nk.decompress_many(stack, fmt) * np.float32(1 / 3)
+        _same(scaled, nk.decompress_many(stack, fmt, factor=1 / 3),
+              f"host decompress_many factor: {what}")
+        _same(scaled, nk.decompress_many(dmat, fmt, col=col, factor=1 / 3),
+              f"device decompress_many factor at column {col}: {what}")
 
 
 def check_casts(cases, many=True):

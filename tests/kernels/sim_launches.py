@@ -209,6 +209,9 @@ def test_decoding_a_stack(monkeypatch, one_block_entries):
         nk.decompress_many(stack, p.format, out=out, accumulate=True)
         assert nk.launch_count() == (1 if one_pass else scatters)
         nk.reset_launch_count()
+        nk.decompress_many(stack, p.format, out=out, factor=0.5)   # dense: in the decode
+        assert nk.launch_count() == (1 if one_pass else 1 + scatters + 1)
+        nk.reset_launch_count()
         nk.decompress_many(stack[:0], p.format, out=out)
         assert nk.launch_count() == 1                 # no rows: zero out
         # payloads at a column of wider rows are read in place: the same launches, no copy

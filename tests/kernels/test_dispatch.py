@@ -158,3 +158,17 @@ def test_multidimensional_inputs_are_flattened(rng):
     p = nk.compress_minmax(x, chunk=64)
     assert p.format.n == 600
     np.testing.assert_array_equal(p.buffer, nk.compress_minmax(x.reshape(-1), chunk=64).buffer)
+
+
+def test_decompress_many_scales_the_sum_by_a_factor(rng):
+    """``factor``: the decoded sum times the float32 factor, as a separate multiply gives; it
+    replaces out, so with accumulate it is refused, naming both."""
+    x = rng.standard_normal((3, 500)).astype(np.float32)
+    payloads = [nk.compress_minmax(row, bits=8, chunk=128) for row in x]
+    stack = np.stack([p.buffer for p in payloads])
+    fmt = payloads[0].format
+    expected = nk.decompress_many(stack, fmt) * np.float32(0.3)
+    np.testing.assert_array_equal(nk.decompress_many(stack, fmt, factor=0.3), expected)
+    with pytest.raises(nk.KernelParameterError, match="factor=0.3.*accumulate"):
+        nk.decompress_many(stack, fmt, out=np.zeros(500, np.float32), accumulate=True,
+                           factor=0.3)

@@ -62,10 +62,11 @@ def check_clps(comm, aware: bool):
         waits = overhead.snapshot()[1] - syncs
         assert waits == (2 if n > 1 else 0), f"{waits} host waits for one C_LP_S exchange"
         # launches per segment, whatever n and whether n divides its length: one encode of
-        # all n partitions, the server's decode-and-sum, its scale, its encode, one decode of
-        # all n partitions (it was 2n + 3 with one encode and one decode per partition, and
-        # a zero fill besides where the kernels did not yet read past the end as padding)
-        expected = 5 * len(layers)
+        # all n partitions, the server's decode-sum-and-scale, its encode, one decode of all n
+        # partitions (it was 2n + 3 with one encode and one decode per partition, and a zero
+        # fill besides where the kernels did not yet read past the end as padding; 5 with the
+        # scale in a launch of its own)
+        expected = 4 * len(layers)
         launched = overhead.snapshot()[0] - launches
         assert launched == expected, f"{launched} kernel launches, expected {expected}"
         for j in range(len(layers)):
