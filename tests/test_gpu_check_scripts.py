@@ -149,3 +149,17 @@ def test_under_mps_starts_the_daemon_for_the_command_and_stops_it(tmp_path):
                          env=bare, capture_output=True, text=True, timeout=60)
     assert run.returncode == 4 and "not found" in run.stdout
     assert len(calls.read_text().splitlines()) == 3      # the command did not run
+
+
+def test_onebit_adam_stability_benchmark_runs_both_ways():
+    """``benchmarks/onebit_adam_stability.py`` (why the check's 21.5M row uses lr 1e-4) on a
+    small model: with the 1-bit exchange and with its exact stand-in, each prints its line and
+    the small model trains through the switch."""
+    for average in ("onebit", "exact"):
+        result = run_mpi("../../benchmarks/onebit_adam_stability.py", 2, "--width", "64",
+                         "--steps", "16", "--warmup", "4", "--lr", "1e-3", "--average", average,
+                         timeout=180)
+        assert_mpi_ok(result)
+        line = next(s for s in result.output.splitlines() if s.startswith("lr "))
+        assert f"average {average}" in line and "(step 15)" in line, line
+        assert "nan" not in line and "inf" not in line, line

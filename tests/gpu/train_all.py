@@ -73,7 +73,11 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
     middle = [torch.nn.Linear(width, width), torch.nn.ReLU()] if width > 256 else []
     model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), *middle,
                                 torch.nn.Linear(width, 8)).to(device)
-    base = (torch.optim.Adam(model.parameters(), lr=3e-3) if name == "onebit_adam"
+    # 1-bit Adam's frozen-variance stage diverges on the 21.5M-parameter MLP at lr 1e-3 and
+    # above, with the momentum averaged exactly too, where plain Adam trains; 1e-4 trains
+    # (benchmarks/results/onebit_adam_stability.md)
+    adam_lr = 3e-3 if width <= 256 else 1e-4
+    base = (torch.optim.Adam(model.parameters(), lr=adam_lr) if name == "onebit_adam"
             else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                   algorithm=algo)
