@@ -165,13 +165,13 @@ def grid_selection(monkeypatch):
     monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 0)
 
 
+# Up to ONE_BLOCK_KEYS elements (all of these) one block selects; the grid's path runs them
+# with the limit patched to 0 (sim_launches.py checks the limit itself)
 EXACT_TOPK = [(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exact", True),
-              (1025, 10, "normal", F64, "exact", True), (200, 200, "ties", F32, "exact", True),
-              (5000, 50, "ties", F32, "exact", True)]     # 5000: ONE_BLOCK_KEYS < n
+              (1025, 10, "normal", F64, "exact", True), (200, 200, "ties", F32, "exact", True)]
 
 
 def test_topk_exact_and_randk():
-    """Up to ONE_BLOCK_KEYS elements (all but the last case) one block selects."""
     dc.check_topk(EXACT_TOPK, many=False)
     dc.check_topk([(33, 5, "ties", F32, "exact", False)])
     dc.check_topk([(33, 7, "normal", F32, "randk", True),
@@ -179,7 +179,7 @@ def test_topk_exact_and_randk():
 
 
 def test_topk_exact_on_a_grid(grid_selection):
-    dc.check_topk(EXACT_TOPK[:4], many=False)
+    dc.check_topk(EXACT_TOPK, many=False)
 
 
 def test_topk_approx(grid_selection):
@@ -191,10 +191,9 @@ def test_topk_approx(grid_selection):
 
 
 # (1000, 400): a union of several tiles; (200, 20) again: the union's scratch then holds the
-# entries of a longer union, which the prefill must clear; (6000, 2500): a union of 5000
-# entries, more than ONE_BLOCK_KEYS
+# entries of a longer union, which the prefill must clear
 MERGES = [(1, 1, "normal"), (200, 20, "ties"), (1025, 40, "normal"), (1000, 400, "normal"),
-          (200, 20, "ties"), (6000, 2500, "ties")]
+          (200, 20, "ties")]
 
 
 def test_merge_and_restore():
@@ -202,7 +201,7 @@ def test_merge_and_restore():
 
 
 def test_merge_on_a_grid(grid_selection):
-    dc.check_merge(MERGES[:5])
+    dc.check_merge(MERGES)
 
 
 def test_scale_topk_stack():

@@ -109,6 +109,7 @@ def test_the_documented_one_block_limit():
     assert (THREADS, ITEMS) == (32, 16)
     assert select.ONE_BLOCK_KEYS == 8 * THREADS * ITEMS == 4096
     assert 8 * 256 * ITEMS == 32768
+    assert select.one_block(4096) and not select.one_block(4097)
     for fn in (nk.compress_topk, nk.merge_topk):
         doc = " ".join(inspect.getdoc(fn).split())
         assert "32,768" in doc and "4,096 under the simulator" in doc, fn.__name__
