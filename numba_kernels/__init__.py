@@ -71,14 +71,4 @@ def __dir__():
     return sorted(set(globals()) | set(_HOMES))
 
 
-__all__ = [
-    "compress_cast", "sum_halves", "compress_minmax", "compress_qsgd", "compress_onebit",
-    "compress_topk", "compress_randk", "minmax_errors", "decompress", "decompress_many",
-    "compress_minmax_rows", "compress_qsgd_rows", "compress_onebit_rows", "decompress_rows",
-    "row_seed",
-    "merge_topk", "restore_unselected", "scale_topk_values", "scale_topk_stack",
-    "launch_count", "scratch_allocations", "release_scratch", "reset_launch_count",
-    "Payload", "CastFormat", "MinMaxFormat", "QSGDFormat", "OneBitFormat", "TopKFormat", "ALIGN",
-    "KernelError", "KernelParameterError", "KernelTypeError", "LayoutError", "PayloadError",
-    "DeviceMismatchError", "CudaUnavailableError",
-]
+__all__ = sorted(_HOMES)

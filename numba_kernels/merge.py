@@ -150,10 +150,7 @@ def scale_topk_values(payload, factor, stream=None):
     Averaging a sparse sum this way touches k values instead of the n-element decoded tensor.
     Device launches: 1 (none when k is 0).
     """
-    values = _topk_views(payload, "payload")["values"]
-    if payload.on_device:
-        from ._cuda.common import scale
-        scale(values, np.float32(factor), stream_of(stream))
-    else:
-        values *= np.float32(factor)
+    _topk_views(payload, "payload")
+    scale_topk_stack(payload.buffer.reshape(1, payload.nbytes), payload.format, factor,
+                     stream=stream)
     return payload

@@ -106,3 +106,14 @@ def library_algorithms() -> set[str]:
     from bagua_mpi.algorithms import registry
     return {n for n in bm.algorithms.names()
             if registry._REGISTRY[n].__module__.startswith("bagua_mpi.")}
+
+
+def skip_unless_mpi_cuda_aware() -> None:
+    """Skip the calling test unless the library's own decision says this MPI reads device
+    memory: ``MPIX_Query_cuda_support`` first, the child-process probe only where the MPI does
+    not say (MPICH 5 hangs on a device buffer rather than failing, so asking the probe first
+    stalled ``pytest -m gpu`` on an H100)."""
+    from bagua_mpi import cuda
+    cuda.set_cuda_aware(None)
+    if not cuda.mpi_is_cuda_aware():
+        pytest.skip(f"this MPI is not CUDA-aware ({cuda.how_decided()})")

@@ -11,6 +11,7 @@ import bagua_mpi as bm
 from bagua_mpi import buffers, config, consistency, ops, topology
 from bagua_mpi.exceptions import ConfigError, NestedAsyncError
 from bagua_mpi.worker import CommWorker
+from mpi_harness import skip_unless_mpi_cuda_aware
 
 
 @pytest.fixture
@@ -215,9 +216,8 @@ def test_cuda_awareness_override(monkeypatch):
 def test_cuda_tensors_staged_or_direct(initialized, aware):
     from bagua_mpi import cuda
 
-    cuda.set_cuda_aware(None)   # the library's own decision: MPIX_Query_cuda_support first
-    if aware and not cuda.mpi_is_cuda_aware():
-        pytest.skip(f"this MPI is not CUDA-aware ({cuda.how_decided()})")
+    if aware:
+        skip_unless_mpi_cuda_aware()
     cuda.set_cuda_aware(aware)
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -411,9 +411,8 @@ def test_gtopk_on_cuda_tensors_matches_host(initialized, aware):
     from bagua_mpi import cuda
     from bagua_mpi.primitives.sparse import gtopk_allreduce_
 
-    cuda.set_cuda_aware(None)   # the library's own decision: MPIX_Query_cuda_support first
-    if aware and not cuda.mpi_is_cuda_aware():
-        pytest.skip(f"this MPI is not CUDA-aware ({cuda.how_decided()})")
+    if aware:
+        skip_unless_mpi_cuda_aware()
     cuda.set_cuda_aware(aware)
     try:
         g = torch.randn(100_000, generator=torch.Generator().manual_seed(3))

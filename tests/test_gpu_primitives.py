@@ -8,6 +8,8 @@ leaves the device. ``tests/gpu/run.sh`` runs these with the multi-rank training 
 import pytest
 import torch
 
+from mpi_harness import skip_unless_mpi_cuda_aware
+
 pytestmark = pytest.mark.gpu
 
 
@@ -29,11 +31,8 @@ needs_gpu = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def mode(request):
     from bagua_mpi import cuda as bcuda
     if request.param == "aware":
-        # the library's own decision: MPIX_Query_cuda_support first, the child-process probe
-        # only where the MPI does not say (MPICH 5 hangs on device memory instead of failing)
-        bcuda.set_cuda_aware(None)
-        if REASON is None and not bcuda.mpi_is_cuda_aware():
-            pytest.skip(f"this MPI is not CUDA-aware ({bcuda.how_decided()})")
+        if REASON is None:
+            skip_unless_mpi_cuda_aware()
         bcuda.set_cuda_aware(True)
     else:
         bcuda.set_cuda_aware(False)

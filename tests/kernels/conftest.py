@@ -4,6 +4,15 @@ import pytest
 
 
 @pytest.fixture
+def grid_selection(monkeypatch):
+    """Every top-k selection and merge on the grid path (7 and 10 launches), as above
+    ONE_BLOCK_KEYS keys: with the limit at 0 the small tensors of the simulator tests take it.
+    (Imported here only when used: the simulator must be on before numba.cuda is imported.)"""
+    from numba_kernels._cuda import select
+    monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 0)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(20240601)
 

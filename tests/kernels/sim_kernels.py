@@ -157,14 +157,6 @@ def test_sparse_stacks_too_large_for_one_block_take_a_grid_per_row(monkeypatch):
     dc.check_decode_at_column(sparse, n=70, rows=3, col=24)
 
 
-@pytest.fixture
-def grid_selection(monkeypatch):
-    """Selections over more than ONE_BLOCK_KEYS keys run on a grid (7 launches), not in one
-    block: with the limit at 0 every selection does, so the small tensors here cover it."""
-    from numba_kernels._cuda import select
-    monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 0)
-
-
 # Up to ONE_BLOCK_KEYS elements (all of these) one block selects; the grid's path runs them
 # with the limit patched to 0 (sim_launches.py checks the limit itself)
 EXACT_TOPK = [(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exact", True),

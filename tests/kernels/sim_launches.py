@@ -96,12 +96,6 @@ def warm():
         _sparse_rules.APPROX_MIN_N, select.ONE_BLOCK_KEYS = saved
 
 
-@pytest.fixture
-def grid_selection(monkeypatch):
-    """Every selection on a grid, as above ONE_BLOCK_KEYS keys."""
-    monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 0)
-
-
 def test_the_documented_one_block_limit():
     """The docstrings give ONE_BLOCK_KEYS as 32,768 on a GPU and 4,096 here: 8 tiles of
     THREADS x ITEMS keys, THREADS being 256 on a GPU and 32 under the simulator."""
