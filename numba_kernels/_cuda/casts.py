@@ -3,7 +3,7 @@ import numpy as np
 from numba import cuda
 
 from .._half_bits import bf16_from_f32bits_py, half_fields_py, half_from_f32bits_py
-from .common import (add_or_replace, bits_f32, f32_bits, ilp_index, ilp_load, ilp_store_times,
+from .common import (add_or_replace, at, bits_f32, f32_bits, ilp_index, ilp_load, ilp_store_times,
                      load_c, zero_tail)
 from .geometry import ILP, ILP_SPAN
 from .launch import decode_stack, launch_over
@@ -36,16 +36,16 @@ def _encode(x, e, has_res, bf16, half, buf8, used, nbytes):
         else:
             h = half_from_f32bits(u)
             back = f32_from_half(h)
-        half[i] = np.uint16(h)
+        half[at(i)] = np.uint16(h)
         if has_res:
-            e[i] = c - back
+            e[at(i)] = c - back
         i += stride
 
 
 @cuda.jit(device=True)
 def _decoded(halves, col, bf16, p, i):
     """Element i of row p as a float32."""
-    h = np.uint32(halves[p, col + i])
+    h = np.uint32(halves[at(p), at(col + i)])
     if bf16:
         return bits_f32(h << _U16)
     return f32_from_half(h)

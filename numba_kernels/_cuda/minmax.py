@@ -13,7 +13,7 @@ from numba import cuda
 from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, block_range, fma32, greater, ilp_chunks, ilp_load, ilp_store,
+from .common import (add_or_replace, at, block_range, fma32, greater, ilp_chunks, ilp_load, ilp_store,
                      ilp_store_times, lesser, load_c, segment, tree_range, zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
@@ -31,7 +31,7 @@ extract = cuda.jit(device=True)(extract_py)
 def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw):
     """Encode [s, t) (s at a row boundary of its chunk) one row of LANES at a time."""
     tid = cuda.threadIdx.x
-    levels = (1 << bits) - 1
+    levels = np.float32((1 << bits) - 1)   # a float32 clamp: no float64 compare per element
     row = s
     while row < t:
         cnt = lesser(t - row, LANES)
@@ -47,11 +47,11 @@ def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, s
                 c = load_c(x, e, has_res, i)
                 # math.floor: the CUDA target has no np.floor (the CPU's quantize); same integer
                 q = math.floor(fma32(np.float32(c) - mn, inv, np.float32(0.5)))
-                q = lesser(greater(q, 0), levels)
+                q = lesser(greater(q, np.float32(0.0)), levels)
                 if has_res:
-                    e[i] = c - fma32(np.float32(q), scale, mn)
+                    e[at(i)] = c - fma32(np.float32(q), scale, mn)
                 if bits == 8:
-                    buf[boff + i] = np.uint8(q)
+                    buf[at(boff + i)] = np.uint8(q)
                 else:
                     bp = lane * bits
                     w = bp >> 5
@@ -63,7 +63,7 @@ def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, s
             cuda.syncthreads()
             base = (row * bits) >> 5
             for w in range(tid, nw, THREADS):
-                words[base + w] = sw[w]
+                words[at(base + w)] = sw[w]
             cuda.syncthreads()
         row += LANES
 
@@ -191,15 +191,15 @@ def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, ci, p, i):
     """x_hat of element i (in chunk ci) of row p.  A packed code's second word is read whether
     the code spills into it or not (``extract`` masks it off), at an index kept inside the row,
     so no load waits on a branch."""
-    mn = params[p, pcol + 2 * ci]
-    scale = params[p, pcol + 2 * ci + 1]
+    mn = params[at(p), at(pcol + 2 * ci)]
+    scale = params[at(p), at(pcol + 2 * ci + 1)]
     if bits == 8:
-        q = np.uint32(bytes8[p, bcol + i])
+        q = np.uint32(bytes8[at(p), at(bcol + i)])
     else:
         pos = i * bits
         w = pos >> 5
-        w1 = words[p, lesser(wcol + w + 1, words.shape[1] - 1)]
-        q = extract(words[p, wcol + w], w1, pos & 31, bits)
+        w1 = words[at(p), at(lesser(wcol + w + 1, words.shape[1] - 1))]
+        q = extract(words[at(p), at(wcol + w)], w1, pos & 31, bits)
     return fma32(np.float32(q), scale, mn)
 
 

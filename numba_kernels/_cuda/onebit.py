@@ -4,7 +4,7 @@ from numba import cuda
 
 from .._chunk_rules import onebit_scale_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, ballot32, block_lane_combine, block_lane_sum, ilp_chunks,
+from .common import (add_or_replace, at, ballot32, block_lane_combine, block_lane_sum, ilp_chunks,
                      ilp_load, ilp_store, ilp_store_times, lesser, load_c, seg_sums, seg_sums_rows,
                      segment, zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
@@ -31,13 +31,13 @@ def _encode_range(x, e, has_res, s, t, scale, words, scratch):
                 neg = np.float32(c) < np.float32(0.0)
                 if has_res:
                     if neg:
-                        e[i] = c + scale
+                        e[at(i)] = c + scale
                     else:
-                        e[i] = c - scale
+                        e[at(i)] = c - scale
             word = ballot32(neg, scratch)        # every thread votes, in range or not
             first = lane - (lane & 31)
             if (lane & 31) == 0 and first < cnt:
-                words[((row + first) >> 5)] = word
+                words[(row + first) >> 5] = word
         row += LANES
 
 
@@ -121,8 +121,8 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, square, scales, scol, word
 @cuda.jit(device=True)
 def _decoded(scales, scol, words, wcol, ci, p, i):
     """x_hat of element i (in chunk ci) of row p."""
-    xh = scales[p, scol + ci]
-    if (words[p, wcol + (i >> 5)] >> np.uint32(i & 31)) & np.uint32(1):
+    xh = scales[at(p), at(scol + ci)]
+    if (words[at(p), at(wcol + (i >> 5))] >> np.uint32(i & 31)) & np.uint32(1):
         xh = -xh
     return xh
 

@@ -4,7 +4,7 @@ from numba import cuda
 
 from .._chunk_rules import qsgd_level_py, qsgd_norm_py, qsgd_steps_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, block_lane_combine, block_lane_sum, block_row_key, ilp_chunks,
+from .common import (add_or_replace, at, block_lane_combine, block_lane_sum, block_row_key, ilp_chunks,
                      ilp_load, ilp_store, ilp_store_times, lesser, load_c, mul32, seg_sums,
                      seg_sums_rows, segment, uniform24, zero_tail)
 from .geometry import ILP, ILP_SPAN, THREADS
@@ -28,9 +28,9 @@ def _encode_range(x, e, has_res, s, t, levels, key, ratio, step, codes):
     while i < t:
         c = load_c(x, e, has_res, i)
         code = _code(np.float32(c), ratio, levels, key, i)
-        codes[i] = np.int8(code)
+        codes[at(i)] = np.int8(code)
         if has_res:
-            e[i] = c - mul32(np.float32(code), step)
+            e[at(i)] = c - mul32(np.float32(code), step)
         i += THREADS
 
 
@@ -126,7 +126,7 @@ def _steps(norms, ncol, levels, p, cix, steps):
 @cuda.jit(device=True)
 def _decoded(codes, ccol, step, p, i):
     """x_hat of element i of row p, whose chunk's step is ``step``."""
-    return mul32(np.float32(codes[p, ccol + i]), step)
+    return mul32(np.float32(codes[at(p), at(ccol + i)]), step)
 
 
 @cuda.jit

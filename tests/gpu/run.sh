@@ -12,15 +12,17 @@
 #       gradient_allreduce's over staged MPI; the small model's staged run then samples the
 #       host's stacks for 30 more steps (tests/gpu/stack_sampler.py): where the time goes;
 #       and qsgd's communication thread under cProfile (tests/gpu/profile_comm.py): calls and us
+#   (f) when the image has NVIDIA's MPS (nvidia-cuda-mps-control): the check model's staged
+#       row again under MPS (tests/gpu/under_mps.sh), where the two ranks' processes do not
+#       take turns on the GPU; the step ratios of both rows are in the summary
+#   (d) benchmarks/kernels.py with the GPU section at 1e8 elements
+#       ((f) and (d) run right after (b): where the budget runs short, the steps cut are those
+#       whose results earlier runs already hold)
 #   (b') with Intel MPI (impi-rt, CUDA-aware on GPU nodes) when .whl/impi-slim.tar.xz was
 #       carried: every algorithm with device buffers, no payload byte through the host
 #   (c) the NCCL backend at world size 1 (NCCL refuses two ranks on one GPU, so its multi-rank
 #       path cannot be checked on a one-GPU machine): every algorithm on NCCL with no payload
 #       byte through the host and no host wait in its exchanges
-#   (d) benchmarks/kernels.py with the GPU section at 1e8 elements
-#   (f) when the image has NVIDIA's MPS (nvidia-cuda-mps-control): the check model's staged
-#       row again under MPS (tests/gpu/under_mps.sh), where the two ranks' processes do not
-#       take turns on the GPU; the step ratios of both rows are in the summary
 #   (e) results, with the device name, in benchmarks/results/gpu/ (gpu_check.md and raw files),
 #       and in $OUT when set (the device tool brings $OUT back): gpu_check.md, and the raw
 #       files packed in raw.tar.gz (it brings back 8 files at most)
@@ -63,6 +65,22 @@ step 130 "(b) every algorithm at 2 ranks on one GPU, payloads staged" train_stag
     --mode staged --profile 30 --out "$RES/train.jsonl"
 step 60 "(b) cProfile of the communication thread, qsgd on the check model" profile.log 2 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/profile_comm.py "$RES" qsgd
+# (f) the check model again under MPS: the ratios without the two processes' turns on the GPU
+# (a daemon that cannot start here, in a container for example, skips the row: not a failure)
+MPS_WHY=$(timeout 30 bash tests/gpu/under_mps.sh true 2>&1)
+MPS_RC=$?
+if [ "$MPS_RC" -eq 0 ]; then
+    step 100 "(f) the check model at 2 ranks under MPS, payloads staged" train_mps.log 12 \
+        bash tests/gpu/under_mps.sh env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 \
+        python3 tests/gpu/train_all.py --only gradient_allreduce qsgd bytegrad onebit_adam \
+        topk gtopk powersgd lgreco --mode staged-mps --out "$RES/train.jsonl"
+else
+    note "(f) MPS row skipped (rc $MPS_RC): ${MPS_WHY##*$'\n'}"
+fi
+
+step 150 "(d) kernel benchmark at 1e8 elements" kernels.log 30 \
+    python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
+    --markdown "$RES/kernels_gpu.md"
 step 150 "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)" train_21m.log 12 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py --width 4608 \
     --timing-only --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \
@@ -121,22 +139,6 @@ save
 
 step 120 "(c) NCCL at world size 1" nccl.log 16 \
     mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json"
-step 150 "(d) kernel benchmark at 1e8 elements" kernels.log 30 \
-    python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
-    --markdown "$RES/kernels_gpu.md"
-
-# (f) the check model again under MPS: the ratios without the two processes' turns on the GPU
-# (a daemon that cannot start here, in a container for example, skips the row: not a failure)
-MPS_WHY=$(timeout 30 bash tests/gpu/under_mps.sh true 2>&1)
-MPS_RC=$?
-if [ "$MPS_RC" -eq 0 ]; then
-    step 100 "(f) the check model at 2 ranks under MPS, payloads staged" train_mps.log 12 \
-        bash tests/gpu/under_mps.sh env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 \
-        python3 tests/gpu/train_all.py --only gradient_allreduce qsgd bytegrad onebit_adam \
-        topk gtopk powersgd lgreco --mode staged-mps --out "$RES/train.jsonl"
-else
-    note "(f) MPS row skipped (rc $MPS_RC): ${MPS_WHY##*$'\n'}"
-fi
 
 note "(e) summary"
 python3 tests/gpu/summarize.py "$RES" "$DEVICE" "$MPIVER" "$status" > "$RES/gpu_check.md"

@@ -6,14 +6,27 @@ the argument types of each launch; this script, run WITHOUT the simulator and
 with libNVVM available (no GPU needed), compiles each one for a target
 compute capability and exits non-zero on the first failure.
 
-Usage: python ptx_compile.py signatures.json [major minor]
+Usage: python ptx_compile.py signatures.json [major minor] [--resources]
 (NVVM runs at -O0, which is enough to type-check and lower; set
 NUMBA_KERNELS_PTX_OPT=1 for the optimising compile.)
+
+With ``--resources`` it compiles with optimisation, as a GPU run does, assembles each launch
+with ``ptxas -v`` (the CUDA toolkit's assembler; no GPU needed) and prints, per kernel, the
+largest register count over its recorded signatures, spills, static shared memory and the
+blocks of THREADS threads that fit on one SM of the target.  It exits 1 if a kernel spills or
+needs more than REGISTER_LIMIT registers a thread.  A streaming kernel hides memory latency
+with the warps in flight: registers are what limit them here (the stack decoders needed 72,
+three blocks an SM, before their indices were made unsigned).
 """
 import importlib
 import json
+import math
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import numba
@@ -41,25 +54,83 @@ class _Device:
         self.compute_capability = cc
 
 
-def main(path, cc=(9, 0)):
+# At 256 threads a block, 64 registers a thread leave room for 4 blocks (half the SM's
+# 2048 threads) on every architecture from sm_70 on.
+REGISTER_LIMIT = 64
+# Per SM, sm_70 to sm_90: registers, threads, and the allocation unit of registers a warp.
+SM_REGISTERS, SM_THREADS, WARP_ALLOCATION = 65536, 2048, 256
+
+
+def blocks_per_sm(registers, threads, shared_bytes, shared_per_sm=228 * 1024):
+    """Blocks of ``threads`` threads resident on one SM, as registers, threads and shared
+    memory allow."""
+    warps = math.ceil(threads / 32)
+    per_warp = math.ceil(max(registers, 1) * 32 / WARP_ALLOCATION) * WARP_ALLOCATION
+    limits = [SM_REGISTERS // (per_warp * warps), SM_THREADS // threads, 32]
+    if shared_bytes:
+        limits.append(shared_per_sm // (shared_bytes + 1024))   # 1 KB reserved a block
+    return min(limits)
+
+
+def ptxas_resources(ptx, cc):
+    """(registers, spill bytes, shared bytes) that ``ptxas -v`` reports for one kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as fh:
+            fh.write(ptx)
+        out = subprocess.run(["ptxas", "-v", f"-arch=sm_{cc[0]}{cc[1]}", src, "-o",
+                              os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    shared = re.search(r"(\d+) bytes smem", out)
+    return registers, spills, int(shared.group(1)) if shared else 0
+
+
+def main(path, cc=(9, 0), resources=False):
     from numba.cuda import dispatcher
     dispatcher.get_current_device = lambda: _Device(cc)
     with open(path) as fh:
         launches = json.load(fh)
+    worst = {}
     for module, name, specs in launches:
         kernel = getattr(importlib.import_module(module), name)
         sig = tuple(numba_type(s) for s in specs)
         try:
-            cuda.compile_ptx(kernel.py_func, sig, cc=cc,
-                             opt=os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1")
+            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=resources or
+                                      os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1")
         except Exception as exc:
             print(f"FAILED {module}.{name}{sig}:\n{exc}")
             return 1
         print(f"ok {module}.{name} {sig}")
+        if resources:
+            key = f"{module.rsplit('.', 1)[-1]}.{name}"
+            seen = worst.get(key, (0, 0, 0))   # the largest of each over the signatures
+            worst[key] = tuple(map(max, seen, ptxas_resources(ptx, cc)))
     print(f"{len(launches)} launches compiled to PTX for sm_{cc[0]}{cc[1]}")
-    return 0
+    return report(worst, cc) if resources else 0
+
+
+def report(worst, cc):
+    """Print the resources table; 1 if a kernel spills or needs too many registers."""
+    from numba_kernels._cuda.geometry import THREADS
+    print(f"\n| kernel (sm_{cc[0]}{cc[1]}, {THREADS} threads a block) | registers | spill bytes "
+          "| shared bytes | blocks an SM | occupancy |\n|---|---:|---:|---:|---:|---:|")
+    bad = []
+    for key, (registers, spills, shared) in sorted(worst.items()):
+        blocks = blocks_per_sm(registers, THREADS, shared)
+        print(f"| {key} | {registers} | {spills} | {shared} | {blocks} | "
+              f"{blocks * THREADS / SM_THREADS:.0%} |")
+        if spills or registers > REGISTER_LIMIT:
+            bad.append(f"{key}: {registers} registers, {spills} spill bytes")
+    for line in bad:
+        print(f"OVER BUDGET (at most {REGISTER_LIMIT} registers, no spills): {line}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    cc = tuple(int(v) for v in sys.argv[2:4]) if len(sys.argv) > 3 else (9, 0)
-    sys.exit(main(sys.argv[1], cc))
+    args = [a for a in sys.argv[1:] if a != "--resources"]
+    cc = tuple(int(v) for v in args[1:3]) if len(args) > 2 else (9, 0)
+    if "--resources" in sys.argv and shutil.which("ptxas") is None:
+        sys.exit("ptxas not found: --resources needs the CUDA toolkit's assembler")
+    sys.exit(main(args[0], cc, resources="--resources" in sys.argv))

@@ -10,6 +10,7 @@ where libNVVM is installed (no GPU needed).
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,22 @@ def test_kernels_compile_to_ptx(simulator_run):
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert out.returncode == 0, out.stdout + out.stderr
     assert "compiled to PTX" in out.stdout
+
+
+def test_kernels_fit_the_register_budget(simulator_run):
+    """Every recorded launch, compiled as for a GPU and assembled by ``ptxas``: no kernel spills
+    registers or needs more than 64 a thread (half an SM's threads at 256 a block); the table
+    printed is ``benchmarks/results/kernel_resources.md``'s."""
+    proc, record = simulator_run
+    if proc.returncode != 0 or not record.exists():
+        pytest.skip("the simulator run failed; see test_kernels_match_cpu_twins_in_simulator")
+    if not _nvvm_available():
+        pytest.skip("libNVVM not found: cannot compile the kernels to PTX")
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas (the CUDA toolkit's assembler) not on PATH: cannot count registers")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, str(HERE / "ptx_compile.py"), str(record),
+                          "--resources"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    print(out.stdout[out.stdout.find("| kernel"):], out.stderr[-3000:])
+    assert out.returncode == 0, out.stdout[out.stdout.find("| kernel"):] + out.stderr
