@@ -75,6 +75,22 @@ if SIM:
                 word |= np.uint32(1) << np.uint32(j)
         cuda.syncthreads()
         return word
+
+    @cuda.jit(device=True)
+    def lane_group_or(v, group, scratch):
+        """The OR of ``v`` over the caller's group of ``group`` lanes (a power of two up to 32,
+        groups aligned in the warp), through shared memory: the simulator has no warp
+        shuffles.  Every thread of the block must call it; ``scratch``: shared uint32[THREADS]
+        or longer."""
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        first = t - t % group
+        word = np.uint32(0)
+        for j in range(group):
+            word |= scratch[first + j]
+        cuda.syncthreads()
+        return word
 else:
     from numba.cuda import libdevice
 
@@ -98,6 +114,25 @@ else:
     def ballot32(pred, scratch):
         """Bit j = ``pred`` of lane j of the caller's warp (every lane must call)."""
         return np.uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
+
+    @cuda.jit(device=True)
+    def lane_group_or(v, group, scratch):
+        """The OR of ``v`` over the caller's aligned group of ``group`` lanes (a power of two up
+        to 32), by butterfly shuffles: every lane of the warp must call it."""
+        for k in range(5):                  # unrolled: masks 1, 2, 4, 8, 16 below group
+            if (1 << k) < group:
+                v |= np.uint32(cuda.shfl_xor_sync(0xFFFFFFFF, np.int32(v), 1 << k))
+        return v
+
+
+def specialized(name):
+    """``cuda.jit`` for a kernel that a factory builds once per compile-time constant, under
+    ``name``: the name its module binds it to, by which the simulator suite's launch record
+    and the PTX compile find it (each build would otherwise carry the factory's name)."""
+    def jit(fn):
+        fn.__name__ = fn.__qualname__ = name
+        return cuda.jit(fn)
+    return jit
 
 
 @cuda.jit(device=True)

@@ -14,7 +14,8 @@ from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import LANES, SEGMENT
 from .common import (add_or_replace, at, block_range, fma32, greater, ilp_chunks, ilp_load, ilp_store,
-                     ilp_store_times, lesser, load_c, segment, tree_range, zero_tail)
+                     ilp_store_times, lane_group_or, lesser, load_c, segment, specialized,
+                     tree_range, zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
@@ -29,19 +30,29 @@ extract = cuda.jit(device=True)(extract_py)
 
 @cuda.jit(device=True)
 def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw):
-    """Encode [s, t) (s at a row boundary of its chunk) one row of LANES at a time."""
+    """Encode [s, t) (s at a row boundary of its chunk) one row of LANES at a time.
+
+    8-bit codes are stored as bytes.  Codes of 1, 2 or 4 bits fill whole words from aligned
+    groups of 32 / bits lanes: each group ORs its shifted codes across its lanes
+    (``lane_group_or``) and its first lane stores the word, with no shared memory and no
+    barrier.  Codes of 3, 5, 6 or 7 bits cross words: they are ORed into a shared row of
+    words, which is then copied out."""
     tid = cuda.threadIdx.x
     levels = np.float32((1 << bits) - 1)   # a float32 clamp: no float64 compare per element
+    grouped = bits != 8 and 32 % bits == 0
+    group = 32 // bits
+    shared = bits != 8 and not grouped
     row = s
     while row < t:
         cnt = lesser(t - row, LANES)
         nw = (cnt * bits + 31) // 32
-        if bits != 8:
+        if shared:
             for w in range(tid, nw, THREADS):
                 sw[w] = np.uint32(0)
             cuda.syncthreads()
         for sub in range(NL):
             lane = tid + sub * THREADS
+            code = np.uint32(0)
             if lane < cnt:
                 i = row + lane
                 c = load_c(x, e, has_res, i)
@@ -53,13 +64,19 @@ def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, s
                 if bits == 8:
                     buf[at(boff + i)] = np.uint8(q)
                 else:
+                    code = np.uint32(q)
+                if shared:
                     bp = lane * bits
                     w = bp >> 5
                     off = bp & 31
-                    cuda.atomic.or_(sw, w, np.uint32(q) << np.uint32(off))
+                    cuda.atomic.or_(sw, w, code << np.uint32(off))
                     if off + bits > 32:
-                        cuda.atomic.or_(sw, w + 1, np.uint32(q) >> np.uint32(32 - off))
-        if bits != 8:
+                        cuda.atomic.or_(sw, w + 1, code >> np.uint32(32 - off))
+            if grouped:     # every lane, in range or not: the group's lanes all take part
+                word = lane_group_or(code << np.uint32((lane * bits) & 31), group, sw)
+                if (lane & (group - 1)) == 0 and lane < cnt:
+                    words[at(((row + lane) * bits) >> 5)] = word
+        if shared:
             cuda.syncthreads()
             base = (row * bits) >> 5
             for w in range(tid, nw, THREADS):
@@ -83,24 +100,6 @@ def _fused_chunk(x, e, has_res, size, chunk, ci, bits, params, words, boff, buf)
         params[2 * ci] = mn
         params[2 * ci + 1] = scale
     _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw)
-
-
-@cuda.jit
-def _fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
-    zero_tail(buf, used, nbytes)
-    _fused_chunk(x, e, has_res, x.size, chunk, cuda.blockIdx.x, bits, params, words, boff, buf)
-
-
-@cuda.jit
-def _fused_rows(x, e, has_res, part, chunk, bits, params, pcol, words, wcol, boff, mat, col,
-                used, nbytes):
-    """Block (ci, k): chunk ci of partition k into row k of ``mat`` (sections at pcol, wcol)."""
-    k = cuda.blockIdx.y
-    buf = mat[k, col:col + nbytes]
-    zero_tail(buf, used, nbytes)
-    _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part, chunk,
-                 cuda.blockIdx.x, bits, params[k, pcol:pcol + 2 * ((part + chunk - 1) // chunk)],
-                 words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
 
 
 @cuda.jit(device=True)
@@ -169,21 +168,55 @@ def _seg_encode_block(x, e, has_res, size, chunk, spc, bits, params, words, boff
                       boff, sw)
 
 
-@cuda.jit
-def _seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used, nbytes):
-    zero_tail(buf, used, nbytes)
-    _seg_encode_block(x, e, has_res, x.size, chunk, spc, bits, params, words, boff, buf)
+def _encoding_kernels(byte_codes, suffix):
+    """The four encoding kernels (one payload or a row per partition; fused, or by segment for
+    long chunks), for 8-bit codes (``byte_codes``) or for packed ones.  Two compiled sets, so
+    that the packed codes' lane groups do not cost the byte kernels registers (32 a thread
+    against 40 in one kernel, ``ptx_compile.py --resources``); the code width is a constant
+    8 in the byte set."""
+
+    @specialized(f"_fused{suffix}")
+    def fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
+        zero_tail(buf, used, nbytes)
+        _fused_chunk(x, e, has_res, x.size, chunk, cuda.blockIdx.x, 8 if byte_codes else bits,
+                     params, words, boff, buf)
+
+    @specialized(f"_fused_rows{suffix}")
+    def fused_rows(x, e, has_res, part, chunk, bits, params, pcol, words, wcol, boff, mat, col,
+                   used, nbytes):
+        """Block (ci, k): chunk ci of partition k into row k of ``mat`` (sections at pcol,
+        wcol)."""
+        k = cuda.blockIdx.y
+        buf = mat[k, col:col + nbytes]
+        zero_tail(buf, used, nbytes)
+        _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part,
+                     chunk, cuda.blockIdx.x, 8 if byte_codes else bits,
+                     params[k, pcol:pcol + 2 * ((part + chunk - 1) // chunk)],
+                     words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
+
+    @specialized(f"_seg_encode{suffix}")
+    def seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used, nbytes):
+        zero_tail(buf, used, nbytes)
+        _seg_encode_block(x, e, has_res, x.size, chunk, spc, 8 if byte_codes else bits, params,
+                          words, boff, buf)
+
+    @specialized(f"_seg_encode_rows{suffix}")
+    def seg_encode_rows(x, e, has_res, part, chunk, spc, bits, params, pcol, words, wcol, boff,
+                        mat, col, used, nbytes):
+        k = cuda.blockIdx.y
+        buf = mat[k, col:col + nbytes]
+        zero_tail(buf, used, nbytes)
+        _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res,
+                          part, chunk, spc, 8 if byte_codes else bits, params[k, pcol:],
+                          words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
+
+    return fused, fused_rows, seg_encode, seg_encode_rows
 
 
-@cuda.jit
-def _seg_encode_rows(x, e, has_res, part, chunk, spc, bits, params, pcol, words, wcol, boff, mat,
-                     col, used, nbytes):
-    k = cuda.blockIdx.y
-    buf = mat[k, col:col + nbytes]
-    zero_tail(buf, used, nbytes)
-    _seg_encode_block(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part,
-                      chunk, spc, bits, params[k, pcol:],
-                      words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
+# Module-level names: the simulator suite's launch record finds each kernel by its name.
+_fused_bytes, _fused_rows_bytes, _seg_encode_bytes, _seg_encode_rows_bytes = \
+    _encoding_kernels(True, "_bytes")
+_fused, _fused_rows, _seg_encode, _seg_encode_rows = _encoding_kernels(False, "")
 
 
 @cuda.jit(device=True)
@@ -244,15 +277,22 @@ def _decode_rows(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out
         base += cuda.gridDim.x * ILP_SPAN
 
 
-_ENCODER = ChunkedEncoder(_fused, _seg_range, _chunk_params, _seg_encode, part_shape=(2,))
-_ROWS = RowEncoder(_fused_rows, _seg_range_rows, _chunk_params_rows, _seg_encode_rows,
-                   part_shape=(2,))
+# by whether the codes are bytes
+_ENCODER = {True: ChunkedEncoder(_fused_bytes, _seg_range, _chunk_params, _seg_encode_bytes,
+                                 part_shape=(2,)),
+            False: ChunkedEncoder(_fused, _seg_range, _chunk_params, _seg_encode,
+                                  part_shape=(2,))}
+_ROWS = {True: RowEncoder(_fused_rows_bytes, _seg_range_rows, _chunk_params_rows,
+                          _seg_encode_rows_bytes, part_shape=(2,)),
+         False: RowEncoder(_fused_rows, _seg_range_rows, _chunk_params_rows, _seg_encode_rows,
+                           part_shape=(2,))}
 
 
 def encode(x, e, fmt, params, words, buf, stream):
     """Encode for MinMaxFormat ``fmt`` (x, e flat device arrays): 1 launch, 3 for long chunks."""
     boff = fmt.section("codes").offset
-    _ENCODER(x, e, fmt, buf, stream, enc=(fmt.bits, params, words, boff), comb=(fmt.bits, params))
+    _ENCODER[fmt.bits == 8](x, e, fmt, buf, stream, enc=(fmt.bits, params, words, boff),
+                            comb=(fmt.bits, params))
 
 
 def decode(fmt, stack, col, out, accumulate, factor, stream):
@@ -269,7 +309,7 @@ def encode_rows(x, e, fmt, views, mat, col, stream):
     params, pcol = views["params"]
     words, wcol = views["codes"]
     boff = fmt.section("codes").offset
-    _ROWS(x, e, mat.shape[0], fmt, mat, col, stream,
+    _ROWS[fmt.bits == 8](x, e, mat.shape[0], fmt, mat, col, stream,
           enc=(fmt.bits, params, pcol, words, wcol, boff), comb=(fmt.bits, params, pcol))
 
 

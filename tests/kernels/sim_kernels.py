@@ -69,8 +69,10 @@ def test_casts():
 
 
 def test_minmax():
+    # widths 1, 2 and 4 pack their words from lane groups, 3 and 5 through shared memory
     dc.check_minmax([(0, 8, 32, F32, True), (1, 8, 32, F32, True), (1025, 8, 256, F32, True),
-                     (1023, 5, 256, F64, False), (700, 1, 96, F32, True)], many=False)
+                     (1023, 5, 256, F64, False), (700, 1, 96, F32, True),
+                     (300, 4, 64, F32, True), (77, 2, 32, F64, True)], many=False)
     dc.check_minmax([(100, 3, 32, F32, True)])
     dc.check_signed_zero_minimum()
 
