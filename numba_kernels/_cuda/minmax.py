@@ -243,7 +243,7 @@ def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulat
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
         ilp_load(out, acc, base, n, accumulate)
@@ -267,7 +267,7 @@ def _decode_rows(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out
     mine = out[k * part:]
     vals = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
         ilp_chunks(base, stop, chunk, idx, cix)

@@ -134,7 +134,7 @@ def _decode(scales, scol, words, wcol, chunk, out, accumulate, factor):
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
         ilp_load(out, acc, base, n, accumulate)
@@ -157,7 +157,7 @@ def _decode_rows(scales, scol, words, wcol, chunk, part, out):
     mine = out[k * part:]
     vals = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
         ilp_chunks(base, stop, chunk, idx, cix)

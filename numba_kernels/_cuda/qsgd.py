@@ -136,7 +136,7 @@ def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate, factor):
     n = out.size
     acc = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int32)
     steps = cuda.local.array(ILP, np.float32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
@@ -161,7 +161,7 @@ def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
     mine = out[k * part:]
     vals = cuda.local.array(ILP, out.dtype)
     idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int64)
+    cix = cuda.local.array(ILP, np.int32)
     steps = cuda.local.array(ILP, np.float32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
