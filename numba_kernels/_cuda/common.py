@@ -13,7 +13,7 @@ from numba import cuda
 
 from .._scalar import (LANES, SEGMENT, add_or_replace_py, greater_py, hash32_py, lesser_py,
                        row_key_py, uniform24_py)
-from .geometry import ILP, NL, SIM, THREADS
+from .geometry import ILP, NL, SIM, THREADS, WARP
 from .launch import launch_over
 
 uniform24 = cuda.jit(device=True)(uniform24_py)
@@ -77,6 +77,21 @@ if SIM:
         return word
 
     @cuda.jit(device=True)
+    def warp_range(mn, mx, shmin, shmax):
+        """(min, max) of (mn, mx) over the caller's WARP threads, through shared memory (the
+        simulator has no warp shuffles); every thread of the block must call it."""
+        t = cuda.threadIdx.x
+        shmin[t] = mn
+        shmax[t] = mx
+        cuda.syncthreads()
+        first = t - t % WARP
+        for j in range(WARP):
+            mn = lesser(mn, shmin[first + j])
+            mx = greater(mx, shmax[first + j])
+        cuda.syncthreads()
+        return mn, mx
+
+    @cuda.jit(device=True)
     def lane_group_or(v, group, scratch):
         """The OR of ``v`` over the caller's group of ``group`` lanes (a power of two up to 32,
         groups aligned in the warp), through shared memory: the simulator has no warp
@@ -114,6 +129,15 @@ else:
     def ballot32(pred, scratch):
         """Bit j = ``pred`` of lane j of the caller's warp (every lane must call)."""
         return np.uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
+
+    @cuda.jit(device=True)
+    def warp_range(mn, mx, shmin, shmax):
+        """(min, max) of (mn, mx) over the caller's warp, by butterfly shuffles (the shared
+        arrays are the simulator's); every lane of the warp must call it."""
+        for k in range(5):
+            mn = lesser(mn, cuda.shfl_xor_sync(0xFFFFFFFF, mn, 1 << k))
+            mx = greater(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1 << k))
+        return mn, mx
 
     @cuda.jit(device=True)
     def lane_group_or(v, group, scratch):
@@ -266,20 +290,21 @@ def block_lane_combine(part, first, count, sh):
 
 @cuda.jit(device=True)
 def tree_range(mn, mx, shmin, shmax):
-    """Block-wide (min, max) of every thread's (mn, mx), returned to every thread."""
+    """Block-wide (min, max) of every thread's (mn, mx), returned to every thread: each warp's
+    by shuffles, then the warps' from shared memory, two barriers in all (a tree in shared
+    memory took one a level, nine).  Min and max are exact whatever the order, and the chunk
+    parameters turn -0.0 into +0.0, so the payload is the CPU twin's."""
     t = cuda.threadIdx.x
-    shmin[t] = mn
-    shmax[t] = mx
+    mn, mx = warp_range(mn, mx, shmin, shmax)
+    if t % WARP == 0:
+        shmin[t // WARP] = mn
+        shmax[t // WARP] = mx
     cuda.syncthreads()
-    w = THREADS // 2
-    while w > 0:
-        if t < w:
-            shmin[t] = lesser(shmin[t], shmin[t + w])
-            shmax[t] = greater(shmax[t], shmax[t + w])
-        cuda.syncthreads()
-        w //= 2
     mn = shmin[0]
     mx = shmax[0]
+    for w in range(1, THREADS // WARP):
+        mn = lesser(mn, shmin[w])
+        mx = greater(mx, shmax[w])
     cuda.syncthreads()
     return mn, mx
 

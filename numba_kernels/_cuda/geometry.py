@@ -13,6 +13,10 @@ from .._scalar import LANES
 SIM = bool(config.ENABLE_CUDASIM)
 THREADS = 32 if SIM else 256
 NL = LANES // THREADS          # lanes per thread
+# Threads that one shuffle butterfly combines in the block reductions that any order may take
+# (``common.tree_range``): a warp, and 8 under the simulator, so that its 32-thread blocks
+# still combine several warps' results, as a GPU's 256-thread blocks do.
+WARP = 8 if SIM else 32
 ITEMS = 16                     # elements per thread in tiled (selection) kernels
 TILE = THREADS * ITEMS
 # The decoders give each thread ILP elements THREADS apart per pass and load all of them before
