@@ -13,9 +13,9 @@ from numba import cuda
 from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, at, block_range, fma32, greater, ilp_chunks, ilp_load, ilp_store,
-                     ilp_store_times, lane_group_or, lesser, load_c, segment, specialized,
-                     tree_range, zero_tail)
+from .common import (add_or_replace, at, block_range, fma32, greater, ilp_chunks, ilp_load,
+                     ilp_store, ilp_store_times, lane_group_or, lesser, load_c, segment,
+                     specialized, tree_range, zero_tail)
 from .geometry import ILP, ILP_SPAN, NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch

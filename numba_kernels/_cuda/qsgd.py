@@ -4,9 +4,9 @@ from numba import cuda
 
 from .._chunk_rules import qsgd_level_py, qsgd_norm_py, qsgd_steps_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, at, block_lane_combine, block_lane_sum, block_row_key, ilp_chunks,
-                     ilp_load, ilp_store, ilp_store_times, lesser, load_c, mul32, seg_sums,
-                     seg_sums_rows, segment, uniform24, zero_tail)
+from .common import (add_or_replace, at, block_lane_combine, block_lane_sum, block_row_key,
+                     ilp_chunks, ilp_load, ilp_store, ilp_store_times, lesser, load_c, mul32,
+                     seg_sums, seg_sums_rows, segment, uniform24, zero_tail)
 from .geometry import ILP, ILP_SPAN, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
