@@ -261,8 +261,19 @@ def gpu_section(n, repeats):
 
     t_copy = timed(lambda: dst.copy_to_device(x))[0]
     copy_bw = 2 * 4 * n / t_copy
+    def stack_of(payload, rows=4):
+        """``rows`` copies of a payload, as an all-gather leaves them."""
+        return cuda.to_device(np.stack([payload.buffer.copy_to_host()] * rows))
+
+    def decode_row(label, payload):
+        """Decoding ``payload``'s stack of 4 rows into one float32 array: the rows read, the
+        output written."""
+        stack = stack_of(payload)
+        return (f"decode {label} x4 rows",
+                lambda: nk.decompress_many(stack, payload.format, out=dst),
+                4 * payload.nbytes + 4 * n)
+
     mm = nk.compress_minmax(x, 8, CHUNK)
-    stack = cuda.to_device(np.stack([mm.buffer.copy_to_host()] * 4))
     # bytes each kernel must move: inputs read + outputs written
     rows = [
         ("fp16 cast + EF", into_payload(lambda out: nk.compress_cast(x, "fp16", residual=e,
@@ -285,8 +296,11 @@ def gpu_section(n, repeats):
         ("1-bit + EF, one scale",
          into_payload(lambda out: nk.compress_onebit(x, -(-n // 32) * 32, residual=e, out=out)),
          8 * n + 4 * n + nk.OneBitFormat(n, -(-n // 32) * 32).nbytes),
-        ("decode min-max 8-bit x4 rows", lambda: nk.decompress_many(stack, mm.format, out=dst),
-         4 * mm.nbytes + 4 * n),
+        decode_row("min-max 8-bit", mm),
+        decode_row("min-max 4-bit", nk.compress_minmax(x, 4, CHUNK)),
+        decode_row("QSGD 8-bit", nk.compress_qsgd(x, 127, CHUNK, seed=1)),
+        decode_row("1-bit, chunk 4096", nk.compress_onebit(x, ONEBIT_CHUNK)),
+        decode_row("fp16", nk.compress_cast(x, "fp16")),
         ("top-k approx d=0.001", into_payload(lambda out: nk.compress_topk(x, k, out=out)), 4 * n),
         ("top-k exact d=0.001",
          into_payload(lambda out: nk.compress_topk(x, k, method="exact", out=out)), 4 * n),
@@ -312,6 +326,7 @@ def gpu_section(n, repeats):
         lines.append(f"| {name} | {t * 1e3:.3f} | {nbytes / t / 1e9:.0f} | "
                      f"{100 * nbytes / t / copy_bw:.0f}% | {idle * 1e3:.3f} | "
                      f"{host_s * 1e3:.3f} |")
+    lines += [""] + register_lines()
     try:
         import torch
         if torch.cuda.is_available():
@@ -327,6 +342,33 @@ def gpu_section(n, repeats):
     except ImportError:
         lines += ["", "torch not installed: torch.topk comparison skipped"]
     return lines
+
+
+def register_lines():
+    """Registers a thread of every numba_kernels kernel this run compiled, as the device's own
+    toolchain built it (``tests/kernels/ptx_compile.py --resources`` predicts them without a
+    GPU, with the CUDA toolkit's assembler)."""
+    import importlib
+    import pkgutil
+    from numba_kernels import _cuda
+    found = []
+    for info in pkgutil.iter_modules(_cuda.__path__):
+        module = importlib.import_module(f"numba_kernels._cuda.{info.name}")
+        for name, obj in sorted(vars(module).items()):
+            regs = getattr(obj, "get_regs_per_thread", None)
+            if regs is None or not getattr(obj, "overloads", None):
+                continue        # not a kernel, or not compiled in this run
+            try:
+                counts = regs()
+            except Exception as exc:  # noqa: BLE001 - a report line, never the run's end
+                return [f"registers a thread: not reported ({type(exc).__name__}: {exc})"]
+            if counts:
+                found.append(f"{info.name}.{name} {max(counts.values())}")
+    if not found:
+        return ["registers a thread: not reported (no compiled kernel exposes them here; the "
+                "CUDA simulator does not)"]
+    return ["registers a thread (largest over the argument types compiled), kernel by kernel: "
+            + ", ".join(found)]
 
 
 def main(argv=None):

@@ -64,8 +64,37 @@ def test_kernel_benchmark_gpu_section_runs_in_the_simulator():
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| kernel")]
-    assert len(rows) == 10, out.stdout
+    assert len(rows) == 14, out.stdout
     assert all(len(row.split("|")) == 8 for row in rows), out.stdout   # six columns each
+    assert "registers a thread: not reported" in out.stdout   # the simulator has no counts
+
+
+def test_kernel_benchmark_reports_each_compiled_kernels_registers(monkeypatch):
+    """The GPU section's register line, with stand-ins for compiled CUDA dispatchers (the
+    simulator's kernels report none): the largest count over a kernel's compiled argument
+    types, and a failing query reported on the line instead of ending the run."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kernels
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from numba_kernels._cuda import minmax
+
+    class Compiled:
+        overloads = {"sig": object()}
+
+        def get_regs_per_thread(self):
+            return {"float32": 32, "float64": 40}
+
+    class Failing(Compiled):
+        def get_regs_per_thread(self):
+            raise RuntimeError("no driver")
+
+    monkeypatch.setattr(minmax, "_stand_in", Compiled(), raising=False)
+    assert "minmax._stand_in 40" in kernels.register_lines()[0]
+    monkeypatch.setattr(minmax, "_stand_in", Failing(), raising=False)
+    assert kernels.register_lines() == ["registers a thread: not reported (RuntimeError: "
+                                        "no driver)"]
 
 
 def test_gpu_check_budget_cuts_skips_and_saves(tmp_path):
