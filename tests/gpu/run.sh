@@ -81,6 +81,7 @@ fi
 step 150 "(d) kernel benchmark at 1e8 elements" kernels.log 30 \
     python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
     --markdown "$RES/kernels_gpu.md"
+
 step 150 "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)" train_21m.log 12 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py --width 4608 \
     --timing-only --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \
