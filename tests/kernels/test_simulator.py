@@ -6,7 +6,8 @@ runs ``sim_kernels.py`` (kernels against their CPU twins, in two processes) and
 NUMBA_ENABLE_CUDASIM=1; the rest of the suite keeps the real numba.cuda.
 The ``sim_kernels.py`` processes also record the argument types of every kernel
 launch, which ``ptx_compile.py`` then compiles to PTX with the real CUDA compiler
-where libNVVM is installed (no GPU needed).
+where libNVVM is installed, and ``ptxas`` assembles for each kernel's registers where the
+CUDA toolkit is (no GPU needed).
 """
 import json
 import os
@@ -70,35 +71,41 @@ def _nvvm_available():
     return proc.returncode == 0
 
 
-def test_kernels_compile_to_ptx(simulator_run):
+@pytest.fixture(scope="module")
+def ptx_run(simulator_run):
+    """``ptx_compile.py`` on the recorded launches, once for both tests below: with
+    ``--resources`` (an optimising compile, which type-checks as well, then ``ptxas``) where
+    the CUDA toolkit's assembler is on PATH, a plain compile otherwise.  (The compile's
+    output, whether it ran with resources.)"""
     proc, record = simulator_run
     if proc.returncode != 0 or not record.exists():
         pytest.skip("the simulator run failed; see test_kernels_match_cpu_twins_in_simulator")
     if not _nvvm_available():
         pytest.skip("libNVVM not found (install nvidia-cuda-nvcc-cu12 and point CUDA_HOME at it): "
                     "cannot compile the kernels to PTX")
+    resources = shutil.which("ptxas") is not None
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    out = subprocess.run([sys.executable, str(HERE / "ptx_compile.py"), str(record)], env=env,
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, str(HERE / "ptx_compile.py"), str(record),
+                          *(["--resources"] if resources else [])], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    return out, resources
+
+
+def test_kernels_compile_to_ptx(ptx_run):
+    out, _ = ptx_run
     print(out.stdout[-3000:], out.stderr[-3000:])
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "compiled to PTX" in out.stdout
+    assert "compiled to PTX" in out.stdout, out.stdout + out.stderr
+    assert "FAILED" not in out.stdout
 
 
-def test_kernels_fit_the_register_budget(simulator_run):
+def test_kernels_fit_the_register_budget(ptx_run):
     """Every recorded launch, compiled as for a GPU and assembled by ``ptxas``: no kernel spills
     registers or needs more than 64 a thread (half an SM's threads at 256 a block); the table
     printed is ``benchmarks/results/kernel_resources.md``'s."""
-    proc, record = simulator_run
-    if proc.returncode != 0 or not record.exists():
-        pytest.skip("the simulator run failed; see test_kernels_match_cpu_twins_in_simulator")
-    if not _nvvm_available():
-        pytest.skip("libNVVM not found: cannot compile the kernels to PTX")
-    if shutil.which("ptxas") is None:
+    out, resources = ptx_run
+    if not resources:
         pytest.skip("ptxas (the CUDA toolkit's assembler) not on PATH: cannot count registers")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    out = subprocess.run([sys.executable, str(HERE / "ptx_compile.py"), str(record),
-                          "--resources"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
-    print(out.stdout[out.stdout.find("| kernel"):], out.stderr[-3000:])
-    assert out.returncode == 0, out.stdout[out.stdout.find("| kernel"):] + out.stderr
+    table = out.stdout[out.stdout.find("| kernel"):]
+    print(table, out.stderr[-3000:])
+    assert "compiled to PTX" in out.stdout, "the compile failed: see test_kernels_compile_to_ptx"
+    assert out.returncode == 0 and "OVER BUDGET" not in out.stdout, table + out.stderr
