@@ -261,19 +261,15 @@ def gpu_section(n, repeats):
 
     t_copy = timed(lambda: dst.copy_to_device(x))[0]
     copy_bw = 2 * 4 * n / t_copy
-    def stack_of(payload, rows=4):
-        """``rows`` copies of a payload, as an all-gather leaves them."""
-        return cuda.to_device(np.stack([payload.buffer.copy_to_host()] * rows))
 
     def decode_row(label, payload):
-        """Decoding ``payload``'s stack of 4 rows into one float32 array: the rows read, the
-        output written."""
-        stack = stack_of(payload)
+        """Decoding 4 copies of ``payload`` (a stack as an all-gather leaves it) into one
+        float32 array: the rows read, the output written."""
+        stack = cuda.to_device(np.stack([payload.buffer.copy_to_host()] * 4))
         return (f"decode {label} x4 rows",
                 lambda: nk.decompress_many(stack, payload.format, out=dst),
                 4 * payload.nbytes + 4 * n)
 
-    mm = nk.compress_minmax(x, 8, CHUNK)
     # bytes each kernel must move: inputs read + outputs written
     rows = [
         ("fp16 cast + EF", into_payload(lambda out: nk.compress_cast(x, "fp16", residual=e,
@@ -296,7 +292,7 @@ def gpu_section(n, repeats):
         ("1-bit + EF, one scale",
          into_payload(lambda out: nk.compress_onebit(x, -(-n // 32) * 32, residual=e, out=out)),
          8 * n + 4 * n + nk.OneBitFormat(n, -(-n // 32) * 32).nbytes),
-        decode_row("min-max 8-bit", mm),
+        decode_row("min-max 8-bit", nk.compress_minmax(x, 8, CHUNK)),
         decode_row("min-max 4-bit", nk.compress_minmax(x, 4, CHUNK)),
         decode_row("QSGD 8-bit", nk.compress_qsgd(x, 127, CHUNK, seed=1)),
         decode_row("1-bit, chunk 4096", nk.compress_onebit(x, ONEBIT_CHUNK)),

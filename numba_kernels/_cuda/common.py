@@ -61,22 +61,6 @@ if SIM:
         return np.uint32(u).view(np.float32)
 
     @cuda.jit(device=True)
-    def ballot32(pred, scratch):
-        """Warp vote without warp intrinsics (the simulator has none): bit j of the
-        result is ``pred`` of lane j of the caller's warp.  Every thread of the
-        block must call it; ``scratch`` is a shared uint32[THREADS]."""
-        t = cuda.threadIdx.x
-        scratch[t] = np.uint32(1) if pred else np.uint32(0)
-        cuda.syncthreads()
-        base = t - (t & 31)
-        word = np.uint32(0)
-        for j in range(32):
-            if base + j < THREADS and scratch[base + j] != 0:
-                word |= np.uint32(1) << np.uint32(j)
-        cuda.syncthreads()
-        return word
-
-    @cuda.jit(device=True)
     def warp_range(mn, mx, shmin, shmax):
         """(min, max) of (mn, mx) over the caller's WARP threads, through shared memory (the
         simulator has no warp shuffles); every thread of the block must call it."""
@@ -106,6 +90,14 @@ if SIM:
             word |= scratch[first + j]
         cuda.syncthreads()
         return word
+
+    @cuda.jit(device=True)
+    def ballot32(pred, scratch):
+        """Warp vote without warp intrinsics (the simulator has none): bit j of the
+        result is ``pred`` of lane j of the caller's warp.  Every thread of the block
+        must call it; ``scratch`` is a shared uint32[THREADS]."""
+        bit = np.uint32(1) if pred else np.uint32(0)
+        return lane_group_or(bit << np.uint32(cuda.threadIdx.x & 31), 32, scratch)
 else:
     from numba.cuda import libdevice
 
