@@ -13,7 +13,7 @@ from numba import cuda
 
 from .._scalar import (LANES, SEGMENT, add_or_replace_py, greater_py, hash32_py, lesser_py,
                        row_key_py, uniform24_py)
-from .geometry import ILP, NL, SIM, THREADS, WARP
+from .geometry import GROUP, GROUPS, ILP, NL, SIM, THREADS, WARP
 from .launch import launch_over
 
 uniform24 = cuda.jit(device=True)(uniform24_py)
@@ -183,16 +183,16 @@ def ilp_index(base, u, n):
 
 
 @cuda.jit(device=True)
-def ilp_chunks(base, n, chunk, idx, cix):
-    """idx[u] = ilp_index(base, u, n) and cix[u] = idx[u] // chunk for the thread's group, with
-    one division: the indices rise with u, so each chunk index follows from the one before by
-    stepping over chunk boundaries.  (A 64-bit division is a long instruction sequence on the
+def ilp_chunks(base, n, chunk, idx, cix, count):
+    """idx[u] = ilp_index(base, u, n) and cix[u] = idx[u] // chunk for u < count (ILP, or
+    GROUPS for the group decoders), with one division: the indices rise with u, so each chunk
+    index follows from the one before by stepping over chunk boundaries.  (A 64-bit division is a long instruction sequence on the
     device; taken per element and row it made the stack decoders compute-bound.)  The
     decoders keep cix in int32, which fits any chunk index of an array under 2**31 chunks and
     saves the 1-bit decoder 8 registers."""
     c = ilp_index(base, 0, n) // chunk
     end = (c + 1) * chunk          # the first element past chunk c
-    for u in range(ILP):
+    for u in range(count):
         i = ilp_index(base, u, n)
         while i >= end:
             end += chunk
@@ -225,6 +225,39 @@ def ilp_store_times(out, acc, base, n, factor):
     for u in range(ILP):
         if base + u * THREADS < n:
             out[at(base + u * THREADS)] = acc[u] * factor
+
+
+@cuda.jit(device=True)
+def group_load(out, acc, base, n, accumulate):
+    """acc[u * GROUP + j] = out's element j of the thread's group u (groups base, base +
+    THREADS, ..., GROUPS of them) when accumulating (0 otherwise: not read)."""
+    for u in range(GROUPS):
+        for j in range(GROUP):
+            i = (base + u * THREADS) * GROUP + j
+            acc[u * GROUP + j] = 0
+            if accumulate and i < n:
+                acc[u * GROUP + j] = out[at(i)]
+
+
+@cuda.jit(device=True)
+def group_store(out, vals, base, n):
+    """out's element j of the thread's group u = vals[u * GROUP + j], for the elements
+    before n."""
+    for u in range(GROUPS):
+        for j in range(GROUP):
+            i = (base + u * THREADS) * GROUP + j
+            if i < n:
+                out[at(i)] = vals[u * GROUP + j]
+
+
+@cuda.jit(device=True)
+def group_store_times(out, acc, base, n, factor):
+    """``group_store`` of acc times ``factor`` (one rounded multiply, as ``ilp_store_times``)."""
+    for u in range(GROUPS):
+        for j in range(GROUP):
+            i = (base + u * THREADS) * GROUP + j
+            if i < n:
+                out[at(i)] = acc[u * GROUP + j] * factor
 
 
 @cuda.jit(device=True)
@@ -299,6 +332,26 @@ def tree_range(mn, mx, shmin, shmax):
         mx = greater(mx, shmax[w])
     cuda.syncthreads()
     return mn, mx
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def team_range(mn, mx, shmin, shmax):
+        """(min, max) over the caller's team of TEAM threads: under the simulator the team is
+        the block (``tree_range``)."""
+        return tree_range(mn, mx, shmin, shmax)
+
+    @cuda.jit(device=True)
+    def team_sync():
+        """Barrier of the caller's team: the block under the simulator."""
+        cuda.syncthreads()
+else:
+    team_range = warp_range     # a team is a warp
+
+    @cuda.jit(device=True)
+    def team_sync():
+        """Barrier of the caller's team (its warp): orders its shared-memory accesses."""
+        cuda.syncwarp(0xFFFFFFFF)
 
 
 @cuda.jit(device=True)

@@ -17,6 +17,11 @@ NL = LANES // THREADS          # lanes per thread
 # (``common.tree_range``): a warp, and 8 under the simulator, so that its 32-thread blocks
 # still combine several warps' results, as a GPU's 256-thread blocks do.
 WARP = 8 if SIM else 32
+# The min-max encoder gives each chunk a team of TEAM threads instead of a block: a warp on a
+# GPU, which finds the chunk's range by shuffles alone, with no barrier and no shared memory
+# (the whole 32-thread block under the simulator, which has no shuffles).  TEAMS per block.
+TEAM = 32
+TEAMS = THREADS // TEAM
 ITEMS = 16                     # elements per thread in tiled (selection) kernels
 TILE = THREADS * ITEMS
 # The decoders give each thread ILP elements THREADS apart per pass and load all of them before
@@ -24,6 +29,13 @@ TILE = THREADS * ITEMS
 # too few bytes in flight to cover the memory latency.
 ILP = 4
 ILP_SPAN = THREADS * ILP       # elements a block covers per pass
+# The min-max decoders take elements in groups of GROUP consecutive ones, GROUPS groups a
+# thread per pass: a group's codes come in one word load, where one element's took a load of
+# their own.  (4 groups a thread needed 72 registers.)
+GROUP = 4
+GROUPS = 2
+GROUP_ILP = GROUP * GROUPS     # elements a thread takes per pass
+GROUP_SPAN = THREADS * GROUPS  # groups a block covers per pass
 
 
 def blocks_for(n, per_block):

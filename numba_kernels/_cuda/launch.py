@@ -53,7 +53,8 @@ class ChunkedEncoder:
     Argument conventions (``enc``, ``red``, ``comb``: the format's own arguments):
 
     * ``fused(x, e, has_res, chunk, *enc, buf, used, nbytes)``: one block per
-      chunk reduces it, computes its parameters and encodes it;
+      ``chunks_per_block`` chunks (a block per chunk, or a team of threads per
+      chunk) reduces each, computes its parameters and encodes it;
     * for chunks longer than SEGMENT, ``spc`` = segments per chunk:
       ``reduce(x, e, has_res, chunk, spc, *red, part)``, one block per segment,
       writes the segment's partial result to ``part[g]``;
@@ -70,13 +71,15 @@ class ChunkedEncoder:
     combine: object
     encode: object
     part_shape: tuple = ()      # shape of one segment's partial: () a sum, (2,) a (min, max)
+    chunks_per_block: int = 1   # chunks that one block of the fused kernel encodes
 
     def __call__(self, x, e, fmt, buf, stream, enc, red=(), comb=()):
         """Encode x (+ e, updated in place) into ``buf``: 1 launch, 3 when fmt.chunk > SEGMENT."""
         ee, has_res = (x, False) if e is None else (e, True)
         tail = (buf, fmt.used_nbytes, fmt.nbytes)
         if fmt.chunk <= SEGMENT:
-            launch(self.fused, fmt.nchunks, THREADS, stream, x, ee, has_res, fmt.chunk, *enc, *tail)
+            launch(self.fused, blocks_for(fmt.nchunks, self.chunks_per_block), THREADS, stream, x,
+                   ee, has_res, fmt.chunk, *enc, *tail)
             return
         spc = -(-fmt.chunk // SEGMENT)
         nblk = fmt.nchunks * spc
@@ -94,7 +97,8 @@ class RowEncoder(ChunkedEncoder):
     Argument conventions (``enc``, ``red``, ``comb``: the format's own row-form arguments;
     ``part`` = fmt.n, the partition length; block (b, k) works on partition k):
 
-    * ``fused(x, e, has_res, part, chunk, *enc, mat, col, used, nbytes)``, grid (chunks, rows);
+    * ``fused(x, e, has_res, part, chunk, *enc, mat, col, used, nbytes)``, grid
+      (chunks / chunks_per_block, rows);
     * ``reduce(x, e, has_res, part, chunk, spc, *red, partial)``, grid (segments, rows),
       ``partial`` of shape (rows, segments) + part_shape;
       ``combine(partial, spc, chunk, part, *comb)``, grid (chunks, rows);
@@ -112,7 +116,8 @@ class RowEncoder(ChunkedEncoder):
         head = (x, ee, has_res, fmt.n, fmt.chunk)
         tail = (mat, col, fmt.used_nbytes, fmt.nbytes)
         if fmt.chunk <= SEGMENT:
-            launch(self.fused, (fmt.nchunks, rows), THREADS, stream, *head, *enc, *tail)
+            launch(self.fused, (blocks_for(fmt.nchunks, self.chunks_per_block), rows), THREADS,
+                   stream, *head, *enc, *tail)
             return
         spc = -(-fmt.chunk // SEGMENT)
         nblk = fmt.nchunks * spc
@@ -124,9 +129,11 @@ class RowEncoder(ChunkedEncoder):
         launch(self.encode, (nblk, rows), THREADS, stream, *head, spc, *enc, *tail)
 
 
-def decode_stack(kernel, fmt, stack, col, sections, params, out, accumulate, factor, stream):
+def decode_stack(kernel, fmt, stack, col, sections, params, out, accumulate, factor, stream,
+                 per_thread=ILP):
     """1 launch: ``kernel(view, col, ..., *params, out, accumulate, factor)`` over the output,
-    each thread taking ILP elements per pass (``common.ilp_index``) and storing its sums times
+    each thread taking ``per_thread`` elements per pass (ILP, ``common.ilp_index``; the
+    min-max decoders' groups, ``common.group_load``) and storing its sums times
     ``factor`` (a float32; times 1 leaves every float as it is).
 
     ``sections`` names the payload sections the kernel reads; each is passed as
@@ -134,8 +141,8 @@ def decode_stack(kernel, fmt, stack, col, sections, params, out, accumulate, fac
     column ``col`` (0 for a (P, nbytes) stack), and the column it starts at.
     """
     columns = row_sections(fmt.views2d(stack, col), sections)
-    launch_over(kernel, -(-out.size // ILP), stream, *columns, *params, out, accumulate,
-                np.float32(factor))
+    launch_over(kernel, -(-out.size // per_thread), stream, *columns, *params, out,
+                accumulate, np.float32(factor))
 
 
 def row_sections(views, sections):
@@ -143,9 +150,9 @@ def row_sections(views, sections):
     return [item for name in sections for item in views[name]]
 
 
-def decode_rows(kernel, fmt, columns, params, rows, out, stream):
+def decode_rows(kernel, fmt, columns, params, rows, out, stream, per_block=ILP_SPAN):
     """1 launch: ``kernel(*columns, *params, part, out)`` on a (blocks, rows) grid, block
-    (b, k) striding over partition k of out, ILP elements per thread and pass (at most
-    GRID_LIMIT blocks in all)."""
-    blocks = min(blocks_for(fmt.n, ILP_SPAN), max(1, GRID_LIMIT // rows))
+    (b, k) striding over partition k of out, ``per_block`` elements a pass (ILP a thread, or
+    the min-max decoders' groups), at most GRID_LIMIT blocks in all."""
+    blocks = min(blocks_for(fmt.n, per_block), max(1, GRID_LIMIT // rows))
     launch(kernel, (blocks, rows), THREADS, stream, *columns, *params, fmt.n, out)

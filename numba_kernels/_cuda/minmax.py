@@ -1,9 +1,11 @@
 """CUDA kernels for per-chunk min-max quantization (see numba_kernels.minmax).
 
-A chunk of at most SEGMENT elements is handled by one block in one kernel:
-the block finds the chunk's range, then encodes it (the second read of x and e
-hits the cache, so DRAM sees one read).  Longer chunks take three kernels:
-per-segment ranges, per-chunk parameters, per-segment encoding.
+A chunk of at most SEGMENT elements is handled by one team of TEAM threads (a
+warp) in one kernel: the team finds the chunk's range by shuffles, then encodes
+it (the second read of x and e hits the cache, so DRAM sees one read), with no
+block barrier, so a block's teams work on their chunks independently.  Longer
+chunks take three kernels: per-segment ranges, per-chunk parameters,
+per-segment encoding.
 """
 import math
 
@@ -12,16 +14,13 @@ from numba import cuda
 
 from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
-from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, at, block_range, fma32, greater, ilp_chunks, ilp_load,
-                     ilp_store, ilp_store_times, lane_group_or, lesser, load_c, segment,
-                     specialized, tree_range, zero_tail)
-from .geometry import ILP, ILP_SPAN, NL, THREADS
+from .._scalar import SEGMENT
+from .common import (add_or_replace, at, block_range, fma32, greater, group_load, group_store,
+                     group_store_times, ilp_chunks, lane_group_or, lesser, load_c, segment,
+                     specialized, team_range, team_sync, tree_range, zero_tail)
+from .geometry import GROUP, GROUP_ILP, GROUP_SPAN, GROUPS, TEAM, TEAMS, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
-
-# Shared words for one row of LANES codes at up to 8 bits each.
-_ROW_WORDS = LANES * 8 // 32
 
 minmax_params = cuda.jit(device=True)(minmax_params_py)
 minmax_inverse = cuda.jit(device=True)(minmax_inverse_py)
@@ -29,77 +28,85 @@ extract = cuda.jit(device=True)(extract_py)
 
 
 @cuda.jit(device=True)
-def _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw):
-    """Encode [s, t) (s at a row boundary of its chunk) one row of LANES at a time.
+def _encode_rows(x, e, has_res, row, t, stride, bits, mn, scale, inv, words, buf, boff, sw):
+    """The caller's team encodes the rows of TEAM elements at row, row + stride, ... below t
+    (each row starting at a multiple of TEAM): lane l quantizes element row + l.
 
-    8-bit codes are stored as bytes.  Codes of 1, 2 or 4 bits fill whole words from aligned
-    groups of 32 / bits lanes: each group ORs its shifted codes across its lanes
-    (``lane_group_or``) and its first lane stores the word, with no shared memory and no
-    barrier.  Codes of 3, 5, 6 or 7 bits cross words: they are ORed into a shared row of
-    words, which is then copied out."""
-    tid = cuda.threadIdx.x
+    8-bit codes are stored as bytes.  A row of TEAM codes at b bits fills exactly b words.
+    Codes of 1, 2 or 4 bits fill whole words from aligned groups of 32 / b lanes: each group
+    ORs its shifted codes across its lanes (``lane_group_or``) and its first lane stores the
+    word.  Codes of 3, 5, 6 or 7 bits cross words: they are ORed into the team's b words in
+    shared memory (``sw[team * 8:]``), which its first lanes then copy out."""
+    lane = cuda.threadIdx.x % TEAM
+    mine = (cuda.threadIdx.x // TEAM) * 8
     levels = np.float32((1 << bits) - 1)   # a float32 clamp: no float64 compare per element
     grouped = bits != 8 and 32 % bits == 0
     group = 32 // bits
-    shared = bits != 8 and not grouped
-    row = s
+    crossing = bits != 8 and not grouped
     while row < t:
-        cnt = lesser(t - row, LANES)
-        nw = (cnt * bits + 31) // 32
-        if shared:
-            for w in range(tid, nw, THREADS):
-                sw[w] = np.uint32(0)
-            cuda.syncthreads()
-        for sub in range(NL):
-            lane = tid + sub * THREADS
-            code = np.uint32(0)
-            if lane < cnt:
-                i = row + lane
-                c = load_c(x, e, has_res, i)
-                # math.floor: the CUDA target has no np.floor (the CPU's quantize); same integer
-                q = math.floor(fma32(np.float32(c) - mn, inv, np.float32(0.5)))
-                q = lesser(greater(q, np.float32(0.0)), levels)
-                if has_res:
-                    e[at(i)] = c - fma32(np.float32(q), scale, mn)
-                if bits == 8:
-                    buf[at(boff + i)] = np.uint8(q)
-                else:
-                    code = np.uint32(q)
-                if shared:
-                    bp = lane * bits
-                    w = bp >> 5
-                    off = bp & 31
-                    cuda.atomic.or_(sw, w, code << np.uint32(off))
-                    if off + bits > 32:
-                        cuda.atomic.or_(sw, w + 1, code >> np.uint32(32 - off))
-            if grouped:     # every lane, in range or not: the group's lanes all take part
-                word = lane_group_or(code << np.uint32((lane * bits) & 31), group, sw)
-                if (lane & (group - 1)) == 0 and lane < cnt:
-                    words[at(((row + lane) * bits) >> 5)] = word
-        if shared:
-            cuda.syncthreads()
-            base = (row * bits) >> 5
-            for w in range(tid, nw, THREADS):
-                words[at(base + w)] = sw[w]
-            cuda.syncthreads()
-        row += LANES
+        i = row + lane
+        code = np.uint32(0)
+        if crossing:
+            if lane < bits:
+                sw[mine + lane] = np.uint32(0)
+            team_sync()
+        if i < t:
+            c = load_c(x, e, has_res, i)
+            # math.floor: the CUDA target has no np.floor (the CPU's quantize); same integer
+            q = math.floor(fma32(np.float32(c) - mn, inv, np.float32(0.5)))
+            q = lesser(greater(q, np.float32(0.0)), levels)
+            if has_res:
+                e[at(i)] = c - fma32(np.float32(q), scale, mn)
+            if bits == 8:
+                buf[at(boff + i)] = np.uint8(q)
+            else:
+                code = np.uint32(q)
+            if crossing:
+                bp = lane * bits
+                w = bp >> 5
+                off = bp & 31
+                cuda.atomic.or_(sw, mine + w, code << np.uint32(off))
+                if off + bits > 32:
+                    cuda.atomic.or_(sw, mine + w + 1, code >> np.uint32(32 - off))
+        if grouped:     # every lane, in range or not: the group's lanes all take part
+            word = lane_group_or(code << np.uint32((lane * bits) & 31), group, sw)
+            if (lane & (group - 1)) == 0 and i < t:
+                words[at((i * bits) >> 5)] = word
+        if crossing:
+            team_sync()
+            if lane * 32 < lesser(t - row, TEAM) * bits:     # the row's words that hold codes
+                words[at(((row * bits) >> 5) + lane)] = sw[mine + lane]
+            team_sync()
+        row += stride
 
 
 @cuda.jit(device=True)
-def _fused_chunk(x, e, has_res, size, chunk, ci, bits, params, words, boff, buf):
-    """The block's chunk ci of one payload of ``size`` elements (sections ``params``,
-    ``words`` of ``buf``)."""
+def _team_chunk(x, e, has_res, size, chunk, bits, params, words, boff, buf):
+    """The caller's team encodes its chunk (block b's team j: chunk b * TEAMS + j) of one
+    payload of ``size`` elements (sections ``params``, ``words`` of ``buf``): its range by
+    ``team_range``, its parameters (every lane computes them; lane 0 stores them), its rows."""
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
-    sw = cuda.shared.array(_ROW_WORDS, np.uint32)
+    sw = cuda.shared.array(THREADS, np.uint32)   # THREADS >= TEAMS * 8: the simulator's
+    ci = cuda.blockIdx.x * TEAMS + cuda.threadIdx.x // TEAM   # lane_group_or needs THREADS
     s = ci * chunk
+    if s >= size:
+        return
     t = lesser(size, s + chunk)
-    lo, hi = block_range(x, e, has_res, s, t, shmin, shmax)
+    lo = np.float32(np.inf)
+    hi = np.float32(-np.inf)
+    j = s + cuda.threadIdx.x % TEAM
+    while j < t:
+        v = np.float32(load_c(x, e, has_res, j))
+        lo = lesser(lo, v)
+        hi = greater(hi, v)
+        j += TEAM
+    lo, hi = team_range(lo, hi, shmin, shmax)
     mn, scale, inv = minmax_params(lo, hi, (1 << bits) - 1)
-    if cuda.threadIdx.x == 0:
+    if cuda.threadIdx.x % TEAM == 0:
         params[2 * ci] = mn
         params[2 * ci + 1] = scale
-    _encode_range(x, e, has_res, s, t, bits, mn, scale, inv, words, buf, boff, sw)
+    _encode_rows(x, e, has_res, s, t, TEAM, bits, mn, scale, inv, words, buf, boff, sw)
 
 
 @cuda.jit(device=True)
@@ -159,40 +166,42 @@ def _chunk_params_rows(part, spc, chunk, n, bits, params, pcol):
 
 @cuda.jit(device=True)
 def _seg_encode_block(x, e, has_res, size, chunk, spc, bits, params, words, boff, buf):
-    sw = cuda.shared.array(_ROW_WORDS, np.uint32)
+    """Block g encodes its segment with its chunk's parameters, team j taking rows j,
+    j + TEAMS, ... of the segment."""
+    sw = cuda.shared.array(THREADS, np.uint32)
     ci, s, t = segment(cuda.blockIdx.x, spc, chunk, size)
     if s < t:
         mn = params[2 * ci]
         scale = params[2 * ci + 1]
-        _encode_range(x, e, has_res, s, t, bits, mn, scale, minmax_inverse(scale), words, buf,
-                      boff, sw)
+        _encode_rows(x, e, has_res, s + (cuda.threadIdx.x // TEAM) * TEAM, t, TEAM * TEAMS,
+                     bits, mn, scale, minmax_inverse(scale), words, buf, boff, sw)
 
 
 def _encoding_kernels(byte_codes, suffix):
-    """The four encoding kernels (one payload or a row per partition; fused, or by segment for
-    long chunks), for 8-bit codes (``byte_codes``) or for packed ones.  Two compiled sets, so
-    that the packed codes' lane groups do not cost the byte kernels registers (32 a thread
-    against 40 in one kernel, ``ptx_compile.py --resources``); the code width is a constant
-    8 in the byte set."""
+    """The four encoding kernels (one payload or a row per partition; a team per chunk, or a
+    block per segment for long chunks), for 8-bit codes (``byte_codes``) or for packed ones.
+    Two compiled sets, so that the packed codes' lane groups do not cost the byte kernels
+    registers (32 a thread against 40 in one kernel, ``ptx_compile.py --resources``); the
+    code width is a constant 8 in the byte set."""
 
     @specialized(f"_fused{suffix}")
     def fused(x, e, has_res, chunk, bits, params, words, boff, buf, used, nbytes):
         zero_tail(buf, used, nbytes)
-        _fused_chunk(x, e, has_res, x.size, chunk, cuda.blockIdx.x, 8 if byte_codes else bits,
-                     params, words, boff, buf)
+        _team_chunk(x, e, has_res, x.size, chunk, 8 if byte_codes else bits, params, words,
+                    boff, buf)
 
     @specialized(f"_fused_rows{suffix}")
     def fused_rows(x, e, has_res, part, chunk, bits, params, pcol, words, wcol, boff, mat, col,
                    used, nbytes):
-        """Block (ci, k): chunk ci of partition k into row k of ``mat`` (sections at pcol,
-        wcol)."""
+        """Team j of block (b, k): chunk b * TEAMS + j of partition k into row k of ``mat``
+        (sections at pcol, wcol)."""
         k = cuda.blockIdx.y
         buf = mat[k, col:col + nbytes]
         zero_tail(buf, used, nbytes)
-        _fused_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part,
-                     chunk, cuda.blockIdx.x, 8 if byte_codes else bits,
-                     params[k, pcol:pcol + 2 * ((part + chunk - 1) // chunk)],
-                     words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
+        _team_chunk(x[k * part:(k + 1) * part], e[k * part:(k + 1) * part], has_res, part,
+                    chunk, 8 if byte_codes else bits,
+                    params[k, pcol:pcol + 2 * ((part + chunk - 1) // chunk)],
+                    words[k, wcol:wcol + (part * bits + 31) // 32], boff, buf)
 
     @specialized(f"_seg_encode{suffix}")
     def seg_encode(x, e, has_res, chunk, spc, bits, params, words, boff, buf, used, nbytes):
@@ -220,72 +229,96 @@ _fused, _fused_rows, _seg_encode, _seg_encode_rows = _encoding_kernels(False, ""
 
 
 @cuda.jit(device=True)
-def _decoded(params, pcol, words, wcol, bytes8, bcol, bits, ci, p, i):
-    """x_hat of element i (in chunk ci) of row p.  A packed code's second word is read whether
-    the code spills into it or not (``extract`` masks it off), at an index kept inside the row,
-    so no load waits on a branch."""
-    mn = params[at(p), at(pcol + 2 * ci)]
-    scale = params[at(p), at(pcol + 2 * ci + 1)]
-    if bits == 8:
-        q = np.uint32(bytes8[at(p), at(bcol + i)])
-    else:
-        pos = i * bits
-        w = pos >> 5
-        w1 = words[at(p), at(lesser(wcol + w + 1, words.shape[1] - 1))]
-        q = extract(words[at(p), at(wcol + w)], w1, pos & 31, bits)
-    return fma32(np.float32(q), scale, mn)
+def _group_field(words, wcol, p, g, bits, one_word, last):
+    """The GROUP codes of element group g of row p as one integer, code j at bit j * bits.
+    At 1, 2, 4 or 8 bits (``one_word``) they lie in one word; at 3, 5, 6 or 7 the next word
+    (at an index kept inside the row, ``last``) is read too, whether they spill into it or
+    not, so no load waits on a branch."""
+    pos = g * (GROUP * bits)
+    w = wcol + (pos >> 5)
+    if one_word:
+        return np.uint32(words[at(p), at(w)] >> np.uint32(pos & 31))
+    w1 = words[at(p), at(lesser(w + 1, last))]
+    return extract(words[at(p), at(w)], w1, pos & 31, GROUP * bits)
+
+
+@cuda.jit(device=True)
+def _group_code(field, j, bits, mask):
+    """Code j of a group's field, as float32 (a 32-bit conversion: a 64-bit one is slower)."""
+    return np.float32(np.uint32((field >> np.uint32(j * bits)) & mask))
+
+
+@cuda.jit(device=True)
+def _group_params(params, pcol, p, ci):
+    """(mn, scale) of chunk ci of row p."""
+    return params[at(p), at(pcol + 2 * ci)], params[at(p), at(pcol + 2 * ci + 1)]
 
 
 @cuda.jit
-def _decode(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate, factor):
-    """Every row decoded and summed into out in row order, times ``factor``, ILP elements
-    per thread."""
+def _decode(params, pcol, words, wcol, bits, chunk, out, accumulate, factor):
+    """Every row decoded and summed into out in row order, times ``factor``.  Each thread
+    takes GROUPS groups of GROUP consecutive elements per pass: one word load brings a
+    group's codes, one pair of parameter loads its chunk's."""
     n = out.size
-    acc = cuda.local.array(ILP, out.dtype)
-    idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int32)
-    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
-    while base < n:
-        ilp_load(out, acc, base, n, accumulate)
-        ilp_chunks(base, n, chunk, idx, cix)     # once for every row
+    groups = (n + GROUP - 1) // GROUP
+    last = words.shape[1] - 1
+    mask = np.uint32((1 << bits) - 1)
+    one_word = (bits & (bits - 1)) == 0     # a power of two divides 32: no division here
+    acc = cuda.local.array(GROUP_ILP, out.dtype)
+    gix = cuda.local.array(GROUPS, np.int64)
+    cix = cuda.local.array(GROUPS, np.int32)
+    base = cuda.blockIdx.x * GROUP_SPAN + cuda.threadIdx.x
+    while base < groups:
+        group_load(out, acc, base, n, accumulate)
+        ilp_chunks(base, groups, chunk // GROUP, gix, cix, GROUPS)     # once for every row
         for p in range(params.shape[0]):
             fold = accumulate or p > 0
-            for u in range(ILP):
-                value = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, cix[u], p,
-                                 idx[u])
-                acc[u] = add_or_replace(acc[u], value, fold)
-        ilp_store_times(out, acc, base, n, factor)
-        base += cuda.gridDim.x * ILP_SPAN
+            for u in range(GROUPS):
+                mn, scale = _group_params(params, pcol, p, cix[u])
+                field = _group_field(words, wcol, p, gix[u], bits, one_word, last)
+                for j in range(GROUP):
+                    k = u * GROUP + j
+                    value = fma32(_group_code(field, j, bits, mask), scale, mn)
+                    acc[k] = add_or_replace(acc[k], value, fold)
+        group_store_times(out, acc, base, n, factor)
+        base += cuda.gridDim.x * GROUP_SPAN
 
 
 @cuda.jit
-def _decode_rows(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out):
+def _decode_rows(params, pcol, words, wcol, bits, chunk, part, out):
     """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
-    (up to out's end), ILP elements per thread."""
+    (up to out's end), GROUPS groups of GROUP elements per thread and pass."""
     k = cuda.blockIdx.y
     stop = lesser(part, out.size - k * part)
     mine = out[k * part:]
-    vals = cuda.local.array(ILP, out.dtype)
-    idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int32)
-    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
-    while base < stop:
-        ilp_chunks(base, stop, chunk, idx, cix)
-        for u in range(ILP):
-            vals[u] = _decoded(params, pcol, words, wcol, bytes8, bcol, bits, cix[u], k, idx[u])
-        ilp_store(mine, vals, base, stop)
-        base += cuda.gridDim.x * ILP_SPAN
+    groups = (stop + GROUP - 1) // GROUP
+    last = words.shape[1] - 1
+    mask = np.uint32((1 << bits) - 1)
+    one_word = (bits & (bits - 1)) == 0
+    vals = cuda.local.array(GROUP_ILP, out.dtype)
+    gix = cuda.local.array(GROUPS, np.int64)
+    cix = cuda.local.array(GROUPS, np.int32)
+    base = cuda.blockIdx.x * GROUP_SPAN + cuda.threadIdx.x
+    while base < groups:
+        ilp_chunks(base, groups, chunk // GROUP, gix, cix, GROUPS)
+        for u in range(GROUPS):
+            mn, scale = _group_params(params, pcol, k, cix[u])
+            field = _group_field(words, wcol, k, gix[u], bits, one_word, last)
+            for j in range(GROUP):
+                vals[u * GROUP + j] = fma32(_group_code(field, j, bits, mask), scale, mn)
+        group_store(mine, vals, base, stop)
+        base += cuda.gridDim.x * GROUP_SPAN
 
 
 # by whether the codes are bytes
 _ENCODER = {True: ChunkedEncoder(_fused_bytes, _seg_range, _chunk_params, _seg_encode_bytes,
-                                 part_shape=(2,)),
+                                 part_shape=(2,), chunks_per_block=TEAMS),
             False: ChunkedEncoder(_fused, _seg_range, _chunk_params, _seg_encode,
-                                  part_shape=(2,))}
+                                  part_shape=(2,), chunks_per_block=TEAMS)}
 _ROWS = {True: RowEncoder(_fused_rows_bytes, _seg_range_rows, _chunk_params_rows,
-                          _seg_encode_rows_bytes, part_shape=(2,)),
+                          _seg_encode_rows_bytes, part_shape=(2,), chunks_per_block=TEAMS),
          False: RowEncoder(_fused_rows, _seg_range_rows, _chunk_params_rows, _seg_encode_rows,
-                           part_shape=(2,))}
+                           part_shape=(2,), chunks_per_block=TEAMS)}
 
 
 def encode(x, e, fmt, params, words, buf, stream):
@@ -298,9 +331,8 @@ def encode(x, e, fmt, params, words, buf, stream):
 def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
     over out, times ``factor``."""
-    decode_stack(_decode, fmt, stack, col, ("params", "codes"),
-                 (stack, col + fmt.section("codes").offset, fmt.bits, fmt.chunk), out, accumulate,
-                 factor, stream)
+    decode_stack(_decode, fmt, stack, col, ("params", "codes"), (fmt.bits, fmt.chunk), out,
+                 accumulate, factor, stream, per_thread=GROUP_ILP)
 
 
 def encode_rows(x, e, fmt, views, mat, col, stream):
@@ -315,7 +347,6 @@ def encode_rows(x, e, fmt, views, mat, col, stream):
 
 def decode_rows(fmt, mat, col, out, stream):
     """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
-    v = fmt.views2d(mat, col)
-    decode_rows_launch(_decode_rows, fmt, row_sections(v, ("params", "codes")),
-                       (mat, col + fmt.section("codes").offset, fmt.bits, fmt.chunk),
-                       mat.shape[0], out, stream)
+    decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("params", "codes")),
+                       (fmt.bits, fmt.chunk), mat.shape[0], out, stream,
+                       per_block=GROUP_ILP * THREADS)

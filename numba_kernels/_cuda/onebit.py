@@ -138,7 +138,7 @@ def _decode(scales, scol, words, wcol, chunk, out, accumulate, factor):
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
         ilp_load(out, acc, base, n, accumulate)
-        ilp_chunks(base, n, chunk, idx, cix)     # once for every row
+        ilp_chunks(base, n, chunk, idx, cix, ILP)     # once for every row
         for p in range(scales.shape[0]):
             fold = accumulate or p > 0
             for u in range(ILP):
@@ -160,7 +160,7 @@ def _decode_rows(scales, scol, words, wcol, chunk, part, out):
     cix = cuda.local.array(ILP, np.int32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
-        ilp_chunks(base, stop, chunk, idx, cix)
+        ilp_chunks(base, stop, chunk, idx, cix, ILP)
         for u in range(ILP):
             vals[u] = _decoded(scales, scol, words, wcol, cix[u], k, idx[u])
         ilp_store(mine, vals, base, stop)

@@ -141,7 +141,7 @@ def _decode(norms, ncol, codes, ccol, levels, chunk, out, accumulate, factor):
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < n:
         ilp_load(out, acc, base, n, accumulate)
-        ilp_chunks(base, n, chunk, idx, cix)     # once for every row
+        ilp_chunks(base, n, chunk, idx, cix, ILP)     # once for every row
         for p in range(norms.shape[0]):
             fold = accumulate or p > 0
             _steps(norms, ncol, levels, p, cix, steps)
@@ -165,7 +165,7 @@ def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
     steps = cuda.local.array(ILP, np.float32)
     base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
     while base < stop:
-        ilp_chunks(base, stop, chunk, idx, cix)
+        ilp_chunks(base, stop, chunk, idx, cix, ILP)
         _steps(norms, ncol, levels, k, cix, steps)
         for u in range(ILP):
             vals[u] = _decoded(codes, ccol, steps[u], k, idx[u])

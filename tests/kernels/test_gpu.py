@@ -42,11 +42,14 @@ def test_casts(dc):
 
 @needs_gpu
 def test_minmax(dc):
-    # 1, 2 and 4 bits: words from lane groups (warp shuffles); 3: the shared row; 8: bytes
+    # 1, 2 and 4 bits: words from lane groups (warp shuffles); 3: the warp's shared words;
+    # 8: bytes; a warp per chunk up to SEGMENT (4096) elements, several chunks a block
     dc.check_minmax([(n, bits, chunk, dt, res) for n in (1, 33, 1025, BIG)
                      for bits in (1, 2, 3, 4, 8)
                      for chunk in (32, 1024) for dt in (F32, F64) for res in (False, True)])
-    dc.check_minmax([(BIG, 8, 1 << 20, F32, True), (BIG, 4, 8192, F64, True)])
+    dc.check_minmax([(BIG, 8, 1 << 20, F32, True), (BIG, 4, 8192, F64, True),
+                     (BIG, 8, 4096, F32, False), (BIG, 5, 4096, F32, True),
+                     (BIG, 7, 2048, F64, True), (BIG, 6, 96, F32, False)])
     dc.check_signed_zero_minimum()
 
 
