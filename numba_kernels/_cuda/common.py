@@ -141,12 +141,15 @@ else:
         return v
 
 
-def specialized(name):
+def specialized(name, module=None):
     """``cuda.jit`` for a kernel that a factory builds once per compile-time constant, under
-    ``name``: the name its module binds it to, by which the simulator suite's launch record
-    and the PTX compile find it (each build would otherwise carry the factory's name)."""
+    ``name`` (and ``module``, for a factory shared by several modules): where its module binds
+    it, by which the simulator suite's launch record and the PTX compile find it (each build
+    would otherwise carry the factory's name)."""
     def jit(fn):
         fn.__name__ = fn.__qualname__ = name
+        if module is not None:
+            fn.__module__ = module
         return cuda.jit(fn)
     return jit
 

@@ -12,19 +12,17 @@ import math
 import numpy as np
 from numba import cuda
 
-from .._bits import extract_py
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import SEGMENT
-from .common import (add_or_replace, at, block_range, fma32, greater, group_load, group_store,
-                     group_store_times, ilp_chunks, lane_group_or, lesser, load_c, segment,
+from .common import (at, block_range, fma32, greater, lane_group_or, lesser, load_c, segment,
                      specialized, team_range, team_sync, tree_range, zero_tail)
-from .geometry import GROUP, GROUP_ILP, GROUP_SPAN, GROUPS, TEAM, TEAMS, THREADS
+from .geometry import TEAM, TEAMS, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
+from .word_decode import PER_BLOCK, PER_THREAD, word_decoders
 
 minmax_params = cuda.jit(device=True)(minmax_params_py)
 minmax_inverse = cuda.jit(device=True)(minmax_inverse_py)
-extract = cuda.jit(device=True)(extract_py)
 
 
 @cuda.jit(device=True)
@@ -229,85 +227,17 @@ _fused, _fused_rows, _seg_encode, _seg_encode_rows = _encoding_kernels(False, ""
 
 
 @cuda.jit(device=True)
-def _group_field(words, wcol, p, g, bits, one_word, last):
-    """The GROUP codes of element group g of row p as one integer, code j at bit j * bits.
-    At 1, 2, 4 or 8 bits (``one_word``) they lie in one word; at 3, 5, 6 or 7 the next word
-    (at an index kept inside the row, ``last``) is read too, whether they spill into it or
-    not, so no load waits on a branch."""
-    pos = g * (GROUP * bits)
-    w = wcol + (pos >> 5)
-    if one_word:
-        return np.uint32(words[at(p), at(w)] >> np.uint32(pos & 31))
-    w1 = words[at(p), at(lesser(w + 1, last))]
-    return extract(words[at(p), at(w)], w1, pos & 31, GROUP * bits)
-
-
-@cuda.jit(device=True)
-def _group_code(field, j, bits, mask):
-    """Code j of a group's field, as float32 (a 32-bit conversion: a 64-bit one is slower)."""
-    return np.float32(np.uint32((field >> np.uint32(j * bits)) & mask))
-
-
-@cuda.jit(device=True)
-def _group_params(params, pcol, p, ci):
+def _chunk_params_of(params, pcol, p, ci):
     """(mn, scale) of chunk ci of row p."""
     return params[at(p), at(pcol + 2 * ci)], params[at(p), at(pcol + 2 * ci + 1)]
 
 
-@cuda.jit
-def _decode(params, pcol, words, wcol, bits, chunk, out, accumulate, factor):
-    """Every row decoded and summed into out in row order, times ``factor``.  Each thread
-    takes GROUPS groups of GROUP consecutive elements per pass: one word load brings a
-    group's codes, one pair of parameter loads its chunk's."""
-    n = out.size
-    groups = (n + GROUP - 1) // GROUP
-    last = words.shape[1] - 1
-    mask = np.uint32((1 << bits) - 1)
-    one_word = (bits & (bits - 1)) == 0     # a power of two divides 32: no division here
-    acc = cuda.local.array(GROUP_ILP, out.dtype)
-    gix = cuda.local.array(GROUPS, np.int64)
-    cix = cuda.local.array(GROUPS, np.int32)
-    base = cuda.blockIdx.x * GROUP_SPAN + cuda.threadIdx.x
-    while base < groups:
-        group_load(out, acc, base, n, accumulate)
-        ilp_chunks(base, groups, chunk // GROUP, gix, cix, GROUPS)     # once for every row
-        for p in range(params.shape[0]):
-            fold = accumulate or p > 0
-            for u in range(GROUPS):
-                mn, scale = _group_params(params, pcol, p, cix[u])
-                field = _group_field(words, wcol, p, gix[u], bits, one_word, last)
-                for j in range(GROUP):
-                    k = u * GROUP + j
-                    value = fma32(_group_code(field, j, bits, mask), scale, mn)
-                    acc[k] = add_or_replace(acc[k], value, fold)
-        group_store_times(out, acc, base, n, factor)
-        base += cuda.gridDim.x * GROUP_SPAN
+@cuda.jit(device=True)
+def _code_value(q, mn, scale):
+    return fma32(np.float32(q), scale, mn)
 
 
-@cuda.jit
-def _decode_rows(params, pcol, words, wcol, bits, chunk, part, out):
-    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
-    (up to out's end), GROUPS groups of GROUP elements per thread and pass."""
-    k = cuda.blockIdx.y
-    stop = lesser(part, out.size - k * part)
-    mine = out[k * part:]
-    groups = (stop + GROUP - 1) // GROUP
-    last = words.shape[1] - 1
-    mask = np.uint32((1 << bits) - 1)
-    one_word = (bits & (bits - 1)) == 0
-    vals = cuda.local.array(GROUP_ILP, out.dtype)
-    gix = cuda.local.array(GROUPS, np.int64)
-    cix = cuda.local.array(GROUPS, np.int32)
-    base = cuda.blockIdx.x * GROUP_SPAN + cuda.threadIdx.x
-    while base < groups:
-        ilp_chunks(base, groups, chunk // GROUP, gix, cix, GROUPS)
-        for u in range(GROUPS):
-            mn, scale = _group_params(params, pcol, k, cix[u])
-            field = _group_field(words, wcol, k, gix[u], bits, one_word, last)
-            for j in range(GROUP):
-                vals[u * GROUP + j] = fma32(_group_code(field, j, bits, mask), scale, mn)
-        group_store(mine, vals, base, stop)
-        base += cuda.gridDim.x * GROUP_SPAN
+_decode, _decode_rows = word_decoders(_chunk_params_of, _code_value, __name__)
 
 
 # by whether the codes are bytes
@@ -332,7 +262,7 @@ def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
     over out, times ``factor``."""
     decode_stack(_decode, fmt, stack, col, ("params", "codes"), (fmt.bits, fmt.chunk), out,
-                 accumulate, factor, stream, per_thread=GROUP_ILP)
+                 accumulate, factor, stream, per_thread=PER_THREAD)
 
 
 def encode_rows(x, e, fmt, views, mat, col, stream):
@@ -348,5 +278,4 @@ def encode_rows(x, e, fmt, views, mat, col, stream):
 def decode_rows(fmt, mat, col, out, stream):
     """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
     decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("params", "codes")),
-                       (fmt.bits, fmt.chunk), mat.shape[0], out, stream,
-                       per_block=GROUP_ILP * THREADS)
+                       (fmt.bits, fmt.chunk), mat.shape[0], out, stream, per_block=PER_BLOCK)

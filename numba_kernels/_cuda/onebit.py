@@ -4,12 +4,12 @@ from numba import cuda
 
 from .._chunk_rules import onebit_scale_py
 from .._scalar import LANES, SEGMENT
-from .common import (add_or_replace, at, ballot32, block_lane_combine, block_lane_sum, ilp_chunks,
-                     ilp_load, ilp_store, ilp_store_times, lesser, load_c, seg_sums, seg_sums_rows,
-                     segment, zero_tail)
-from .geometry import ILP, ILP_SPAN, NL, THREADS
+from .common import (at, ballot32, block_lane_combine, block_lane_sum, lesser, load_c, seg_sums,
+                     seg_sums_rows, segment, zero_tail)
+from .geometry import NL, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
+from .word_decode import PER_BLOCK, PER_THREAD, word_decoders
 
 onebit_scale = cuda.jit(device=True)(onebit_scale_py)
 
@@ -119,52 +119,18 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, square, scales, scol, word
 
 
 @cuda.jit(device=True)
-def _decoded(scales, scol, words, wcol, ci, p, i):
-    """x_hat of element i (in chunk ci) of row p."""
-    xh = scales[at(p), at(scol + ci)]
-    if (words[at(p), at(wcol + (i >> 5))] >> np.uint32(i & 31)) & np.uint32(1):
-        xh = -xh
-    return xh
+def _chunk_scale(scales, scol, p, ci):
+    """(scale, unused) of chunk ci of row p."""
+    return scales[at(p), at(scol + ci)], np.float32(0.0)
 
 
-@cuda.jit
-def _decode(scales, scol, words, wcol, chunk, out, accumulate, factor):
-    """Every row decoded and summed into out in row order, times ``factor``, ILP elements
-    per thread."""
-    n = out.size
-    acc = cuda.local.array(ILP, out.dtype)
-    idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int32)
-    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
-    while base < n:
-        ilp_load(out, acc, base, n, accumulate)
-        ilp_chunks(base, n, chunk, idx, cix, ILP)     # once for every row
-        for p in range(scales.shape[0]):
-            fold = accumulate or p > 0
-            for u in range(ILP):
-                value = _decoded(scales, scol, words, wcol, cix[u], p, idx[u])
-                acc[u] = add_or_replace(acc[u], value, fold)
-        ilp_store_times(out, acc, base, n, factor)
-        base += cuda.gridDim.x * ILP_SPAN
+@cuda.jit(device=True)
+def _code_value(bit, scale, unused):
+    """A set sign bit decodes to -scale, a clear one to scale."""
+    return -scale if bit else scale
 
 
-@cuda.jit
-def _decode_rows(scales, scol, words, wcol, chunk, part, out):
-    """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element i
-    (up to out's end), ILP elements per thread."""
-    k = cuda.blockIdx.y
-    stop = lesser(part, out.size - k * part)
-    mine = out[k * part:]
-    vals = cuda.local.array(ILP, out.dtype)
-    idx = cuda.local.array(ILP, np.int64)
-    cix = cuda.local.array(ILP, np.int32)
-    base = cuda.blockIdx.x * ILP_SPAN + cuda.threadIdx.x
-    while base < stop:
-        ilp_chunks(base, stop, chunk, idx, cix, ILP)
-        for u in range(ILP):
-            vals[u] = _decoded(scales, scol, words, wcol, cix[u], k, idx[u])
-        ilp_store(mine, vals, base, stop)
-        base += cuda.gridDim.x * ILP_SPAN
+_decode, _decode_rows = word_decoders(_chunk_scale, _code_value, __name__)
 
 
 _ENCODER = ChunkedEncoder(_fused, seg_sums, _chunk_scales, _seg_encode)
@@ -180,8 +146,8 @@ def encode(x, e, fmt, square, scales, words, buf, stream):
 def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
     over out, times ``factor``."""
-    decode_stack(_decode, fmt, stack, col, ("scales", "signs"), (fmt.chunk,), out, accumulate,
-                 factor, stream)
+    decode_stack(_decode, fmt, stack, col, ("scales", "signs"), (1, fmt.chunk), out, accumulate,
+                 factor, stream, per_thread=PER_THREAD)
 
 
 def encode_rows(x, e, fmt, square, views, mat, col, stream):
@@ -196,4 +162,4 @@ def encode_rows(x, e, fmt, square, views, mat, col, stream):
 def decode_rows(fmt, mat, col, out, stream):
     """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
     decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("scales", "signs")),
-                       (fmt.chunk,), mat.shape[0], out, stream)
+                       (1, fmt.chunk), mat.shape[0], out, stream, per_block=PER_BLOCK)

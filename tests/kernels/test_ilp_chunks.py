@@ -5,8 +5,8 @@ Under the CUDA simulator blocks have 32 threads and no chunk is shorter than 32,
 group of elements (a block's width apart) never crosses more than one chunk boundary between
 two elements there; on a GPU (256 threads) a chunk of 32-255 elements is crossed several times.
 This test checks that case against integer division, without a GPU or the simulator, for the
-ILP elements of the element decoders and the GROUPS groups of the min-max decoders (which pass
-chunks counted in groups).
+ILP elements of the element decoders and the GROUPS groups of the word decoders (min-max and
+1-bit, which pass chunks counted in groups).
 """
 import types
 
