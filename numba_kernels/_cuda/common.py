@@ -188,9 +188,10 @@ def ilp_index(base, u, n):
 @cuda.jit(device=True)
 def ilp_chunks(base, n, chunk, idx, cix, count):
     """idx[u] = ilp_index(base, u, n) and cix[u] = idx[u] // chunk for u < count (ILP, or
-    GROUPS for the group decoders), with one division: the indices rise with u, so each chunk
-    index follows from the one before by stepping over chunk boundaries.  (A 64-bit division is a long instruction sequence on the
-    device; taken per element and row it made the stack decoders compute-bound.)  The
+    GROUPS for the word decoders' groups), with one division: the indices rise with u, so each
+    chunk index follows from the one before by stepping over chunk boundaries.  (A 64-bit
+    division is a long instruction sequence on the device; taken per element and row it made
+    the stack decoders compute-bound.)  The
     decoders keep cix in int32, which fits any chunk index of an array under 2**31 chunks and
     saves the 1-bit decoder 8 registers."""
     c = ilp_index(base, 0, n) // chunk

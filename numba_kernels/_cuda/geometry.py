@@ -18,8 +18,8 @@ NL = LANES // THREADS          # lanes per thread
 # still combine several warps' results, as a GPU's 256-thread blocks do.
 WARP = 8 if SIM else 32
 # The min-max encoder gives each chunk a team of TEAM threads instead of a block: a warp on a
-# GPU, which finds the chunk's range by shuffles alone, with no barrier and no shared memory
-# (the whole 32-thread block under the simulator, which has no shuffles).  TEAMS per block.
+# GPU, which finds the chunk's range by shuffles alone, with no block barrier (the whole
+# 32-thread block under the simulator, which has no shuffles).  TEAMS per block.
 TEAM = 32
 TEAMS = THREADS // TEAM
 ITEMS = 16                     # elements per thread in tiled (selection) kernels
@@ -29,9 +29,10 @@ TILE = THREADS * ITEMS
 # too few bytes in flight to cover the memory latency.
 ILP = 4
 ILP_SPAN = THREADS * ILP       # elements a block covers per pass
-# The min-max decoders take elements in groups of GROUP consecutive ones, GROUPS groups a
-# thread per pass: a group's codes come in one word load, where one element's took a load of
-# their own.  (4 groups a thread needed 72 registers.)
+# The min-max and 1-bit decoders (``word_decode``) take elements in groups of GROUP
+# consecutive ones, GROUPS groups a thread per pass: a group's codes come in one word load,
+# where one element's took a load of their own.  (Four groups a thread took 64 registers, 80 on
+# float64 data; two take 40 and 48.)
 GROUP = 4
 GROUPS = 2
 GROUP_ILP = GROUP * GROUPS     # elements a thread takes per pass

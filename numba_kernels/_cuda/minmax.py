@@ -2,7 +2,7 @@
 
 A chunk of at most SEGMENT elements is handled by one team of TEAM threads (a
 warp) in one kernel: the team finds the chunk's range by shuffles, then encodes
-it (the second read of x and e hits the cache, so DRAM sees one read), with no
+it (the second read of x and e hits the caches, so DRAM sees one read), with no
 block barrier, so a block's teams work on their chunks independently.  Longer
 chunks take three kernels: per-segment ranges, per-chunk parameters,
 per-segment encoding.
@@ -85,8 +85,9 @@ def _team_chunk(x, e, has_res, size, chunk, bits, params, words, boff, buf):
     ``team_range``, its parameters (every lane computes them; lane 0 stores them), its rows."""
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
-    sw = cuda.shared.array(THREADS, np.uint32)   # THREADS >= TEAMS * 8: the simulator's
-    ci = cuda.blockIdx.x * TEAMS + cuda.threadIdx.x // TEAM   # lane_group_or needs THREADS
+    # the teams' words (TEAMS * 8 <= THREADS), and the simulator's lane_group_or scratch
+    sw = cuda.shared.array(THREADS, np.uint32)
+    ci = cuda.blockIdx.x * TEAMS + cuda.threadIdx.x // TEAM
     s = ci * chunk
     if s >= size:
         return
