@@ -228,7 +228,7 @@ _fused, _fused_rows, _seg_encode, _seg_encode_rows = _encoding_kernels(False, ""
 
 
 @cuda.jit(device=True)
-def _chunk_params_of(params, pcol, p, ci):
+def _chunk_params_of(params, pcol, p, ci, unused):
     """(mn, scale) of chunk ci of row p."""
     return params[at(p), at(pcol + 2 * ci)], params[at(p), at(pcol + 2 * ci + 1)]
 
@@ -262,7 +262,7 @@ def encode(x, e, fmt, params, words, buf, stream):
 def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
     over out, times ``factor``."""
-    decode_stack(_decode, fmt, stack, col, ("params", "codes"), (fmt.bits, fmt.chunk), out,
+    decode_stack(_decode, fmt, stack, col, ("params", "codes"), (fmt.bits, fmt.chunk, 0), out,
                  accumulate, factor, stream, per_thread=PER_THREAD)
 
 
@@ -279,4 +279,4 @@ def encode_rows(x, e, fmt, views, mat, col, stream):
 def decode_rows(fmt, mat, col, out, stream):
     """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
     decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("params", "codes")),
-                       (fmt.bits, fmt.chunk), mat.shape[0], out, stream, per_block=PER_BLOCK)
+                       (fmt.bits, fmt.chunk, 0), mat.shape[0], out, stream, per_block=PER_BLOCK)

@@ -119,7 +119,7 @@ def _seg_encode_rows(x, e, has_res, part, chunk, spc, square, scales, scol, word
 
 
 @cuda.jit(device=True)
-def _chunk_scale(scales, scol, p, ci):
+def _chunk_scale(scales, scol, p, ci, unused):
     """(scale, unused) of chunk ci of row p."""
     return scales[at(p), at(scol + ci)], np.float32(0.0)
 
@@ -146,8 +146,8 @@ def encode(x, e, fmt, square, scales, words, buf, stream):
 def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
     over out, times ``factor``."""
-    decode_stack(_decode, fmt, stack, col, ("scales", "signs"), (1, fmt.chunk), out, accumulate,
-                 factor, stream, per_thread=PER_THREAD)
+    decode_stack(_decode, fmt, stack, col, ("scales", "signs"), (1, fmt.chunk, 0), out,
+                 accumulate, factor, stream, per_thread=PER_THREAD)
 
 
 def encode_rows(x, e, fmt, square, views, mat, col, stream):
@@ -162,4 +162,4 @@ def encode_rows(x, e, fmt, square, views, mat, col, stream):
 def decode_rows(fmt, mat, col, out, stream):
     """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
     decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("scales", "signs")),
-                       (1, fmt.chunk), mat.shape[0], out, stream, per_block=PER_BLOCK)
+                       (1, fmt.chunk, 0), mat.shape[0], out, stream, per_block=PER_BLOCK)

@@ -7,9 +7,10 @@ from .._scalar import LANES, SEGMENT
 from .common import (add_or_replace, at, block_lane_combine, block_lane_sum, block_row_key,
                      ilp_chunks, ilp_load, ilp_store, ilp_store_times, lesser, load_c, mul32,
                      seg_sums, seg_sums_rows, segment, uniform24, zero_tail)
-from .geometry import ILP, ILP_SPAN, THREADS
+from .geometry import GROUP, ILP, ILP_SPAN, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
 from .launch import decode_rows as decode_rows_launch
+from .word_decode import PER_BLOCK, PER_THREAD, word_decoders
 
 qsgd_level = cuda.jit(device=True)(qsgd_level_py)
 qsgd_norm = cuda.jit(device=True)(qsgd_norm_py)
@@ -173,6 +174,29 @@ def _decode_rows(norms, ncol, codes, ccol, levels, chunk, part, out):
         base += cuda.gridDim.x * ILP_SPAN
 
 
+@cuda.jit(device=True)
+def _chunk_step(norms, ncol, p, ci, levels):
+    """(step, unused) of chunk ci of row p: its norm / levels, as ``_steps`` divides."""
+    return norms[at(p), at(ncol + ci)] / np.float32(levels), np.float32(0.0)
+
+
+@cuda.jit(device=True)
+def _code_value(q, step, unused):
+    """The int8 code whose byte is q, times its chunk's step."""
+    return mul32(np.float32(np.int8(q)), step)
+
+
+# Where a chunk is a multiple of GROUP elements (the default 1024 is), the word decoders: one
+# word load brings four codes; otherwise a group could straddle two chunks, and the element
+# decoders above run.
+_decode_words, _decode_rows_words = word_decoders(_chunk_step, _code_value, __name__, "_words")
+
+
+def _code_words(fmt, stack, col):
+    """The codes section as uint32 words: (view of the stack's rows, its first column)."""
+    return stack.view(np.uint32), (col + fmt.section("codes").offset) // 4
+
+
 _ENCODER = ChunkedEncoder(_fused, seg_sums, _chunk_norms, _seg_encode)
 _ROWS = RowEncoder(_fused_rows, seg_sums_rows, _chunk_norms_rows, _seg_encode_rows)
 
@@ -186,8 +210,13 @@ def encode(x, e, fmt, key, norms, codes, buf, stream):
 def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
     over out, times ``factor``."""
-    decode_stack(_decode, fmt, stack, col, ("norms", "codes"), (fmt.levels, fmt.chunk), out,
-                 accumulate, factor, stream)
+    if fmt.chunk % GROUP:
+        decode_stack(_decode, fmt, stack, col, ("norms", "codes"), (fmt.levels, fmt.chunk), out,
+                     accumulate, factor, stream)
+        return
+    decode_stack(_decode_words, fmt, stack, col, ("norms",),
+                 (*_code_words(fmt, stack, col), 8, fmt.chunk, fmt.levels), out, accumulate,
+                 factor, stream, per_thread=PER_THREAD)
 
 
 def encode_rows(x, e, fmt, prefix, phase, views, mat, col, stream):
@@ -202,5 +231,11 @@ def encode_rows(x, e, fmt, prefix, phase, views, mat, col, stream):
 
 def decode_rows(fmt, mat, col, out, stream):
     """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
-    decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("norms", "codes")),
-                       (fmt.levels, fmt.chunk), mat.shape[0], out, stream)
+    views = fmt.views2d(mat, col)
+    if fmt.chunk % GROUP:
+        decode_rows_launch(_decode_rows, fmt, row_sections(views, ("norms", "codes")),
+                           (fmt.levels, fmt.chunk), mat.shape[0], out, stream)
+        return
+    decode_rows_launch(_decode_rows_words, fmt, row_sections(views, ("norms",)),
+                       (*_code_words(fmt, mat, col), 8, fmt.chunk, fmt.levels), mat.shape[0],
+                       out, stream, per_block=PER_BLOCK)

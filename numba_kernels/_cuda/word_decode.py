@@ -1,12 +1,14 @@
 """Stack and row decoders for the formats whose codes pack densely into uint32 words and whose
-chunks are multiples of 32 elements: min-max (1 to 8 bits) and 1-bit.
+chunks are multiples of GROUP elements: min-max (1 to 8 bits) and 1-bit (chunks of 32k), and
+QSGD (8-bit codes) where its chunk is a multiple of GROUP.
 
 Each thread takes groups of GROUP consecutive elements, GROUPS groups per pass.  A group lies
 in one chunk and its codes in one word (in two at 3, 5, 6 or 7 bits), so one word load and one
 load of the chunk's parameters serve GROUP elements, where an element at a time took a load of
-each per element.  A format supplies two device functions: ``chunk_params(params, pcol, p,
-ci)``, the (a, b) of chunk ci of row p from its float32 parameter section, and
-``code_value(q, a, b)``, the float32 of an element whose code is q.  ``word_decoders`` compiles
+each per element.  A format supplies two device functions: ``chunk_params(params, pcol, p, ci,
+arg)``, the (a, b) of chunk ci of row p from its float32 parameter section (``arg``: a value of
+the format's, passed to the kernel, such as QSGD's levels), and ``code_value(q, a, b)``, the
+float32 of an element whose code is q.  ``word_decoders`` compiles
 the pair of kernels for them, named in the format's module (the simulator suite's launch record
 and the PTX compile find a kernel by module and name).
 """
@@ -41,13 +43,13 @@ def group_code(field, j, bits, mask):
     return np.uint32((field >> np.uint32(j * bits)) & mask)
 
 
-def word_decoders(chunk_params, code_value, module):
+def word_decoders(chunk_params, code_value, module, suffix=""):
     """(stack decoder, row decoder) of a format (see the module docstring), as kernels named
-    ``_decode`` and ``_decode_rows`` of ``module``.  Launch them with ``launch.decode_stack``
+    ``_decode`` and ``_decode_rows`` (+ ``suffix``) of ``module``.  Launch them with ``launch.decode_stack``
     (``per_thread=PER_THREAD``) and ``launch.decode_rows`` (``per_block=PER_BLOCK``)."""
 
-    @specialized("_decode", module)
-    def decode(params, pcol, words, wcol, bits, chunk, out, accumulate, factor):
+    @specialized(f"_decode{suffix}", module)
+    def decode(params, pcol, words, wcol, bits, chunk, arg, out, accumulate, factor):
         """Every row decoded and summed into out in row order, times ``factor``."""
         n = out.size
         groups = (n + GROUP - 1) // GROUP
@@ -64,7 +66,7 @@ def word_decoders(chunk_params, code_value, module):
             for p in range(params.shape[0]):
                 fold = accumulate or p > 0
                 for u in range(GROUPS):
-                    a, b = chunk_params(params, pcol, p, cix[u])
+                    a, b = chunk_params(params, pcol, p, cix[u], arg)
                     field = group_field(words, wcol, p, gix[u], bits, one_word, last)
                     for j in range(GROUP):
                         k = u * GROUP + j
@@ -73,8 +75,8 @@ def word_decoders(chunk_params, code_value, module):
             group_store_times(out, acc, base, n, factor)
             base += cuda.gridDim.x * GROUP_SPAN
 
-    @specialized("_decode_rows", module)
-    def decode_rows(params, pcol, words, wcol, bits, chunk, part, out):
+    @specialized(f"_decode_rows{suffix}", module)
+    def decode_rows(params, pcol, words, wcol, bits, chunk, arg, part, out):
         """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element
         i (up to out's end)."""
         k = cuda.blockIdx.y
@@ -91,7 +93,7 @@ def word_decoders(chunk_params, code_value, module):
         while base < groups:
             ilp_chunks(base, groups, chunk // GROUP, gix, cix, GROUPS)
             for u in range(GROUPS):
-                a, b = chunk_params(params, pcol, k, cix[u])
+                a, b = chunk_params(params, pcol, k, cix[u], arg)
                 field = group_field(words, wcol, k, gix[u], bits, one_word, last)
                 for j in range(GROUP):
                     vals[u * GROUP + j] = code_value(group_code(field, j, bits, mask), a, b)

@@ -84,7 +84,8 @@ def test_minmax_long_chunks():
 def test_qsgd():
     dc.check_qsgd([(1, 127, 32, F32, True), (33, 127, 32, F32, False), (1025, 127, 256, F32, True)],
                   many=False)
-    dc.check_qsgd([(300, 5, 100, F64, True)])
+    # chunks of a multiple of 4 decode by words of four codes; others element by element
+    dc.check_qsgd([(300, 5, 100, F64, True), (45, 3, 7, F32, True)])
 
 
 def test_qsgd_long_chunks():
@@ -117,7 +118,8 @@ def test_row_forms_equal_the_per_partition_calls():
     dc.check_rows(ROW_CASES)
     dc.check_rows([("minmax", {"bits": 3, "chunk": 96}, 3, 200, True),
                    ("onebit", {"chunk": 32, "scale": "mean_abs"}, 2, 45, False),
-                   ("qsgd", {"levels": 5, "chunk": 40}, 2, 1, True)])
+                   ("qsgd", {"levels": 5, "chunk": 40}, 2, 1, True),
+                   ("qsgd", {"levels": 9, "chunk": 30}, 2, 45, True)])
     dc.check_rows([("minmax", {"bits": 8, "chunk": 32}, 2, 45, True),
                    ("qsgd", {"levels": 127, "chunk": 32}, 2, 45, False),
                    ("onebit", {"chunk": 32, "scale": "l2"}, 2, 45, True)], dtype=F64)

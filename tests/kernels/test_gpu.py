@@ -56,7 +56,7 @@ def test_minmax(dc):
 @needs_gpu
 def test_qsgd(dc):
     dc.check_qsgd([(n, levels, chunk, dt, True) for n in (1, 1025, BIG) for levels in (1, 127)
-                   for chunk in (100, 1024, 1 << 20) for dt in (F32, F64)])
+                   for chunk in (100, 1023, 1024, 1 << 20) for dt in (F32, F64)])
 
 
 @needs_gpu
