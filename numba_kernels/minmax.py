@@ -197,7 +197,7 @@ def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None)
     ``residual`` (same dtype and size as x, updated in place) the payload
     encodes c = x + residual and residual becomes c - decompress(payload).
     Example: ``p = compress_minmax(g, bits=4, residual=e); decompress(p, out=g)``.
-    Device launches: 1 (a block per chunk finds its range and encodes it, block 0
+    Device launches: 1 (a warp per chunk finds its range and encodes it, block 0
     zeroing the padding); 3 when chunk > 4096 (segment ranges, chunk parameters,
     segment encoding); none for an empty tensor.
     """
