@@ -4,13 +4,13 @@ QSGD (8-bit codes) where its chunk is a multiple of GROUP.
 
 Each thread takes groups of GROUP consecutive elements, GROUPS groups per pass.  A group lies
 in one chunk and its codes in one word (in two at 3, 5, 6 or 7 bits), so one word load and one
-load of the chunk's parameters serve GROUP elements, where an element at a time took a load of
+load of the chunk's parameters serve GROUP elements, where an element at a time took one of
 each per element.  A format supplies two device functions: ``chunk_params(params, pcol, p, ci,
 arg)``, the (a, b) of chunk ci of row p from its float32 parameter section (``arg``: a value of
 the format's, passed to the kernel, such as QSGD's levels), and ``code_value(q, a, b)``, the
-float32 of an element whose code is q.  ``word_decoders`` compiles
-the pair of kernels for them, named in the format's module (the simulator suite's launch record
-and the PTX compile find a kernel by module and name).
+float32 of an element whose code is q.  ``word_decoders`` compiles the pair of kernels for
+them, named in the format's module (the simulator suite's launch record and the PTX compile
+find a kernel by module and name).
 """
 import numpy as np
 from numba import cuda
