@@ -91,6 +91,53 @@ def check_casts(cases, many=True):
             check_decode_many(ph)
 
 
+def half_codes(every=False):
+    """binary16/bfloat16 bit patterns: all 65536, or (``every=False``) both signs of every
+    exponent with eight mantissas each (infinities and NaNs with payloads among them) and every
+    subnormal and zero."""
+    if every:
+        return np.arange(1 << 16, dtype=np.uint16)
+    mant = np.array([0, 1, 2, 0x155, 0x200, 0x2AA, 0x3FE, 0x3FF], np.uint16)
+    normal = (np.arange(64, dtype=np.uint16)[:, None] << 10) | mant
+    sub = np.arange(1 << 10, dtype=np.uint16)
+    return np.concatenate([normal.ravel(), sub, sub | 0x8000]).astype(np.uint16)
+
+
+def _same_bits(host, dev, what):
+    """Bitwise equal where the host has a number; a NaN where it has a NaN (a GPU's arithmetic
+    returns one canonical NaN, x86 keeps the payload)."""
+    got = dev.copy_to_host()
+    nan = np.isnan(host)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{what}: NaN positions")
+    bits = np.uint32 if host.dtype == np.float32 else np.uint64
+    np.testing.assert_array_equal(got[~nan].view(bits), host[~nan].view(bits), err_msg=what)
+
+
+def check_cast_codes(every=False):
+    """Every sign, exponent class and subnormal of both 16-bit kinds decodes on the device to
+    the CPU twin's bits, into float32 and float64, a row alone and two rows summed; the host's
+    fp16 decode is NumPy's float16 conversion, bit for bit."""
+    codes = half_codes(every)
+    for kind in ("fp16", "bf16"):
+        fmt = nk.CastFormat(codes.size, kind)
+        rows = np.zeros((2, fmt.nbytes), np.uint8)
+        rows[0, :fmt.used_nbytes] = codes.view(np.uint8)
+        rows[1, :fmt.used_nbytes] = codes[::-1].copy().view(np.uint8)
+        if kind == "fp16":
+            one = nk.decompress_many(rows[:1], fmt)
+            oracle = codes.view(np.float16).astype(np.float32)
+            nan = np.isnan(oracle)
+            assert (np.isnan(one) == nan).all()
+            np.testing.assert_array_equal(one[~nan].view(np.uint32), oracle[~nan].view(np.uint32))
+        for dtype in (np.float32, np.float64):
+            for stack in (rows[:1], rows):
+                host = np.empty(codes.size, dtype)
+                nk.decompress_many(stack, fmt, out=host)
+                dev = cuda.device_array(codes.size, dtype)
+                nk.decompress_many(cuda.to_device(stack), fmt, out=dev)
+                _same_bits(host, dev, f"{kind} codes, {len(stack)} rows, {np.dtype(dtype)}")
+
+
 def check_minmax(cases, many=True):
     for n, bits, chunk, dtype, res in cases:
         ph, _ = _both(lambda x, e: nk.compress_minmax(x, bits, chunk, residual=e),

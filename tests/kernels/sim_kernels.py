@@ -65,7 +65,8 @@ def record_launches():
 def test_casts():
     dc.check_casts([(0, "fp16", F32), (1, "fp16", F32), (1025, "fp16", F64), (300, "bf16", F64)],
                    many=False)
-    dc.check_casts([(33, "bf16", F32)])
+    dc.check_casts([(33, "bf16", F32), (1027, "fp16", F32)])
+    dc.check_cast_codes()
 
 
 def test_minmax():

@@ -38,6 +38,7 @@ def dc():
 def test_casts(dc):
     dc.check_casts([(n, kind, dt) for n in (0, 1, 33, 1025, BIG) for kind in ("fp16", "bf16")
                     for dt in (F32, F64)])
+    dc.check_cast_codes(every=True)
 
 
 @needs_gpu
