@@ -78,9 +78,11 @@ def main():
     bench = os.path.join(res, "kernels_gpu.md")
     out += ["", "## Kernels at 1e8 elements", ""]
     out += [open(bench).read() if os.path.exists(bench) else "(did not finish)"]
-    log = os.path.join(res, "pytest_gpu.log")
-    tail = open(log).read().splitlines()[-12:] if os.path.exists(log) else ["(no log)"]
-    out += ["", "## pytest -m gpu (tail)", "", "```", *tail, "```"]
+    for name, what in (("pytest_gpu_kernels.log", "tests/kernels"),
+                       ("pytest_gpu.log", "the other tests")):
+        log = os.path.join(res, name)
+        tail = open(log).read().splitlines()[-12:] if os.path.exists(log) else ["(no log)"]
+        out += ["", f"## pytest -m gpu, {what} (tail)", "", "```", *tail, "```"]
     steps = os.path.join(res, "steps.log")
     if os.path.exists(steps):   # run.sh's notes: when each step started, what it skipped
         out += ["", "## Steps", "", "```", *open(steps).read().splitlines(), "```"]
