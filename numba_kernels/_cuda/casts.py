@@ -9,7 +9,7 @@ from numba import cuda
 
 from .._half_bits import bf16_from_f32bits_py, half_from_f32bits_py
 from .common import (add_or_replace, at, bits_f32, f32_bits, group_load, group_store_times,
-                     lesser, load_c, zero_tail)
+                     lesser, load_c, specialized, zero_tail)
 from .geometry import GROUP, GROUP_ILP, GROUP_SPAN, GROUPS, THREADS
 from .launch import decode_stack, launch_over
 
@@ -57,34 +57,45 @@ def _encode(x, e, has_res, bf16, half, buf8, used, nbytes):
         i += stride
 
 
-@cuda.jit
-def _decode(quads, qcol, bf16, out, accumulate, factor):
-    """Every row decoded and summed into out in row order, times ``factor``.
+def _stack_decoder(bf16):
+    """The stack decoder of one 16-bit kind, named ``_decode_bf16`` or ``_decode_fp16``: with
+    the kind a constant, a row's pass carries no instruction of the other kind's widening (it
+    cost the fp16 pass about a sixth of its instructions as a runtime flag)."""
 
-    A thread takes groups of GROUP = 4 consecutive elements, GROUPS groups a pass: a group's
-    four codes come in one 64-bit load (the payload is 8-byte aligned, its padding zero), where
-    an element at a time took a 16-bit load and its own address arithmetic.
-    """
-    n = out.size
-    groups = (n + GROUP - 1) // GROUP
-    acc = cuda.local.array(GROUP_ILP, out.dtype)
-    base = cuda.blockIdx.x * GROUP_SPAN + cuda.threadIdx.x
-    while base < groups:
-        group_load(out, acc, base, n, accumulate)
-        for p in range(quads.shape[0]):
-            fold = accumulate or p > 0
-            for u in range(GROUPS):
-                quad = quads[at(p), at(qcol + lesser(base + u * THREADS, groups - 1))]
-                for j in range(GROUP):
-                    h = np.uint32((quad >> np.uint64(16 * j)) & np.uint64(0xFFFF))
-                    if bf16:
-                        value = bits_f32(h << _U16)
-                    else:
-                        value = f32_from_half(h)
-                    k = u * GROUP + j
-                    acc[k] = add_or_replace(acc[k], value, fold)
-        group_store_times(out, acc, base, n, factor)
-        base += cuda.gridDim.x * GROUP_SPAN
+    @specialized("_decode_bf16" if bf16 else "_decode_fp16")
+    def decode(quads, qcol, out, accumulate, factor):
+        """Every row decoded and summed into out in row order, times ``factor``.
+
+        A thread takes groups of GROUP = 4 consecutive elements, GROUPS groups a pass: a
+        group's four codes come in one 64-bit load (the payload is 8-byte aligned, its padding
+        zero), where an element at a time took a 16-bit load and its own address arithmetic.
+        """
+        n = out.size
+        groups = (n + GROUP - 1) // GROUP
+        acc = cuda.local.array(GROUP_ILP, out.dtype)
+        base = cuda.blockIdx.x * GROUP_SPAN + cuda.threadIdx.x
+        while base < groups:
+            group_load(out, acc, base, n, accumulate)
+            for p in range(quads.shape[0]):
+                fold = accumulate or p > 0
+                for u in range(GROUPS):
+                    quad = quads[at(p), at(qcol + lesser(base + u * THREADS, groups - 1))]
+                    for j in range(GROUP):
+                        h = np.uint32((quad >> np.uint64(16 * j)) & np.uint64(0xFFFF))
+                        if bf16:
+                            value = bits_f32(h << _U16)
+                        else:
+                            value = f32_from_half(h)
+                        k = u * GROUP + j
+                        acc[k] = add_or_replace(acc[k], value, fold)
+            group_store_times(out, acc, base, n, factor)
+            base += cuda.gridDim.x * GROUP_SPAN
+
+    return decode
+
+
+_decode_fp16 = _stack_decoder(False)
+_decode_bf16 = _stack_decoder(True)
 
 
 def encode(x, e, bf16, half, buf, fmt, stream):
@@ -97,5 +108,5 @@ def decode(fmt, stack, col, out, accumulate, factor, stream):
     """1 launch: every row's payload (at byte column ``col``) decoded and summed in one pass
     over out, times ``factor``."""
     quads = stack.view(np.uint64)       # rows and columns are 8-byte aligned (wire.ALIGN)
-    decode_stack(_decode, fmt, stack, col, (), (quads, col // 8, fmt.kind == "bf16"), out,
-                 accumulate, factor, stream, per_thread=GROUP_ILP)
+    decode_stack(_decode_bf16 if fmt.kind == "bf16" else _decode_fp16, fmt, stack, col, (),
+                 (quads, col // 8), out, accumulate, factor, stream, per_thread=GROUP_ILP)
