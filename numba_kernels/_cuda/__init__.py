@@ -25,7 +25,10 @@ Layering (no module here imports a public module of the package):
   ``_half_bits``, ``_chunk_rules``, ``_sparse_rules``).
 """
 from .._numpy_compat import ensure_numba_cuda_can_load
+from .. import _simulator_races, _simulator_warps
 from .._simulator_compat import make_simulator_thread_safe
 
 ensure_numba_cuda_can_load()
 make_simulator_thread_safe()
+_simulator_warps.install()
+_simulator_races.install()

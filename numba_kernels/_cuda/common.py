@@ -13,7 +13,7 @@ from numba import cuda
 
 from .._scalar import (LANES, SEGMENT, add_or_replace_py, greater_py, hash32_py, lesser_py,
                        row_key_py, uniform24_py)
-from .geometry import GROUP, GROUPS, ILP, NL, SIM, THREADS, WARP
+from .geometry import GROUP, GROUPS, ILP, NL, SIM, SIM_SHAPES, THREADS, WARP
 from .launch import launch_over
 
 uniform24 = cuda.jit(device=True)(uniform24_py)
@@ -59,45 +59,6 @@ if SIM:
     @cuda.jit(device=True)
     def bits_f32(u):
         return np.uint32(u).view(np.float32)
-
-    @cuda.jit(device=True)
-    def warp_range(mn, mx, shmin, shmax):
-        """(min, max) of (mn, mx) over the caller's WARP threads, through shared memory (the
-        simulator has no warp shuffles); every thread of the block must call it."""
-        t = cuda.threadIdx.x
-        shmin[t] = mn
-        shmax[t] = mx
-        cuda.syncthreads()
-        first = t - t % WARP
-        for j in range(WARP):
-            mn = lesser(mn, shmin[first + j])
-            mx = greater(mx, shmax[first + j])
-        cuda.syncthreads()
-        return mn, mx
-
-    @cuda.jit(device=True)
-    def lane_group_or(v, group, scratch):
-        """The OR of ``v`` over the caller's group of ``group`` lanes (a power of two up to 32,
-        groups aligned in the warp), through shared memory: the simulator has no warp
-        shuffles.  Every thread of the block must call it; ``scratch``: shared uint32[THREADS]
-        or longer."""
-        t = cuda.threadIdx.x
-        scratch[t] = v
-        cuda.syncthreads()
-        first = t - t % group
-        word = np.uint32(0)
-        for j in range(group):
-            word |= scratch[first + j]
-        cuda.syncthreads()
-        return word
-
-    @cuda.jit(device=True)
-    def ballot32(pred, scratch):
-        """Warp vote without warp intrinsics (the simulator has none): bit j of the
-        result is ``pred`` of lane j of the caller's warp.  Every thread of the block
-        must call it; ``scratch`` is a shared uint32[THREADS]."""
-        bit = np.uint32(1) if pred else np.uint32(0)
-        return lane_group_or(bit << np.uint32(cuda.threadIdx.x & 31), 32, scratch)
 else:
     from numba.cuda import libdevice
 
@@ -117,6 +78,49 @@ else:
     def bits_f32(u):
         return libdevice.int_as_float(np.int32(u))
 
+
+# Warp operations: shared-memory stand-ins in the simulator's own shapes, the intrinsics on
+# a GPU (and in the simulator with NUMBA_KERNELS_GPU_SHAPES=1, which gives it them).
+if SIM_SHAPES:
+    @cuda.jit(device=True)
+    def warp_range(mn, mx, shmin, shmax):
+        """(min, max) of (mn, mx) over the caller's WARP threads, through shared memory (no
+        warp shuffles in the simulator's shapes); every thread of the block must call it."""
+        t = cuda.threadIdx.x
+        shmin[t] = mn
+        shmax[t] = mx
+        cuda.syncthreads()
+        first = t - t % WARP
+        for j in range(WARP):
+            mn = lesser(mn, shmin[first + j])
+            mx = greater(mx, shmax[first + j])
+        cuda.syncthreads()
+        return mn, mx
+
+    @cuda.jit(device=True)
+    def lane_group_or(v, group, scratch):
+        """The OR of ``v`` over the caller's group of ``group`` lanes (a power of two up to 32,
+        groups aligned in the warp), through shared memory (no warp shuffles in the
+        simulator's shapes).  Every thread of the block must call it; ``scratch``: shared
+        uint32[THREADS] or longer."""
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        first = t - t % group
+        word = np.uint32(0)
+        for j in range(group):
+            word |= scratch[first + j]
+        cuda.syncthreads()
+        return word
+
+    @cuda.jit(device=True)
+    def ballot32(pred, scratch):
+        """Warp vote without warp intrinsics (the simulator's shapes): bit j of the
+        result is ``pred`` of lane j of the caller's warp.  Every thread of the block
+        must call it; ``scratch`` is a shared uint32[THREADS]."""
+        bit = np.uint32(1) if pred else np.uint32(0)
+        return lane_group_or(bit << np.uint32(cuda.threadIdx.x & 31), 32, scratch)
+else:
     @cuda.jit(device=True)
     def ballot32(pred, scratch):
         """Bit j = ``pred`` of lane j of the caller's warp (every lane must call)."""
@@ -338,16 +342,16 @@ def tree_range(mn, mx, shmin, shmax):
     return mn, mx
 
 
-if SIM:
+if SIM_SHAPES:
     @cuda.jit(device=True)
     def team_range(mn, mx, shmin, shmax):
-        """(min, max) over the caller's team of TEAM threads: under the simulator the team is
-        the block (``tree_range``)."""
+        """(min, max) over the caller's team of TEAM threads: in the simulator's shapes the team
+        is the block (``tree_range``)."""
         return tree_range(mn, mx, shmin, shmax)
 
     @cuda.jit(device=True)
     def team_sync():
-        """Barrier of the caller's team: the block under the simulator."""
+        """Barrier of the caller's team: the block in the simulator's shapes."""
         cuda.syncthreads()
 else:
     team_range = warp_range     # a team is a warp

@@ -3,23 +3,31 @@
 Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) blocks have 32 threads
 instead of 256, because the simulator runs one Python thread per CUDA thread;
 the lane count (``_scalar.LANES``), and hence every result, is the same.
+With ``NUMBA_KERNELS_GPU_SHAPES=1`` as well, the simulator runs the GPU's own
+shapes (256-thread blocks, 32-lane warps, several min-max teams a block) and the
+warp-shuffle code paths, whose intrinsics ``_simulator_compat`` gives it: slow,
+but the only way to run that code without a GPU.
 Kept apart from the device functions so that ``launch.py`` can size grids
 without importing the kernels that launch through it.
 """
+import os
+
 from numba import config
 
 from .._scalar import LANES
 
 SIM = bool(config.ENABLE_CUDASIM)
-THREADS = 32 if SIM else 256
+# the simulator's own small shapes and shared-memory stand-ins for warp intrinsics
+SIM_SHAPES = SIM and os.environ.get("NUMBA_KERNELS_GPU_SHAPES") != "1"
+THREADS = 32 if SIM_SHAPES else 256
 NL = LANES // THREADS          # lanes per thread
 # Threads that one shuffle butterfly combines in the block reductions that any order may take
-# (``common.tree_range``): a warp, and 8 under the simulator, so that its 32-thread blocks
-# still combine several warps' results, as a GPU's 256-thread blocks do.
-WARP = 8 if SIM else 32
+# (``common.tree_range``): a warp, and 8 in the simulator's shapes, so that its 32-thread
+# blocks still combine several warps' results, as a GPU's 256-thread blocks do.
+WARP = 8 if SIM_SHAPES else 32
 # The min-max encoder gives each chunk a team of TEAM threads instead of a block: a warp on a
 # GPU, which finds the chunk's range by shuffles alone, with no block barrier (the whole
-# 32-thread block under the simulator, which has no shuffles).  TEAMS per block.
+# 32-thread block in the simulator's shapes, which use no shuffles).  TEAMS per block.
 TEAM = 32
 TEAMS = THREADS // TEAM
 ITEMS = 16                     # elements per thread in tiled (selection) kernels

@@ -108,10 +108,10 @@ def test_onebit_long_chunks():
 # and one case per codec of chunks longer than a segment (the three-kernel path). The simulator
 # runs every thread in Python, so the cases stay few and small: tests/kernels/test_rows.py
 # covers n = 1..4 and more lengths on the CPU twins, which share the device functions' code.
-ROW_CASES = [(name, kw, rows, part, res)
-             for name, kw, part in [("minmax", {"bits": 8, "chunk": 32}, 45),
-                                    ("qsgd", {"levels": 127, "chunk": 32}, 45),
-                                    ("onebit", {"chunk": 32, "scale": "l2"}, 45)]
+ROW_CODECS = [("minmax", {"bits": 8, "chunk": 32}, 45),
+              ("qsgd", {"levels": 127, "chunk": 32}, 45),
+              ("onebit", {"chunk": 32, "scale": "l2"}, 45)]
+ROW_CASES = [(name, kw, rows, part, res) for name, kw, part in ROW_CODECS
              for rows in (1, 3) for res in (False, True)]
 
 
@@ -143,6 +143,15 @@ def test_row_forms_long_chunks():
                    ("qsgd", {"levels": 31, "chunk": 4100}, 1, 4130, True),
                    ("onebit", {"chunk": 4128, "scale": "l2"}, 1, 4130, False),
                    ("minmax", {"bits": 8, "chunk": 4128}, 2, 4130, False, 1)])
+
+
+def test_row_forms_in_gpu_shapes():
+    """The run in the GPU's shapes (``NUMBA_KERNELS_GPU_SHAPES=1``, slow) takes these instead of
+    the row tests above: each codec at 3 partitions with error feedback, 3-bit min-max (codes
+    across words) and chunks longer than a segment."""
+    dc.check_rows([(name, kw, 3, 45, True) for name, kw, _ in ROW_CODECS])
+    dc.check_rows([("minmax", {"bits": 3, "chunk": 96}, 3, 200, True),
+                   ("onebit", {"chunk": 4128, "scale": "l2"}, 1, 4130, True)])
 
 
 def test_decompress_many_at_a_column_every_format():
@@ -220,6 +229,144 @@ def test_scale_and_fill_as_the_primitives_launch_them():
     fill(d[100:], F32(0))
     got = d.copy_to_host()
     assert np.array_equal(got[:100], x[:100] * F32(0.25)) and not got[100:].any()
+
+
+# The GPU's shapes (NUMBA_KERNELS_GPU_SHAPES=1): test_simulator.py runs the tests named
+# *gpu_shapes* and the per-format ones in a process of their own with it; the others skip them.
+
+@cuda.jit
+def _warp_calls(x, xor, bal):
+    t = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
+    v = x[t]
+    cuda.syncwarp(0xFFFFFFFF)
+    xor[t] = cuda.shfl_xor_sync(0xFFFFFFFF, v, (t % 32) % 7 + 1)
+    bal[t] = cuda.ballot_sync(0xFFFFFFFF, v > 0)
+
+
+@cuda.jit
+def _one_lane_away(x):
+    if cuda.threadIdx.x != 3:
+        x[cuda.threadIdx.x] = cuda.shfl_xor_sync(0xFFFFFFFF, x[cuda.threadIdx.x], 1)
+
+
+@cuda.jit
+def _half_warps_differ(x):
+    if cuda.threadIdx.x < 16:
+        cuda.syncwarp(0xFFFFFFFF)
+    else:
+        x[cuda.threadIdx.x] = cuda.ballot_sync(0xFFFFFFFF, True)
+
+
+def _gpu_shapes():
+    from numba_kernels._cuda import geometry
+    if geometry.SIM_SHAPES:
+        pytest.skip("needs NUMBA_KERNELS_GPU_SHAPES=1 (test_simulator.py's run in the GPU's "
+                    "shapes selects it)")
+    return geometry
+
+
+def test_gpu_shapes_are_the_gpus():
+    geometry = _gpu_shapes()
+    from numba_kernels._cuda import common
+    assert (geometry.THREADS, geometry.WARP, geometry.TEAMS) == (256, 32, 8)
+    assert "shfl_xor_sync" in common.warp_range.py_func.__code__.co_names
+
+
+def test_simulated_warp_intrinsics_in_gpu_shapes():
+    """syncwarp, shfl_xor_sync (a partner that differs by lane) and ballot_sync, 2 blocks of 3
+    warps each, against NumPy on values that differ per thread."""
+    _gpu_shapes()
+    x = np.random.default_rng(5).integers(-100, 100, 192).astype(np.int32)
+    xor, bal = np.zeros_like(x), np.zeros(192, np.uint32)
+    _warp_calls[2, 96](x, xor, bal)
+    t = np.arange(192)
+    partner = (t - t % 32) + ((t % 32) ^ ((t % 32) % 7 + 1))
+    assert np.array_equal(xor, x[partner])
+    words = [sum(1 << j for j in range(32) if x[w * 32 + j] > 0) for w in range(6)]
+    assert np.array_equal(bal, np.repeat(np.array(words, np.uint32), 32))
+
+
+def test_divergent_warp_calls_are_errors_in_gpu_shapes(monkeypatch):
+    """A lane that skips a shuffle (undefined on a GPU, often a hang) and lanes of one warp in
+    different warp calls fail with WarpDivergence naming the warp, not a hang."""
+    _gpu_shapes()
+    from numba_kernels import _simulator_warps as warps
+    monkeypatch.setattr(warps, "TIMEOUT", 1.0)
+    with pytest.raises(warps.WarpDivergence, match="shfl_xor_sync in block .*warp 0.*arrived"):
+        _one_lane_away[1, 32](np.zeros(32, np.int32))
+    with pytest.raises(warps.WarpDivergence, match="different warp calls"):
+        _half_warps_differ[1, 32](np.zeros(32, np.uint32))
+
+
+# The shared-memory race check (NUMBA_KERNELS_RACECHECK=1, on in test_simulator.py's runs):
+# each kernel below has two warps of 32; ``how`` picks what stands between the accesses.
+
+@cuda.jit
+def _neighbour_read(out, how):
+    """Thread t writes sh[t], then reads sh[t ^ 1] (its warp) and sh[t ^ 32] (the other)."""
+    sh = cuda.shared.array(64, np.int32)
+    t = cuda.threadIdx.x
+    sh[t] = t
+    if how == 1:
+        cuda.syncthreads()
+    elif how == 2:
+        cuda.syncwarp(0xFFFFFFFF)
+    out[t] = sh[t ^ 1]
+    if how != 2:
+        out[t] += sh[t ^ 32]
+
+
+@cuda.jit
+def _counting(out, how):
+    """Every thread adds 1 to one shared counter that thread 0 zeroed."""
+    sh = cuda.shared.array(1, np.int32)
+    if cuda.threadIdx.x == 0:
+        sh[0] = 0
+    if how >= 1:
+        cuda.syncthreads()
+    if how == 2:
+        sh[0] += 1          # a plain read-modify-write: a race
+    else:
+        cuda.atomic.add(sh, 0, 1)
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        out[0] = sh[0]
+
+
+def _race_check():
+    import os
+
+    from numba_kernels import _simulator_races as races
+    if os.environ.get("NUMBA_KERNELS_RACECHECK") != "1":
+        pytest.skip("needs NUMBA_KERNELS_RACECHECK=1 (test_simulator.py sets it)")
+    return races
+
+
+def test_race_check_orders_by_barriers_and_warp_calls():
+    """A block barrier orders accesses across warps; a warp call orders them within a warp
+    only; nothing between them is a race; atomics do not race with each other."""
+    races = _race_check()
+    out = np.zeros(64, np.int32)
+    _neighbour_read[1, 64](out, 1)
+    t = np.arange(64)
+    assert np.array_equal(out, (t ^ 1) + (t ^ 32))
+    _neighbour_read[1, 64](out, 2)
+    assert np.array_equal(out, t ^ 1)
+    with pytest.raises(races.SharedMemoryRace, match=r"sim_kernels.py:\d+, element \d+: "
+                                                     r"(read|written) by thread \d+"):
+        _neighbour_read[1, 64](out, 0)
+    _counting[1, 64](out, 1)
+    assert out[0] == 64
+
+
+def test_race_check_finds_plain_accesses_among_atomics_and_missing_barriers():
+    races = _race_check()
+    out = np.zeros(1, np.int32)
+    # thread 0's zeroing against the others' atomics
+    with pytest.raises(races.SharedMemoryRace, match="written by thread 0 .*then updated atomic"):
+        _counting[1, 64](out, 0)
+    with pytest.raises(races.SharedMemoryRace):
+        _counting[1, 64](out, 2)
 
 
 @cuda.jit

@@ -1,9 +1,11 @@
 """CUDA kernels in Numba's simulator, and their compilation for a real GPU.
 
 The simulator must be switched on before numba.cuda is first imported, so it
-runs ``sim_kernels.py`` (kernels against their CPU twins, in two processes) and
-``sim_launches.py`` (launch and sync counts) in subprocesses side by side with
-NUMBA_ENABLE_CUDASIM=1; the rest of the suite keeps the real numba.cuda.
+runs ``sim_kernels.py`` (kernels against their CPU twins, in two processes, and a
+third in the GPU's block shapes) and ``sim_launches.py`` (launch and sync counts)
+in subprocesses side by side with NUMBA_ENABLE_CUDASIM=1, every one with the
+shared-memory race check on (``numba_kernels._simulator_races``); the rest of the
+suite keeps the real numba.cuda.
 The ``sim_kernels.py`` processes also record the argument types of every kernel
 launch, which ``ptx_compile.py`` then compiles to PTX with the real CUDA compiler
 where libNVVM is installed, and ``ptxas`` assembles for each kernel's registers where the
@@ -22,12 +24,19 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-# sim_kernels.py's two longest tests run in a process of their own, so the three processes
-# share 2 cores evenly (on its own sim_kernels.py took 150 s while sim_launches.py took 89)
+# sim_kernels.py's two longest tests run in a process of their own, so the processes share 2
+# cores evenly (on its own sim_kernels.py took 150 s while sim_launches.py took 89). A fourth
+# runs the kernels in the GPU's shapes (256-thread blocks, 32-lane warps, the warp-shuffle code
+# with the simulator's warp intrinsics), the code a GPU runs and the simulator's own shapes do
+# not: every per-format test, and row forms, warp intrinsics and geometry in *gpu_shapes*
+# tests; the row, top-k and merge tests on a grid took 250 s there and are left to the others.
 SLOW_KERNEL_TESTS = "test_topk_approx or test_row_forms_equal_the_per_partition_calls"
-RUNS = [("sim_kernels.py", "-k", SLOW_KERNEL_TESTS),
-        ("sim_kernels.py", "-k", f"not ({SLOW_KERNEL_TESTS})"),
-        ("sim_launches.py",)]
+IN_GPU_SHAPES = "gpu_shapes or not (row_forms or topk_approx or on_a_grid or race_check)"
+GPU_SHAPES = {"NUMBA_KERNELS_GPU_SHAPES": "1"}
+RUNS = [(("sim_kernels.py", "-k", SLOW_KERNEL_TESTS), {}),
+        (("sim_kernels.py", "-k", f"not ({SLOW_KERNEL_TESTS}) and not gpu_shapes"), {}),
+        (("sim_launches.py",), {}),
+        (("sim_kernels.py", "-k", IN_GPU_SHAPES), GPU_SHAPES)]
 
 
 @pytest.fixture(scope="module")
@@ -39,28 +48,38 @@ def simulator_run(tmp_path_factory):
     procs = [subprocess.Popen([sys.executable, "-W", "ignore::RuntimeWarning", "-m", "pytest", "-q",
                                "-p", "no:cacheprovider", str(HERE / name), *more],
                               env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-                                       NUMBA_KERNELS_RECORD=str(record)),
+                                       NUMBA_KERNELS_RACECHECK="1",
+                                       NUMBA_KERNELS_RECORD=str(record), **env),
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for (name, *more), record in zip(RUNS, records)]
+             for ((name, *more), env), record in zip(RUNS, records)]
     outputs = [proc.communicate(timeout=900) for proc in procs]
-    returncode = next((p.returncode for p in procs if p.returncode), 0)
     unique = {json.dumps(launch) for path in records if path.exists()
               for launch in json.loads(path.read_text())}
     record = folder / "launches.json"   # only when every sim_kernels.py process wrote its own
-    if all(path.exists() for (name, *_), path in zip(RUNS, records)
+    if all(path.exists() for ((name, *_), _), path in zip(RUNS, records)
            if name == "sim_kernels.py"):
         record.write_text(json.dumps([json.loads(s) for s in sorted(unique)]))
-    return subprocess.CompletedProcess(
-        procs[0].args, returncode, "".join(out for out, _ in outputs),
-        "".join(err for _, err in outputs)), record
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            for p, (out, err) in zip(procs, outputs)], record
+
+
+def _assert_passed(runs):
+    out = "".join(r.stdout + r.stderr for r in runs)
+    print(out[-8000:])
+    assert all(r.returncode == 0 for r in runs), out
+    assert all(" passed" in r.stdout and "skipped" not in r.stdout for r in runs), out
 
 
 def test_kernels_match_cpu_twins_in_simulator(simulator_run):
-    proc, record = simulator_run
-    print(proc.stdout[-4000:], proc.stderr[-4000:])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" passed") == len(RUNS) and "skipped" not in proc.stdout
+    runs, record = simulator_run
+    _assert_passed([r for r, (_, env) in zip(runs, RUNS) if not env])
     assert record.exists()
+
+
+def test_kernels_match_cpu_twins_in_the_gpus_shapes(simulator_run):
+    """The same checks in 256-thread blocks with the warp-shuffle code (see RUNS)."""
+    runs, _ = simulator_run
+    _assert_passed([r for r, (_, env) in zip(runs, RUNS) if env])
 
 
 def _nvvm_available():
@@ -77,9 +96,9 @@ def ptx_run(simulator_run):
     ``--resources`` (an optimising compile, which type-checks as well, then ``ptxas``) where
     the CUDA toolkit's assembler is on PATH, a plain compile otherwise.  (The compile's
     output, whether it ran with resources.)"""
-    proc, record = simulator_run
-    if proc.returncode != 0 or not record.exists():
-        pytest.skip("the simulator run failed; see test_kernels_match_cpu_twins_in_simulator")
+    runs, record = simulator_run
+    if any(r.returncode for r in runs) or not record.exists():
+        pytest.skip("a simulator run failed; see test_kernels_match_cpu_twins_in_*")
     if not _nvvm_available():
         pytest.skip("libNVVM not found (install nvidia-cuda-nvcc-cu12 and point CUDA_HOME at it): "
                     "cannot compile the kernels to PTX")
