@@ -10,7 +10,9 @@ import pytest
 
 from mpi_harness import assert_mpi_ok, run_mpi
 
-SIM = {"NUMBA_ENABLE_CUDASIM": "1", "PYTHONWARNINGS": "ignore::RuntimeWarning"}
+# the simulator, with its shared-memory race check (numba_kernels._simulator_races)
+SIM = {"NUMBA_ENABLE_CUDASIM": "1", "NUMBA_KERNELS_RACECHECK": "1",
+       "PYTHONWARNINGS": "ignore::RuntimeWarning"}
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
