@@ -1,17 +1,25 @@
-"""A shared-memory race check for Numba's CUDA simulator (``NUMBA_KERNELS_RACECHECK=1``).
+"""A race check for Numba's CUDA simulator (``NUMBA_KERNELS_RACECHECK=1``).
 
-The simulator runs a block's threads as Python threads that switch rarely, so a missing barrier
-almost never shows as a wrong result there, while a GPU's warps (and, since Volta, the lanes of
-one warp) really do run in any order between barriers. This check makes such a bug fail every
-time: each static ``cuda.shared.array`` is handed out wrapped, and every element remembers its
-last write and the reads since, each stamped with the thread, its warp and two clocks: the block
-barriers (``syncthreads``) the thread has passed and the warp calls (``_simulator_warps``) it
-has made. Two accesses to one element by different threads, at least one a write, are ordered
-only when a block barrier lies between them, or, within one warp, a warp call. Anything else
-raises ``SharedMemoryRace`` naming the array's line, the element and both threads. Atomic
-operations do not race with each other (they do with plain accesses). Dynamic shared memory is
-not checked (the kernels use none). Blocks run one after another in the simulator and a block's
-shared memory is its own on a GPU, so the records start afresh with each block.
+The simulator runs a block's threads as Python threads that switch rarely, and a kernel's
+blocks one after another, so a missing barrier or two blocks writing one word almost never
+show as a wrong result there, while on a GPU warps (and, since Volta, the lanes of one warp)
+run in any order between barriers and blocks in any order at all. This check makes such bugs
+fail every time.
+
+Shared memory: each static ``cuda.shared.array`` is handed out wrapped, and every element
+remembers its last write and the reads and atomics since, each stamped with the thread, its
+warp and two clocks: the block barriers (``syncthreads``) the thread has passed and the warp
+calls (``_simulator_warps``) it has made. Two accesses to one element by different threads, at
+least one a write, are ordered only when a block barrier lies between them, or, within one warp,
+a warp call. Atomics do not race with each other (they do with plain accesses). Dynamic shared
+memory is not checked (the kernels use none). A block's shared memory is its own on a GPU, so
+the records start afresh with each block.
+
+Device memory: the plain writes of a launch are recorded by byte address (see
+``_GlobalWrites``); two threads writing different values to one byte race unless one block's
+barrier orders them.
+
+Either raises ``MemoryRace``, naming the array, the element and both threads.
 """
 import os
 import sys
@@ -23,8 +31,9 @@ from numba.np import numpy_support
 WARP_SIZE = 32
 
 
-class SharedMemoryRace(RuntimeError):
-    """Two threads accessed one shared-memory element with no barrier between them."""
+class MemoryRace(RuntimeError):
+    """Two threads accessed one element of shared or device memory with no barrier between
+    them (in device memory: wrote different values)."""
 
 
 def _stamp(thread):
@@ -70,7 +79,7 @@ class CheckedShared:
 
     def _race(self, i, first, other, then, now):
         verb = {"atomic": "updated atomically"}
-        return SharedMemoryRace(
+        return MemoryRace(
             f"shared array of {self._where}, element {i}: {verb.get(first, first)} by thread "
             f"{other[0]} (warp {other[1]}), then {verb.get(then, then)} by thread {now[0]} (warp "
             f"{now[1]}) of block {self._block}, with no syncthreads between them (nor a warp "
@@ -157,8 +166,77 @@ def _atomic(name, update):
     def checked(self, array, index, val):
         if isinstance(array, CheckedShared):
             return array.atomic(index, lambda old: update(old, val))
-        return original(self, array, index, val)
+        flag = _global_writes.atomic
+        flag.depth = getattr(flag, "depth", 0) + 1
+        try:
+            return original(self, array, index, val)
+        finally:
+            flag.depth -= 1
     return checked
+
+
+class _GlobalWrites:
+    """The plain writes to device memory of the running launch, by byte address: two threads
+    writing different values to one byte is a race unless they are in one block with a barrier
+    (or, in one warp, a warp call) between them. Blocks run one after another in the
+    simulator, so the last block's value wins there every time; on a GPU any block may write
+    last. Equal values are left alone (either order leaves the same byte: the payload's zeroed
+    padding and the zero bits of its last word, for one). So are atomics (the kernels order a
+    last block's plain writes after the others' atomics by a ticket, which this does not
+    model) and reads."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.kernel = None
+        self.writes = {}    # byte address -> (block, stamp, the byte written)
+        self.atomic = threading.local()
+
+    def start(self, kernel):
+        with self.lock:
+            self.kernel = kernel
+            self.writes = {}
+
+    def write(self, ary, idx, write):
+        """``write()`` (element ``idx`` of ``ary`` = a value), checked and recorded when idx is
+        an integer or a tuple of them (a slice's writes are not checked)."""
+        key = idx if isinstance(idx, tuple) else (idx,)
+        if (getattr(self.atomic, "depth", 0) or self.kernel is None or len(key) != ary.ndim
+                or not all(isinstance(k, (int, np.integer)) for k in key)):
+            return write()
+        offset = 0
+        for k, n, stride in zip(key, ary.shape, ary.strides):
+            k = int(k)
+            offset += (k + n if k < 0 else k) * stride
+        start = ary.__array_interface__["data"][0] + offset
+        thread = threading.current_thread()
+        block, now = tuple(thread.blockIdx), _stamp(thread)
+        with self.lock:
+            write()
+            written = np.asarray(ary[key]).tobytes()
+            for address, byte in zip(range(start, start + ary.itemsize), written):
+                last = self.writes.get(address)
+                if (last is not None and last[2] != byte
+                        and not (last[0] == block and _ordered(last[1], now))):
+                    raise MemoryRace(
+                        f"{self.kernel}: element {key} of a {ary.dtype}{list(ary.shape)} device "
+                        f"array: thread {last[1][0]} of block {last[0]} and thread {now[0]} of "
+                        f"block {block} wrote different values to its byte {address - start} "
+                        "in one launch, with no barrier between them (on a GPU either may "
+                        "write last)")
+                self.writes[address] = (block, now, byte)
+
+
+_global_writes = _GlobalWrites()
+
+
+def _checked_global_setitem(self, idx, val):
+    _global_writes.write(self._item._ary, idx, lambda: _original_global_setitem(self, idx, val))
+
+
+def _recording_launch(self, *args):
+    if not self._device:
+        _global_writes.start(getattr(self.fn, "__qualname__", repr(self.fn)))
+    return _original_launch(self, *args)
 
 
 def _counting_syncthreads(self):
@@ -172,22 +250,29 @@ def warp_call_made(thread):
 
 
 _original_array = _original_syncthreads = _atomic_class = None
+_original_global_setitem = _original_launch = None
 
 
 def install():
     """Switch the check on where the simulator runs and ``NUMBA_KERNELS_RACECHECK=1``."""
     global _original_array, _original_syncthreads, _atomic_class
+    global _original_global_setitem, _original_launch
     from numba import config
     if not config.ENABLE_CUDASIM or os.environ.get("NUMBA_KERNELS_RACECHECK") != "1":
         return
     if _original_array is not None:
         return
     from numba.cuda.simulator import kernel, kernelapi
+    from numba.cuda.simulator.cudadrv.devicearray import FakeWithinKernelCUDAArray
     _original_array = kernelapi.FakeCUDAShared.array
     _original_syncthreads = kernel.BlockThread.syncthreads
     _atomic_class = kernelapi.FakeCUDAAtomic
+    _original_global_setitem = FakeWithinKernelCUDAArray.__setitem__
+    _original_launch = kernel.FakeCUDAKernel.__call__
     kernelapi.FakeCUDAShared.array = _checked_array
     kernel.BlockThread.syncthreads = _counting_syncthreads
+    FakeWithinKernelCUDAArray.__setitem__ = _checked_global_setitem
+    kernel.FakeCUDAKernel.__call__ = _recording_launch
     # the atomics the kernels use (any other reaches a checked array as a plain read and write)
     for name, update in [("add", lambda a, b: a + b), ("or_", lambda a, b: a | b),
                          ("exch", lambda a, b: b)]:

@@ -352,7 +352,7 @@ def test_race_check_orders_by_barriers_and_warp_calls():
     assert np.array_equal(out, (t ^ 1) + (t ^ 32))
     _neighbour_read[1, 64](out, 2)
     assert np.array_equal(out, t ^ 1)
-    with pytest.raises(races.SharedMemoryRace, match=r"sim_kernels.py:\d+, element \d+: "
+    with pytest.raises(races.MemoryRace, match=r"sim_kernels.py:\d+, element \d+: "
                                                      r"(read|written) by thread \d+"):
         _neighbour_read[1, 64](out, 0)
     _counting[1, 64](out, 1)
@@ -363,10 +363,52 @@ def test_race_check_finds_plain_accesses_among_atomics_and_missing_barriers():
     races = _race_check()
     out = np.zeros(1, np.int32)
     # thread 0's zeroing against the others' atomics
-    with pytest.raises(races.SharedMemoryRace, match="written by thread 0 .*then updated atomic"):
+    with pytest.raises(races.MemoryRace, match="written by thread 0 .*then updated atomic"):
         _counting[1, 64](out, 0)
-    with pytest.raises(races.SharedMemoryRace):
+    with pytest.raises(races.MemoryRace):
         _counting[1, 64](out, 2)
+
+
+@cuda.jit
+def _blocks_write(out, how):
+    """Every block writes out[0] and out[1 + its index]: its index, or the same value, or (one
+    block) twice with a barrier between."""
+    b = cuda.blockIdx.x
+    if cuda.threadIdx.x == 0:
+        out[1 + b] = b
+        out[0] = b if how == 0 else 7
+    if how == 2:
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 1:
+            out[0] = 9
+
+
+def test_race_check_in_device_memory():
+    """Blocks that write different values to one element race (the simulator's last block
+    would win every time); equal values, and one block's writes ordered by a barrier, do not;
+    the check works by byte, so a byte view of the same memory counts as well."""
+    races = _race_check()
+    out = np.zeros(5, np.int32)
+    with pytest.raises(races.MemoryRace, match=r"_blocks_write: element \(0,\) of a int32\[5\] "
+                                               r"device array: thread 0 of block \(0, 0, 0\)"):
+        _blocks_write[4, 2](out, 0)
+    _blocks_write[4, 2](out, 1)
+    assert list(out) == [7, 0, 1, 2, 3]
+    _blocks_write[1, 2](out, 2)
+    assert out[0] == 9
+    words = cuda.to_device(np.zeros(2, np.int32))
+    with pytest.raises(races.MemoryRace, match=r"uint8\[8\] device array: thread 0 of block "
+                                               r"\(0, 0, 0\) and thread 0 of block \(1, 0, 0\)"):
+        _word_and_byte[2, 1](words, words.view(np.uint8))
+
+
+@cuda.jit
+def _word_and_byte(words, bytes_):
+    """Block 0 writes word 0, block 1 its second byte through a byte view."""
+    if cuda.blockIdx.x == 0:
+        words[0] = 0x01020304
+    else:
+        bytes_[1] = 0x55
 
 
 @cuda.jit
