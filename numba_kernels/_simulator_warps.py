@@ -17,10 +17,9 @@ import threading
 
 import numpy as np
 
-from ._simulator_races import warp_call_made
+from ._simulator_races import WARP_SIZE, warp_call_made
 
 FULL_MASK = 0xFFFFFFFF
-WARP_SIZE = 32
 TIMEOUT = float(os.environ.get("NUMBA_KERNELS_WARP_TIMEOUT", "60"))
 
 

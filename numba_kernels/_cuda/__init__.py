@@ -24,8 +24,8 @@ Layering (no module here imports a public module of the package):
   twins come from the package's leaf modules (``_scalar``, ``_bits``,
   ``_half_bits``, ``_chunk_rules``, ``_sparse_rules``).
 """
-from .._numpy_compat import ensure_numba_cuda_can_load
 from .. import _simulator_races, _simulator_warps
+from .._numpy_compat import ensure_numba_cuda_can_load
 from .._simulator_compat import make_simulator_thread_safe
 
 ensure_numba_cuda_can_load()

@@ -5,7 +5,7 @@ instead of 256, because the simulator runs one Python thread per CUDA thread;
 the lane count (``_scalar.LANES``), and hence every result, is the same.
 With ``NUMBA_KERNELS_GPU_SHAPES=1`` as well, the simulator runs the GPU's own
 shapes (256-thread blocks, 32-lane warps, several min-max teams a block) and the
-warp-shuffle code paths, whose intrinsics ``_simulator_compat`` gives it: slow,
+warp-shuffle code paths, whose intrinsics ``_simulator_warps`` gives it: slow,
 but the only way to run that code without a GPU.
 Kept apart from the device functions so that ``launch.py`` can size grids
 without importing the kernels that launch through it.

@@ -4,8 +4,8 @@ The simulator must be switched on before numba.cuda is first imported, so it
 runs ``sim_kernels.py`` (kernels against their CPU twins, in two processes, and a
 third in the GPU's block shapes) and ``sim_launches.py`` (launch and sync counts)
 in subprocesses side by side with NUMBA_ENABLE_CUDASIM=1, every one with the
-shared-memory race check on (``numba_kernels._simulator_races``); the rest of the
-suite keeps the real numba.cuda.
+race check on (``numba_kernels._simulator_races``); the rest of the suite keeps
+the real numba.cuda.
 The ``sim_kernels.py`` processes also record the argument types of every kernel
 launch, which ``ptx_compile.py`` then compiles to PTX with the real CUDA compiler
 where libNVVM is installed, and ``ptxas`` assembles for each kernel's registers where the
@@ -29,7 +29,8 @@ ROOT = HERE.parent.parent
 # runs the kernels in the GPU's shapes (256-thread blocks, 32-lane warps, the warp-shuffle code
 # with the simulator's warp intrinsics), the code a GPU runs and the simulator's own shapes do
 # not: every per-format test, and row forms, warp intrinsics and geometry in *gpu_shapes*
-# tests; the row, top-k and merge tests on a grid took 250 s there and are left to the others.
+# tests; the row, top-k and merge tests on a grid took about 300 s there and are left to the
+# others.
 SLOW_KERNEL_TESTS = "test_topk_approx or test_row_forms_equal_the_per_partition_calls"
 IN_GPU_SHAPES = "gpu_shapes or not (row_forms or topk_approx or on_a_grid or race_check)"
 GPU_SHAPES = {"NUMBA_KERNELS_GPU_SHAPES": "1"}
