@@ -70,6 +70,8 @@ _REEXPORTS = {
     "PayloadError": "numba_kernels.errors",
     "DeviceMismatchError": "numba_kernels.errors",
     "CudaUnavailableError": "numba_kernels.errors",
+    "WarpDivergence": "numba_kernels.errors",
+    "MemoryRace": "numba_kernels.errors",
 }
 
 __all__ = ["BaguaMPIError", "NotInitializedError", "MismatchError", "CommunicationError",

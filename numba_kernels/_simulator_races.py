@@ -28,12 +28,9 @@ import threading
 import numpy as np
 from numba.np import numpy_support
 
+from .errors import MemoryRace
+
 WARP_SIZE = 32
-
-
-class MemoryRace(RuntimeError):
-    """Two threads accessed one element of shared or device memory with no barrier between
-    them (in device memory: wrote different values)."""
 
 
 def _stamp(thread):

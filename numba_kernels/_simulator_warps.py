@@ -18,13 +18,10 @@ import threading
 import numpy as np
 
 from ._simulator_races import WARP_SIZE, warp_call_made
+from .errors import WarpDivergence
 
 FULL_MASK = 0xFFFFFFFF
 TIMEOUT = float(os.environ.get("NUMBA_KERNELS_WARP_TIMEOUT", "60"))
-
-
-class WarpDivergence(RuntimeError):
-    """The lanes of a warp did not all make the same warp call."""
 
 
 class _Warp:

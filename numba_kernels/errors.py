@@ -33,3 +33,16 @@ class DeviceMismatchError(KernelError, ValueError):
 
 class CudaUnavailableError(KernelError):
     """Device data was given but numba.cuda cannot be used here."""
+
+
+# Raised only under Numba's CUDA simulator, by the checks that stand in for a GPU's behaviour
+# (``_simulator_warps``, ``_simulator_races``): each is a bug a GPU would show as a hang or as
+# results that change from run to run.
+
+class WarpDivergence(KernelError):
+    """The lanes of a warp did not all make the same warp call (a GPU may hang)."""
+
+
+class MemoryRace(KernelError):
+    """Two threads accessed one element of shared or device memory with no barrier between
+    them (in device memory: wrote different values)."""
