@@ -26,6 +26,7 @@ import sys
 import threading
 
 import numpy as np
+from numba.core import types
 from numba.np import numpy_support
 
 from .errors import MemoryRace
@@ -146,7 +147,7 @@ def _checked_array(self, shape, dtype):
     simulator keys them (its own ``array`` finds the line by its caller, which this is)."""
     if shape == 0:
         return _original_array(self, shape, dtype)
-    if not isinstance(dtype, type) and hasattr(dtype, "key"):    # a Numba type
+    if isinstance(dtype, types.Type):
         dtype = numpy_support.as_dtype(dtype)
     frame = sys._getframe(1)
     key = ("racecheck", frame.f_code.co_filename, frame.f_lineno)

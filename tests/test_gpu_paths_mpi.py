@@ -10,7 +10,7 @@ import pytest
 
 from mpi_harness import assert_mpi_ok, run_mpi
 
-# the simulator, with its shared-memory race check (numba_kernels._simulator_races)
+# the simulator, with its race check (numba_kernels._simulator_races)
 SIM = {"NUMBA_ENABLE_CUDASIM": "1", "NUMBA_KERNELS_RACECHECK": "1",
        "PYTHONWARNINGS": "ignore::RuntimeWarning"}
 
