@@ -4,7 +4,7 @@ the set, generated names and frozen parameters, integer/float16 scaling in reduc
 of operations in flight."""
 import pytest
 
-from mpi_harness import assert_mpi_ok, run_mpi
+from mpi_harness import assert_check_passed, run_mpi
 
 CHECKS = {"psopt": ["psopt_named", "psopt_unnamed"],
           "optdetails": ["optimizer_names", "broadcast_optimizer_state_frozen"],
@@ -12,10 +12,23 @@ CHECKS = {"psopt": ["psopt_named", "psopt_unnamed"],
           "names": ["names_all_reuse", "names_one_rank_reuses", "names_distinct"]}
 
 
+@pytest.fixture(scope="module")
+def details_job():
+    """Every mode in one job per world size (one interpreter start a rank instead of four)."""
+    jobs = {}
+
+    def run(nprocs):
+        if nprocs not in jobs:
+            jobs[nprocs] = run_mpi("horovod_details_suite.py", nprocs, *sorted(CHECKS),
+                                   timeout=240)
+        return jobs[nprocs]
+    return run
+
+
 @pytest.mark.parametrize("mode", sorted(CHECKS))
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
-def test_horovod_details(mode, nprocs):
-    result = run_mpi("horovod_details_suite.py", nprocs, mode, timeout=120)
-    assert_mpi_ok(result, f"horovod details {mode} OK on {nprocs} ranks")
+def test_horovod_details(mode, nprocs, details_job):
+    result = details_job(nprocs)
+    assert_check_passed(result, mode)
     for check in CHECKS[mode]:
         assert f"details {check} OK on {nprocs} ranks" in result.output, result.describe()

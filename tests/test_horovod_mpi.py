@@ -4,15 +4,31 @@ import re
 
 import pytest
 
-from mpi_harness import assert_mpi_ok, run_mpi
+from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi
 
 
-@pytest.mark.parametrize("mode", ["api", "grouped", "autograd", "join", "state"])
+API_MODES = ["api", "grouped", "autograd", "join", "state"]
+
+
+@pytest.fixture(scope="module")
+def api_job(tmp_path_factory):
+    """The five API modes run in one job per world size (each starts every rank's interpreter
+    once, which is most of a small job's time here), each reported on its own line."""
+    jobs = {}
+
+    def run(nprocs):
+        if nprocs not in jobs:
+            timeline = tmp_path_factory.mktemp(f"timeline{nprocs}") / "timeline.json"
+            jobs[nprocs] = run_mpi("horovod_suite.py", nprocs, *API_MODES, timeout=240,
+                                   env={"HVD_TIMELINE_PATH": str(timeline)})
+        return jobs[nprocs]
+    return run
+
+
+@pytest.mark.parametrize("mode", API_MODES)
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
-def test_horovod_api(mode, nprocs, tmp_path):
-    result = run_mpi("horovod_suite.py", nprocs, mode, timeout=120,
-                     env={"HVD_TIMELINE_PATH": str(tmp_path / "timeline.json")})
-    assert_mpi_ok(result, f"horovod {mode} OK on {nprocs} ranks")
+def test_horovod_api(mode, nprocs, api_job):
+    assert_check_passed(api_job(nprocs), mode)
 
 
 @pytest.mark.parametrize("nprocs,per_node", [(1, None), (2, None), (3, "2"), (4, "2")])

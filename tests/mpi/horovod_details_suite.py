@@ -1,8 +1,9 @@
 """Horovod details (issue 24, items 3-6) under ``import bagua_mpi as hvd``, each check against
 an independent oracle (NumPy, or a single-process torch simulation of every rank's training).
 
-Run by every rank under mpiexec (tests/test_horovod_details_mpi.py); each check prints
-``details <check> OK on <n> ranks`` on rank 0.
+Run by every rank under mpiexec (tests/test_horovod_details_mpi.py) with the modes to run; each
+check prints ``details <check> OK on <n> ranks`` on rank 0, and each mode ``CHECK <mode> PASS``
+(or ``FAIL``).
 """
 import sys
 
@@ -11,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 import bagua_mpi as hvd
-from checks import expect
+from checks import expect, run_checks
 
 SEED = 20261125
 COMM = MPI.COMM_WORLD
@@ -266,20 +267,21 @@ MODES = {"psopt": mode_psopt, "optdetails": mode_optdetails, "rsint": mode_rsint
 
 
 def main():
-    mode = sys.argv[1]
+    """Every mode named runs in one job (one interpreter start), ``checks.run_checks`` reporting
+    each mode on its own line; the init is the modes' together: duplicate names are checked
+    before it, and psopt's process set is registered by it."""
+    modes = sys.argv[1:]
     sets = []
-    if mode == "optdetails":
+    if "optdetails" in modes:
         duplicate_names_before_init()
-    if mode == "psopt":
+    if "psopt" in modes:
         size = COMM.Get_size()
         sets = [hvd.ProcessSet(range(max(1, size - 1)))]  # the last rank is outside (size > 1)
-        hvd.init(process_sets=sets)
-    else:
-        hvd.init()
-    MODES[mode](hvd.rank(), hvd.size(), sets)
+    hvd.init(process_sets=sets)
+    failures = run_checks({m: lambda rank, size, m=m: MODES[m](rank, size, sets) for m in modes},
+                          argv=[])
     hvd.barrier()
-    if hvd.rank() == 0:
-        print(f"horovod details {mode} OK on {hvd.size()} ranks", flush=True)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

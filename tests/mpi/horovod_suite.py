@@ -1,7 +1,8 @@
 """Horovod's torch API under ``import bagua_mpi as hvd``, against a NumPy simulation of all ranks.
 
-Run by every rank under mpiexec (tests/test_horovod_mpi.py). ``mode`` picks a group of checks;
-each prints ``horovod <mode> OK on <n> ranks`` on rank 0.
+Run by every rank under mpiexec (tests/test_horovod_mpi.py). Each mode is a group of checks;
+modes given together run in one job and print ``CHECK <mode> PASS`` (or ``FAIL``) on rank 0;
+``process_sets`` and ``elastic`` run alone and print ``horovod <mode> OK on <n> ranks``.
 """
 import os
 import sys
@@ -12,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 import bagua_mpi as hvd
-from checks import expect
+from checks import expect, run_checks
 
 SEED = 20261123
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
@@ -543,22 +544,34 @@ _init_sets = None
 
 
 def main():
+    """``process_sets`` and ``elastic`` run alone (each needs its own init); any other modes,
+    given together, run in one job one after another, each reported on its own line by
+    ``checks.run_checks`` (one interpreter start instead of one a mode)."""
     global _init_sets
-    mode = sys.argv[1]
-    if mode == "process_sets":
+    modes = sys.argv[1:]
+    if modes == ["process_sets"]:
         world = MPI.COMM_WORLD
         even = hvd.ProcessSet(range(0, world.Get_size(), 2))
         split = world.Split(world.Get_rank() // 2, world.Get_rank())  # pairs
         from_comm = hvd.ProcessSet(split)
         hvd.init(process_sets=[even, from_comm])
         _init_sets = (even, from_comm)
-    else:
+    elif modes == ["elastic"]:
         hvd.init()
+    else:
+        unknown = set(modes) - set(MODES) | set(modes) & {"process_sets", "elastic"}
+        if unknown:
+            raise SystemExit(f"modes {sorted(unknown)} cannot run here; valid: "
+                             + ", ".join(sorted(set(MODES) - {"process_sets", "elastic"})))
+        hvd.init()
+        failures = run_checks({m: MODES[m] for m in modes}, argv=[])
+        hvd.barrier()
+        return 1 if failures else 0
     rank, size = hvd.rank(), hvd.size()
-    MODES[mode](rank, size)
+    MODES[modes[0]](rank, size)
     hvd.barrier()
     if rank == 0:
-        print(f"horovod {mode} OK on {size} ranks", flush=True)
+        print(f"horovod {modes[0]} OK on {size} ranks", flush=True)
 
 
 if __name__ == "__main__":
