@@ -24,11 +24,12 @@ Layering (no module here imports a public module of the package):
   twins come from the package's leaf modules (``_scalar``, ``_bits``,
   ``_half_bits``, ``_chunk_rules``, ``_sparse_rules``).
 """
-from .. import _simulator_races, _simulator_warps
+from .. import _simulator_blocks, _simulator_races, _simulator_warps
 from .._numpy_compat import ensure_numba_cuda_can_load
 from .._simulator_compat import make_simulator_thread_safe
 
 ensure_numba_cuda_can_load()
 make_simulator_thread_safe()
+_simulator_blocks.install()   # before the race check wraps syncthreads
 _simulator_warps.install()
 _simulator_races.install()

@@ -413,6 +413,39 @@ def _word_and_byte(words, bytes_):
 
 
 @cuda.jit
+def _barrier_rounds(out, early, fail_at):
+    """Three rounds of: post, barrier, read the next live thread's post, barrier. Threads
+    below ``early`` return at once; thread ``fail_at`` indexes past ``out`` in round 1."""
+    t = cuda.threadIdx.x
+    if t < early:
+        return
+    posts = cuda.shared.array(64, np.int32)
+    live = cuda.blockDim.x - early
+    for r in range(3):
+        posts[t] = 100 * r + t
+        cuda.syncthreads()
+        row = 3 if r == 1 and t == fail_at else r
+        out[row, t] = posts[early + (t - early + 1) % live]
+        cuda.syncthreads()
+
+
+def test_block_barrier_opens_once_every_live_thread_waits():
+    """``numba_kernels._simulator_blocks``' barrier (the simulator's, without its polling
+    loop): every round reads the posts of that round; threads that returned do not hold it
+    shut; a thread's exception ends the launch with it, naming the thread, and no hang."""
+    for early in (0, 5):
+        out = np.full((3, 64), -1, np.int32)
+        _barrier_rounds[1, 64](out, early, -1)
+        t = np.arange(early, 64)
+        neighbour = early + (t - early + 1) % (64 - early)
+        for r in range(3):
+            assert np.array_equal(out[r, early:], 100 * r + neighbour), (early, r)
+        assert (out[:, :early] == -1).all()
+    with pytest.raises(IndexError, match=r"tid=\[9, 0, 0\]"):
+        _barrier_rounds[1, 64](np.zeros((3, 64), np.int32), 0, 9)
+
+
+@cuda.jit
 def _two_threads(out):
     t = cuda.threadIdx.x
     if t == 1:

@@ -1,8 +1,8 @@
 """CUDA kernels in Numba's simulator, and their compilation for a real GPU.
 
 The simulator must be switched on before numba.cuda is first imported, so it
-runs ``sim_kernels.py`` (kernels against their CPU twins, in two processes, and a
-third in the GPU's block shapes) and ``sim_launches.py`` (launch and sync counts)
+runs ``sim_kernels.py`` (kernels against their CPU twins, in two processes, and
+two more in the GPU's block shapes) and ``sim_launches.py`` (launch and sync counts)
 in subprocesses side by side with NUMBA_ENABLE_CUDASIM=1, every one with the
 race check on (``numba_kernels._simulator_races``); the rest of the suite keeps
 the real numba.cuda.
@@ -24,20 +24,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-# sim_kernels.py's two longest tests run in a process of their own, so the processes share 2
-# cores evenly (on its own sim_kernels.py took 150 s while sim_launches.py took 89). A fourth
-# runs the kernels in the GPU's shapes (256-thread blocks, 32-lane warps, the warp-shuffle code
-# with the simulator's warp intrinsics), the code a GPU runs and the simulator's own shapes do
-# not: every per-format test, and row forms, warp intrinsics and geometry in *gpu_shapes*
-# tests; the row, top-k and merge tests on a grid took about 300 s there and are left to the
-# others.
-SLOW_KERNEL_TESTS = "test_topk_approx or test_row_forms_equal_the_per_partition_calls"
-IN_GPU_SHAPES = "gpu_shapes or not (row_forms or topk_approx or on_a_grid or race_check)"
+# sim_kernels.py's three longest tests run in a process of their own, so the processes share 2
+# cores about evenly. Two more run the kernels in the GPU's shapes (256-thread blocks, 32-lane
+# warps, the warp-shuffle code with the simulator's warp intrinsics), the code a GPU runs and
+# the simulator's own shapes do not: the *gpu_shapes* tests (row forms, warp intrinsics,
+# geometry) in one, every per-format test in the other; the row, top-k and merge tests on a grid
+# took about 300 s there and are left to the others.
+SLOW_KERNEL_TESTS = ("test_topk_approx or test_row_forms_equal_the_per_partition_calls"
+                     " or test_row_forms_long_chunks")
+PER_FORMAT = "not (gpu_shapes or row_forms or topk_approx or on_a_grid or race_check)"
 GPU_SHAPES = {"NUMBA_KERNELS_GPU_SHAPES": "1"}
 RUNS = [(("sim_kernels.py", "-k", SLOW_KERNEL_TESTS), {}),
         (("sim_kernels.py", "-k", f"not ({SLOW_KERNEL_TESTS}) and not gpu_shapes"), {}),
         (("sim_launches.py",), {}),
-        (("sim_kernels.py", "-k", IN_GPU_SHAPES), GPU_SHAPES)]
+        (("sim_kernels.py", "-k", "gpu_shapes"), GPU_SHAPES),
+        (("sim_kernels.py", "-k", PER_FORMAT), GPU_SHAPES)]
 
 
 @pytest.fixture(scope="module")
