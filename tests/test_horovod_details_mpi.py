@@ -2,6 +2,8 @@
 independent oracle (tests/mpi/horovod_details_suite.py): process-set optimizers on ranks outside
 the set, generated names and frozen parameters, integer/float16 scaling in reducescatter, names
 of operations in flight."""
+import functools
+
 import pytest
 
 from mpi_harness import assert_check_passed, run_mpi
@@ -15,14 +17,8 @@ CHECKS = {"psopt": ["psopt_named", "psopt_unnamed"],
 @pytest.fixture(scope="module")
 def details_job():
     """Every mode in one job per world size (one interpreter start a rank instead of four)."""
-    jobs = {}
-
-    def run(nprocs):
-        if nprocs not in jobs:
-            jobs[nprocs] = run_mpi("horovod_details_suite.py", nprocs, *sorted(CHECKS),
-                                   timeout=240)
-        return jobs[nprocs]
-    return run
+    return functools.cache(lambda nprocs: run_mpi("horovod_details_suite.py", nprocs,
+                                                  *sorted(CHECKS), timeout=240))
 
 
 @pytest.mark.parametrize("mode", sorted(CHECKS))

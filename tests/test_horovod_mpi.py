@@ -1,5 +1,6 @@
 """Horovod drop-in (issue 15): Horovod's torch API under ``import bagua_mpi as hvd``, at 1-4
 ranks under a real mpiexec, each check against a NumPy simulation of every rank's inputs."""
+import functools
 import re
 
 import pytest
@@ -14,14 +15,11 @@ API_MODES = ["api", "grouped", "autograd", "join", "state"]
 def api_job(tmp_path_factory):
     """The five API modes run in one job per world size (each starts every rank's interpreter
     once, which is most of a small job's time here), each reported on its own line."""
-    jobs = {}
-
+    @functools.cache
     def run(nprocs):
-        if nprocs not in jobs:
-            timeline = tmp_path_factory.mktemp(f"timeline{nprocs}") / "timeline.json"
-            jobs[nprocs] = run_mpi("horovod_suite.py", nprocs, *API_MODES, timeout=240,
-                                   env={"HVD_TIMELINE_PATH": str(timeline)})
-        return jobs[nprocs]
+        timeline = tmp_path_factory.mktemp(f"timeline{nprocs}") / "timeline.json"
+        return run_mpi("horovod_suite.py", nprocs, *API_MODES, timeout=240,
+                       env={"HVD_TIMELINE_PATH": str(timeline)})
     return run
 
 

@@ -559,7 +559,7 @@ def main():
     elif modes == ["elastic"]:
         hvd.init()
     else:
-        unknown = set(modes) - set(MODES) | set(modes) & {"process_sets", "elastic"}
+        unknown = (set(modes) - set(MODES)) | (set(modes) & {"process_sets", "elastic"})
         if unknown:
             raise SystemExit(f"modes {sorted(unknown)} cannot run here; valid: "
                              + ", ".join(sorted(set(MODES) - {"process_sets", "elastic"})))
