@@ -29,6 +29,7 @@ import numpy as np
 from numba.core import types
 from numba.np import numpy_support
 
+from ._simulator_compat import shared_array_of_line
 from .errors import MemoryRace
 
 WARP_SIZE = 32
@@ -151,11 +152,11 @@ def _checked_array(self, shape, dtype):
         dtype = numpy_support.as_dtype(dtype)
     frame = sys._getframe(1)
     key = ("racecheck", frame.f_code.co_filename, frame.f_lineno)
-    arr = self._allocations.get(key)
-    if arr is None:
+
+    def make():
         where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        arr = self._allocations[key] = CheckedShared(np.empty(shape, dtype), where)
-    return arr
+        return CheckedShared(np.empty(shape, dtype), where)
+    return shared_array_of_line(self._allocations, key, make)
 
 
 def _atomic(name, update):

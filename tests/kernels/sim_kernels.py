@@ -445,6 +445,55 @@ def test_block_barrier_opens_once_every_live_thread_waits():
         _barrier_rounds[1, 64](np.zeros((3, 64), np.int32), 0, 9)
 
 
+def test_threads_asking_at_once_get_one_shared_array():
+    """Two threads ask for a line's shared array and both make one before either stores it
+    (the barrier holds each inside ``make``): both must get the array stored first. The
+    simulator's own get-then-store gave each its own array, splitting the block's memory."""
+    import threading
+
+    from numba_kernels._simulator_compat import shared_array_of_line
+    allocations, got = {}, [None, None]
+    both_made = threading.Barrier(2)
+
+    def make():
+        both_made.wait(timeout=10)
+        return object()
+
+    def ask(slot):
+        got[slot] = shared_array_of_line(allocations, ("kernel.py", 7), make)
+    threads = [threading.Thread(target=ask, args=(slot,)) for slot in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got[0] is got[1] is allocations[("kernel.py", 7)]
+
+
+@cuda.jit
+def _neighbour_in_shared(out):
+    sh = cuda.shared.array(64, np.int32)
+    t = cuda.threadIdx.x
+    sh[t] = t
+    cuda.syncthreads()
+    out[t] = sh[(t + 1) % 64]
+
+
+def test_shared_array_is_whole_under_frequent_thread_switches():
+    """Each thread reads its neighbour's post through the kernel's shared array, with the
+    interpreter switching threads every microsecond: 1-2% of launches read a post never made
+    through their array when the simulator split it (every one of five runs failed then)."""
+    import sys
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for launch in range(80):
+            out = np.full(64, -1, np.int32)
+            _neighbour_in_shared[1, 64](out)
+            assert np.array_equal(out, (np.arange(64) + 1) % 64), (launch, out)
+    finally:
+        sys.setswitchinterval(interval)
+
+
 @cuda.jit
 def _two_threads(out):
     t = cuda.threadIdx.x
