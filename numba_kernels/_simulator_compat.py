@@ -18,10 +18,11 @@ Splitting a shared array. The simulator hands each line's ``cuda.shared.array`` 
 threads from a dict: the first thread to look finds nothing and stores a new array. Two threads
 that both look before either stores each get an array of their own, and the block's shared
 memory is split: writes made through one are never seen through the other. This showed as a
-wrong top-k merge once in a CI run, and happens in 1-2% of launches of a 64-thread kernel with a
-short switch interval. Here the store is ``dict.setdefault``, one step under the interpreter
-lock, so every thread gets the array stored first. The line is found from the caller's frame,
-not from a formatted stack of the whole call chain as the simulator does, which is also faster.
+wrong top-k merge once in a full run of the suite, and happens in 1-2% of launches of a
+64-thread kernel with a short switch interval. Here the store is ``dict.setdefault``, one step
+under the interpreter lock, so every thread gets the array stored first. The line is found from
+the caller's frame, not from a formatted stack of the whole call chain as the simulator does,
+which is also faster.
 """
 import contextlib
 import sys
