@@ -85,14 +85,18 @@ def check_custom_submit(rank, size):
     assert bm.synchronize(h1).tolist() == [float(size)] * 4
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
+def check_every_handle_property(rank, size):
     check_progress_while_computing(rank, size)
     check_many_in_flight_and_order(rank, size)
     check_handle_owns_buffers(rank, size)
     check_errors_arrive_through_handles(rank, size)
     check_custom_submit(rank, size)
+
+
+def main():
+    bm.init()
+    rank, size = bm.rank(), bm.size()
+    check_every_handle_property(rank, size)
     bm.shutdown()
     if rank == 0:
         print(f"async suite OK on {size} ranks", flush=True)

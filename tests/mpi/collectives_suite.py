@@ -158,9 +158,8 @@ def check_objects(rank, size, counts):
     counts["objects"] += 2 + size
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
+def check_every_collective(rank, size):
+    """Every check above; returns the number of cases each kind ran."""
     counts = {k: 0 for k in ("allreduce", "scaling", "numpy", "large", "grouped", "data",
                              "reducescatter", "objects")}
     check_allreduce(rank, size, counts)
@@ -169,9 +168,16 @@ def main():
     check_grouped(rank, size, counts)
     check_data_movement(rank, size, counts)
     check_objects(rank, size, counts)
-    total = sum(counts.values())
     # Every rank must have run the same checks; a rank that skipped some would differ here.
     assert bm.allgather_object(counts) == [counts] * size
+    return counts
+
+
+def main():
+    bm.init()
+    rank, size = bm.rank(), bm.size()
+    counts = check_every_collective(rank, size)
+    total = sum(counts.values())
     if rank == 0:
         print(f"collectives suite OK on {size} ranks: {total} checks {counts}", flush=True)
 
