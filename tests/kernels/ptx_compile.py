@@ -4,7 +4,7 @@ The simulator runs kernels as Python, so it cannot catch what only Numba's
 CUDA compiler rejects (typing, unsupported calls).  ``sim_kernels.py`` records
 the argument types of each launch; this script, run WITHOUT the simulator and
 with libNVVM available (no GPU needed), compiles each one for a target
-compute capability and exits non-zero on the first failure.
+compute capability and exits non-zero if any launch fails (each failure printed).
 
 Usage: python ptx_compile.py signatures.json [major minor] [--resources]
 (NVVM runs at -O0, which is enough to type-check and lower; set
@@ -21,12 +21,14 @@ three blocks an SM, before their indices were made unsigned).
 import importlib
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import numba
@@ -87,26 +89,40 @@ def ptxas_resources(ptx, cc):
     return registers, spills, int(shared.group(1)) if shared else 0
 
 
+def compile_launch(launch, cc, resources):
+    """One recorded launch: (its line, its kernel's key, ptxas's resources or None, failed)."""
+    module, name, specs = launch
+    kernel = getattr(importlib.import_module(module), name)
+    sig = tuple(numba_type(s) for s in specs)
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=resources or
+                                  os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1")
+    except Exception as exc:
+        return f"FAILED {module}.{name}{sig}:\n{exc}", None, None, True
+    key = f"{module.rsplit('.', 1)[-1]}.{name}"
+    return f"ok {module}.{name} {sig}", key, ptxas_resources(ptx, cc) if resources else None, False
+
+
 def main(path, cc=(9, 0), resources=False):
     from numba.cuda import dispatcher
     dispatcher.get_current_device = lambda: _Device(cc)
     with open(path) as fh:
         launches = json.load(fh)
+    # Each compile is independent and single-threaded: one worker process a core (forked, so
+    # each has the device stand-in above), results in the launches' order.
+    workers = max(1, min(len(launches), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(compile_launch, launches, [cc] * len(launches),
+                                [resources] * len(launches)))
     worst = {}
-    for module, name, specs in launches:
-        kernel = getattr(importlib.import_module(module), name)
-        sig = tuple(numba_type(s) for s in specs)
-        try:
-            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=resources or
-                                      os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1")
-        except Exception as exc:
-            print(f"FAILED {module}.{name}{sig}:\n{exc}")
-            return 1
-        print(f"ok {module}.{name} {sig}")
-        if resources:
-            key = f"{module.rsplit('.', 1)[-1]}.{name}"
-            seen = worst.get(key, (0, 0, 0))   # the largest of each over the signatures
-            worst[key] = tuple(map(max, seen, ptxas_resources(ptx, cc)))
+    for line, key, used, failed in results:
+        print(line)
+        if used is not None:   # the largest of each over the kernel's signatures
+            worst[key] = tuple(map(max, worst.get(key, (0, 0, 0)), used))
+    failures = sum(failed for *_, failed in results)
+    if failures:
+        print(f"{failures} of {len(launches)} launches FAILED to compile")
+        return 1
     print(f"{len(launches)} launches compiled to PTX for sm_{cc[0]}{cc[1]}")
     return report(worst, cc) if resources else 0
 
