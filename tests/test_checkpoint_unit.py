@@ -17,7 +17,7 @@ from bagua_mpi.checkpoint import rng as rng_state
 from bagua_mpi.checkpoint import rotation
 from bagua_mpi import preemption
 from bagua_mpi.checkpoint.writer import PHASES, SCHEME_ENV
-from mpi_harness import run_mpi
+from mpi_harness import run_mpi_side_by_side
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -421,10 +421,20 @@ def test_cli(three_checkpoints, capsys):
 EXPECTED_LATEST = {"before_prune": 2}  # every earlier phase leaves `latest` at step 1
 
 
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory):
+    """A 1-rank job per phase, each killed there in a directory of its own, run side by side
+    (each is mostly its interpreter's start): ``{phase: (directory, result)}``."""
+    dirs = {phase: str(tmp_path_factory.mktemp(f"killed_{phase}")) for phase in PHASES}
+    results = run_mpi_side_by_side(
+        {phase: ("checkpoint_suite.py", "crash", d, phase) for phase, d in dirs.items()}, 1,
+        timeout=120)
+    return {phase: (dirs[phase], results[phase]) for phase in PHASES}
+
+
 @pytest.mark.parametrize("phase", PHASES)
-def test_sigkill_at_each_phase_leaves_a_loadable_checkpoint(tmp_path, phase):
-    d = str(tmp_path)
-    result = run_mpi("checkpoint_suite.py", 1, "crash", d, phase, timeout=120)
+def test_sigkill_at_each_phase_leaves_a_loadable_checkpoint(killed_saves, phase):
+    d, result = killed_saves[phase]
     assert result.returncode != 0 and "NOT KILLED" not in result.output, result.describe()
     assert f"SIGKILL at {phase.split('@')[0]} on rank 0" in result.output, result.describe()
     want = EXPECTED_LATEST.get(phase, 1)
