@@ -3,7 +3,7 @@
 The simulator runs a block's threads as Python threads. Its block manager learns that they have
 all reached ``syncthreads`` (or ended) by checking every thread in a loop that never sleeps,
 and that loop takes the interpreter lock from the very threads it waits for: in a cProfile of
-one rank of ``tests/mpi/gpu_device_suite.py clps`` at 2 ranks, 16 of its 26 s went to the
+one rank of ``tests/mpi/gpu_device_suite.py --check clps`` at 2 ranks, 16 of its 26 s went to the
 loop's ``Thread.is_alive`` calls and lock acquisitions.
 
 Here the threads count themselves at the barrier under a condition variable. The last live

@@ -6,25 +6,30 @@ and requires the same bytes; staged runs also check the staging counter (payload
 no dense device->host copy) and that the pinned buffers are reused. The real-GPU run of all
 this is ``tests/gpu/run.sh``.
 """
+import functools
+
 import pytest
 
-from mpi_harness import assert_mpi_ok, run_mpi
+import gpu_device_suite
+from mpi_harness import assert_check_passed, run_mpi
 
 # the simulator, with its race check (numba_kernels._simulator_races)
 SIM = {"NUMBA_ENABLE_CUDASIM": "1", "NUMBA_KERNELS_RACECHECK": "1",
        "PYTHONWARNINGS": "ignore::RuntimeWarning"}
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_clps_device_path_matches_host(nprocs):
-    assert_mpi_ok(run_mpi("gpu_device_suite.py", nprocs, "clps", env=SIM, timeout=400),
-                  f"gpu device suite OK on {nprocs} ranks")
+@pytest.fixture(scope="module")
+def device_suite():
+    """Every check of the suite in one job per world size (the simulator's ranks are slow to
+    start), each reported on its own line."""
+    return functools.cache(lambda nprocs: run_mpi("gpu_device_suite.py", nprocs, env=SIM,
+                                                  timeout=600))
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_sparse_and_decentralized_device_paths_match_host(nprocs):
-    """Top-k's allgather (with the selection's steady state: no scratch allocated after the
-    first step), gTop-k's tree staged through the pool, and D_FP_S/D_LP_S's peer exchanges."""
-    assert_mpi_ok(run_mpi("gpu_device_suite.py", nprocs, "topk", "gtopk", "decentralized",
-                          env=SIM, timeout=400),
-                  f"gpu device suite OK on {nprocs} ranks")
+@pytest.mark.parametrize("check", list(gpu_device_suite.CHECKS))
+def test_device_path_matches_host(check, nprocs, device_suite):
+    """C_LP_S's packed alltoall of several codecs, top-k's allgather (with the selection's
+    steady state: no scratch allocated after the first step), gTop-k's tree staged through the
+    pool, and D_FP_S/D_LP_S's peer exchanges; each as with a CUDA-aware MPI and staged."""
+    assert_check_passed(device_suite(nprocs), check)

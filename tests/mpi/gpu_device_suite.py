@@ -19,6 +19,7 @@ from bagua_mpi import transport
 from bagua_mpi.accounting import WireStats, overhead, staging
 from bagua_mpi.primitives.codecs import MinMaxCodec, OneBitCodec, QSGDCodec
 from bagua_mpi.primitives.lowprec import _clps_arrays, partition_length
+from checks import run_checks
 
 
 def say(comm, msg):
@@ -214,21 +215,27 @@ def check_decentralized(comm, aware: bool):
     say(comm, f"decentralized device forms == host ({'aware' if aware else 'staged'}) on {n}")
 
 
+def both_ways(check):
+    """A check run as with a CUDA-aware MPI, then staged."""
+    def run(rank, size):
+        for aware in (True, False):
+            check(bm.runtime.get().topo.comm, aware)
+    return run
+
+
+CHECKS = {"gtopk": lambda rank, size: check_gtopk_staged(bm.runtime.get().topo.comm),
+          "clps": both_ways(check_clps),
+          "topk": both_ways(check_topk),
+          "decentralized": both_ways(check_decentralized)}
+
+
 def main():
+    """Every check, or those named by ``--check NAME``, each reported on its own line."""
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under the CUDA simulator"
     bm.init()
-    comm = bm.runtime.get().topo.comm
-    checks = sys.argv[1:] or ["clps", "topk", "gtopk", "decentralized"]
-    if "gtopk" in checks:
-        check_gtopk_staged(comm)
-    for aware in (True, False):
-        if "clps" in checks:
-            check_clps(comm, aware)
-        if "topk" in checks:
-            check_topk(comm, aware)
-        if "decentralized" in checks:
-            check_decentralized(comm, aware)
-    say(comm, f"gpu device suite OK on {comm.Get_size()} ranks")
+    failures = run_checks(CHECKS)
+    bm.shutdown()
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
