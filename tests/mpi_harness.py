@@ -7,6 +7,7 @@ a hang; a hang anyway is cut by the timeout.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -62,6 +63,19 @@ def run_mpi(script: str, nprocs: int, *args: str, env: dict | None = None,
         full_env.update(env)
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(MPI_SUITES / script), *args]
     return run_job(cmd, full_env, timeout)
+
+
+def jobs_of_modes(script: str, modes_by_size: dict, timeout: float = 180.0):
+    """``run(nprocs)``: the one job, run on first use, that runs ``modes_by_size[nprocs]`` one
+    after the other (a suite taking several modes). Tests of the modes look for their own lines
+    with ``assert_in_output``; a mode that fails ends the job, and every later mode's test then
+    shows its traceback."""
+    return functools.cache(lambda nprocs: run_mpi(script, nprocs, *modes_by_size[nprocs],
+                                                  timeout=timeout))
+
+
+def assert_in_output(result: MPIResult, line: str) -> None:
+    assert not result.timed_out and line in result.output, result.describe()
 
 
 def run_mpi_side_by_side(jobs: dict, nprocs: int, **kwargs) -> dict:

@@ -11,9 +11,7 @@ import sys
 import async_suite
 import collectives_suite
 import faults_suite
-from checks import run_checks
-
-import bagua_mpi as bm
+from checks import run_job
 
 CHECKS = {
     "collectives": collectives_suite.check_every_collective,
@@ -25,12 +23,5 @@ CHECKS = {
 }
 
 
-def main():
-    bm.init()
-    failures = run_checks(CHECKS)
-    bm.shutdown()
-    return 1 if failures else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job(CHECKS))

@@ -53,6 +53,15 @@ def run_checks(checks: dict, argv: list[str] | None = None) -> int:
     return failures
 
 
+def run_job(checks: dict) -> int:
+    """A suite's whole job: ``bm.init()``, the selected checks, ``bm.shutdown()``; the exit
+    status (1 if any check failed)."""
+    bm.init()
+    failures = run_checks(checks)
+    bm.shutdown()
+    return 1 if failures else 0
+
+
 def expect(exc, fn, *needles):
     """Call ``fn``: it must raise ``exc`` with every one of ``needles`` in its message; the
     exception is returned for further checks."""

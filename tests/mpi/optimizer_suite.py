@@ -12,7 +12,7 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.exceptions import MisuseError
-from checks import run_checks
+from checks import run_job
 
 STEPS = 10
 BATCH = 6  # rows per rank per backward pass
@@ -462,12 +462,5 @@ def suite_checks() -> dict:
     }
 
 
-def main():
-    bm.init()
-    failures = run_checks(suite_checks())
-    bm.shutdown()
-    return 1 if failures else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job(suite_checks()))

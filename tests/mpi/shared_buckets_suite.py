@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 import bagua_mpi as bm
-from checks import run_checks
+from checks import run_job
 
 STEPS = 3
 
@@ -146,7 +146,4 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
-    bm.init()
-    failures = run_checks(CHECKS)
-    bm.shutdown()
-    sys.exit(1 if failures else 0)
+    sys.exit(run_job(CHECKS))
