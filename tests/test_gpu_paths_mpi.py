@@ -31,5 +31,6 @@ def device_suite():
 def test_device_path_matches_host(check, nprocs, device_suite):
     """C_LP_S's packed alltoall of several codecs, top-k's allgather (with the selection's
     steady state: no scratch allocated after the first step), gTop-k's tree staged through the
-    pool, and D_FP_S/D_LP_S's peer exchanges; each as with a CUDA-aware MPI and staged."""
+    pool, and D_FP_S/D_LP_S's peer exchanges; each as with a CUDA-aware MPI and staged
+    (gTop-k staged only)."""
     assert_check_passed(device_suite(nprocs), check)

@@ -11,7 +11,7 @@ import sys
 import async_suite
 import collectives_suite
 import faults_suite
-from checks import run_job
+from checks import run_suite
 
 CHECKS = {
     "collectives": collectives_suite.check_every_collective,
@@ -24,4 +24,4 @@ CHECKS = {
 
 
 if __name__ == "__main__":
-    sys.exit(run_job(CHECKS))
+    sys.exit(run_suite(CHECKS))

@@ -53,7 +53,7 @@ def run_checks(checks: dict, argv: list[str] | None = None) -> int:
     return failures
 
 
-def run_job(checks: dict) -> int:
+def run_suite(checks: dict) -> int:
     """A suite's whole job: ``bm.init()``, the selected checks, ``bm.shutdown()``; the exit
     status (1 if any check failed)."""
     bm.init()

@@ -19,7 +19,7 @@ from bagua_mpi import transport
 from bagua_mpi.accounting import WireStats, overhead, staging
 from bagua_mpi.primitives.codecs import MinMaxCodec, OneBitCodec, QSGDCodec
 from bagua_mpi.primitives.lowprec import _clps_arrays, partition_length
-from checks import run_job
+from checks import run_suite
 
 
 def say(comm, msg):
@@ -232,7 +232,7 @@ CHECKS = {"gtopk": lambda rank, size: check_gtopk_staged(bm.runtime.get().topo.c
 def main():
     """Every check, or those named by ``--check NAME``, each reported on its own line."""
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under the CUDA simulator"
-    return run_job(CHECKS)
+    return run_suite(CHECKS)
 
 
 if __name__ == "__main__":

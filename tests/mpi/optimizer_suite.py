@@ -12,7 +12,7 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.exceptions import MisuseError
-from checks import run_job
+from checks import run_suite
 
 STEPS = 10
 BATCH = 6  # rows per rank per backward pass
@@ -463,4 +463,4 @@ def suite_checks() -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_job(suite_checks()))
+    sys.exit(run_suite(suite_checks()))

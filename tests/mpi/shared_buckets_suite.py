@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 import bagua_mpi as bm
-from checks import run_job
+from checks import run_suite
 
 STEPS = 3
 
@@ -146,4 +146,4 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
-    sys.exit(run_job(CHECKS))
+    sys.exit(run_suite(CHECKS))
