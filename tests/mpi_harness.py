@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from forkserver import preloaded_command
+
 REPO = Path(__file__).resolve().parent.parent
 MPI_SUITES = Path(__file__).resolve().parent / "mpi"
 
@@ -91,7 +93,9 @@ def run_mpi_side_by_side(jobs: dict, nprocs: int, **kwargs) -> dict:
 
 
 def run_job(cmd: list[str], env: dict, timeout: float) -> MPIResult:
-    """Run a launcher command in its own process group; kill the whole group on timeout."""
+    """Run a launcher command in its own process group; kill the whole group on timeout.
+    ``mpiexec python script.py`` jobs get their ranks from preloaded Pythons (``forkserver``)."""
+    cmd, env = preloaded_command(cmd, env)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:

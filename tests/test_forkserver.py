@@ -1,0 +1,74 @@
+"""The test forkserver (tests/forkserver) is invisible to a job: the same script under the same
+mpiexec shows the same argv, directory, environment, sys.path and flags, ends with the same exit
+status, and leaves no rank behind when the job is killed. The oracle is the same job started
+with fresh interpreters (``BAGUA_TEST_FORKSERVER=0``)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from forkserver import HERE
+from mpi_harness import mpiexec_path, run_job
+
+RANKS = 2
+
+
+def probe(mode: str, preloaded: bool, timeout: float = 60):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_VALUE="per-job value",
+               BAGUA_TEST_FORKSERVER="1" if preloaded else "0",
+               PYTHONPATH=os.pathsep.join(["/nonexistent/probe-path", os.getcwd()]))
+    cmd = [mpiexec_path(), "-n", str(RANKS), sys.executable, str(HERE / "probe.py"), mode]
+    return run_job(cmd, env, timeout)
+
+
+def lines(output: str, tag: str) -> dict[int, str]:
+    found = {}
+    for line in output.splitlines():
+        if line.startswith(tag + " "):
+            _, rank, rest = line.split(" ", 2)
+            found[int(rank)] = rest
+    return found
+
+
+@pytest.fixture(scope="module")
+def described():
+    return {preloaded: probe("describe", preloaded) for preloaded in (False, True)}
+
+
+def test_a_preloaded_rank_sees_what_a_fresh_one_sees(described):
+    fresh, preloaded = (lines(described[p].output, "SAME") for p in (False, True))
+    assert sorted(fresh) == list(range(RANKS)), described[False].describe()
+    assert preloaded == fresh, described[True].describe()
+
+
+def test_preloaded_ranks_of_a_job_differ_in_hash_seed_and_numpy_seed(described):
+    varies = {rank: json.loads(text) for rank, text in
+              lines(described[True].output, "VARIES").items()}
+    assert len(varies) == RANKS, described[True].describe()
+    for key in ("hash", "numpy"):
+        assert len({v[key] for v in varies.values()}) == RANKS, (key, varies)
+
+
+@pytest.mark.parametrize("mode", ["exit", "raise", "signal"])
+def test_the_job_ends_with_the_status_a_fresh_one_ends_with(mode):
+    fresh, preloaded = probe(mode, False), probe(mode, True)
+    assert not fresh.timed_out and fresh.returncode != 0, fresh.describe()
+    assert (preloaded.timed_out, preloaded.returncode) == (False, fresh.returncode), (
+        f"fresh exit {fresh.returncode}; {preloaded.describe()}")
+    if mode == "raise":
+        assert "probe raised on purpose" in preloaded.output, preloaded.describe()
+
+
+def test_a_killed_job_leaves_no_preloaded_rank_behind():
+    result = probe("hang", True, timeout=15)
+    assert result.timed_out, result.describe()
+    pids = [int(pid) for pid in lines(result.output, "PID").values()]
+    assert len(pids) == RANKS, result.describe()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), pids
