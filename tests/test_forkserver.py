@@ -1,9 +1,10 @@
 """The test forkserver (tests/forkserver) is invisible to a job: the same script under the same
-mpiexec shows the same argv, directory, environment, sys.path and flags, ends with the same exit
+mpiexec, or alone, shows the same argv, directory, environment, sys.path and flags, ends with the same exit
 status, and leaves no rank behind when the job is killed. The oracle is the same job started
 with fresh interpreters (``BAGUA_TEST_FORKSERVER=0``)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -15,13 +16,16 @@ from forkserver import HERE
 from mpi_harness import mpiexec_path, run_job
 
 RANKS = 2
+LAUNCHERS = {"mpiexec": RANKS, "alone": 1}
 
 
-def probe(mode: str, preloaded: bool, timeout: float = 60):
+def probe(mode: str, preloaded: bool, timeout: float = 60, launcher: str = "mpiexec"):
     env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_VALUE="per-job value",
                BAGUA_TEST_FORKSERVER="1" if preloaded else "0",
                PYTHONPATH=os.pathsep.join(["/nonexistent/probe-path", os.getcwd()]))
-    cmd = [mpiexec_path(), "-n", str(RANKS), sys.executable, str(HERE / "probe.py"), mode]
+    cmd = [sys.executable, str(HERE / "probe.py"), mode]
+    if launcher == "mpiexec":
+        cmd = [mpiexec_path(), "-n", str(RANKS)] + cmd
     return run_job(cmd, env, timeout)
 
 
@@ -34,28 +38,34 @@ def lines(output: str, tag: str) -> dict[int, str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def described():
-    return {preloaded: probe("describe", preloaded) for preloaded in (False, True)}
+@functools.cache
+def described(launcher: str) -> dict:
+    """The describe probe run by ``launcher``, with fresh (False) and preloaded (True) ranks."""
+    return {preloaded: probe("describe", preloaded, launcher=launcher)
+            for preloaded in (False, True)}
 
 
-def test_a_preloaded_rank_sees_what_a_fresh_one_sees(described):
-    fresh, preloaded = (lines(described[p].output, "SAME") for p in (False, True))
-    assert sorted(fresh) == list(range(RANKS)), described[False].describe()
-    assert preloaded == fresh, described[True].describe()
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_a_preloaded_rank_sees_what_a_fresh_one_sees(launcher):
+    runs = described(launcher)
+    fresh, preloaded = (lines(runs[p].output, "SAME") for p in (False, True))
+    assert sorted(fresh) == list(range(LAUNCHERS[launcher])), runs[False].describe()
+    assert preloaded == fresh, runs[True].describe()
 
 
-def test_preloaded_ranks_of_a_job_differ_in_hash_seed_and_numpy_seed(described):
+def test_preloaded_ranks_of_a_job_differ_in_hash_seed_and_numpy_seed():
+    runs = described("mpiexec")
     varies = {rank: json.loads(text) for rank, text in
-              lines(described[True].output, "VARIES").items()}
-    assert len(varies) == RANKS, described[True].describe()
+              lines(runs[True].output, "VARIES").items()}
+    assert len(varies) == RANKS, runs[True].describe()
     for key in ("hash", "numpy"):
         assert len({v[key] for v in varies.values()}) == RANKS, (key, varies)
 
 
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 @pytest.mark.parametrize("mode", ["exit", "raise", "signal"])
-def test_the_job_ends_with_the_status_a_fresh_one_ends_with(mode):
-    fresh, preloaded = probe(mode, False), probe(mode, True)
+def test_the_job_ends_with_the_status_a_fresh_one_ends_with(mode, launcher):
+    fresh, preloaded = (probe(mode, p, launcher=launcher) for p in (False, True))
     assert not fresh.timed_out and fresh.returncode != 0, fresh.describe()
     assert (preloaded.timed_out, preloaded.returncode) == (False, fresh.returncode), (
         f"fresh exit {fresh.returncode}; {preloaded.describe()}")

@@ -1,7 +1,7 @@
 """Start MPI test ranks from preloaded Pythons instead of fresh interpreters.
 
-``preloaded_command(cmd, env)`` rewrites ``mpiexec ... <python> script.py ...`` so that mpiexec
-starts ``stub.py``, which has the rank forked from a server that imported torch once. The job is
+``preloaded_command(cmd, env)`` rewrites ``[mpiexec ...] <python> script.py ...`` so that what
+runs is ``stub.py``, which has the rank forked from a server that imported torch once. The job is
 still a real mpiexec job: same PMI, stdio, environment, argv, exit codes and signals; only the
 interpreter's start-up is shared (see server.py for how).
 
@@ -39,10 +39,13 @@ def enabled(env: dict) -> bool:
 
 def preloaded_command(cmd: list[str], env: dict) -> tuple[list[str], dict]:
     """``(cmd, env)`` with this Python's script replaced by the stub, when ``cmd`` is
-    ``mpiexec [options] sys.executable script.py [args]``; otherwise unchanged."""
-    if not enabled(env) or sys.executable not in cmd or Path(cmd[0]).name != "mpiexec":
+    ``[mpiexec [options]] sys.executable script.py [args]``; otherwise unchanged (without
+    mpiexec the one rank initializes MPI as a singleton, as ``python script.py`` does)."""
+    if not enabled(env) or sys.executable not in cmd:
         return cmd, env
     at = cmd.index(sys.executable)
+    if at > 0 and Path(cmd[0]).name != "mpiexec":
+        return cmd, env  # srun, bash, ...: not ours to change
     if at + 1 >= len(cmd) or not cmd[at + 1].endswith(".py"):
         return cmd, env  # python -m / -c / options: left to a fresh interpreter
     directory = _servers_for(env)

@@ -27,14 +27,14 @@ if mode == "describe":
     say(f"VARIES {comm.rank} {json.dumps(varies)}")
 elif mode == "exit":
     comm.Barrier()
-    sys.exit(7 if comm.rank == 1 else 0)
+    sys.exit(7 if comm.rank == comm.size - 1 else 0)
 elif mode == "raise":
     comm.Barrier()
-    if comm.rank == 1:
+    if comm.rank == comm.size - 1:
         raise ValueError("probe raised on purpose")
 elif mode == "signal":
     comm.Barrier()
-    if comm.rank == 1:
+    if comm.rank == comm.size - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
 elif mode == "hang":
