@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,11 +82,12 @@ def _start(import_env: dict) -> tuple[str, list[subprocess.Popen]]:
                 other.kill()
             raise RuntimeError(f"test forkserver did not start (log: {directory}/servers.log):\n"
                                + Path(directory, "servers.log").read_text())
-    atexit.register(_stop, servers)
+    atexit.register(_stop, directory, servers)
     return directory, servers
 
 
-def _stop(servers: list[subprocess.Popen]) -> None:
+def _stop(directory: str, servers: list[subprocess.Popen]) -> None:
     for server in servers:
         server.kill()
         server.wait()
+    shutil.rmtree(directory, ignore_errors=True)
