@@ -1,7 +1,7 @@
 """The test forkserver (tests/forkserver) is invisible to a job: the same script under the same
-mpiexec, or alone, shows the same argv, directory, environment, sys.path and flags, ends with the same exit
-status, and leaves no rank behind when the job is killed. The oracle is the same job started
-with fresh interpreters (``BAGUA_TEST_FORKSERVER=0``)."""
+mpiexec, or alone, shows the same argv, directory, environment, sys.path and flags, ends with
+the same exit status, and leaves no rank behind when the job is killed. The oracle is the same
+job started with fresh interpreters (``BAGUA_TEST_FORKSERVER=0``)."""
 from __future__ import annotations
 
 import functools

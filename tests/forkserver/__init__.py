@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -75,12 +77,14 @@ def _start(import_env: dict) -> tuple[str, list[subprocess.Popen]]:
                                 start_new_session=True)
                for slot in range(SLOTS)]
     log.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
     for server in servers:
-        line = server.stdout.readline()
-        if line.strip() != "ready":
+        ready, _, _ = select.select([server.stdout], [], [], max(0, deadline - time.monotonic()))
+        if not ready or server.stdout.readline().strip() != "ready":
             for other in servers:
                 other.kill()
-            raise RuntimeError(f"test forkserver did not start (log: {directory}/servers.log):\n"
+            raise RuntimeError(f"test forkserver did not report ready: it exited or took over "
+                               f"{START_TIMEOUT_S} s (log: {directory}/servers.log):\n"
                                + Path(directory, "servers.log").read_text())
     atexit.register(_stop, directory, servers)
     return directory, servers

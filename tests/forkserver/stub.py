@@ -33,7 +33,12 @@ def main() -> None:
     servers = env.pop("BAGUA_TEST_FORKSERVER_DIR")
     slot = int(env.get("PMI_RANK", "0")) % int(env.pop("BAGUA_TEST_FORKSERVER_SLOTS"))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.connect(os.path.join(servers, f"slot{slot}.sock"))
+    path = os.path.join(servers, f"slot{slot}.sock")
+    try:
+        sock.connect(path)
+    except OSError as error:
+        sys.exit(f"bagua_mpi test forkserver: no server at {path} ({error}); "
+                 "BAGUA_TEST_FORKSERVER=0 runs the tests without it")
     fds = open_descriptors(sock.fileno())
     request = {"argv": sys.argv[1:], "env": env, "cwd": os.getcwd(), "fds": fds}
     socket.send_fds(sock, [json.dumps(request).encode()], fds)
