@@ -37,7 +37,8 @@ _servers: dict[tuple, tuple[str, list[subprocess.Popen]]] = {}
 
 
 def enabled(env: dict) -> bool:
-    return env.get("BAGUA_TEST_FORKSERVER", "1") != "0"
+    # Linux only: the stub lists its descriptors in /proc and the rank uses prctl
+    return sys.platform == "linux" and env.get("BAGUA_TEST_FORKSERVER", "1") != "0"
 
 
 def preloaded_command(cmd: list[str], env: dict) -> tuple[list[str], dict]:

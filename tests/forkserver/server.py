@@ -80,11 +80,7 @@ def wait_for_rank(conn: socket.socket) -> dict:
     for fd in descriptors:
         os.close(fd)
     conn.sendall(json.dumps({"pid": rank}).encode())
-    pidfd = os.pidfd_open(rank)
-    readable, _, _ = select.select([conn, pidfd], [], [])
-    if conn in readable and conn.recv(64) == b"":  # the stub was killed: so is its rank
-        os.kill(rank, signal.SIGKILL)
-    _, status = os.waitpid(rank, 0)
+    status = wait_or_kill(rank, conn)
     outcome = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
                else {"exit": os.WEXITSTATUS(status)})
     try:
@@ -92,6 +88,23 @@ def wait_for_rank(conn: socket.socket) -> dict:
     except OSError:
         pass
     os._exit(0)
+
+
+def wait_or_kill(rank: int, conn: socket.socket) -> int:
+    """The rank's wait status; SIGKILL it first if the stub goes away (the job was killed)."""
+    try:
+        watched = [conn, os.pidfd_open(rank)]  # Linux 5.3+: readable when the rank ends
+        poll_s = None
+    except (AttributeError, OSError):  # older kernels: look at the rank every 0.1 s
+        watched, poll_s = [conn], 0.1
+    while True:
+        readable, _, _ = select.select(watched, [], [], poll_s)
+        if conn in readable and conn.recv(64) == b"":  # the stub was killed: so is its rank
+            os.kill(rank, signal.SIGKILL)
+            return os.waitpid(rank, 0)[1]
+        pid, status = os.waitpid(rank, os.WNOHANG)
+        if pid:
+            return status
 
 
 def place_descriptors(received: list[int], numbers: list[int]) -> None:
