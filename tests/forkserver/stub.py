@@ -28,6 +28,14 @@ def open_descriptors(exclude: int) -> list[int]:
     return sorted(alive)
 
 
+def receive(sock: socket.socket) -> dict:
+    """The waiter's next message: the rank's pid, then how it ended."""
+    reply = sock.recv(256)
+    if not reply:
+        sys.exit("bagua_mpi test forkserver: the server went away before the rank ended")
+    return json.loads(reply)
+
+
 def main() -> None:
     env = dict(os.environ)
     servers = env.pop("BAGUA_TEST_FORKSERVER_DIR")
@@ -42,13 +50,10 @@ def main() -> None:
     fds = open_descriptors(sock.fileno())
     request = {"argv": sys.argv[1:], "env": env, "cwd": os.getcwd(), "fds": fds}
     socket.send_fds(sock, [json.dumps(request).encode()], fds)
-    rank = json.loads(sock.recv(256))["pid"]
+    rank = receive(sock)["pid"]
     for number in FORWARDED:
         signal.signal(number, lambda received, _frame: os.kill(rank, received))
-    reply = sock.recv(256)
-    if not reply:
-        sys.exit("bagua_mpi test forkserver: the server went away before the rank ended")
-    outcome = json.loads(reply)
+    outcome = receive(sock)
     if "exit" in outcome:
         os._exit(outcome["exit"])
     number = outcome["signal"]
