@@ -1,5 +1,6 @@
 """The test forkserver (tests/forkserver) is invisible to a job: the same script under the same
-mpiexec, or alone, shows the same argv, directory, environment, sys.path and flags, ends with
+mpiexec, or alone, shows the same argv, directory, environment, sys.path and flags, a collector
+that frees the rank's own garbage cycles (the server's objects are frozen), ends with
 the same exit status, and leaves no rank behind when the job is killed. The oracle is the same
 job started with fresh interpreters (``BAGUA_TEST_FORKSERVER=0``)."""
 from __future__ import annotations
