@@ -26,10 +26,10 @@ Layering (no module here imports a public module of the package):
 """
 from .. import _simulator_blocks, _simulator_races, _simulator_warps
 from .._numpy_compat import ensure_numba_cuda_can_load
-from .._simulator_compat import make_simulator_thread_safe
+from .._simulator_compat import mend_simulator
 
 ensure_numba_cuda_can_load()
-make_simulator_thread_safe()
+mend_simulator()
 _simulator_blocks.install()   # before the race check wraps syncthreads
 _simulator_warps.install()
 _simulator_races.install()

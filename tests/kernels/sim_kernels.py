@@ -22,7 +22,7 @@ from numba import cuda  # noqa: E402
 import device_checks as dc  # noqa: E402
 import numba_kernels._cuda  # noqa: E402,F401 - installs the simulator's counting swap
 from row_refs import registry_cases  # noqa: E402
-from sim_swap_helpers import leaves_first, stays_longer  # noqa: E402
+from sim_swap_helpers import leaves_first, own_lane, stays_longer  # noqa: E402
 
 F32, F64 = np.float32, np.float64
 
@@ -515,3 +515,50 @@ def test_two_threads_inside_one_modules_device_functions():
     out = np.full(2, -1, np.int64)
     _two_threads[1, 2](out)
     assert list(out) == [0, 1]
+
+
+@cuda.jit
+def _lanes_through_a_helper(out):
+    out[cuda.threadIdx.x] = own_lane()
+
+
+def test_threads_entering_a_module_at_once_all_find_the_fake_cuda():
+    """A block's 64 threads make the launch's first calls into ``sim_swap_helpers`` together,
+    the interpreter switching threads every microsecond. A module is swapped once per launch
+    and recorded as swapped only after its ``cuda`` names are replaced, so every thread finds
+    the fake module; the real one is back after each launch."""
+    import sys
+
+    import numba.cuda
+    import sim_swap_helpers
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for launch in range(40):
+            out = np.full(64, -1, np.int64)
+            _lanes_through_a_helper[1, 64](out)
+            assert np.array_equal(out, np.arange(64)), (launch, out)
+            assert sim_swap_helpers.cuda is numba.cuda, launch
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@cuda.jit
+def _array_attributes(x, out, missing):
+    out[0] = x.size
+    out[1] = x.shape[1]
+    out[2] = x.ndim
+    out[3] = x[1].size          # a row: a device array of its own
+    if missing:
+        out[4] = x.no_such_attribute
+
+
+def test_array_attributes_inside_a_kernel():
+    """The simulator's attribute lookup on device arrays, replaced by one that reads the names
+    from a set made once per array type: the NumPy array's attributes, of views too, and
+    AttributeError for a name it lacks."""
+    out = np.zeros(5, np.int64)
+    _array_attributes[1, 1](np.zeros((2, 3), np.float32), out, False)
+    assert list(out[:4]) == [6, 3, 2, 3]
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        _array_attributes[1, 1](np.zeros((2, 3), np.float32), out, True)

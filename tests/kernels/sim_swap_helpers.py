@@ -15,3 +15,8 @@ def leaves_first():
 def stays_longer():
     time.sleep(0.1)
     return cuda.threadIdx.x
+
+
+@cuda.jit(device=True)
+def own_lane():
+    return cuda.threadIdx.x
