@@ -1,5 +1,6 @@
-"""Device functions for ``sim_kernels.py``'s test of the simulator's ``cuda`` swap: two
-simulated threads inside functions of this one module at once. Simulator only (they sleep)."""
+"""Device functions for ``sim_kernels.py``'s tests of the simulator's ``cuda`` swap: two
+simulated threads inside functions of this one module at once, and a block's threads all
+entering it together. Simulator only (two of them sleep)."""
 import time
 
 from numba import cuda
