@@ -6,8 +6,10 @@ with NUMBA_ENABLE_CUDASIM=1.  With NUMBA_KERNELS_RECORD=<path> the argument
 types of every kernel launch are written there, so that the launches can be
 compiled to PTX for a real GPU (see ``ptx_compile.py``).
 """
+import contextlib
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -469,6 +471,18 @@ def test_threads_asking_at_once_get_one_shared_array():
     assert got[0] is got[1] is allocations[("kernel.py", 7)]
 
 
+@contextlib.contextmanager
+def frequent_thread_switches():
+    """The interpreter switching threads every microsecond instead of every 5 ms, so that the
+    simulator's threads interleave as finely as a GPU's."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
 @cuda.jit
 def _neighbour_in_shared(out):
     sh = cuda.shared.array(64, np.int32)
@@ -482,16 +496,11 @@ def test_shared_array_is_whole_under_frequent_thread_switches():
     """Each thread reads its neighbour's post through the kernel's shared array, with the
     interpreter switching threads every microsecond: 1-2% of launches read a post never made
     through their array when the simulator split it (every one of five runs failed then)."""
-    import sys
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with frequent_thread_switches():
         for launch in range(80):
             out = np.full(64, -1, np.int32)
             _neighbour_in_shared[1, 64](out)
             assert np.array_equal(out, (np.arange(64) + 1) % 64), (launch, out)
-    finally:
-        sys.setswitchinterval(interval)
 
 
 @cuda.jit
@@ -527,20 +536,14 @@ def test_threads_entering_a_module_at_once_all_find_the_fake_cuda():
     the interpreter switching threads every microsecond. A module is swapped once per launch
     and recorded as swapped only after its ``cuda`` names are replaced, so every thread finds
     the fake module; the real one is back after each launch."""
-    import sys
-
     import numba.cuda
     import sim_swap_helpers
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with frequent_thread_switches():
         for launch in range(40):
             out = np.full(64, -1, np.int64)
             _lanes_through_a_helper[1, 64](out)
             assert np.array_equal(out, np.arange(64)), (launch, out)
             assert sim_swap_helpers.cuda is numba.cuda, launch
-    finally:
-        sys.setswitchinterval(interval)
 
 
 @cuda.jit
