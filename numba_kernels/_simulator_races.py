@@ -188,12 +188,22 @@ class _GlobalWrites:
         self.lock = threading.Lock()
         self.kernel = None
         self.writes = {}    # byte address -> (block, stamp, the byte written)
+        self.arrays = {}    # id of an array written in this launch -> (the array, its address)
         self.atomic = threading.local()
 
     def start(self, kernel):
         with self.lock:
             self.kernel = kernel
             self.writes = {}
+            self.arrays = {}
+
+    def _address(self, ary):
+        """The address of ``ary``'s first byte, asked once per array and launch (the array is
+        held, so that its id is not reused within the launch)."""
+        known = self.arrays.get(id(ary))
+        if known is None:
+            known = self.arrays[id(ary)] = (ary, ary.__array_interface__["data"][0])
+        return known[1]
 
     def write(self, ary, idx, write):
         """``write()`` (element ``idx`` of ``ary`` = a value), checked and recorded when idx is
@@ -202,17 +212,16 @@ class _GlobalWrites:
         if (getattr(self.atomic, "depth", 0) or self.kernel is None or len(key) != ary.ndim
                 or not all(isinstance(k, (int, np.integer)) for k in key)):
             return write()
-        offset = 0
+        start = self._address(ary)
         for k, n, stride in zip(key, ary.shape, ary.strides):
             k = int(k)
-            offset += (k + n if k < 0 else k) * stride
-        start = ary.__array_interface__["data"][0] + offset
+            start += (k + n if k < 0 else k) * stride
         thread = threading.current_thread()
         block, now = tuple(thread.blockIdx), _stamp(thread)
         with self.lock:
             write()
-            written = np.asarray(ary[key]).tobytes()
-            for address, byte in zip(range(start, start + ary.itemsize), written):
+            written = ary[key].tobytes()
+            for address, byte in enumerate(written, start):
                 last = self.writes.get(address)
                 if (last is not None and last[2] != byte
                         and not (last[0] == block and _ordered(last[1], now))):
