@@ -24,9 +24,9 @@ under the interpreter lock, so every thread gets the array stored first. The lin
 the caller's frame, not from a formatted stack of the whole call chain as the simulator does,
 which is also faster.
 
-The swap's cost. The simulator's swap, a generator context, imports its kernel module and
-scans all of the module's globals on every device function's call; here it is a plain class,
-and a module is swapped once per launch. An array's attributes: inside a kernel the simulator
+The swap's cost. The swap was a generator context that ran its imports and scanned all of
+the module's globals on every device function's call; here it is a plain class, and a module
+is swapped once per launch. An array's attributes: inside a kernel the simulator
 looks up every attribute of an array (``x.size``, ``x.shape``) in a ``dir()`` of the NumPy
 array built anew each time; here the names come from a set made once per array type. On a
 long-chunk row case (``check_rows``, 4130 elements) the two took 1.8 s and 2.2 s of its 7.4 s
