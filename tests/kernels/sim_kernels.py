@@ -536,14 +536,13 @@ def test_threads_entering_a_module_at_once_all_find_the_fake_cuda():
     the interpreter switching threads every microsecond. A module is swapped once per launch
     and recorded as swapped only after its ``cuda`` names are replaced, so every thread finds
     the fake module; the real one is back after each launch."""
-    import numba.cuda
     import sim_swap_helpers
     with frequent_thread_switches():
         for launch in range(40):
             out = np.full(64, -1, np.int64)
             _lanes_through_a_helper[1, 64](out)
             assert np.array_equal(out, np.arange(64)), (launch, out)
-            assert sim_swap_helpers.cuda is numba.cuda, launch
+            assert sim_swap_helpers.cuda is cuda, launch
 
 
 @cuda.jit
