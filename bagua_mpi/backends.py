@@ -123,7 +123,7 @@ def set_node_ranks(count: int | None) -> None:
     _node_ranks = count
 
 
-def _local_ranks() -> int:
+def local_ranks() -> int:
     """Ranks on this node: as ``init`` found them, else what the launcher says, else 1."""
     if _node_ranks is not None:
         return _node_ranks
@@ -141,7 +141,7 @@ def auto_device_backend() -> tuple[str, str]:
         return "mpi", f"NCCL cannot run: {missing}"
     import torch
 
-    gpus, ranks = torch.cuda.device_count(), _local_ranks()
+    gpus, ranks = torch.cuda.device_count(), local_ranks()
     if ranks > gpus:
         return "mpi", (f"{ranks} ranks share this node's {gpus} GPU(s), and NCCL refuses two "
                        f"ranks on one GPU")

@@ -27,6 +27,7 @@ import torch
 import numba_kernels as nk
 
 from .. import transport
+from .codecs import fit_kernel_threads
 
 
 def partition_length(length: int, parts: int) -> int:
@@ -113,6 +114,7 @@ def _host_scatter_sum(flat: torch.Tensor, wire, wire_dtype: torch.dtype, scale: 
     # padding, which the elementwise sums keep apart from the result
     words[:flat.numel()].copy_(flat.detach().reshape(-1))
     wire.alltoall(send, recv)
+    fit_kernel_threads()
     nk.sum_halves(recv.reshape(n, part), merged, _KIND[wire_dtype])
     if scale != 1.0:
         np.multiply(merged, np.float32(scale), out=merged)

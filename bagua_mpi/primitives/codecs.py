@@ -28,18 +28,37 @@ def fit_kernel_threads() -> None:
     Numba's parallel regions spin; with several ranks per node each taking every core (4
     ranks x 2 OpenMP threads on 2 cores, with MPI busy-polling too) min-max compression of
     1.6M floats took 14 ms instead of 1.9 ms. The setting is per thread in Numba, so every
-    thread that compresses calls this (a cheap check after the first time).
+    thread that compresses calls this (a cheap check after the first time). The first call
+    also starts Numba's thread pool, once per process (``_start_numba_threads``).
     """
     global _threads_per_rank
     import numba   # here, not at the top: importing numba costs every rank about 0.3 s
     if _threads_per_rank is None:
-        from .. import config, runtime
-        local = runtime.get().topo.local_size if runtime.is_initialized() else 1
+        from .. import backends, config
         forced = config.kernel_threads()
+        local = backends.local_ranks()
         _threads_per_rank = forced if forced else max(1, (os.cpu_count() or 1) // local)
         _threads_per_rank = min(_threads_per_rank, numba.config.NUMBA_NUM_THREADS)
+        _start_numba_threads()
     if numba.get_num_threads() != _threads_per_rank:
         numba.set_num_threads(_threads_per_rank)
+
+
+def _start_numba_threads() -> None:
+    """Start Numba's thread pool here, leaving this thread's torch thread count as it was.
+
+    Numba's OpenMP layer starts its pool by setting the calling thread's OpenMP thread count
+    to NUMBA_NUM_THREADS, and never sets it back. That thread is usually the communication
+    thread, and torch's CPU operations there (PowerSGD's matrix products, for one) then ran
+    with one OpenMP thread a core whatever OMP_NUM_THREADS said: on 2 cores with 2 ranks,
+    PowerSGD's step took 128 ms instead of 3.4 ms once a compressed exchange had run before it
+    in the process (``benchmarks/results/kernel_threads.md``)."""
+    import numba
+    import torch
+    before = torch.get_num_threads()
+    numba.get_num_threads()   # starts the pool, once per process (a lookup afterwards)
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 class Codec:
