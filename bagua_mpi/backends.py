@@ -27,7 +27,10 @@ live and what this module decides. The choice is made per optimizer
 a GPU or without NCCL in torch, ``gloo`` without torch.distributed) raises
 ``BackendUnavailableError`` naming what is missing; only ``auto`` falls back, and it says why
 (``describe``, logged once and shown as ``DistributedOptimizer.backend``). NCCL refuses two
-ranks on one GPU, so ``auto`` picks MPI when a node has more ranks than GPUs.
+ranks on one GPU, so ``auto`` picks MPI when a node has more ranks than GPUs. Every rank must
+come to the same library (``wire``): ``DistributedOptimizer`` compares them at wrap time, turns
+``auto`` decisions that differ between nodes into MPI everywhere and refuses explicit choices
+that differ with ``MismatchError``.
 
 The user-facing collectives (``bagua_mpi.allreduce`` and friends) follow the same device rule
 for dense allreduces of CUDA tensors on the global set; host tensors go through MPI there
@@ -156,13 +159,33 @@ def auto_backend() -> tuple[str, str]:
     return name, why
 
 
+def wire(name: str, device_type: str) -> str:
+    """The library that carries the payloads of a ``device_type`` model under backend ``name``:
+    ``"nccl"``, ``"nccl_hierarchical"``, ``"mpi"`` or ``"gloo"``. Every rank of a job must
+    come to the same one (``DistributedOptimizer`` checks at wrap time): a rank on NCCL and a
+    rank on MPI would each wait for the other in a library the other never calls. MPI on
+    device buffers and MPI through pinned host buffers are one wire."""
+    if device_type != "cuda":
+        return host_carrier(name)
+    if name in NCCL_BACKENDS:
+        check_available(name)
+        return name
+    if name == "auto" and auto_device_backend()[0] == "nccl":
+        return "nccl"
+    return "mpi"
+
+
+def why_wire(name: str, device_type: str) -> str:
+    """How this rank came to ``wire(name, device_type)``: the setting, and ``auto``'s reason."""
+    if name == "auto" and device_type == "cuda":
+        return f"backend='auto': {auto_device_backend()[1]}"
+    return f"backend={name!r}"
+
+
 def device_carrier(name: str) -> str:
     """Who moves device payloads under backend ``name``: ``"nccl"``, ``"mpi_device"``
     (CUDA-aware MPI) or ``"mpi_staged"`` (pinned host buffers)."""
-    if name in NCCL_BACKENDS:
-        check_available(name)
-        return "nccl"
-    if name == "auto" and auto_device_backend()[0] == "nccl":
+    if wire(name, "cuda") != "mpi":
         return "nccl"
     from .cuda import mpi_is_cuda_aware
 

@@ -117,8 +117,21 @@ def describe_mismatch(my_rank: int, signatures: list) -> str:
     return "\n".join(lines)
 
 
+def ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2,5'; [3] -> 'rank 3' (ranks in increasing order)."""
+    spans, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(spans)
+
+
 def format_signature(sig: tuple) -> str:
     if not sig:
         return "()"
     name, *fields = sig
-    return f"{name}(" + ", ".join(f"{k}={v}" for k, v in fields) + ")"
+    # fields are (key, value) pairs; anything else is shown as it is, since this runs while
+    # reporting a mismatch and must not fail in its place
+    return f"{name}(" + ", ".join(f"{f[0]}={f[1]}" if isinstance(f, tuple) and len(f) == 2
+                                  else repr(f) for f in fields) + ")"

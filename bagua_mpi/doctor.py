@@ -440,15 +440,16 @@ def merge_ranks(per_rank: list[list[Check]]) -> list[Check]:
 
 
 def _variant_lines(variants: dict) -> list[Check]:
+    from .consistency import ranks_text
     shown = list(variants.items())[:MAX_VARIANTS]
-    lines = [Check(c.check, c.status, f"{c.value} [{_ranks_text(ranks)}]", c.fix)
+    lines = [Check(c.check, c.status, f"{c.value} [{ranks_text(ranks)}]", c.fix)
              for c, ranks in shown]
     rest = list(variants.items())[MAX_VARIANTS:]
     if rest:
         worst = max((c for c, _ in rest), key=lambda c: _SEVERITY[c.status])
         ranks = sorted(r for _, rs in rest for r in rs)
         lines.append(Check(worst.check, worst.status, f"{len(rest)} more variants, worst: "
-                           f"{worst.value} [{_ranks_text(ranks)}]", worst.fix))
+                           f"{worst.value} [{ranks_text(ranks)}]", worst.fix))
     return lines
 
 
@@ -463,16 +464,6 @@ def _disagreeing_versions(per_rank: list[list[Check]]) -> list[Check]:
         return []
     return [fail("versions across ranks", "ranks differ: " + "; ".join(differing),
                  "install the same environment on every node")]
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> 'ranks 0-2,5'."""
-    spans, start = [], ranks[0]
-    for prev, cur in zip(ranks, ranks[1:] + [None]):
-        if cur != prev + 1:
-            spans.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(spans)
 
 
 def topology_checks(topo) -> list[Check]:

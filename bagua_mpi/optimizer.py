@@ -16,6 +16,7 @@ forwards ``param_groups``, ``state``, ``state_dict`` and ``load_state_dict``. It
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
@@ -25,9 +26,12 @@ from .algorithms import AlgorithmContext, UnsupportedOptionError, WrapOptions, c
 from .compression import Compression
 from .engine import Engine, StepClock
 from .engine.policy import auto_overlap
+from .consistency import ranks_text
 from .exceptions import MismatchError, MisuseError
 from .ops import Average, ReduceOp, Sum
 from .timeline import Timeline
+
+logger = logging.getLogger(__name__)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -142,7 +146,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             compression=self.compression, hierarchical=hierarchical, average=op is Average,
             gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage))
         params, names = _trainable_parameters(optimizer, named_parameters)
-        check_models_agree(names, params, None if process_set is None else topo)
+        device = params[0].device.type if params else "cpu"
+        chosen = backends.resolve(backend)
+        wire = backends.wire(chosen, device)
+        # what every rank must set alike: any of these differing makes the ranks exchange
+        # different bytes, or wait in different libraries (auto is agreed on below)
+        settings = {"algorithm": self.algorithm.config(),
+                    "backend": "auto" if chosen == "auto" else wire,
+                    "compression": self.compression.name,
+                    "op": op.name, "gradient_predivide_factor": gradient_predivide_factor,
+                    "backward_passes_per_step": backward_passes_per_step,
+                    "hierarchical": hierarchical, "zero_stage": zero_stage,
+                    "bucket_size_mb": bucket_size_mb, "flatten": flatten,
+                    "find_unused_parameters": find_unused_parameters,
+                    "sparse_as_dense": sparse_as_dense}
+        notes = check_models_agree(names, params, None if process_set is None else topo,
+                                   settings=settings,
+                                   notes={"backend": backends.why_wire(chosen, device),
+                                          "wire": wire})
+        if chosen == "auto":
+            backend = _agreed_auto(notes, backend)
         size = topo.size
         ctx = AlgorithmContext(
             topo=topo, average=op is Average,
@@ -424,18 +447,49 @@ def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str]]
     return params, [name_of[id(p)] for p in params]
 
 
-def check_models_agree(names: list[str], params: list, topo=None) -> None:
+def _agreed_auto(notes: list[dict], backend):
+    """``auto`` decides on each rank from what that rank sees (NCCL in torch, a GPU for each
+    local rank), so nodes that differ can decide differently: then every rank takes MPI,
+    which runs everywhere, and says why. Returns the optimizer's backend."""
+    wires = [n["wire"] for n in notes]
+    if len(set(wires)) == 1:
+        return backend
+    first = next(r for r, w in enumerate(wires) if w != wires[0])
+    logger.warning("bagua_mpi: backend='auto' carries the payloads over %s on rank 0 (%s) but "
+                   "over %s on rank %d (%s); every rank uses mpi", wires[0],
+                   notes[0]["backend"], wires[first], first, notes[first]["backend"])
+    return "mpi"
+
+
+def check_models_agree(names: list[str], params: list, topo=None, *,
+                       settings: dict | None = None, notes: dict | None = None) -> list[dict]:
     """Raise ``MismatchError`` on every rank unless all ranks wrap identical models (all ranks
-    of ``topo``, a process set's topology, when given: only its ranks take part)."""
-    mine = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in zip(names, params)]
+    of ``topo``, a process set's topology, when given: only its ranks take part) with equal
+    ``settings`` (``{name: value}``; a dict value is compared key by key, as ``name.key``).
+    ``notes``: ``{name: text}``, not compared: a setting's note is shown beside its values
+    where they differ (how each rank came to it). One collective; returns every rank's notes,
+    in rank order."""
+    mine = ([(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+             for n, p in zip(names, params)], _flat_settings(settings or {}), notes or {})
     if topo is None:
         everyone = collectives.allgather_object(mine)
     else:  # on the set's communicator, in order with the other collectives
         everyone = runtime.get().worker.run(lambda: topo.comm.allgather(mine),
                                             ("allgather_object",))
-    reference = everyone[0]
+    problems = _model_differences([model for model, _, _ in everyone])
+    if problems:
+        raise MismatchError("the ranks wrap different models:\n  " + "\n  ".join(problems))
+    problems = _setting_differences([(flat, notes) for _, flat, notes in everyone])
+    if problems:
+        raise MismatchError("the ranks wrap their optimizers with different settings (each "
+                            "must be the same on every rank):\n  " + "\n  ".join(problems))
+    return [rank_notes for _, _, rank_notes in everyone]
+
+
+def _model_differences(models: list) -> list[str]:
+    reference = models[0]
     problems = []
-    for r, theirs in enumerate(everyone[1:], start=1):
+    for r, theirs in enumerate(models[1:], start=1):
         if theirs == reference:
             continue
         if len(theirs) != len(reference):
@@ -446,8 +500,40 @@ def check_models_agree(names: list[str], params: list, topo=None) -> None:
                 problems.append(f"rank 0 has {a[0]} {a[1]} {a[2]}, rank {r} has "
                                 f"{b[0]} {b[1]} {b[2]}")
                 break
-    if problems:
-        raise MismatchError("the ranks wrap different models:\n  " + "\n  ".join(problems))
+    return problems
+
+
+def _flat_settings(settings: dict) -> dict:
+    flat = {}
+    for name, value in settings.items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _setting_differences(ranks: list) -> list[str]:
+    """One line per setting whose value differs: each value with the ranks that have it (and
+    the first of those ranks' note). Where the algorithms' names differ, their
+    hyperparameters are not compared."""
+    keys = list(dict.fromkeys(k for flat, _ in ranks for k in flat))
+    names_differ = len({repr(flat.get("algorithm.name")) for flat, _ in ranks}) > 1
+    problems = []
+    for key in keys:
+        if names_differ and key.startswith("algorithm.") and key != "algorithm.name":
+            continue
+        holders: dict[str, list[int]] = {}
+        for r, (flat, _) in enumerate(ranks):
+            holders.setdefault(repr(flat.get(key)), []).append(r)
+        if len(holders) == 1:
+            continue
+        parts = []
+        for value, who in holders.items():
+            note = ranks[who[0]][1].get(key)
+            parts.append(f"{value} on {ranks_text(who)}" + (f" ({note})" if note else ""))
+        problems.append(f"{key}: " + "; ".join(parts))
+    return problems
 
 
 def broadcast_parameters(params, root_rank: int = 0) -> None:

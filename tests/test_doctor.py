@@ -16,7 +16,7 @@ import torch
 
 from mpi_harness import REPO, mpiexec_path
 
-from bagua_mpi import doctor
+from bagua_mpi import consistency, doctor
 from bagua_mpi.doctor import FAIL, OK, WARN, Check
 
 HAS_GPU = torch.cuda.is_available()
@@ -315,8 +315,8 @@ def test_warn_and_fail_need_a_fix():
 
 
 def test_ranks_text():
-    assert doctor._ranks_text([3]) == "rank 3"
-    assert doctor._ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7-8"
+    assert consistency.ranks_text([3]) == "rank 3"
+    assert consistency.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7-8"
 
 
 def test_merge_keeps_common_lines_once_and_splits_the_rest():

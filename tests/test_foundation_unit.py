@@ -117,6 +117,43 @@ def test_signature_hash_is_stable_and_discriminating():
     assert "rank 1: allreduce(op=Sum, dtype=float32, shape=(4,))" in text
 
 
+def test_a_signature_that_is_not_all_pairs_still_formats():
+    """The mismatch report must not fail in place of the mismatch it reports."""
+    text = consistency.describe_mismatch(0, [("bucket", "qsgd", 3), ("bucket", ("index", 3))])
+    assert "rank 0: bucket('qsgd', 3)" in text and "rank 1: bucket(index=3)" in text
+
+
+@pytest.mark.parametrize("name", sorted(bm.algorithms.names()))
+def test_every_signature_an_algorithm_checks_is_key_value_pairs(initialized, monkeypatch, name):
+    """One rank, two steps of each registered algorithm: every signature that reaches the
+    agreement check is (operation, (key, value), ...), which its mismatch report shows as
+    key=value (the bucket exchange's once held bare values, and the report failed with a
+    ValueError instead of naming the ranks' algorithms)."""
+    seen = []
+    original = consistency.verify
+
+    def recording(comm, signature, join=None):
+        seen.append(signature)
+        return original(comm, signature, join)
+    monkeypatch.setattr(consistency, "verify", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    kind = torch.optim.Adam if name == "onebit_adam" else torch.optim.SGD
+    opt = bm.DistributedOptimizer(kind(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), algorithm=name)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 8)).square().mean().backward()
+            opt.step()
+    finally:
+        opt.close()
+    assert seen, f"{name}: no signature reached the check"
+    bad = [sig for sig in seen if not isinstance(sig[0], str) or not all(
+        isinstance(f, tuple) and len(f) == 2 and isinstance(f[0], str) for f in sig[1:])]
+    assert not bad, f"{name}: signatures with fields that are not (key, value) pairs: {bad}"
+
+
 def test_consistency_check_switch(initialized):
     bm.set_consistency_check(False)
     try:

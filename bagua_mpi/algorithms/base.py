@@ -324,7 +324,7 @@ class AlgorithmImpl:
                 tensors[0]) in process_groups.LIBRARIES)
             join = (tuple((dtype_name(t) if native else reduce_dtype(dtype_name(t)), t.numel())
                           for t in tensors), MPI.SUM, False, route)
-        signature = ("bucket", self.algorithm.name, bucket.index,
+        signature = ("bucket", ("algorithm", self.algorithm.name), ("index", bucket.index),
                      ("sizes", tuple(t.numel() for t in tensors)), ("dense", dense_plain),
                      ("zero_stage", self.zero_stage))
         return consistency.verify(self.ctx.topo.comm, signature, join)

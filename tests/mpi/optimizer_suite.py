@@ -12,7 +12,7 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.exceptions import MisuseError
-from checks import run_suite
+from checks import expect, run_suite
 
 STEPS = 10
 BATCH = 6  # rows per rank per backward pass
@@ -424,6 +424,81 @@ def check_mismatched_models(rank: int, size: int) -> int:
     return 1
 
 
+def check_mismatched_settings(rank: int, size: int) -> int:
+    """A setting that differs on one rank (the last) raises MismatchError on every rank at wrap
+    time, naming the setting, each value and the ranks that have it, instead of a hang (two
+    libraries waiting for each other) or a confusing failure inside the first step; the
+    library keeps working afterwards."""
+    if size == 1:
+        return 0  # nothing to disagree with
+    last, others = size - 1, ("rank 0" if size == 2 else f"ranks 0-{size - 2}")
+    odd = rank == last
+    cases = {  # name: (keyword arguments on the last rank, everyone else's, needles)
+        "algorithm": ({"algorithm": "qsgd"}, {},
+                      ["algorithm.name: 'gradient_allreduce' on " + others,
+                       f"'qsgd' on rank {last}"]),
+        "hyperparameter": ({"algorithm": bm.algorithms.create("qsgd", levels=15)},
+                           {"algorithm": "qsgd"},
+                           [f"algorithm.levels: 127 on {others}; 15 on rank {last}"]),
+        "backend": ({"backend": "gloo"}, {"backend": "mpi"},
+                    [f"backend: 'mpi' on {others} (backend='mpi'); 'gloo' on rank {last} "
+                     "(backend='gloo')"]),
+        "op": ({"op": bm.Sum}, {}, [f"op: 'Average' on {others}; 'Sum' on rank {last}"]),
+        "passes": ({"backward_passes_per_step": 2}, {},
+                   [f"backward_passes_per_step: 1 on {others}; 2 on rank {last}"]),
+        "compression": ({"compression": bm.Compression.fp16}, {},
+                        [f"compression: 'none' on {others}; 'fp16' on rank {last}"]),
+    }
+    model = torch.nn.Linear(4, 2)
+    for name, (theirs, mine, needles) in cases.items():
+        kwargs = theirs if odd else mine
+        expect(bm.MismatchError, lambda: bm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(), **kwargs),
+            "different settings", *needles)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    model(torch.ones(3, 4) * rank).sum().backward()
+    opt.step()
+    opt.close()
+    return len(cases) + check_auto_that_decides_differently(rank, size)
+
+
+def check_auto_that_decides_differently(rank: int, size: int) -> int:
+    """backend='auto' decides on each rank (a node with a GPU per rank takes NCCL, one
+    without takes MPI). Where the ranks' decisions differ, every rank takes MPI and rank 0
+    says why, instead of a hang; the gradients are then averaged as usual. The last rank plays
+    a node whose auto takes NCCL (a CPU model here, so it is only told so)."""
+    import logging
+
+    from bagua_mpi import backends
+    wire, said = backends.wire, []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("bagua_mpi.optimizer").addHandler(handler)
+    if rank == size - 1:
+        backends.wire = lambda name, device: "nccl" if name == "auto" else wire(name, device)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2, bias=False)
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                      named_parameters=model.named_parameters(),
+                                      backend="auto")
+    finally:
+        backends.wire = wire
+        logging.getLogger("bagua_mpi.optimizer").removeHandler(handler)
+    assert opt.impl.backend == "mpi" and opt.backend == "mpi", (opt.impl.backend, opt.backend)
+    assert any(f"over nccl on rank {size - 1}" in m and "every rank uses mpi" in m
+               for m in said), said
+    before = model.weight.detach().clone()
+    model(torch.full((1, 4), float(rank))).sum().backward()   # grad: rank in every column
+    opt.step()
+    opt.close()
+    mean = (size - 1) / 2
+    assert torch.allclose(model.weight, before - mean), (model.weight, before, mean)
+    return 1
+
+
 def check_compression(size: int) -> int:
     """fp16/bf16 compression stays within half-precision error of the exact result."""
     checks = 0
@@ -458,6 +533,7 @@ def suite_checks() -> dict:
         "join": check_join,
         "compression": lambda rank, size: check_compression(size),
         "mismatched_models": check_mismatched_models,
+        "mismatched_settings": check_mismatched_settings,
         "bucket_order_and_overlap": check_bucket_order_and_overlap_in_tmp,
     }
 
