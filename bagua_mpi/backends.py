@@ -160,13 +160,20 @@ def auto_backend() -> tuple[str, str]:
 
 
 def wire(name: str, device_type: str) -> str:
-    """The library that carries the payloads of a ``device_type`` model under backend ``name``:
-    ``"nccl"``, ``"nccl_hierarchical"``, ``"mpi"`` or ``"gloo"``. Every rank of a job must
-    come to the same one (``DistributedOptimizer`` checks at wrap time): a rank on NCCL and a
-    rank on MPI would each wait for the other in a library the other never calls. MPI on
-    device buffers and MPI through pinned host buffers are one wire."""
+    """The libraries that carry the payloads of a ``device_type`` model under backend ``name``:
+    ``"nccl"``, ``"nccl_hierarchical"``, ``"mpi"`` or ``"gloo"``, and for a CUDA model under
+    ``gloo`` ``"mpi (host payloads: gloo)"``. Every rank of a job must come to the same one
+    (``DistributedOptimizer`` checks at wrap time): a rank on NCCL and a rank on MPI would each
+    wait for the other in a library the other never calls. MPI on device buffers and MPI
+    through pinned host buffers are one wire."""
+    host = host_carrier(name)
     if device_type != "cuda":
-        return host_carrier(name)
+        return host
+    device = _device_wire(name)
+    return device if host == "mpi" else f"{device} (host payloads: {host})"
+
+
+def _device_wire(name: str) -> str:
     if name in NCCL_BACKENDS:
         check_available(name)
         return name
@@ -185,7 +192,7 @@ def why_wire(name: str, device_type: str) -> str:
 def device_carrier(name: str) -> str:
     """Who moves device payloads under backend ``name``: ``"nccl"``, ``"mpi_device"``
     (CUDA-aware MPI) or ``"mpi_staged"`` (pinned host buffers)."""
-    if wire(name, "cuda") != "mpi":
+    if _device_wire(name) != "mpi":
         return "nccl"
     from .cuda import mpi_is_cuda_aware
 

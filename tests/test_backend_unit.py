@@ -80,6 +80,32 @@ def test_auto_picks_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, ranks
         assert f"{ranks} ranks share this node's {gpus} GPU" in why
 
 
+@pytest.mark.parametrize("gpus,ranks", [(1, 2), (2, 2)])
+def test_the_wire_every_rank_must_agree_on(monkeypatch, gpus, ranks):
+    """``wire`` (what the optimizer compares across ranks) for each backend, CPU and CUDA
+    models: device and host payloads both count; auto follows the node (NCCL with a GPU per
+    local rank, else MPI), and says why."""
+    monkeypatch.setattr(backends, "nccl_missing", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    backends.set_node_ranks(ranks)
+    try:
+        auto = "nccl" if gpus >= ranks else "mpi"
+        expected = {"auto": (auto, "mpi"), "mpi": ("mpi", "mpi"), "nccl": ("nccl", "mpi"),
+                    "nccl_hierarchical": ("nccl_hierarchical", "mpi"),
+                    "gloo": ("mpi (host payloads: gloo)", "gloo")}
+        assert set(expected) == set(backends.BACKENDS)
+        for name, (cuda_wire, cpu_wire) in expected.items():
+            assert backends.wire(name, "cuda") == cuda_wire, name
+            assert backends.wire(name, "cpu") == cpu_wire, name
+            if name in ("auto", "mpi", "gloo"):  # who moves device payloads agrees with it
+                on_nccl = backends.device_carrier(name) == "nccl"
+                assert on_nccl == cuda_wire.startswith("nccl"), name
+        assert backends.why_wire("auto", "cuda").startswith("backend='auto': ")
+        assert backends.why_wire("gloo", "cuda") == "backend='gloo'"
+    finally:
+        backends.set_node_ranks(None)
+
+
 def test_nccl_allreduce_refuses_ops_it_cannot_reduce():
     with pytest.raises(backends.BackendError, match="op 'bitwise_or' has no NCCL reduction"):
         transport.nccl_allreduce_(torch.zeros(1), None, "nccl", op="bitwise_or")
