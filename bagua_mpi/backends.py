@@ -30,7 +30,8 @@ a GPU or without NCCL in torch, ``gloo`` without torch.distributed) raises
 ranks on one GPU, so ``auto`` picks MPI when a node has more ranks than GPUs. Every rank must
 come to the same library (``wire``): ``DistributedOptimizer`` compares them at wrap time, turns
 ``auto`` decisions that differ between nodes into MPI everywhere and refuses explicit choices
-that differ with ``MismatchError``.
+that differ with ``MismatchError``; an allreduce that runs on NCCL says so in its agreement
+check (``collectives._allreduce``), so ranks whose routes differ raise there instead of hang.
 
 The user-facing collectives (``bagua_mpi.allreduce`` and friends) follow the same device rule
 for dense allreduces of CUDA tensors on the global set; host tensors go through MPI there

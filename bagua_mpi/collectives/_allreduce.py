@@ -33,8 +33,17 @@ def _verify_allreduce(comm, op, dt: str, shape: tuple, mop, hier: bool,
     """The agreement check of an allreduce: one record for the general and the fast path, so
     ranks taking different paths for the same call still agree (and disagreeing calls raise).
     ``route``: how a joined rank adds its zeros (``join_route``)."""
-    consistency.verify(comm, ("allreduce", ("op", op.name), ("dtype", dt), ("shape", shape)),
+    consistency.verify(comm, ("allreduce", ("op", op.name), ("dtype", dt), ("shape", shape))
+                       + _wire_field(route),
                        (((reduce_dtype(dt), math.prod(shape)),), mop, hier, route))
+
+
+def _wire_field(route: tuple) -> tuple:
+    """``(("wire", "nccl"),)`` for an allreduce that runs on NCCL, else nothing: ranks whose
+    ``auto`` decided differently (a node with a GPU per rank and one without) then disagree
+    in the check, by name, instead of each waiting in a library the other never calls. An MPI
+    allreduce's signature stays as it is."""
+    return (("wire", "nccl"),) if route[0] == "nccl" else ()
 
 
 def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
@@ -234,8 +243,9 @@ def _grouped_run(rt, topo, tensors, outs, op, prescale_factor, postscale_factor,
         plan.append((wire_dt, idx, mop, post,
                      sum(math.prod(tuple(tensors[i].shape)) for i in idx)))
     reduce_ = reducer_for(tensors[0], topo)  # one kind and device: one reducer for all
-    join_info = (tuple((w, n, m) for w, _, m, _, n in plan), None, hier,
-                 join_route(tensors[0], topo) if reduce_ is nccl_allreduce_ else ("mpi",))
+    route = join_route(tensors[0], topo) if reduce_ is nccl_allreduce_ else ("mpi",)
+    signature += _wire_field(route)
+    join_info = (tuple((w, n, m) for w, _, m, _, n in plan), None, hier, route)
 
     def run():
         if check_wanted(check):

@@ -41,8 +41,23 @@ def expect(exc_type, fn, *needles):
     raise AssertionError(f"{fn} did not raise {exc_type.__name__}")
 
 
+def as_if_on_nccl(fn):
+    """``fn()`` on this rank as if its dense allreduces ran on NCCL (a node whose ``auto``
+    took NCCL while the others' took MPI): only the route is changed, since the agreement
+    check must stop the call before any reduction starts."""
+    from bagua_mpi.collectives import _allreduce
+    saved = _allreduce.reducer_for, _allreduce.join_route
+    _allreduce.reducer_for = lambda tensor, topo: _allreduce.nccl_allreduce_
+    _allreduce.join_route = lambda tensor, topo, *args, **kwargs: ("nccl", None)
+    try:
+        return fn()
+    finally:
+        _allreduce.reducer_for, _allreduce.join_route = saved
+
+
 def mode_mismatch(rank, size):
     last = size - 1
+    on_nccl = as_if_on_nccl if rank == last else (lambda fn: fn())
     cases = {
         "shape": (lambda: bm.allreduce(torch.zeros(3 + rank)), ["shape=(3,)", f"shape=({3 + last},)"]),
         "dtype": (lambda: bm.allreduce(torch.zeros(4, dtype=torch.float64 if rank else torch.float32)),
@@ -61,6 +76,11 @@ def mode_mismatch(rank, size):
                      ["dtype=int64", "dtype=int32"]),
         "grouped": (lambda: bm.grouped_allreduce([torch.zeros(2), torch.zeros(1 + rank)]), ["shapes="]),
         "reducescatter": (lambda: bm.reducescatter(torch.zeros(size + rank)), ["reducescatter("]),
+        # the library each rank's route takes (a scaling factor keeps it off the fast path)
+        "wire": (lambda: on_nccl(lambda: bm.allreduce(torch.zeros(4), bm.Sum,
+                                                      prescale_factor=2.0)), ["wire=nccl"]),
+        "grouped_wire": (lambda: on_nccl(lambda: bm.grouped_allreduce([torch.zeros(2)])),
+                         ["grouped_allreduce(", "wire=nccl"]),
     }
     times = {}
     for name, (fn, needles) in cases.items():
