@@ -34,16 +34,20 @@ def _verify_allreduce(comm, op, dt: str, shape: tuple, mop, hier: bool,
     ranks taking different paths for the same call still agree (and disagreeing calls raise).
     ``route``: how a joined rank adds its zeros (``join_route``)."""
     consistency.verify(comm, ("allreduce", ("op", op.name), ("dtype", dt), ("shape", shape))
-                       + _wire_field(route),
+                       + _route_fields(route, hier),
                        (((reduce_dtype(dt), math.prod(shape)),), mop, hier, route))
 
 
-def _wire_field(route: tuple) -> tuple:
-    """``(("wire", "nccl"),)`` for an allreduce that runs on NCCL, else nothing: ranks whose
-    ``auto`` decided differently (a node with a GPU per rank and one without) then disagree
-    in the check, by name, instead of each waiting in a library the other never calls. An MPI
-    allreduce's signature stays as it is."""
-    return (("wire", "nccl"),) if route[0] == "nccl" else ()
+def _route_fields(route: tuple, hier: bool) -> tuple:
+    """What the signature says of how the allreduce runs, where that is not the flat MPI
+    allreduce (whose signature says nothing of it): ``("wire", "nccl")`` on NCCL, so ranks
+    whose ``auto`` decided differently (a node with a GPU per rank and one without) disagree
+    in the check by name instead of each waiting in a library the other never calls; else
+    ``("hierarchical", True)`` for MPI's two-level form (node, leaders, node), whose calls
+    never meet a flat allreduce's. NCCL picks its own form, so there ``hier`` is not said."""
+    if route[0] == "nccl":
+        return (("wire", "nccl"),)
+    return (("hierarchical", True),) if hier else ()
 
 
 def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor, hierarchical,
@@ -244,7 +248,7 @@ def _grouped_run(rt, topo, tensors, outs, op, prescale_factor, postscale_factor,
                      sum(math.prod(tuple(tensors[i].shape)) for i in idx)))
     reduce_ = reducer_for(tensors[0], topo)  # one kind and device: one reducer for all
     route = join_route(tensors[0], topo) if reduce_ is nccl_allreduce_ else ("mpi",)
-    signature += _wire_field(route)
+    signature += _route_fields(route, hier)
     join_info = (tuple((w, n, m) for w, _, m, _, n in plan), None, hier, route)
 
     def run():

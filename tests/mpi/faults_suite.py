@@ -81,6 +81,12 @@ def mode_mismatch(rank, size):
                                                       prescale_factor=2.0)), ["wire=nccl"]),
         "grouped_wire": (lambda: on_nccl(lambda: bm.grouped_allreduce([torch.zeros(2)])),
                          ["grouped_allreduce(", "wire=nccl"]),
+        # MPI's two-level form on one rank, flat on the others: their calls never meet
+        "hierarchical": (lambda: bm.allreduce(torch.zeros(4), bm.Sum,
+                                              hierarchical=rank == last), ["hierarchical=True"]),
+        "grouped_hierarchical": (lambda: bm.grouped_allreduce([torch.zeros(2)],
+                                                              hierarchical=rank == last),
+                                 ["grouped_allreduce(", "hierarchical=True"]),
     }
     times = {}
     for name, (fn, needles) in cases.items():
