@@ -479,7 +479,7 @@ def check_models_agree(names: list[str], params: list, topo=None, *,
     problems = _model_differences([model for model, _, _ in everyone])
     if problems:
         raise MismatchError("the ranks wrap different models:\n  " + "\n  ".join(problems))
-    problems = _setting_differences([(flat, notes) for _, flat, notes in everyone])
+    problems = _setting_differences([(flat, rank_notes) for _, flat, rank_notes in everyone])
     if problems:
         raise MismatchError("the ranks wrap their optimizers with different settings (each "
                             "must be the same on every rank):\n  " + "\n  ".join(problems))
