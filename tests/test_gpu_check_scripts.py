@@ -24,6 +24,7 @@ def test_train_all_profiles_and_summarizes_on_cpu(tmp_path):
     for r in rows:
         assert r["ok"], r["problems"]
         assert set(r["allocations_per_bucket"]) == set(r["launches_per_bucket"])
+        assert r["first_step_ms"] > 0, r      # the first step's time (what compiling costs)
         profile = r["profile"]
         assert profile["steps"] == 10 and profile["samples"] > 0, profile
         names = [name for name, _ in profile["inclusive"]]
@@ -35,6 +36,11 @@ def test_train_all_profiles_and_summarizes_on_cpu(tmp_path):
                              timeout=60).stdout
     assert "## Where the host's time goes" in summary
     assert "| cpu | topk |" in summary
+    lines = summary.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| mode | algorithm | ok "))
+    table = lines[start:lines.index("", start)]     # header, rule and one row per algorithm
+    assert "first step ms" in table[0] and len(table) == 4, table
+    assert len({line.count("|") for line in table}) == 1, table   # every row fills the columns
     assert "- cpu topk: " in summary        # its step against gradient_allreduce's
 
 

@@ -42,12 +42,13 @@ def main():
         rows = [json.loads(line) for line in open(path) if line.strip()]
     out += ["## Every algorithm, 2 ranks sharing the GPU", "",
             "| mode | algorithm | ok | loss first -> last | identical | step ms (median) | "
-            "d2h bytes/run | dense d2h | launches, host waits, allocations per bucket | problems |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "first step ms | d2h bytes/run | dense d2h | "
+            "launches, host waits, allocations per bucket | problems |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['mode']} | (all) | skipped | | | | | | | {r['skipped']} |")
+            out.append(f"| {r['mode']} | (all) | skipped | | | | | | | | {r['skipped']} |")
             continue
         st = r.get("staging", {})
         if r["algorithm"] == "gradient_allreduce" and "step_ms_median" in r:
@@ -56,7 +57,8 @@ def main():
                    f"{r.get('loss_first', float('nan')):.4f} -> "
                    f"{r.get('loss_last', float('nan')):.4f} | "
                    f"{r.get('identical', '')}{'' if r.get('centralized', True) else ' (n/a)'} | "
-                   f"{r.get('step_ms_median', float('nan')):.2f} | {st.get('d2h_bytes', '')} | "
+                   f"{r.get('step_ms_median', float('nan')):.2f} | "
+                   f"{r.get('first_step_ms', float('nan')):.0f} | {st.get('d2h_bytes', '')} | "
                    f"{st.get('dense_d2h_bytes', '')} | {per_bucket(r)} | "
                    f"{'; '.join(r.get('problems', []))} |")
     out += ["", "Compressed step time / gradient_allreduce's (same run; target <= 1):", ""]

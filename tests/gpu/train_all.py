@@ -143,6 +143,8 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
             "device": device_name(device), "loss_first": first,
             "loss_last": last, "centralized": centralized, "identical": identical,
             "step_ms_median": 1e3 * tail[len(tail) // 2], "staging": snap,
+            # the first step compiles the kernels that no earlier algorithm of this run used
+            "first_step_ms": 1e3 * times[0],
             "parameters": sum(p.numel() for p in model.parameters()), "backend": backend,
             "launches_per_bucket": stats["launches_per_bucket"],
             "syncs_per_bucket": stats["syncs_per_bucket"],
