@@ -1,11 +1,13 @@
 """Data-parallel training of an MLP on synthetic data: the README's main job.
 
     mpiexec -n 4 python examples/train_mlp.py [--steps 50] [--hidden 1024] [--batch 64]
+                                              [--algorithm gradient_allreduce] [--optimizer auto]
                                               [--plot mlp_loss.png] [--progress auto]
 
 Each rank generates its own shard of a fixed synthetic regression problem (no downloads); the
 optimizer is wrapped in ``bagua_mpi.DistributedOptimizer``, whose communication algorithm is
-chosen with ``--algorithm`` (``--list-algorithms`` shows the registered ones). Rank 0 shows the
+chosen with ``--algorithm`` (``--list-algorithms`` shows the registered ones). The optimizer is
+SGD with momentum, or Adam for the algorithms built on Adam (onebit_adam). Rank 0 shows the
 progress (``bagua_mpi.progress``: a tqdm bar on a terminal, plain lines in a log) with the loss
 averaged over ranks, then a summary (throughput, time spent waiting for communication, bytes
 sent per step) and writes the loss curve to a PNG. tqdm and matplotlib (the ``examples``
@@ -30,6 +32,25 @@ def make_model(inputs: int, hidden: int, layers: int, outputs: int) -> torch.nn.
     return torch.nn.Sequential(*blocks)
 
 
+# the learning rate each optimizer gets unless --lr is given
+DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3}
+
+
+def optimizer_kind(algorithm: str, requested: str) -> str:
+    """'sgd' or 'adam': what ``--optimizer`` asked for, or with 'auto' what the algorithm needs
+    (1-bit Adam replaces Adam's step and wraps only Adam or AdamW)."""
+    if requested != "auto":
+        return requested
+    return "adam" if algorithm == "onebit_adam" else "sgd"
+
+
+def make_optimizer(kind: str, params, lr: float | None) -> torch.optim.Optimizer:
+    lr = DEFAULT_LR[kind] if lr is None else lr
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
 def synthetic_batch(step: int, rank: int, batch: int, inputs: int, teacher: torch.nn.Module):
     """A batch of this rank's data shard: inputs from a seeded RNG, targets from a teacher."""
     gen = torch.Generator().manual_seed(1_000_003 * step + rank)
@@ -46,8 +67,12 @@ def main() -> None:
     parser.add_argument("--inputs", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"learning rate (default: {DEFAULT_LR['sgd']} for SGD, "
+                             f"{DEFAULT_LR['adam']} for Adam)")
     parser.add_argument("--algorithm", default="gradient_allreduce")
+    parser.add_argument("--optimizer", default="auto", choices=["auto", "sgd", "adam"],
+                        help="auto: Adam for onebit_adam, else SGD with momentum 0.9")
     parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     parser.add_argument("--list-algorithms", action="store_true")
     parser.add_argument("--plot", default="mlp_loss.png",
@@ -65,8 +90,9 @@ def main() -> None:
     teacher = make_model(args.inputs, 64, 1, 1)
     bm.broadcast_parameters(model.state_dict(), root_rank=0)
     bm.broadcast_parameters(teacher.state_dict(), root_rank=0)
+    kind = optimizer_kind(args.algorithm, args.optimizer)
     optimizer = bm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        make_optimizer(kind, model.parameters(), args.lr),
         named_parameters=model.named_parameters(), algorithm=args.algorithm,
         compression=args.compression)
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,4 +1,5 @@
 """The examples run as documented (small sizes) and produce what they promise."""
+import importlib.util
 import re
 import shlex
 import shutil
@@ -6,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import bagua_mpi as bm
 
 from mpi_harness import REPO, mpiexec_path
 
@@ -103,6 +107,39 @@ def test_main_job_draws_a_bar_when_mpiexec_writes_to_a_terminal(tmp_path):
     assert "5/5 [" in out and "\r" in out, out  # tqdm's bar, redrawn in place
     assert not re.search(r"step +\d+  loss", out), out  # and no plain lines
     assert "summary: 5 steps" in out, out
+
+
+def _main_job_module():
+    spec = importlib.util.spec_from_file_location("train_mlp", REPO / "examples" / "train_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(bm.algorithms.names()))
+def test_main_job_picks_an_optimizer_every_algorithm_accepts(name):
+    """``--algorithm NAME`` with the default ``--optimizer auto``: the optimizer it builds wraps
+    and steps with that algorithm (one rank, in this process; 1-bit Adam refuses SGD with a
+    TypeError at wrap time)."""
+    job = _main_job_module()
+    bm.init(abort_on_exception=False)
+    model = torch.nn.Linear(4, 1)
+    optimizer = bm.DistributedOptimizer(
+        job.make_optimizer(job.optimizer_kind(name, "auto"), model.parameters(), None),
+        named_parameters=model.named_parameters(), algorithm=name)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.close()
+
+
+def test_main_job_trains_with_onebit_adam():
+    """The one registered algorithm that needs Adam, through the example (2 ranks, 120 steps:
+    the 100 of Adam's warm-up, then 1-bit momenta): before the example chose the optimizer by
+    algorithm it ended in that TypeError."""
+    out = run_example("train_mlp.py", 2, "--steps", "120", "--hidden", "64", "--batch", "16",
+                      "--algorithm", "onebit_adam", "--plot", "")
+    losses = losses_of(out)
+    assert "algorithm: onebit_adam" in out and losses[-1] < 0.7 * losses[0], out
 
 
 def test_downpour_example_beats_predicting_zero():
