@@ -42,8 +42,8 @@ def chunk_source(x, e, has_res, ci, chunk, size):
         return s, t, e[s:t]
     if have == t - s:
         return s, t, x[s:t]
-    # An element loop, not a slice assignment: Numba compiles a slice assignment's shape check
-    # with its error message (string formatting), about 4 s per process that compiles an encoder
+    # An element loop, not a slice assignment: Numba compiled the assignment's shape check with
+    # its error message's string formatting, 8-10 s more where a process compiled an encoder
     src = np.zeros(t - s, x.dtype)
     for i in range(have):
         src[i] = x[s + i]
