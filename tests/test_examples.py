@@ -116,13 +116,21 @@ def _main_job_module():
     return module
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """bagua_mpi initialised in this process (world size 1), and shut down again after, since
+    later test files check the uninitialised state."""
+    bm.init(abort_on_exception=False)
+    yield
+    bm.shutdown()
+
+
 @pytest.mark.parametrize("name", sorted(bm.algorithms.names()))
-def test_main_job_picks_an_optimizer_every_algorithm_accepts(name):
+def test_main_job_picks_an_optimizer_every_algorithm_accepts(name, one_rank):
     """``--algorithm NAME`` with the default ``--optimizer auto``: the optimizer it builds wraps
     and steps with that algorithm (one rank, in this process; 1-bit Adam refuses SGD with a
     TypeError at wrap time)."""
     job = _main_job_module()
-    bm.init(abort_on_exception=False)
     model = torch.nn.Linear(4, 1)
     optimizer = bm.DistributedOptimizer(
         job.make_optimizer(job.optimizer_kind(name, "auto"), model.parameters(), None),
