@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 
 import torch
@@ -32,6 +33,11 @@ from .ops import Average, ReduceOp, Sum
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
+# torch.amp.GradScaler's module: it reads param_groups to unscale (see the property)
+_GRAD_SCALER = "torch.amp.grad_scaler"
+# the running backward pass's id, -1 outside one (a private torch function: without it, assume
+# outside, as a read from inside backward is rare)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -209,6 +215,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- what torch.optim.Optimizer users touch ---------------------------------------------------
     @property
     def param_groups(self):
+        """The wrapped optimizer's groups. Read after this step's backward pass and before
+        ``step()`` (as ``torch.amp.GradScaler.unscale_`` and ``step`` read them), it first
+        finishes the gradient exchange, so that what is read, checked for inf and rescaled
+        are the synchronized gradients on every rank, not a bucket still on the wire."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None and sys._getframe(1).f_globals.get("__name__") == _GRAD_SCALER:
+            self.impl.on_loss_scaling()
+        if (engine is not None and engine.exchange_due()
+                and _graph_task_id() == -1  # not from inside a backward pass
+                and not runtime.get().worker.running_here()):
+            engine.synchronize()  # not synchronize(): the user did not call it (no warning)
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -265,9 +282,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for (and finish) this iteration's gradient communication. Calling it again
         before ``step()`` does nothing (the gradients are already synchronized)."""
-        if self._synchronized:
-            return
-        self._engine.synchronize()
+        if not self._engine.synchronized_for_step():
+            self._engine.synchronize()
         self._synchronized = True
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -304,8 +320,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         self.impl.on_step_start(self.steps)
-        if not (self._skip_sync or self._synchronized):
-            self._engine.synchronize()
+        if not self._engine.synchronized_for_step():
+            if self._skip_sync and self._engine.pending_description():
+                # stepping now would apply this rank's own gradients: the ranks would diverge
+                raise MisuseError(
+                    f"rank {runtime.get().topo.rank}: step() inside skip_synchronize() while "
+                    f"{self._engine.pending_description()}; call synchronize() after "
+                    f"backward() and before the step")
+            if not self._skip_sync:
+                self._engine.synchronize()
         self._synchronized = False
         self.impl.before_step(self.optimizer)
         if self._sharded is not None:
@@ -314,6 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             loss = self._sharded.step(closure)
         else:
             loss = self.impl.optimizer_step(self.optimizer, closure)
+        self._engine.step_taken()
         exchange_start = time.perf_counter()
         self.impl.after_step(self.optimizer)
         if not self.impl.communicates_gradients:  # their exchange (of weights) happens here

@@ -112,6 +112,10 @@ class CommWorker:
         self.comm_log = None
         self._thread.start()
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is inside one of this executor's operations."""
+        return self._active == threading.get_ident()
+
     # -- submission -------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], describe, owned: tuple = (),
                finish: Callable[[Any], Any] | None = None) -> Handle:

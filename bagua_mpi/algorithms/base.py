@@ -443,6 +443,23 @@ class AlgorithmImpl:
     def on_step_start(self, step: int) -> None:
         """Main thread, start of ``step()``: stage switches."""
 
+    # state a step's gradients flow into during the exchange, before the step is taken
+    # (error feedback, L-GreCo's accumulators, PowerSGD's warm-started Q); see on_step_skipped
+    SKIPPED_STEP_ZEROED = ("residual", "worker_error", "server_error", "error", "accumulator")
+    SKIPPED_STEP_RESTARTED = ("q",)
+
+    def on_step_skipped(self) -> None:
+        """Main thread, when a backward pass starts after gradients were synchronized and no
+        ``step()`` followed (``torch.amp.GradScaler`` skips the step when they hold inf or
+        NaN). The exchange already fed them into the algorithm's state; without this, one
+        overflow left an error memory non-finite (or huge), and every later step was skipped
+        too."""
+        self.state.forget_skipped_step(self.SKIPPED_STEP_ZEROED, self.SKIPPED_STEP_RESTARTED)
+
+    def on_loss_scaling(self) -> None:
+        """Main thread: ``torch.amp.GradScaler`` reads the optimizer's groups, to unscale this
+        step's gradients and check them for inf and NaN."""
+
     def before_step(self, optimizer) -> None:
         pass
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..exceptions import MisuseError
 from ..primitives.codecs import OneBitCodec, call_seed
 from ..primitives.lowprec import compressed_allreduce_
 from .base import Algorithm
@@ -60,6 +61,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         self.decoupled = False
         self._group_of: dict = {}
         self.switched = False  # this process ran the switch (_freeze)
+        self._grad_versions: dict[int, tuple] = {}  # bucket -> its gradients' at the exchange
 
     @property
     def compressed(self) -> bool:
@@ -115,6 +117,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                               seed=call_seed(self.algorithm.seed, step,
                                              names_key(bucket.segments())),
                               stats=self.wire)
+        self._grad_versions[bucket.index] = _versions(bucket)
 
     def exchanged_tensors(self, bucket, step: int) -> list[torch.Tensor]:
         if self.in_dense_stage(step):
@@ -167,6 +170,10 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         if not self.compressed:
             return super().optimizer_step(optimizer, closure)
         loss = closure() if closure is not None else None
+        for bucket in self.buckets:
+            if _changed(self._grad_versions.get(bucket.index, ()), _versions(bucket)):
+                raise MisuseError(self._too_late("the gradients were changed in place "
+                                                 "after their exchange (clipped?)"))
         with torch.no_grad():
             for bucket in self.buckets:
                 for p, m_p, v_p in self.param_slices(bucket, *self.moments(bucket)):
@@ -177,6 +184,24 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                     update = m_p / (v_p.sqrt() + eps)
                     p.add_(update.view_as(p), alpha=-lr)
         return loss
+
+    def on_loss_scaling(self) -> None:
+        if self.compressed:  # its momentum holds scaled gradients, which the step would use
+            raise MisuseError(self._too_late("torch.amp.GradScaler unscales the gradients "
+                                             "after their exchange"))
+
+    def on_step_skipped(self) -> None:
+        if self.compressed:  # the momentum took in the skipped step's gradients already
+            raise MisuseError(self._too_late("a step was skipped after its gradients had been "
+                                             "exchanged (GradScaler found inf or NaN?)"))
+        super().on_step_skipped()
+
+    def _too_late(self, what: str) -> str:
+        return (f"rank {self.ctx.topo.rank}: onebit_adam, compressed stage (step {self.step}): "
+                f"{what}. This stage averages the momentum, which each rank forms from its "
+                f"gradients during backward, so a change made to them afterwards cannot reach "
+                f"the update. Train it without torch.amp.GradScaler (bf16 autocast needs none) "
+                f"and without clipping the gradients")
 
     def bind_optimizer(self, optimizer) -> None:
         """Check the optimizer and know its groups (and betas), also when resuming."""
@@ -193,6 +218,18 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         self.betas = betas.pop()
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         self._group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+
+
+def _versions(bucket) -> tuple:
+    """The in-place change counters of ``bucket``'s gradients (one per tensor, None where the
+    parameter has no gradient)."""
+    return tuple(None if p.grad is None else p.grad._version for p in bucket.params)
+
+
+def _changed(before: tuple, now: tuple) -> bool:
+    """A gradient present at both times was changed in place between them (one dropped by
+    ``find_unused_parameters`` after the exchange is not a change)."""
+    return any(a is not None and b is not None and a != b for a, b in zip(before, now))
 
 
 @register

@@ -135,6 +135,23 @@ class AlgorithmState:
             by_name[name] = t
         return by_name[name]
 
+    def forget_skipped_step(self, zeroed_kinds, restarted_kinds=()) -> None:
+        """After a step was skipped because its gradients held inf or NaN (as
+        ``torch.amp.GradScaler`` skips them), drop what those gradients already left in the
+        state: every tensor of ``zeroed_kinds`` becomes 0 (an error-feedback memory restarts
+        empty), and those of ``restarted_kinds`` are dropped, to be made afresh at their next
+        use (PowerSGD's warm-started Q, the same on every rank). The whole of them, not only
+        their non-finite entries: an overflowing gradient also leaves huge finite values."""
+        for (kind, _), vec in self.vectors.items():
+            if kind in zeroed_kinds:
+                vec.data.zero_()
+        for kind in list(self.tensors):
+            if kind in zeroed_kinds:
+                for t in self.tensors[kind].values():
+                    t.zero_()
+            elif kind in restarted_kinds:
+                self.tensors[kind] = {}
+
     def drop(self, kind: str) -> None:
         """Forget every allocation of ``kind`` (a stage change that restarts that state)."""
         self.vectors = {k: v for k, v in self.vectors.items() if k[0] != kind}

@@ -78,6 +78,8 @@ class Engine:
         self._owns_clock = clock is None
         self.clock = StepClock() if clock is None else clock
         self.communicating = True  # False inside DistributedOptimizer.no_sync()
+        # synchronize() finished and no step has been taken since (see step_taken)
+        self.awaiting_step = False
         self.worker_rank = runtime.get().topo.rank
         # seconds the training thread spent blocked on communication (the handles below, and
         # DistributedOptimizer's after-step exchanges): what overlap did not hide
@@ -94,6 +96,9 @@ class Engine:
     def _on_grad_ready(self, i: int) -> None:
         if not self.communicating:
             return
+        if self.awaiting_step:  # gradients were synchronized and their step() never came
+            self.awaiting_step = False
+            self.impl.on_step_skipped()
         count = self._counts[i] = self._counts[i] + 1
         if count > self.passes and self.impl.communicates_gradients:
             # its bucket is already being communicated: accumulating into it now would change
@@ -252,6 +257,7 @@ class Engine:
             self._drop_globally_unused_grads()
         self._tick()
         self._reset()
+        self.awaiting_step = True
 
     def _exchange_sparse(self) -> None:
         """Every sparse gradient, all-gathered and coalesced, scaled as the buckets are (after
@@ -283,6 +289,20 @@ class Engine:
         collectives.allreduce_(used, Max)
         for i in np.flatnonzero(used.numpy() == 0):
             self.params[i].grad = None
+
+    def synchronized_for_step(self) -> bool:
+        """Whether synchronize() has run for the coming step: it finished, no backward pass
+        has produced gradients since, and no step() has been taken since."""
+        return self.awaiting_step and not any(self._counts)
+
+    def exchange_due(self) -> bool:
+        """Whether this step's last backward pass has run (some gradient has been accumulated
+        ``backward_passes_per_step`` times) and its exchange not finished yet."""
+        return (self.communicating and self.impl.communicates_gradients
+                and max(self._counts, default=0) >= self.passes)
+
+    def step_taken(self) -> None:
+        self.awaiting_step = False
 
     def pending_description(self) -> str:
         """What of this iteration is under way (gradients counted or buckets launched since

@@ -176,7 +176,7 @@ class DistributedOptimizer(_base.DistributedOptimizer):
         self._parameter_names = {p: n for n, p in named}
 
     def step(self, closure=None):
-        if getattr(self, "_synchronized", False) and not getattr(self, "_skip_sync", False):
+        if self._synchronized and self._engine.synchronized_for_step() and not self._skip_sync:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
                           "optimizer.synchronize(): the gradients are not communicated twice, "
                           "but use skip_synchronize() to say so (as in Horovod)", UserWarning,
