@@ -100,14 +100,20 @@ class Engine:
             self.awaiting_step = False
             self.impl.on_step_skipped()
         count = self._counts[i] = self._counts[i] + 1
-        if count > self.passes and self.impl.communicates_gradients:
-            # its bucket is already being communicated: accumulating into it now would change
-            # what other ranks receive (or leave this gradient out of this step)
+        if count > self.passes:
+            # gradient exchange: its bucket is already being communicated, and accumulating
+            # into it now would change what other ranks receive (or leave this gradient out
+            # of this step). Model averaging: this rank skipped a step() (the exchange), and
+            # the others wait for it in theirs
+            why = ("" if self.impl.communicates_gradients else
+                   f"; {self.impl.algorithm.name} averages the models in step(), so every rank "
+                   f"must step after each of them (a step skipped on this rank alone, as a "
+                   f"GradScaler does with local gradients, leaves the others waiting)")
             raise MisuseError(
                 f"rank {self.worker_rank}: parameter {self.names[i]!r} got a gradient "
                 f"{count} times before step() (backward_passes_per_step={self.passes}); "
                 f"raise backward_passes_per_step, or run the extra backward passes inside "
-                f"opt.no_sync()")
+                f"opt.no_sync(){why}")
         if self.keep_sparse and (i in self.sparse or self.buckets is None and _sparse_grad(
                 self.params[i])):
             self.sparse.add(i)  # new ones only while profiling: the buckets are fixed after

@@ -246,5 +246,17 @@ def suite_checks() -> dict:
                 check_step_in_skip_synchronize_without_synchronize}
 
 
+def model_averaging_skip(name: str) -> int:
+    """Run alone (``--model-averaging-skip NAME``): an algorithm that averages models keeps the
+    gradients local, so only the last rank's scaler skips the bad step; its next backward
+    pass raises MisuseError naming it, and the job ends (the others wait in the exchange)."""
+    bm.init()
+    train(name, "plain", "inf", bm.rank(), bm.size())
+    bm.shutdown()
+    return 0
+
+
 if __name__ == "__main__":
+    if "--model-averaging-skip" in sys.argv:
+        sys.exit(model_averaging_skip(sys.argv[sys.argv.index("--model-averaging-skip") + 1]))
     sys.exit(run_suite(suite_checks()))
