@@ -321,14 +321,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         self.impl.on_step_start(self.steps)
         if not self._engine.synchronized_for_step():
-            if self._skip_sync and self._engine.pending_description():
+            if not self._skip_sync:
+                self._engine.synchronize()
+            elif self._engine.pending_description():
                 # stepping now would apply this rank's own gradients: the ranks would diverge
                 raise MisuseError(
                     f"rank {runtime.get().topo.rank}: step() inside skip_synchronize() while "
                     f"{self._engine.pending_description()}; call synchronize() after "
                     f"backward() and before the step")
-            if not self._skip_sync:
-                self._engine.synchronize()
         self._synchronized = False
         self.impl.before_step(self.optimizer)
         if self._sharded is not None:
