@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from . import backends, collectives, config, runtime, sharding
+from . import backends, collectives, config, layout, runtime, sharding
 from .algorithms import AlgorithmContext, UnsupportedOptionError, WrapOptions, create
 from .compression import Compression
 from .engine import Engine, StepClock
@@ -178,7 +178,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             prescale=1.0 / gradient_predivide_factor,
             postscale=(gradient_predivide_factor / size) if op is Average else 1.0,
             hierarchical=hierarchical, compression=self.compression,
-            param_numels={n: p.numel() for n, p in zip(names, params)})
+            param_numels={n: p.numel() for n, p in zip(names, params)},
+            param_strides=layout.strides_not_row_major(names, params))
         self.impl = self.algorithm.reify(ctx)
         self.impl.use_clock(self._step_clock())  # the one step clock: this wrapper advances it
         self.impl.backend = backend
@@ -493,7 +494,7 @@ def check_models_agree(names: list[str], params: list, topo=None, *,
     ``notes``: ``{name: text}``, not compared: a setting's note is shown beside its values
     where they differ (how each rank came to it). One collective; returns every rank's notes,
     in rank order."""
-    mine = ([(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+    mine = ([(n, tuple(p.shape), str(p.dtype).replace("torch.", ""), layout.describe(p))
              for n, p in zip(names, params)], _flat_settings(settings or {}), notes or {})
     if topo is None:
         everyone = collectives.allgather_object(mine)
@@ -521,8 +522,8 @@ def _model_differences(models: list) -> list[str]:
                             f"rank 0 has {len(reference)}")
         for a, b in zip(reference, theirs):
             if a != b:
-                problems.append(f"rank 0 has {a[0]} {a[1]} {a[2]}, rank {r} has "
-                                f"{b[0]} {b[1]} {b[2]}")
+                problems.append(f"rank 0 has {a[0]} {a[1]} {a[2]} {a[3]}, rank {r} has "
+                                f"{b[0]} {b[1]} {b[2]} {b[3]}")
                 break
     return problems
 

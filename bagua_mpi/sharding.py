@@ -36,6 +36,7 @@ from mpi4py import MPI
 
 from . import runtime
 from .algorithms.base import UnsupportedOptionError
+from .layout import memory_order
 from .transport import Transport
 
 STAGES = (0, 1, 2)
@@ -291,11 +292,10 @@ class ShardedOptimizer:
                 runtime.get().worker.run(
                     lambda flat=flat, part=bucket.part: self._allgather_slices(flat, part),
                     ("zero state gather", key))
-                for param, offset, pos in zip(bucket.params, bucket.offsets, positions):
-                    if key in {k for k, (kind, _) in layout.get(pos, {}).items()
+                for i, pos in enumerate(positions):
+                    if key in {name for name, (kind, _) in layout.get(pos, {}).items()
                                if kind == "tensor"}:
-                        state[pos][key] = flat[offset:offset + param.numel()].view_as(
-                            param).clone()
+                        state[pos][key] = bucket.param_view(flat, i).clone()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Take a logical state dict (from any world size, sharded or not): the user's groups
@@ -322,7 +322,9 @@ class ShardedOptimizer:
                             f"optimizer state {key!r} of parameter {pc.position} has shape "
                             f"{tuple(value.shape)}, the parameter {tuple(param.shape)}: not an "
                             f"elementwise state, so it cannot be sharded")
-                    value = value.reshape(-1)[pc.offset:pc.offset + pc.stop - pc.start].clone()
+                    # the slices are of the bucket's flat order: the parameter's memory order
+                    value = memory_order(value, param)[
+                        pc.offset:pc.offset + pc.stop - pc.start].clone()
                 sliced[index][key] = value
         groups = self.inner.state_dict()["param_groups"]
         self.inner.load_state_dict({"state": sliced, "param_groups": groups})

@@ -214,8 +214,9 @@ def test_param_and_bucket_slices_follow_the_flat_layout():
     seen = list(impl.param_slices(bucket, vector, doubled))
     assert [p for p, *_ in seen] == bucket.params
     start = 0
-    for p, one, two in seen:
-        assert torch.equal(one, vector[start:start + p.numel()])
+    for p, one, two in seen:  # shaped as the parameter, over its range of the vector
+        assert one.shape == p.shape and one.stride() == p.stride()
+        assert torch.equal(one.reshape(-1), vector[start:start + p.numel()])
         assert torch.equal(two, 2 * one)
         start += p.numel()
     assert start == bucket.numel

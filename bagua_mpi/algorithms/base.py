@@ -53,7 +53,8 @@ What the framework does so that no algorithm re-solves it:
   the result in its node. Algorithms that average models run their exchange through
   ``synchronize_`` (the same two levels, ``two_level``, on the node's sum or average model).
 * **layout**: ``param_slices`` cuts a bucket's flat vector (gradient, state) into its
-  parameters' pieces, ``bucket_slices`` a whole-model vector into its buckets' pieces.
+  parameters' pieces, shaped and strided as the parameters; ``bucket_slices`` a whole-model
+  vector into its buckets' pieces.
 * **device placement**: ``forms.py`` gives each primitive the dtype and layout it reads where
   the tensor lives, and ``self.transport`` (``transport.py``) moves every payload; device
   tensors never reach NumPy.
@@ -89,6 +90,7 @@ from ..accounting import WireStats, overhead
 from ..buffers import dtype_name, reduce_dtype
 from ..engine.clock import StepClock
 from ..exceptions import BaguaMPIError
+from ..layout import shaped_view
 from ..transport import Transport
 from . import dense
 from .state import AlgorithmState, StateVector, names_key
@@ -113,6 +115,9 @@ class AlgorithmContext:
     hierarchical: bool  # two levels: inside nodes, then among node leaders
     compression: Any  # bagua_mpi.compression.Compressor
     param_numels: dict = dataclasses.field(default_factory=dict)  # name -> numel
+    # name -> strides of the parameters not laid out row-major (layout.py): their state is in
+    # that memory order, which checkpoints record
+    param_strides: dict = dataclasses.field(default_factory=dict)
 
 
 class AlgorithmImpl:
@@ -126,7 +131,7 @@ class AlgorithmImpl:
         self.ctx = ctx
         self.buckets: list[Bucket] = []
         self.wire = WireStats()  # bytes this rank sent, for communication_stats()
-        self.state = AlgorithmState(ctx.param_numels)
+        self.state = AlgorithmState(ctx.param_numels, ctx.param_strides)
         # The optimizer's step count: read from its clock (DistributedOptimizer hands its own
         # over with use_clock; the impl never advances it). See engine/clock.py.
         self.clock = StepClock()
@@ -252,10 +257,12 @@ class AlgorithmImpl:
     @staticmethod
     def param_slices(bucket: "Bucket", *vectors: torch.Tensor) -> Iterator[tuple]:
         """(parameter, its slice of each of ``vectors``) for each parameter of ``bucket``, the
-        vectors laid out as the bucket's flat vector."""
-        for p, start in zip(bucket.params, bucket.offsets):
+        vectors laid out as the bucket's flat vector; each slice is seen with the parameter's
+        shape and memory layout (``layout.py``), so it lines up with the parameter element by
+        element."""
+        for p, start, strides in zip(bucket.params, bucket.offsets, bucket.strides):
             end = start + p.numel()
-            yield (p, *(v[start:end] for v in vectors))
+            yield (p, *(shaped_view(v[start:end], p, strides) for v in vectors))
 
     def bucket_slices(self, vector: torch.Tensor) -> Iterator[tuple["Bucket", torch.Tensor]]:
         """(bucket, its slice of ``vector``) for each bucket, ``vector`` holding the buckets'
@@ -356,10 +363,14 @@ class AlgorithmImpl:
                 and cls.reduce_tensor is AlgorithmImpl.reduce_tensor)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tensors": self.state.state_dict(),
-                "extra": self.extra_state()}
+        out = {"step": self.step, "tensors": self.state.state_dict(),
+               "extra": self.extra_state()}
+        if self.state.param_strides:  # absent: every parameter row-major (older files too)
+            out["layouts"] = self.state.layouts()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
+        self.state.check_layouts(state.get("tensors", {}), state.get("layouts", {}))
         self.step = int(state.get("step", 0))
         self.load_extra_state(state.get("extra", {}))
         self.state.load_state_dict(state.get("tensors", {}))

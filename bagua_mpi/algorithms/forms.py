@@ -13,6 +13,8 @@ import contextlib
 
 import torch
 
+from ..layout import autograd_strides, memory_order
+
 
 def _work_dtype(t: torch.Tensor, keep_float64: bool) -> torch.dtype:
     return torch.float64 if keep_float64 and t.dtype == torch.float64 else torch.float32
@@ -20,15 +22,19 @@ def _work_dtype(t: torch.Tensor, keep_float64: bool) -> torch.dtype:
 
 @contextlib.contextmanager
 def _flat(t: torch.Tensor, device, dtype: torch.dtype):
-    """``t`` as a flat contiguous ``dtype`` tensor on ``device`` (itself when it already is
-    one); a copy is written back into ``t`` on a clean exit."""
-    if t.dtype == dtype and t.device == device and t.is_contiguous():
-        yield t.detach().reshape(-1)
+    """``t`` as a flat contiguous ``dtype`` tensor on ``device``, its elements in ``t``'s memory
+    order (``layout.py``: a bucket's order): a view of ``t`` when it already is one (a dense
+    tensor such as a ``channels_last`` gradient included), else a copy, written back into ``t``
+    on a clean exit."""
+    strides = autograd_strides(t)
+    if t.dtype == dtype and t.device == device and t.stride() == strides:
+        yield memory_order(t.detach())
         return
-    work = t.detach().to(device=device, dtype=dtype).contiguous().reshape(-1)
-    yield work
+    work = torch.empty_strided(t.shape, strides, dtype=dtype, device=device)
+    work.copy_(t.detach())
+    yield memory_order(work)
     with torch.no_grad():
-        t.copy_(work.view_as(t))
+        t.copy_(work)
 
 
 @contextlib.contextmanager

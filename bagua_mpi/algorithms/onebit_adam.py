@@ -138,9 +138,8 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
             m, v = self.moments(bucket)
             for p, m_p, v_p in self.param_slices(bucket, m, v):
                 state = optimizer.state[p]
-                m_p.copy_(state["exp_avg"].reshape(-1))
-                v_p.copy_((state["exp_avg_sq"] / (
-                    1 - self.betas[1] ** float(state["step"]))).reshape(-1))
+                m_p.copy_(state["exp_avg"])
+                v_p.copy_(state["exp_avg_sq"] / (1 - self.betas[1] ** float(state["step"])))
         self._freeze_unseen()
         self.switched = True
         self.setup_exchange()
@@ -182,7 +181,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                     if self.decoupled and group["weight_decay"]:
                         p.mul_(1 - lr * group["weight_decay"])
                     update = m_p / (v_p.sqrt() + eps)
-                    p.add_(update.view_as(p), alpha=-lr)
+                    p.add_(update, alpha=-lr)
         return loss
 
     def on_loss_scaling(self) -> None:

@@ -96,8 +96,10 @@ class StateVector:
 class AlgorithmState:
     """All per-rank tensors of one algorithm, addressable by (kind, parameter name)."""
 
-    def __init__(self, param_numels: dict[str, int]):
+    def __init__(self, param_numels: dict[str, int], param_strides: dict | None = None):
         self.param_numels = dict(param_numels)
+        # name -> strides of the parameters whose state is not in row-major order (layout.py)
+        self.param_strides = {n: tuple(s) for n, s in (param_strides or {}).items()}
         self.vectors: dict[tuple, StateVector] = {}  # (kind, key) -> vector
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}  # kind -> name -> tensor
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded, not yet allocated
@@ -170,6 +172,28 @@ class AlgorithmState:
                 out.setdefault(kind, {}).setdefault(name, value.clone())
         return out
 
+    def layouts(self) -> dict[str, list[int]]:
+        """What a checkpoint records of the layouts: the strides of every parameter whose state
+        is not in row-major order."""
+        return {name: list(strides) for name, strides in self.param_strides.items()}
+
+    def check_layouts(self, state: dict, saved: dict) -> None:
+        """Raise unless every parameter with state in ``state`` had, when it was saved, the
+        memory layout it has now (``saved``: its ``layouts()``; absent means row-major, as in
+        every file written before layouts were recorded). State is stored in the parameters'
+        memory order, and a server's partition or PowerSGD's Q cannot be re-laid out alone."""
+        for kind, by_name in state.items():
+            for name in by_name:
+                then = tuple(saved.get(name, ()))
+                now = self.param_strides.get(name, ())
+                if then != now:
+                    raise ValueError(
+                        f"checkpoint {kind!r} state of {name} was saved with the parameter laid "
+                        f"out {_layout_words(then)}, and it is {_layout_words(now)} now: "
+                        f"algorithm state is kept in the parameters' memory order. Convert the "
+                        f"model to the memory format it had then (model.to(memory_format=...)) "
+                        f"before wrapping it, or load with reset_algorithm_state=True")
+
     def load_state_dict(self, state: dict) -> None:
         """Apply what is allocated now; hold the rest until it is allocated."""
         for kind, by_name in state.items():
@@ -216,3 +240,7 @@ class AlgorithmState:
                                for kind, names in unclaimed.items())
             raise ValueError(f"checkpoint has algorithm state this configuration does not use "
                              f"({detail}): other hyperparameters than the saved run?")
+
+
+def _layout_words(strides: tuple) -> str:
+    return f"with strides {tuple(strides)}" if strides else "row-major"

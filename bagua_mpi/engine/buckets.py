@@ -11,7 +11,10 @@ for ~23 ms; joined to it, steps went 795 -> 757 ms at 2 ranks and 2378 -> 2253 m
 A ``Bucket`` with flattening owns one contiguous gradient buffer; each parameter's ``.grad`` is a
 view into it, so autograd accumulates straight into the buffer and the algorithm communicates
 one tensor per bucket. ``flatten_params()`` does the same for the parameters themselves
-(``p.data`` becomes a view of one flat buffer) for algorithms that update the model.
+(``p.data`` becomes a view of one flat buffer) for algorithms that update the model. Each
+parameter's range holds its elements in the parameter's memory order and the views have its
+strides (``layout.py``: a ``channels_last`` parameter keeps a ``channels_last`` gradient); the
+flat vectors of an unflattened bucket (``grad_vector``, ``param_vector``) follow the same order.
 
 Sharded buckets (ZeRO, ``parts`` = n > 1) pad both flat buffers to n equal partitions of
 ``part`` elements (``grad_storage`` / ``param_storage``; the padding stays zero), so that rank
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..buffers import empty_like
+from ..layout import autograd_strides, memory_order, shaped_view
 
 
 MIN_BUCKET_BYTES = 1 << 20
@@ -65,6 +69,8 @@ class Bucket:
         self.numel = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
+        # each parameter's layout in the flat buffers, fixed here (see the module docstring)
+        self.strides = [autograd_strides(p) for p in self.params]
         self.offsets = []
         offset = 0
         for p in self.params:
@@ -90,8 +96,8 @@ class Bucket:
                 self._allocate_grads()
             for k, p in enumerate(self.params):
                 if p.grad is not None:
-                    self._view(self.flat_grad, k).copy_(_dense(p.grad))
-                p.grad = self._view(self.flat_grad, k)
+                    self.param_view(self.flat_grad, k).copy_(_dense(p.grad))
+                p.grad = self.param_view(self.flat_grad, k)
 
     def _allocate_grads(self) -> None:
         self.grad_storage = zeros(self.part * self.parts, self.dtype, self.device)
@@ -126,9 +132,11 @@ class Bucket:
     def nbytes(self) -> int:
         return self.numel * self.params[0].element_size()
 
-    def _view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+    def param_view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        """Parameter k's range of ``flat`` with the parameter's shape and memory layout."""
         p = self.params[k]
-        return flat[self.offsets[k]:self.offsets[k] + p.numel()].view_as(p)
+        return shaped_view(flat[self.offsets[k]:self.offsets[k] + p.numel()], p,
+                           self.strides[k])
 
     def absorb_grad(self, k: int) -> None:
         """Make parameter k's ``.grad`` the view into the flat buffer again, if it is not.
@@ -145,7 +153,7 @@ class Bucket:
             if p.grad is not None and p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
             return
-        view = self._view(self.flat_grad, k)
+        view = self.param_view(self.flat_grad, k)
         if p.grad is None:
             view.zero_()
         elif p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
@@ -162,7 +170,7 @@ class Bucket:
             if p.grad is None:
                 missing.append(k)
                 if self.flat_grad is not None:
-                    view = self._view(self.flat_grad, k)
+                    view = self.param_view(self.flat_grad, k)
                     view.zero_()
                     p.grad = view
                 else:
@@ -184,20 +192,20 @@ class Bucket:
     def grad_views(self) -> list[torch.Tensor]:
         """Each parameter's gradient (views of the flat buffer when flattened)."""
         if self.flat_grad is not None:
-            return [self._view(self.flat_grad, k) for k in range(len(self.params))]
+            return [self.param_view(self.flat_grad, k) for k in range(len(self.params))]
         return [p.grad for p in self.params]
 
     def grad_vector(self) -> torch.Tensor:
         """The bucket's gradients as one vector: the flat buffer itself, or a concatenation."""
         if self.flat_grad is not None:
             return self.flat_grad
-        return torch.cat([p.grad.detach().reshape(-1) for p in self.params])
+        return torch.cat([memory_order(p.grad.detach(), p) for p in self.params])
 
     def param_vector(self) -> torch.Tensor:
         """The bucket's parameters as one vector: the flat buffer itself, or a concatenation."""
         if self.flat_param is not None:
             return self.flat_param
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
+        return torch.cat([memory_order(p.detach()) for p in self.params])
 
     def communication_tensors(self) -> list[torch.Tensor]:
         """What the algorithm communicates: the flat buffer, or each gradient (no flattening)."""
@@ -210,8 +218,9 @@ class Bucket:
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             for k, p in enumerate(self.params):
-                if p.grad is None or p.grad.data_ptr() != self._view(self.flat_grad, k).data_ptr():
-                    p.grad = self._view(self.flat_grad, k)
+                view = self.param_view(self.flat_grad, k)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
         else:
             for p in self.params:
                 if p.grad is not None:
@@ -228,8 +237,8 @@ class Bucket:
         self.shared.on_free.remove(self.privatize)  # the window (kept to shutdown) lets go
         self.shared = None
         for k, p in enumerate(self.params):
-            if p.grad is not None and p.grad.data_ptr() == self._view(old, k).data_ptr():
-                p.grad = self._view(self.flat_grad, k)
+            if p.grad is not None and p.grad.data_ptr() == self.param_view(old, k).data_ptr():
+                p.grad = self.param_view(self.flat_grad, k)
 
     def flatten_params(self) -> torch.Tensor:
         """Move the parameters into one contiguous buffer; ``p.data`` become views of it."""
@@ -237,7 +246,7 @@ class Bucket:
             self.param_storage = zeros(self.part * self.parts, self.dtype, self.device)
             flat = self.param_storage[:self.numel]
             for k, p in enumerate(self.params):
-                view = self._view(flat, k)
+                view = self.param_view(flat, k)
                 view.copy_(p.data)
                 p.data = view
             self.flat_param = flat

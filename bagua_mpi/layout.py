@@ -1,0 +1,99 @@
+"""Memory layouts of parameters: a bucket holds each parameter as the parameter lies in memory.
+
+Autograd gives a parameter's gradient the parameter's own strides whenever the parameter is
+dense (no gaps, no overlaps: row-major, ``channels_last``, a transpose), and row-major strides
+otherwise; PyTorch calls this the gradient layout contract. A bucket's flat buffer follows the
+same rule: parameter k's elements sit at ``offsets[k]...`` in the order they have in memory, and
+its ``.grad`` (and its ``.data``, when the algorithm flattens the parameters) is a view of that
+range with those strides. So
+
+* autograd accumulates into the bucket without the "gradient layout contract" warning, and a
+  fresh gradient is copied in with a straight copy rather than a transposing one;
+* the gradient has its parameter's strides, which torch's foreach and fused optimizer kernels
+  need for their fast path (on CUDA a single mismatched pair sends the whole step to the
+  one-launch-per-tensor path);
+* flattening a ``channels_last`` model for model averaging keeps it ``channels_last``.
+
+Everything laid over a bucket's flat vector (error-feedback memories, momenta, PowerSGD's
+matrices) is therefore in the parameters' memory order. Checkpoints record the layouts that
+differ from row-major (``algorithms/state.py``), and elementwise state is converted when a job
+resumes with another layout; every rank must wrap the same layouts (checked at wrap time).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def autograd_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides autograd gives a gradient of ``t``: ``t``'s own when it is dense, else
+    row-major (``empty_like``'s rule; no memory is allocated)."""
+    return torch.empty_like(t, device="meta").stride()
+
+
+def row_major_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def is_row_major(shape, strides) -> bool:
+    """Whether ``strides`` lay ``shape`` out row-major (strides of size-1 dims do not matter)."""
+    return all(size == 1 or a == b for size, a, b
+               in zip(tuple(shape), tuple(strides), row_major_strides(shape)))
+
+
+def strides_not_row_major(names, params) -> dict[str, tuple[int, ...]]:
+    """{name: autograd strides} of the parameters not laid out row-major: what a checkpoint of
+    the algorithm's state records (the others need no entry)."""
+    out = {}
+    for name, p in zip(names, params):
+        strides = autograd_strides(p)
+        if not is_row_major(p.shape, strides):
+            out[name] = strides
+    return out
+
+
+def describe(t: torch.Tensor) -> str:
+    """The layout of a parameter in words: what the wrap-time check shows when ranks differ."""
+    strides = autograd_strides(t)
+    if is_row_major(t.shape, strides):
+        return "contiguous"
+    for name, fmt in (("channels_last", torch.channels_last),
+                      ("channels_last_3d", torch.channels_last_3d)):
+        try:
+            if torch.empty(t.shape, device="meta", memory_format=fmt).stride() == strides:
+                return name
+        except RuntimeError:  # that format does not apply to this number of dims
+            pass
+    return f"strides {strides}"
+
+
+def shaped_view(flat: torch.Tensor, like: torch.Tensor,
+                strides: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``flat`` (1-D, ``like.numel()`` elements, in ``like``'s memory order) seen as ``like``:
+    its shape, with ``strides`` (default: ``autograd_strides(like)``)."""
+    return flat.as_strided(like.shape, autograd_strides(like) if strides is None else strides)
+
+
+def memory_order(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``t``'s elements as a 1-D tensor in the memory order of ``like`` (default ``t``): a view
+    when ``t`` already lies that way, else a copy."""
+    like = t if like is None else like
+    strides = autograd_strides(like)
+    if t.stride() == strides or t.numel() <= 1:
+        return t.as_strided((t.numel(),), (1,))
+    out = torch.empty_strided(like.shape, strides, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out.as_strided((t.numel(),), (1,))
+
+
+def relayout(flat: torch.Tensor, shape, saved: tuple[int, ...],
+             wanted: tuple[int, ...]) -> torch.Tensor:
+    """A flat tensor in the memory order of strides ``saved`` (of ``shape``), rewritten in the
+    memory order of strides ``wanted`` (a new tensor)."""
+    logical = flat.contiguous().as_strided(tuple(shape), tuple(saved))
+    out = torch.empty_strided(tuple(shape), tuple(wanted), dtype=flat.dtype, device=flat.device)
+    out.copy_(logical)
+    return out.as_strided((flat.numel(),), (1,))
