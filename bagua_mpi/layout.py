@@ -15,9 +15,10 @@ range with those strides. So
 * flattening a ``channels_last`` model for model averaging keeps it ``channels_last``.
 
 Everything laid over a bucket's flat vector (error-feedback memories, momenta, PowerSGD's
-matrices) is therefore in the parameters' memory order. Checkpoints record the layouts that
-differ from row-major (``algorithms/state.py``), and elementwise state is converted when a job
-resumes with another layout; every rank must wrap the same layouts (checked at wrap time).
+matrices) is therefore in the parameters' memory order. Checkpoints of the algorithm's state
+record the layouts that differ from row-major (``algorithms/state.py``) and refuse, by name, to
+resume that state into another layout; every rank must wrap the same layouts (checked at wrap
+time).
 """
 from __future__ import annotations
 
@@ -88,12 +89,3 @@ def memory_order(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Ten
     out.copy_(t)
     return out.as_strided((t.numel(),), (1,))
 
-
-def relayout(flat: torch.Tensor, shape, saved: tuple[int, ...],
-             wanted: tuple[int, ...]) -> torch.Tensor:
-    """A flat tensor in the memory order of strides ``saved`` (of ``shape``), rewritten in the
-    memory order of strides ``wanted`` (a new tensor)."""
-    logical = flat.contiguous().as_strided(tuple(shape), tuple(saved))
-    out = torch.empty_strided(tuple(shape), tuple(wanted), dtype=flat.dtype, device=flat.device)
-    out.copy_(logical)
-    return out.as_strided((flat.numel(),), (1,))
