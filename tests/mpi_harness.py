@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from forkserver import preloaded_command
 
 REPO = Path(__file__).resolve().parent.parent
 MPI_SUITES = Path(__file__).resolve().parent / "mpi"
+HANG_REPORTS_DIR: str | None = None   # set for the session by conftest.py
 
 
 def mpiexec_path() -> str:
@@ -57,14 +57,24 @@ def run_mpi(script: str, nprocs: int, *args: str, env: dict | None = None,
     # watchdog ends such a job well before the harness timeout, naming what was waited for
     full_env.setdefault("BAGUA_MPI_STALL_ABORT_S", "150")
     full_env["PYTHONUNBUFFERED"] = "1"
-    # hang reports of aborted test jobs land in the temp dir, not in /dev/shm
-    full_env.setdefault("BAGUA_MPI_HANG_DIR", tempfile.gettempdir())
+    if HANG_REPORTS_DIR is not None:
+        full_env.setdefault("BAGUA_MPI_HANG_DIR", HANG_REPORTS_DIR)
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), str(MPI_SUITES)] + [p for p in [full_env.get("PYTHONPATH")] if p])
     if env:
         full_env.update(env)
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(MPI_SUITES / script), *args]
     return run_job(cmd, full_env, timeout)
+
+
+def suite_job(script: str, *args: str, env=None, timeout: float = 300.0):
+    """``run(nprocs)``: ``tests/mpi/<script>`` on ``nprocs`` ranks, run on first use and kept,
+    so that every check the suite reports on its own line can be its own test at the cost of one
+    job per world size. ``env`` is a dict, or a function of ``nprocs`` that gives one."""
+    def run(nprocs: int) -> MPIResult:
+        return run_mpi(script, nprocs, *args, env=env(nprocs) if callable(env) else env,
+                       timeout=timeout)
+    return functools.cache(run)
 
 
 def jobs_of_modes(script: str, modes_by_size: dict, timeout: float = 180.0):

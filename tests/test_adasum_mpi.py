@@ -4,17 +4,11 @@ under a real mpiexec, against an independent NumPy simulation of every rank (eac
 set of 2 ranks and the global set must refuse (Horovod's power-of-two rule)."""
 import pytest
 
-from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi
+from mpi_harness import assert_check_passed, assert_mpi_ok, suite_job
 
 import adasum_suite
 
-_RUNS = {}
-
-
-def suite_run(nprocs):
-    if nprocs not in _RUNS:
-        _RUNS[nprocs] = run_mpi("adasum_suite.py", nprocs, timeout=300)
-    return _RUNS[nprocs]
+suite_run = suite_job("adasum_suite.py")
 
 
 @pytest.mark.parametrize("check", list(adasum_suite.CHECKS))

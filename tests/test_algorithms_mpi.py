@@ -6,7 +6,7 @@ on its own line; every check is its own test here, so one failure hides no other
 import pytest
 
 import bagua_mpi as bm
-from mpi_harness import assert_check_passed, assert_mpi_ok, library_algorithms, run_mpi
+from mpi_harness import assert_check_passed, assert_mpi_ok, library_algorithms, run_mpi, suite_job
 
 import algorithms_suite
 
@@ -22,16 +22,9 @@ def test_hierarchical_primitives_on_two_simulated_nodes():
                           timeout=300), "primitives suite OK on 4 ranks")
 
 
-_RUNS = {}
-
-
-def suite_run(nprocs: int, hierarchical: bool = False):
-    key = (nprocs, hierarchical)
-    if key not in _RUNS:
-        args, env = (["--hierarchical"], {"BAGUA_MPI_RANKS_PER_NODE": "2"}) if hierarchical \
-            else ([], None)
-        _RUNS[key] = run_mpi("algorithms_suite.py", nprocs, *args, env=env, timeout=900)
-    return _RUNS[key]
+suite_run = suite_job("algorithms_suite.py", timeout=900)
+hierarchical_run = suite_job("algorithms_suite.py", "--hierarchical",
+                             env={"BAGUA_MPI_RANKS_PER_NODE": "2"}, timeout=900)
 
 
 CHECKS = list(algorithms_suite.suite_checks(hierarchical=False))
@@ -51,4 +44,4 @@ def test_algorithm(check, nprocs):
 
 @pytest.mark.parametrize("check", HIERARCHICAL_CHECKS)
 def test_hierarchical_algorithm_on_two_simulated_nodes(check):
-    assert_check_passed(suite_run(4, hierarchical=True), check)
+    assert_check_passed(hierarchical_run(4), check)

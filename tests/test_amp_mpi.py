@@ -3,17 +3,11 @@ tests/mpi/amp_suite.py): both recipes, an inf or NaN batch on one rank, every al
 exchanges gradients, at 1-3 ranks; each check is its own test."""
 import pytest
 
-from mpi_harness import assert_check_passed, library_algorithms, run_mpi
+from mpi_harness import assert_check_passed, library_algorithms, run_mpi, suite_job
 
 import amp_suite
 
-_RUNS = {}
-
-
-def suite_run(nprocs: int):
-    if nprocs not in _RUNS:
-        _RUNS[nprocs] = run_mpi("amp_suite.py", nprocs, timeout=300)
-    return _RUNS[nprocs]
+suite_run = suite_job("amp_suite.py")
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3])

@@ -4,17 +4,11 @@ order, gradient_allreduce against one process, ZeRO's state, and the refusals; e
 its own test, at 1-3 ranks."""
 import pytest
 
-from mpi_harness import assert_check_passed, run_mpi
+from mpi_harness import assert_check_passed, suite_job
 
 import layout_suite
 
-_RUNS = {}
-
-
-def suite_run(nprocs: int):
-    if nprocs not in _RUNS:
-        _RUNS[nprocs] = run_mpi("layout_suite.py", nprocs, timeout=300)
-    return _RUNS[nprocs]
+suite_run = suite_job("layout_suite.py")
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3])

@@ -5,20 +5,12 @@ line (tests/mpi/checks.py); every check is its own test here, so one failure hid
 """
 import pytest
 
-from mpi_harness import assert_check_passed, run_mpi
+from mpi_harness import assert_check_passed, suite_job
 
 import optimizer_suite
 
-_RUNS = {}
-
-
-def suite_run(nprocs: int):
-    if nprocs not in _RUNS:
-        # two simulated nodes of 2 ranks, so the hierarchical configurations really are
-        # two-level
-        _RUNS[nprocs] = run_mpi("optimizer_suite.py", nprocs,
-                                env={"BAGUA_MPI_RANKS_PER_NODE": "2"}, timeout=300)
-    return _RUNS[nprocs]
+# two simulated nodes of 2 ranks, so the hierarchical configurations really are two-level
+suite_run = suite_job("optimizer_suite.py", env={"BAGUA_MPI_RANKS_PER_NODE": "2"})
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])

@@ -20,7 +20,7 @@ import re
 import pytest
 
 import algorithms_suite
-from mpi_harness import assert_check_passed, assert_mpi_ok, library_algorithms, run_mpi
+from mpi_harness import assert_check_passed, assert_mpi_ok, library_algorithms, run_mpi, suite_job
 from test_checkpoint_mpi import RESUME_SPECS, SUITE_ALGORITHMS
 
 GLOO = {"BAGUA_MPI_BACKEND": "gloo"}
@@ -54,13 +54,7 @@ def test_transport_stages_simulated_device_payloads(backend):
     assert_mpi_ok(result, f"transport suite OK on 2 ranks, backend {backend}, simulator True")
 
 
-_RUNS = {}
-
-
-def gloo_run(nprocs: int):
-    if nprocs not in _RUNS:
-        _RUNS[nprocs] = run_mpi("algorithms_suite.py", nprocs, env=gloo_env(nprocs), timeout=900)
-    return _RUNS[nprocs]
+gloo_run = suite_job("algorithms_suite.py", env=gloo_env, timeout=900)
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])

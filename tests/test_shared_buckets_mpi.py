@@ -1,21 +1,19 @@
 """Node-shared gradient buckets under a real mpiexec, one test per check and world layout."""
 import pytest
 
-from mpi_harness import assert_check_passed, run_mpi
+from mpi_harness import assert_check_passed, suite_job
 
 import shared_buckets_suite
 
 LAYOUTS = {"2 ranks": (2, None), "3 ranks": (3, None), "4 ranks": (4, None),
            "4 ranks as 2 nodes": (4, "2")}
-_RUNS = {}
+RUNS = {name: suite_job("shared_buckets_suite.py",
+                        env={"BAGUA_MPI_RANKS_PER_NODE": per_node} if per_node else None)
+        for name, (_, per_node) in LAYOUTS.items()}
 
 
 def layout_run(name):
-    if name not in _RUNS:
-        n, per_node = LAYOUTS[name]
-        env = {"BAGUA_MPI_RANKS_PER_NODE": per_node} if per_node else {}
-        _RUNS[name] = run_mpi("shared_buckets_suite.py", n, env=env, timeout=300)
-    return _RUNS[name]
+    return RUNS[name](LAYOUTS[name][0])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -8,19 +8,12 @@ import re
 
 import pytest
 
-from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi
+from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi, suite_job
 
 import zero_suite
 
-_RUNS = {}
-
-
-def suite_run(nprocs: int):
-    if nprocs not in _RUNS:
-        # simulated nodes of 2 ranks: 4 ranks are two nodes (two-level sharding), 3 are uneven
-        _RUNS[nprocs] = run_mpi("zero_suite.py", nprocs, env={"BAGUA_MPI_RANKS_PER_NODE": "2"},
-                                timeout=400)
-    return _RUNS[nprocs]
+# simulated nodes of 2 ranks: 4 ranks are two nodes (two-level sharding), 3 are uneven
+suite_run = suite_job("zero_suite.py", env={"BAGUA_MPI_RANKS_PER_NODE": "2"}, timeout=400)
 
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
