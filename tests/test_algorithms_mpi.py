@@ -1,6 +1,6 @@
 """BAGUA's primitives and every registered algorithm under a real mpiexec at 2, 3 and 4 ranks.
 
-The algorithm suite runs once per world size (a module fixture) and reports each of its checks
+The algorithm suite runs once per world size (``suite_job``) and reports each of its checks
 on its own line; every check is its own test here, so one failure hides no other.
 """
 import pytest
