@@ -78,14 +78,20 @@ def shaped_view(flat: torch.Tensor, like: torch.Tensor,
     return flat.as_strided(like.shape, autograd_strides(like) if strides is None else strides)
 
 
+def flat_alias(t: torch.Tensor) -> torch.Tensor:
+    """A dense ``t`` (its strides are ``autograd_strides(t)``) as a 1-D view of its elements in
+    memory order."""
+    return t.as_strided((t.numel(),), (1,))
+
+
 def memory_order(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """``t``'s elements as a 1-D tensor in the memory order of ``like`` (default ``t``): a view
     when ``t`` already lies that way, else a copy."""
     like = t if like is None else like
     strides = autograd_strides(like)
     if t.stride() == strides or t.numel() <= 1:
-        return t.as_strided((t.numel(),), (1,))
+        return flat_alias(t)
     out = torch.empty_strided(like.shape, strides, dtype=t.dtype, device=t.device)
     out.copy_(t)
-    return out.as_strided((t.numel(),), (1,))
+    return flat_alias(out)
 

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from ..layout import autograd_strides, memory_order
+from ..layout import autograd_strides, flat_alias
 
 
 def _work_dtype(t: torch.Tensor, keep_float64: bool) -> torch.dtype:
@@ -28,11 +28,11 @@ def _flat(t: torch.Tensor, device, dtype: torch.dtype):
     on a clean exit."""
     strides = autograd_strides(t)
     if t.dtype == dtype and t.device == device and t.stride() == strides:
-        yield memory_order(t.detach())
+        yield flat_alias(t.detach())
         return
     work = torch.empty_strided(t.shape, strides, dtype=dtype, device=device)
     work.copy_(t.detach())
-    yield memory_order(work)
+    yield flat_alias(work)
     with torch.no_grad():
         t.copy_(work)
 
