@@ -8,11 +8,13 @@ a hang; a hang anyway is cut by the timeout.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,16 +107,32 @@ def run_mpi_side_by_side(jobs: dict, nprocs: int, **kwargs) -> dict:
 def run_job(cmd: list[str], env: dict, timeout: float) -> MPIResult:
     """Run a launcher command in its own process group; kill the whole group on timeout.
     ``mpiexec python script.py`` jobs get their ranks from preloaded Pythons (``forkserver``)."""
+    launched = [str(a) for a in cmd]
     cmd, env = preloaded_command(cmd, env)
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-        return MPIResult(proc.returncode, out, False)
+        result = MPIResult(proc.returncode, out, False)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        return MPIResult(proc.returncode, out, True)
+        result = MPIResult(proc.returncode, out, True)
+    _log_job(launched, time.monotonic() - started, result)
+    return result
+
+
+def _log_job(cmd: list[str], seconds: float, result: MPIResult) -> None:
+    """With ``BAGUA_MPI_TEST_JOB_LOG=<file>``, one JSON line per job (its command, the test
+    that ran it, its seconds): where the suite's time goes, job by job
+    (``benchmarks/results/ci_time.md``)."""
+    path = os.environ.get("BAGUA_MPI_TEST_JOB_LOG")
+    if path:
+        line = {"cmd": cmd, "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+                "seconds": round(seconds, 2), "returncode": result.returncode}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 def assert_mpi_ok(result: MPIResult, expect_line: str | None = None) -> None:
