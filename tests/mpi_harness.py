@@ -124,10 +124,10 @@ def run_job(cmd: list[str], env: dict, timeout: float) -> MPIResult:
 
 
 def _log_job(cmd: list[str], seconds: float, result: MPIResult) -> None:
-    """With ``BAGUA_MPI_TEST_JOB_LOG=<file>``, one JSON line per job (its command, the test
+    """With ``MPI_HARNESS_JOB_LOG=<file>``, one JSON line per job (its command, the test
     that ran it, its seconds): where the suite's time goes, job by job
     (``benchmarks/results/ci_time.md``)."""
-    path = os.environ.get("BAGUA_MPI_TEST_JOB_LOG")
+    path = os.environ.get("MPI_HARNESS_JOB_LOG")
     if path:
         line = {"cmd": cmd, "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
                 "seconds": round(seconds, 2), "returncode": result.returncode}
