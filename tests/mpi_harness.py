@@ -125,7 +125,7 @@ def run_job(cmd: list[str], env: dict, timeout: float) -> MPIResult:
 
 def _log_job(cmd: list[str], seconds: float, result: MPIResult) -> None:
     """With ``MPI_HARNESS_JOB_LOG=<file>``, one JSON line per job (its command, the test
-    that ran it, its seconds): where the suite's time goes, job by job
+    that ran it, its seconds and exit code): where the suite's time goes, job by job
     (``benchmarks/results/ci_time.md``)."""
     path = os.environ.get("MPI_HARNESS_JOB_LOG")
     if path:

@@ -83,3 +83,15 @@ def test_a_killed_job_leaves_no_preloaded_rank_behind():
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{p}") for p in pids), pids
+
+
+def test_job_log_has_a_line_per_job_naming_its_test(tmp_path, monkeypatch):
+    """``MPI_HARNESS_JOB_LOG``: each job appends its command, test, seconds and exit code."""
+    log = tmp_path / "jobs.jsonl"
+    monkeypatch.setenv("MPI_HARNESS_JOB_LOG", str(log))
+    for code in (0, 3):
+        run_job([sys.executable, "-c", f"import sys; sys.exit({code})"], dict(os.environ), 60)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["returncode"] for line in lines] == [0, 3]
+    assert all(line["cmd"][0] == sys.executable and line["seconds"] >= 0 for line in lines)
+    assert all("test_job_log_has_a_line_per_job" in line["test"] for line in lines)
