@@ -4,6 +4,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -14,7 +16,7 @@ import bagua_mpi as bm
 import bagua_mpi.checkpoint as ckpt
 from bagua_mpi.checkpoint import format as fmt
 from bagua_mpi.checkpoint import rng as rng_state
-from bagua_mpi.checkpoint import rotation
+from bagua_mpi.checkpoint import rotation, trees
 from bagua_mpi import preemption
 from bagua_mpi.checkpoint.writer import PHASES, SCHEME_ENV
 from mpi_harness import run_mpi_side_by_side
@@ -53,14 +55,14 @@ def assert_identical(a, b, where="root"):
 
 
 def tree_round_trip(tmp_path, obj):
-    skeleton, leaves = fmt.encode_tree(obj, "t")
+    skeleton, leaves = trees.encode_tree(obj, "t")
     path = str(tmp_path / "tree.h5")
     with h5py.File(path, "w") as f:
-        fmt.write_tree(f, "t", skeleton, leaves)
+        trees.write_tree(f, "t", skeleton, leaves)
     with h5py.File(path, "r") as f:
         for name, dset in f["t"].items():
             assert dset.fletcher32 and dset.chunks is not None, name
-        return fmt.read_tree(f["t"], path)
+        return trees.read_tree(f["t"], path)
 
 
 # -- format ------------------------------------------------------------------------------------
@@ -123,7 +125,7 @@ def test_nested_structures_round_trip(tmp_path):
 ])
 def test_unstorable_values_are_refused_with_their_path(bad, where):
     with pytest.raises(ckpt.CheckpointError, match=re.escape(where)):
-        fmt.encode_tree(bad, "t")
+        trees.encode_tree(bad, "t")
 
 
 def test_rng_states_round_trip(tmp_path):
@@ -350,7 +352,7 @@ def test_fletcher32_locates_damage_without_the_seal(three_checkpoints):
 
 def test_sha256_placeholders_catch_damage_in_unfiltered_datasets(tmp_path):
     """The layout of the mpio scheme: contiguous datasets, digests in the tree's JSON."""
-    skeleton, leaves = fmt.encode_tree({"w": torch.arange(1000.0)}, "t")
+    skeleton, leaves = trees.encode_tree({"w": torch.arange(1000.0)}, "t")
     arrays = [leaf.array() for leaf in leaves]
     path = str(tmp_path / "unfiltered.h5")
     with h5py.File(path, "w") as f:
@@ -360,11 +362,11 @@ def test_sha256_placeholders_catch_damage_in_unfiltered_datasets(tmp_path):
         fmt.write_json(group, "tree", fmt.with_digests(skeleton, arrays))
         offset = group["000000"].id.get_offset()
     with h5py.File(path, "r") as f:
-        assert torch.equal(fmt.read_tree(f["t"], path)["w"], torch.arange(1000.0))
+        assert torch.equal(trees.read_tree(f["t"], path)["w"], torch.arange(1000.0))
     flip(path, offset + 10)
     with h5py.File(path, "r") as f:
         with pytest.raises(ckpt.CheckpointCorruptError, match="SHA-256 mismatch in /t/000000"):
-            fmt.read_tree(f["t"], path)
+            trees.read_tree(f["t"], path)
 
 
 @pytest.mark.parametrize("keep_bytes", [0, 100, 512, 4000, -1])
@@ -414,6 +416,25 @@ def test_cli(three_checkpoints, capsys):
     flip(paths[2], 1000)
     assert main(["verify", paths[2]]) == 1
     assert "CheckpointCorruptError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["info", "list", "verify"])
+def test_cli_imports_no_mpi(three_checkpoints, command):
+    """The command line inspects files on a login node: it must not initialize MPI (importing
+    mpi4py.MPI does), and only ``verify``, which decodes the trees, may import torch."""
+    directory, _ = three_checkpoints
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['bagua_mpi.checkpoint', {command!r}, {directory!r}]\n"
+             "try:\n"
+             "    runpy.run_module('bagua_mpi.checkpoint', run_name='__main__')\n"
+             "except SystemExit as exc:\n"
+             "    assert exc.code in (0, None), exc.code\n"
+             "print('LOADED', *[m for m in ('mpi4py.MPI', 'torch', 'numba') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split("LOADED")[-1].split())
+    assert loaded == ({"torch"} if command == "verify" else set()), done.stdout
 
 
 # -- kill -9 inside a save ---------------------------------------------------------------------

@@ -133,6 +133,55 @@ def test_no_import_circle(package):
         f"  {_describe(graph, c)}   (modules in the circle: {', '.join(c)})" for c in mine)
 
 
+def _runs_at_import(tree: ast.AST) -> ast.Module:
+    """The statements Python runs when it imports the module: not those inside functions, nor
+    under ``if TYPE_CHECKING:``."""
+    class Prune(ast.NodeTransformer):
+        def visit_FunctionDef(self, node):
+            return None
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_If(self, node):
+            if isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                return node.orelse or None
+            return self.generic_visit(node)
+
+    return Prune().visit(tree)
+
+
+def import_time_graph() -> dict[str, set[str]]:
+    """Module -> the project modules that importing it runs first: its imports outside functions,
+    each with its parent packages (importing ``a.b`` runs ``a/__init__.py`` before ``a.b``)."""
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        tree = _runs_at_import(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        targets = set()
+        for name in _imported_names(module, path, tree):
+            parts = name.split(".")
+            targets.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        graph[module] = {
+            target for target in targets
+            if target in modules and target != module
+            and not _is_package_of(target, module) and not _is_package_of(module, target)}
+    return graph
+
+
+def test_no_import_circle_through_a_package_at_import_time():
+    """A circle the graph above cannot see: ``p/__init__.py`` imports ``q.x`` while ``q.y``
+    imports ``p.z``. Importing ``q.y`` first runs ``p/__init__.py``, which meets ``q`` half
+    imported (a ``from q.x import name`` there fails). Here only imports that run when the module
+    loads count, since one inside a function runs after both packages are complete."""
+    graph = import_time_graph()
+    found = circles(graph)
+    assert not found, "circles through package __init__ files at import time:\n" + "\n".join(
+        f"  {_describe(graph, c)}" for c in found)
+    tree = _runs_at_import(ast.parse("import p.a\ndef f():\n    import p.b\n"
+                                     "if TYPE_CHECKING:\n    import p.c\n"))
+    assert _imported_names("q", Path("q.py"), tree) == {"p.a"}
+
+
 def test_the_walk_sees_function_level_imports_and_circles():
     """The checker itself: a circle closed only by an import inside a function is found."""
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}

@@ -1,4 +1,8 @@
 """The public surface: ``bagua_mpi.__all__`` names what users (and Horovod scripts) get."""
+import inspect
+import subprocess
+import sys
+
 import pytest
 
 import bagua_mpi as bm
@@ -15,6 +19,54 @@ def test_every_public_name_exists():
 
 def test_no_internal_module_is_public():
     assert not INTERNAL & set(bm.__all__)
+
+
+def _fresh(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_importing_the_package_loads_nothing_heavy():
+    """``import bagua_mpi`` must neither initialize MPI nor import torch or Numba; tools that
+    need none of them (the checkpoint command line) start without them."""
+    loaded = _fresh("import sys, bagua_mpi\n"
+                    "print(*[m for m in ('mpi4py.MPI', 'torch', 'numba', 'h5py') "
+                    "if m in sys.modules])")
+    assert loaded == ""
+
+
+def test_first_public_name_loads_every_public_name():
+    count = _fresh("import bagua_mpi as bm\nbm.rank\n"
+                   "print(sum(name in vars(bm) for name in bm.__all__), len(bm.__all__))")
+    assert count.split()[0] == count.split()[1], count
+
+
+def test_public_modules_are_the_modules_all_names():
+    assert {n for n in bm.__all__ if inspect.ismodule(getattr(bm, n))} == bm._PUBLIC_MODULES
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        bm.no_such_thing
+    assert not hasattr(bm, "__wrapped__")
+
+
+def test_the_registry_is_complete_without_the_package_api():
+    """``import bagua_mpi.algorithms`` alone (the package's names untouched) registers every
+    algorithm the whole package registers, lgreco's own package included."""
+    alone = _fresh("import bagua_mpi.algorithms as a\nprint(a.names())")
+    full = _fresh("import bagua_mpi as bm\nbm.DistributedOptimizer\n"
+                  "print(bm.algorithms.names())")
+    assert alone == full and "lgreco" in full
+
+
+def test_lgreco_is_one_class_under_both_names():
+    import bagua_mpi.lgreco
+    assert bagua_mpi.lgreco.LGreCo is bm.algorithms.LGreCo
+    assert bagua_mpi.lgreco.LGreCoImpl is bm.algorithms.LGreCoImpl
 
 
 def test_errors_share_one_root():

@@ -14,6 +14,8 @@ local_sgd                      average models every ``period`` steps            
 topk                           top-k with residuals, all-gathered (O(kP))       sparse
 gtopk                          top-k with residuals, gTopKAllReduce tree        sparse
 powersgd                       rank-r P/Q power iteration with EF               low-rank
+lgreco                         layer-wise bits/density/rank chosen by a DP      any of the
+                               (the DP and families in ``bagua_mpi.lgreco``)    above
 =============================  ===============================================  ==========
 """
 from .async_average import AsyncModelAverage
@@ -21,6 +23,7 @@ from .base import (Algorithm, AlgorithmContext, AlgorithmImpl, UnsupportedOption
                    WrapOptions)
 from .compressed import QSGD, ByteGrad
 from .gradient_allreduce import GradientAllReduce
+from .lgreco import LGreCo, LGreCoImpl
 from .model_averaging import Decentralized, LocalSGD, LowPrecisionDecentralized
 from .onebit_adam import OneBitAdam
 from .powersgd import PowerSGD
@@ -30,4 +33,5 @@ from .sparse import GTopK, TopK
 __all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "UnsupportedOptionError",
            "WrapOptions", "AsyncModelAverage", "ByteGrad",
            "Decentralized", "GradientAllReduce", "LocalSGD", "LowPrecisionDecentralized",
-           "OneBitAdam", "PowerSGD", "QSGD", "TopK", "GTopK", "create", "names", "register"]
+           "OneBitAdam", "PowerSGD", "QSGD", "TopK", "GTopK", "LGreCo", "LGreCoImpl", "create",
+           "names", "register"]

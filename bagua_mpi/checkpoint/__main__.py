@@ -15,7 +15,7 @@ import os
 import sys
 
 from .errors import CheckpointError
-from .reader import read_meta, verify
+from .inspection import read_meta, verify
 from .rotation import latest, list_checkpoints, read_latest
 
 

@@ -1,5 +1,5 @@
-"""``load``: verify a checkpoint, read each rank's part, restore it (collective); and the
-MPI-free ``verify`` / ``read_meta`` for inspecting files.
+"""``load``: verify a checkpoint, read each rank's part, restore it (collective). The MPI-free
+``verify`` / ``read_meta`` for inspecting files are in ``inspection``.
 
 ``load`` tries candidates in order (``rotation.candidates``: the file ``latest`` names, then
 older ones when ``fallback``) and for each:
@@ -21,17 +21,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import h5py
 import torch
 from mpi4py import MPI
 
 from .. import runtime
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatError,
                      CheckpointNotFoundError, WorldSizeMismatchError)
-from .format import FORMAT_NAME, FORMAT_VERSION, check_seal, read_all_datasets, read_json, read_tree
+from .format import open_file
+from .inspection import read_meta
+from .trees import read_tree
 from . import rng as rng_state
 from . import rotation
-from .writer import open_file
 
 logger = logging.getLogger(__name__)
 
@@ -51,49 +51,6 @@ class CheckpointInfo:
     algorithm_state: str  # "loaded", "reset" (reset_algorithm_state=True), "none"
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, why) fallen back from
     meta: dict = field(default_factory=dict, repr=False)  # the file's /meta
-
-
-# -- single-process inspection -------------------------------------------------------------------
-
-def read_meta(path: str, *, verify: bool = True) -> dict:
-    """``/meta`` of a checkpoint file, after checking its seal (no MPI needed)."""
-    check_seal(path, full=verify)
-    try:
-        with open_file(path, "r") as f:
-            meta = read_json(f, "meta")
-    except (OSError, KeyError, ValueError) as exc:
-        raise CheckpointCorruptError(path, f"cannot read /meta: {exc}") from exc
-    _check_format(meta, path)
-    return meta
-
-
-def verify(path: str) -> dict:
-    """Check a checkpoint completely: seal, SHA-256, every dataset's fletcher32 sums, and every
-    tree's structure.
-
-    Returns ``/meta``; raises ``CheckpointCorruptError`` / ``CheckpointFormatError`` naming the
-    file. Needs no MPI: ``python -m bagua_mpi.checkpoint verify ckpt/latest``.
-    """
-    meta = read_meta(path, verify=True)
-    try:
-        with open_file(path, "r") as f:
-            read_all_datasets(f, path)
-            trees = []
-            f.visititems(lambda name, obj: trees.append(obj) if isinstance(obj, h5py.Group)
-                         and "tree" in obj else None)
-            for group in trees:
-                read_tree(group, path)  # structure, sizes, and per-tensor SHA-256 (mpio files)
-    except OSError as exc:
-        raise CheckpointCorruptError(path, str(exc)) from exc
-    return meta
-
-
-def _check_format(meta, path: str) -> None:
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CheckpointFormatError(f"{path} is not a bagua_mpi checkpoint")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointFormatError(f"{path} has format version {meta['format_version']}; this "
-                                    f"bagua_mpi reads up to {FORMAT_VERSION}")
 
 
 # -- collective load ------------------------------------------------------------------------------

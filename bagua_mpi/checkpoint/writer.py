@@ -53,8 +53,8 @@ from mpi4py import MPI
 
 from .. import config, runtime
 from .errors import CheckpointError, CheckpointWriteError
-from .format import (FORMAT_NAME, FORMAT_VERSION, LIBVER, USERBLOCK_SIZE, Leaf, encode_tree,
-                     seal, tree_digest, write_json, write_tree)
+from .format import FORMAT_NAME, FORMAT_VERSION, LIBVER, USERBLOCK_SIZE, open_file, seal, write_json
+from .trees import Leaf, encode_tree, tree_digest, write_tree
 from . import rng as rng_state
 from . import rotation
 
@@ -92,12 +92,6 @@ def scheme() -> str:
         raise CheckpointError(f"{SCHEME_ENV}=mpio but this h5py has no MPI support "
                               "(h5py.get_config().mpi is False)")
     raise CheckpointError(f"{SCHEME_ENV}={wanted!r}: expected auto, mpio or token")
-
-
-def open_file(path: str, mode: str, **kwargs) -> h5py.File:
-    """``h5py.File`` without HDF5 file locks: the save protocol already gives exclusive access,
-    and ``flock`` fails on many shared filesystems (the same as ``HDF5_USE_FILE_LOCKING=FALSE``)."""
-    return h5py.File(path, mode, locking=False, **kwargs)
 
 
 @dataclass

@@ -5,7 +5,7 @@ See docs/horovod.md ("Coming from Horovod") for the name-by-name table of what i
 what differs and what is not supported.
 """
 
-from .. import elastic, runtime
+from .. import runtime
 from .. import process_sets as _process_sets
 from ..collectives import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                            allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
@@ -73,3 +73,13 @@ __all__ = [
     "SyncBatchNorm", "start_timeline", "stop_timeline", "elastic", "HorovodInternalError",
     "HostsUpdatedInterrupt",
 ]
+
+
+def __getattr__(name: str):
+    """``hvd.elastic`` on first use: ``bagua_mpi.elastic`` imports this package's exceptions,
+    so importing it here, at the top, would make each package wait on the other half-imported."""
+    if name == "elastic":
+        from .. import elastic
+        return elastic
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

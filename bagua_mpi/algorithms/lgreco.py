@@ -8,14 +8,14 @@ family's default. Then every ``period_steps``:
    communication thread, before compression);
 2. rank 0 measures error(l, c) = ||G_l - Q^-1 Q_c(G_l)||^2 for every candidate level c (no error
    feedback in this measurement) and size(l, c) in bytes; E_max = sum_l error(l, default);
-3. rank 0 solves the DP of ``dp.py`` with 10000 error steps: minimal total bytes with total
+3. rank 0 solves the DP of ``lgreco/dp.py`` with 10000 error steps: minimal total bytes with total
    error <= E_max (the time-aware variant minimises sum size(l, c) x seconds-per-byte of the
    layer's bucket instead, from a linear fit time = a + b x bytes of each bucket's transfers);
 4. rank 0 broadcasts the assignment; every rank applies it from the next step on, and the
    accumulators restart.
 
 Communication per bucket, each layer at its own level, in one packed exchange that the family
-runs, on state it allocates (``families.py``: ``init_layer``, ``exchange_``): min-max levels
+runs, on state it allocates (``lgreco/families.py``: ``init_layer``, ``exchange_``): min-max levels
 through C_LP_S (``packed_compressed_allreduce_``: one alltoall and one allgather) with
 worker/server error feedback per layer (kept across level changes: the error vectors depend
 only on the layer's size); top-k densities through gTopKAllReduce (``packed_gtopk_allreduce_``:
@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from .. import collectives
-from ..algorithms.base import Algorithm, AlgorithmImpl
-from ..algorithms.registry import register
-from ..algorithms.forms import float32_all
-from ..algorithms.validation import (boolean, chosen_by, fraction, non_negative_int, one_of,
-                                     optional, positive_int, whole_number)
-from . import dp
-from .families import FAMILIES
+from ..lgreco.dp import solve  # the solver and the compressor families live in bagua_mpi.lgreco;
+from ..lgreco.families import FAMILIES  # only the algorithm is here, with the others
+from .base import Algorithm, AlgorithmImpl
+from .forms import float32_all
+from .registry import register
+from .validation import (boolean, chosen_by, fraction, non_negative_int, one_of, optional,
+                         positive_int, whole_number)
 
 
 class LGreCoImpl(AlgorithmImpl):
@@ -74,7 +74,7 @@ class LGreCoImpl(AlgorithmImpl):
             # Numba loads (or first compiles) the DP's loop on its first call: a fixed cost
             # of ~0.3 s per process that would otherwise land on the first decision
             started = time.perf_counter()
-            dp.solve(np.zeros((1, 1)), np.ones((1, 1)), 1.0)
+            solve(np.zeros((1, 1)), np.ones((1, 1)), 1.0)
             self.startup_seconds = time.perf_counter() - started
         for bucket in buckets:
             for index, name, p in zip(bucket.indices, bucket.names, bucket.params):
@@ -137,7 +137,7 @@ class LGreCoImpl(AlgorithmImpl):
         e_max = float(err[:, default].sum())
         cost = size * self.seconds_per_byte(names)[:, None] if self.algorithm.time_aware \
             else size
-        solution = dp.solve(err, cost, e_max, default=[default] * len(names),
+        solution = solve(err, cost, e_max, default=[default] * len(names),
                             steps=self.algorithm.dp_steps)
         return {name: cands[c] for name, c in zip(names, solution.choice)}
 
