@@ -35,9 +35,6 @@ from .timeline import Timeline
 logger = logging.getLogger(__name__)
 # torch.amp.GradScaler's module: it reads param_groups to unscale (see the property)
 _GRAD_SCALER = "torch.amp.grad_scaler"
-# the running backward pass's id, -1 outside one (a private torch function: without it, assume
-# outside, as a read from inside backward is rare)
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -216,17 +213,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- what torch.optim.Optimizer users touch ---------------------------------------------------
     @property
     def param_groups(self):
-        """The wrapped optimizer's groups. Read after this step's backward pass and before
-        ``step()`` (as ``torch.amp.GradScaler.unscale_`` and ``step`` read them), it first
-        finishes the gradient exchange, so that what is read, checked for inf and rescaled
-        are the synchronized gradients on every rank, not a bucket still on the wire."""
+        """The wrapped optimizer's groups. ``torch.amp.GradScaler`` reading them (to unscale
+        and check the gradients, which the step's last backward pass left averaged) tells the
+        algorithm that a loss scaler is in use."""
         engine = getattr(self, "_engine", None)
         if engine is not None and sys._getframe(1).f_globals.get("__name__") == _GRAD_SCALER:
             self.impl.on_loss_scaling()
-        if (engine is not None and engine.exchange_due()
-                and _graph_task_id() == -1  # not from inside a backward pass
-                and not runtime.get().worker.running_here()):
-            engine.synchronize()  # not synchronize(): the user did not call it (no warning)
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -266,9 +258,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buckets and letting autograd add into them: -15 ms a step for 84 MB of gradients on
         2 cores); ``set_to_none=False`` zeroes the buckets and keeps ``.grad`` their views.
 
-        Raises ``MisuseError`` between a backward pass and ``step()``/``synchronize()``: the
-        gradients are being (or are about to be) communicated, and zeroing them would make this
-        rank contribute something else than it computed.
+        Raises ``MisuseError`` between the backward passes of one step
+        (``backward_passes_per_step`` > 1): the gradients counted so far are about to be
+        communicated, and zeroing them would make this rank contribute something else than it
+        computed. Once the step's last pass has ended they are averaged, and zeroing them is
+        the user's choice, as with DDP.
         """
         pending = self._engine.pending_description()
         if pending:
@@ -281,8 +275,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.zero_grads()
 
     def synchronize(self) -> None:
-        """Wait for (and finish) this iteration's gradient communication. Calling it again
-        before ``step()`` does nothing (the gradients are already synchronized)."""
+        """Wait for (and finish) this iteration's gradient communication: Horovod's call. The
+        step's last backward pass already finishes it as it ends, so after ``backward()`` this
+        does nothing, as does calling it again before ``step()``."""
         if not self._engine.synchronized_for_step():
             self._engine.synchronize()
         self._synchronized = True

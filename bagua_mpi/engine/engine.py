@@ -8,9 +8,12 @@ Life of an iteration, after the first one:
    bucket i to be launched, so all ranks issue the same sequence of collectives even if autograd
    finishes gradients in a different order on different ranks. The algorithm's
    ``reduce_bucket`` runs on the communication thread while backward continues;
-3. ``synchronize()`` (called by ``step()``) launches whatever is left (all of it with overlap
-   off), giving parameters that got no gradient this iteration a zero gradient so no rank
-   waits for a bucket that never completes, and waits for the outstanding handles only.
+3. ``synchronize()`` (when the step's last backward pass ends, from an autograd callback, as
+   DDP finishes its reduction; ``step()`` calls it for the algorithms that average models)
+   launches whatever is left (all of it with overlap off), giving parameters that got no
+   gradient this iteration a zero gradient so no rank waits for a bucket that never
+   completes, and waits for the outstanding handles only. So ``backward()`` returns with the
+   gradients averaged, and code before ``step()`` (clipping) sees them alike on every rank.
 
 The first iteration is the **profiling** phase: hooks only record the order in which gradients
 become ready, and ``synchronize()`` builds the buckets from rank 0's observed order (broadcast, so
@@ -34,6 +37,12 @@ from ..ops import Max
 from ..timeline import Timeline
 from .buckets import Bucket, plan_buckets
 from .clock import StepClock
+
+# the backward pass (graph task) running on this thread, -1 outside one
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+# the autograd node being evaluated on this thread: as a backward pass ends, None unless that
+# pass runs inside another's node (reentrant activation checkpointing)
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 class Engine:
@@ -84,6 +93,7 @@ class Engine:
         # seconds the training thread spent blocked on communication (the handles below, and
         # DistributedOptimizer's after-step exchanges): what overlap did not hide
         self.wait_seconds = 0.0
+        self._finish_queued_in: int | None = None  # the backward pass that will finish
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(params)]
 
@@ -96,6 +106,8 @@ class Engine:
     def _on_grad_ready(self, i: int) -> None:
         if not self.communicating:
             return
+        if self.impl.communicates_gradients:
+            self._finish_when_backward_ends()
         if self.awaiting_step:  # gradients were synchronized and their step() never came
             self.awaiting_step = False
             self.impl.on_step_skipped()
@@ -128,6 +140,30 @@ class Engine:
             self._remaining[bucket.index] -= 1
             if self._remaining[bucket.index] == 0:
                 self._bucket_ready(bucket)
+
+    def _finish_when_backward_ends(self) -> None:
+        """Have the backward pass that is running call ``_backward_ended`` as it ends (once)."""
+        task = _graph_task_id()
+        if task == -1 or task != self._finish_queued_in:
+            self._finish_queued_in = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        """A backward pass has ended: if it was the step's last, finish the exchange now, so
+        that ``backward()`` returns with every gradient synchronized, as with DDP. Code that
+        reads or changes the gradients before ``step()`` (``clip_grad_norm_``) then sees the
+        averaged ones on every rank; with overlap it used to run while buckets were on the wire,
+        and the ranks drifted apart.
+
+        A pass nested in another's node (reentrant activation checkpointing) leaves it to the
+        outer pass: the outer one's later hooks still have gradients to add. Its own end
+        finishes the exchange when one of its hooks queued it (a model with parameters outside
+        the checkpointed blocks); else ``step()`` does."""
+        self._finish_queued_in = None
+        if _current_autograd_node() is not None:
+            return
+        if self.exchange_due():
+            self.synchronize()
 
     def _bucket_ready(self, bucket: Bucket) -> None:
         self._note_ready(bucket)

@@ -208,11 +208,14 @@ def check_onebit_adam_refuses_skipped_step(rank: int, size: int) -> None:
 
 
 def check_step_in_skip_synchronize_without_synchronize(rank: int, size: int) -> None:
-    """``step()`` inside ``skip_synchronize()`` right after backward would apply this rank's own
-    gradients: refused, and nothing is stepped."""
+    """``step()`` inside ``skip_synchronize()`` while gradients wait to be communicated (the
+    first of ``backward_passes_per_step=2`` passes) would apply this rank's own gradients:
+    refused, and nothing is stepped. After the step's last pass it is Horovod's recipe without
+    the ``synchronize()``, which ``backward()`` made needless: accepted."""
     net = model()
     opt = bm.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                  named_parameters=net.named_parameters())
+                                  named_parameters=net.named_parameters(),
+                                  backward_passes_per_step=2)
     before = flat(net).clone()
     x, y = batch(0, rank, size, None)
     torch.nn.functional.mse_loss(net(x), y).backward()
@@ -220,7 +223,13 @@ def check_step_in_skip_synchronize_without_synchronize(rank: int, size: int) -> 
         expect(MisuseError, opt.step, f"rank {rank}: step() inside skip_synchronize()",
                "call synchronize()")
     assert torch.equal(flat(net), before), "the refused step changed the parameters"
-    opt.step()  # the exchange, and the step, still happen
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    with opt.skip_synchronize():
+        opt.step()  # the exchange happened as the second pass ended
+    stepped = flat(net)
+    assert not torch.equal(stepped, before), "nothing was stepped"
+    assert all(torch.equal(stepped, other) for other in bm.allgather(stepped[None])), \
+        "the ranks stepped on different gradients"
     opt.close()
 
 

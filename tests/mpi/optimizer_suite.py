@@ -7,8 +7,10 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 
 import torch
+import torch.utils.checkpoint
 
 import bagua_mpi as bm
 from bagua_mpi.exceptions import MisuseError
@@ -50,7 +52,7 @@ def make_optimizer(kind: str, params):
     return torch.optim.Adam(params, lr=0.01)
 
 
-def reference(kind: str, size: int, passes: int) -> dict:
+def reference(kind: str, size: int, passes: int, clip: float | None = None) -> dict:
     torch.manual_seed(0)
     model = Net()
     opt = make_optimizer(kind, [p for p in model.parameters() if p.requires_grad])
@@ -60,11 +62,14 @@ def reference(kind: str, size: int, passes: int) -> dict:
         y = torch.cat([b[1] for b in batches])
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x, step), y).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert norm > clip, f"step {step}: norm {norm} under {clip}: nothing is clipped"
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def distributed(kind: str, passes: int = 1, **options):
+def distributed(kind: str, passes: int = 1, clip: float | None = None, **options):
     torch.manual_seed(0)
     model = Net()
     opt = bm.DistributedOptimizer(
@@ -78,6 +83,8 @@ def distributed(kind: str, passes: int = 1, **options):
             x, y = data(step * passes + k, bm.rank(), BATCH)
             loss = torch.nn.functional.mse_loss(model(x, step), y) / passes
             loss.backward()
+        if clip is not None:  # right after backward, as with DDP: no synchronize() first
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     opt.close()
     return model, opt
@@ -109,6 +116,93 @@ def check_equivalence(size: int) -> int:
             checks += 1
         model, _ = distributed(kind, passes=4)
         assert_params_equal(model, reference(kind, size, passes=4), f"{kind} 4 passes")
+        checks += 1
+    return checks
+
+
+CLIP = 0.05  # under every step's gradient norm here (the reference asserts it)
+
+
+def check_clip_right_after_backward(size: int) -> int:
+    """``backward()`` returns with the gradients synchronized, as DDP's does, so clipping right
+    after it (no ``synchronize()``) clips the averaged gradients, alike on every rank: the
+    single-process run on the combined batch, clipped. With overlap on, clipping used to scale
+    buckets still on the wire and the ranks drifted apart; with it off, each rank clipped its
+    own gradients before they were averaged."""
+    checks = 0
+    for label, passes, options in (("overlap on", 1, {"overlap": True}),
+                                   ("overlap off", 1, {"overlap": False}),
+                                   ("overlap on, 2 passes", 2, {"overlap": True})):
+        model, _ = distributed("sgd", passes=passes, clip=CLIP, bucket_size_mb=1e-6, **options)
+        assert_params_equal(model, reference("sgd", size, passes, clip=CLIP),
+                            f"clipped after backward, {label}")
+        checks += 1
+    return checks
+
+
+class CheckpointedNet(torch.nn.Module):
+    """Activation checkpointing of the middle blocks (``whole``: of everything), reentrant or
+    not (``reentrant`` None: no checkpointing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(10, 12)
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.Tanh(),
+                                          torch.nn.Linear(12, 12), torch.nn.Tanh())
+        self.head = torch.nn.Linear(12, 4)
+
+    def forward(self, x, reentrant: bool | None, whole: bool):
+        if reentrant is None:
+            return self.head(self.blocks(torch.tanh(self.embed(x))))
+        run = torch.utils.checkpoint.checkpoint
+        if whole:
+            return run(lambda z: self.head(self.blocks(torch.tanh(self.embed(z)))),
+                       x.requires_grad_(), use_reentrant=reentrant)
+        return self.head(run(self.blocks, torch.tanh(self.embed(x)), use_reentrant=reentrant))
+
+
+def check_activation_checkpointing(size: int) -> int:
+    """Reentrant checkpointing runs a backward pass inside another: the inner one's end must not
+    finish the exchange while the outer one still has gradients to add (the embedding's; the
+    buckets would go out twice). With parameters outside the checkpointed blocks, clipping
+    right after backward still clips the averaged gradients; with everything checkpointed,
+    ``step()`` finishes the exchange. Each against one process on the combined batch, and
+    sending the bytes of the same training without checkpointing."""
+    def train(reentrant: bool | None, whole: bool, clip: bool, ranks) -> tuple[dict, int]:
+        torch.manual_seed(0)
+        model = CheckpointedNet()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = sgd if ranks is None else bm.DistributedOptimizer(
+            sgd, named_parameters=model.named_parameters(), overlap=True, bucket_size_mb=1e-6)
+        for step in range(STEPS):
+            batches = [data(step, r, BATCH) for r in (range(size) if ranks is None else ranks)]
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x, reentrant, whole), y).backward()
+            if clip:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                assert ranks is not None or norm > CLIP, f"step {step}: nothing is clipped"
+            opt.step()
+        sent = 0
+        if ranks is not None:
+            sent = opt.communication_stats()["bytes_sent"]
+            opt.close()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, sent
+
+    _, plain_bytes = train(None, False, False, [bm.rank()])
+    checks = 0
+    for reentrant, whole, clip in ((True, False, True), (False, False, True),
+                                   (True, True, False)):
+        label = (f"{'reentrant' if reentrant else 'non-reentrant'} checkpointing of "
+                 f"{'everything' if whole else 'the blocks'}{', clipped' if clip else ''}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # reentrant checkpointing's deprecation notes
+            got, sent = train(reentrant, whole, clip, [bm.rank()])
+            expected, _ = train(reentrant, whole, clip, None)
+        for name, value in got.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{label}: parameter {name}: {m}")
+        assert sent == plain_bytes, f"{label}: {sent} bytes sent, {plain_bytes} without it"
         checks += 1
     return checks
 
@@ -305,8 +399,8 @@ def check_join(rank: int, size: int) -> int:
     raised = False
     for step in range(1 if rank == last else 2):
         opt.zero_grad()
-        model(torch.ones(2, 64)).sum().backward()
-        try:
+        try:  # backward() finishes the exchange: the error comes from there
+            model(torch.ones(2, 64)).sum().backward()
             opt.step()
         except bm.JoinedRankError:
             raised = True
@@ -327,37 +421,37 @@ def expect_misuse(fn, *needles) -> str:
 
 
 def check_misuse(rank: int, size: int) -> int:
-    """zero_grad() between backward and step, and more backward passes than declared, raise
+    """A second backward pass before step() adds its averaged gradient to the first, as with
+    DDP; zero_grad() between the passes of one step (backward_passes_per_step=2) raises
     MisuseError on every rank (all ranks misuse alike here); the optimizer keeps working."""
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 2)
     opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                   named_parameters=model.named_parameters())
-    x = torch.randn(4, 6)
-    for step in range(3):  # the first step is the profiling one; the guards hold in both
+    x = torch.randn(4, 6) + rank  # per rank
+    expected = bm.allreduce(torch.ones(2, 6) * x.sum(0), bm.Average)  # d(sum)/dW, averaged
+    for step in range(3):  # the first step is the profiling one; all holds in both
         opt.zero_grad()
         model(x).sum().backward()
-        expect_misuse(opt.zero_grad, f"rank {rank}", "zero_grad()")
-        try:
-            model(x).sum().backward()
-        except MisuseError as exc:
-            assert "backward_passes_per_step=1" in str(exc) and "parameter '" in str(exc), exc
-        else:
-            raise AssertionError("a second backward pass was accepted")
+        torch.testing.assert_close(model.weight.grad, expected)  # backward returned averaged
+        model(x).sum().backward()
+        torch.testing.assert_close(model.weight.grad, 2 * expected)
         opt.step()
     opt.zero_grad()
     model(x).sum().backward()
     opt.synchronize()
     opt.synchronize()  # twice is harmless: the gradients are averaged once
-    expected = bm.allreduce(torch.ones(2, 6) * x.sum(0), bm.Average)  # d(sum)/dW, averaged
     torch.testing.assert_close(model.weight.grad, expected)
     with opt.skip_synchronize():
         opt.step()
-    opt.set_backward_passes_per_step(2)  # Horovod's method: two passes are fine now
-    opt.zero_grad()
-    for _ in range(2):
+    opt.set_backward_passes_per_step(2)  # Horovod's method
+    for step in range(2):
+        opt.zero_grad()
         (model(x).sum() / 2).backward()
-    opt.step()
+        expect_misuse(opt.zero_grad, f"rank {rank}", "zero_grad()", "waiting to be communicated")
+        (model(x).sum() / 2).backward()
+        torch.testing.assert_close(model.weight.grad, expected)
+        opt.step()
     opt.close()
     return 4
 
@@ -526,6 +620,8 @@ def suite_checks() -> dict:
     """Check name -> fn(rank, size), in the order they run (tests/mpi/checks.py)."""
     return {
         "equivalence": lambda rank, size: check_equivalence(size),
+        "clip_right_after_backward": lambda rank, size: check_clip_right_after_backward(size),
+        "activation_checkpointing": lambda rank, size: check_activation_checkpointing(size),
         "no_sync_and_skip_synchronize": lambda rank, size: check_no_sync_and_skip_synchronize(
             size),
         "unused_default": lambda rank, size: check_unused_default(size),
