@@ -315,6 +315,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.communicating = True
 
     def step(self, closure=None):
+        if self.impl.wants_flat_params:
+            self._engine.check_params_in_buckets()
         self.impl.on_step_start(self.steps)
         if not self._engine.synchronized_for_step():
             if not self._skip_sync:

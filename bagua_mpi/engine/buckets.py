@@ -245,12 +245,24 @@ class Bucket:
         if self.flat_param is None:
             self.param_storage = zeros(self.part * self.parts, self.dtype, self.device)
             flat = self.param_storage[:self.numel]
+            self._param_addresses = []
             for k, p in enumerate(self.params):
                 view = self.param_view(flat, k)
                 view.copy_(p.data)
                 p.data = view
+                self._param_addresses.append(view.data_ptr())
             self.flat_param = flat
         return self.flat_param
+
+    def params_moved_out(self) -> list[int]:
+        """Positions of the parameters whose ``.data`` is no longer their view of ``flat_param``
+        (a cheap check: address and strides): the model was converted (``.to()``, ``.half()``,
+        a memory format) or a parameter's data replaced after ``flatten_params``, and what the
+        algorithm exchanges would no longer be the model."""
+        if self.flat_param is None:
+            return []
+        return [k for k, (p, address) in enumerate(zip(self.params, self._param_addresses))
+                if p.data_ptr() != address or p.stride() != self.strides[k]]
 
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameters as the algorithm sees them: the flat buffer, or each tensor."""

@@ -332,6 +332,20 @@ class Engine:
         for i in np.flatnonzero(used.numpy() == 0):
             self.params[i].grad = None
 
+    def check_params_in_buckets(self) -> None:
+        """Raise ``MisuseError`` when a parameter left its bucket's flat buffer (see
+        ``Bucket.params_moved_out``): the algorithms that average the flat buffers would go on
+        averaging copies while the model trains alone on this rank."""
+        moved = [self.names[bucket.indices[k]] for bucket in self.buckets or ()
+                 for k in bucket.params_moved_out()]
+        if moved:
+            raise MisuseError(
+                f"rank {self.worker_rank}: {len(moved)} parameter(s) ({', '.join(moved[:3])}"
+                f"{', ...' if len(moved) > 3 else ''}) no longer live in the buffers "
+                f"{self.impl.algorithm.name} averages: the model was converted (.to(), "
+                f".half(), a memory format) or its parameters' data replaced after the first "
+                f"step; convert the model before wrapping it")
+
     def synchronized_for_step(self) -> bool:
         """Whether synchronize() has run for the coming step: it finished, no backward pass
         has produced gradients since, and no step() has been taken since."""

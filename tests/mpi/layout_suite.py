@@ -11,7 +11,8 @@ For every algorithm in the registry, the ``channels_last`` model trained with pe
 end with exactly the twin's parameters. Also: the gradients have their parameters' strides,
 autograd never warns about the layout, model averaging keeps the parameters ``channels_last``,
 ZeRO's logical optimizer state equals the unsharded optimizer's, and ranks that wrap different
-layouts, or a checkpoint of another layout, are refused by name.
+layouts, or a checkpoint of another layout, are refused by name; a model converted after its
+first step is refused by the algorithms that average flat copies of the parameters.
 """
 import shutil
 import sys
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import bagua_mpi as bm
-from bagua_mpi.exceptions import MismatchError
+from bagua_mpi.exceptions import MismatchError, MisuseError
 from checks import expect, run_suite
 
 STEPS = 4
@@ -214,9 +215,38 @@ def check_checkpoint_of_another_layout_is_refused(rank: int, size: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def check_converted_after_the_first_step(name: str, rank: int, size: int) -> None:
+    """``model.to(memory_format=...)`` after the first step gives the weights new storage.
+    An algorithm that averages flat buffers holding the parameters would go on averaging those
+    while this rank's model trained alone: its next ``step()`` raises ``MisuseError`` naming
+    the weights, and nothing changes. The other algorithms copy each gradient into their
+    bucket's layout and train on, the centralized ones alike on every rank."""
+    net, opt, _ = train(name, False, rank, steps=1)
+    net.to(memory_format=torch.contiguous_format)
+    x, y = batch(1, rank)
+    opt.zero_grad()
+    F.mse_loss(net(x), y).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    if opt.impl.wants_flat_params:
+        expect(MisuseError, opt.step, f"rank {rank}", "w1", "w2", name,
+               "convert the model before wrapping")
+        assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before)), "stepped"
+    else:
+        opt.step()
+        assert any(not torch.equal(p, b) for p, b in zip(net.parameters(), before)), "no step"
+        if not bm.algorithms.create(name).averages_models:
+            mine = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+            assert all(torch.equal(mine, other) for other in bm.allgather(mine[None])), \
+                "the ranks' models differ"
+    opt.close()
+
+
 def suite_checks() -> dict:
     out = {f"matches_twin_{name}": (lambda rank, size, n=name: check_matches_twin(n, rank, size))
            for name in bm.algorithms.names()}
+    out.update({f"converted_after_the_first_step_{name}": (
+        lambda rank, size, n=name: check_converted_after_the_first_step(n, rank, size))
+        for name in bm.algorithms.names()})
     out.update({
         "gradient_allreduce_matches_one_process": check_gradient_allreduce_matches_one_process,
         "zero_state_matches_unsharded": check_zero_state_matches_unsharded,
