@@ -82,4 +82,3 @@ def __getattr__(name: str):
         from .. import elastic
         return elastic
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

@@ -5,8 +5,6 @@ in (``families``). The algorithm itself, ``LGreCo`` (registered as ``lgreco``), 
 ``bagua_mpi.algorithms`` with the others; ``bagua_mpi.lgreco.LGreCo`` still finds it, imported
 on first use because the algorithms package imports this one.
 """
-import importlib
-
 from .dp import Solution, solve
 from .families import FAMILIES, MinMaxBits, PowerSGDRank, TopKDensity
 
@@ -16,5 +14,6 @@ __all__ = ["FAMILIES", "LGreCo", "LGreCoImpl", "MinMaxBits", "PowerSGDRank", "So
 
 def __getattr__(name: str):
     if name in ("LGreCo", "LGreCoImpl"):
-        return getattr(importlib.import_module("bagua_mpi.algorithms.lgreco"), name)
+        from ..algorithms import lgreco
+        return getattr(lgreco, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
