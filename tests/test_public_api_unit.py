@@ -44,7 +44,7 @@ def test_first_public_name_loads_every_public_name():
     assert count.split()[0] == count.split()[1], count
 
 
-def test_public_modules_are_the_modules_all_names():
+def test_public_modules_are_the_modules_in_all():
     assert {n for n in bm.__all__ if inspect.ismodule(getattr(bm, n))} == bm._PUBLIC_MODULES
 
 
@@ -56,7 +56,8 @@ def test_unknown_attribute_is_an_attribute_error():
 
 def test_the_registry_is_complete_without_the_package_api():
     """``import bagua_mpi.algorithms`` alone (the package's names untouched) registers every
-    algorithm the whole package registers, lgreco's own package included."""
+    algorithm the whole package registers (L-GreCo, whose solver is a package of its own,
+    included)."""
     alone = _fresh("import bagua_mpi.algorithms as a\nprint(a.names())")
     full = _fresh("import bagua_mpi as bm\nbm.DistributedOptimizer\n"
                   "print(bm.algorithms.names())")
