@@ -219,6 +219,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         engine = getattr(self, "_engine", None)
         if engine is not None and sys._getframe(1).f_globals.get("__name__") == _GRAD_SCALER:
             self.impl.on_loss_scaling()
+            engine.loss_scaler_read = True
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -258,17 +259,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buckets and letting autograd add into them: -15 ms a step for 84 MB of gradients on
         2 cores); ``set_to_none=False`` zeroes the buckets and keeps ``.grad`` their views.
 
+        Between the step's last backward pass and ``step()`` it discards the synchronized
+        gradients: the step is skipped, on every rank alike when every rank calls it, and what
+        the exchange fed into the algorithm's state is dropped (``on_step_skipped``).
+
         Raises ``MisuseError`` between the backward passes of one step
         (``backward_passes_per_step`` > 1): the gradients counted so far are about to be
         communicated, and zeroing them would make this rank contribute something else than it
-        computed. Once the step's last pass has ended they are averaged, and zeroing them is
-        the user's choice, as with DDP.
+        computed.
         """
         pending = self._engine.pending_description()
         if pending:
             raise MisuseError(f"rank {runtime.get().topo.rank}: zero_grad() called while "
                              f"{pending}; call zero_grad() before backward(), or after "
                              f"step() / synchronize()")
+        self._engine.discard_synchronized()
         if set_to_none:
             self.optimizer.zero_grad(set_to_none=True)  # the engine re-absorbs them later
         else:

@@ -89,6 +89,8 @@ class Engine:
         self.communicating = True  # False inside DistributedOptimizer.no_sync()
         # synchronize() finished and no step has been taken since (see step_taken)
         self.awaiting_step = False
+        # torch.amp.GradScaler read the synchronized gradients (it may skip their step)
+        self.loss_scaler_read = False
         self.worker_rank = runtime.get().topo.rank
         # seconds the training thread spent blocked on communication (the handles below, and
         # DistributedOptimizer's after-step exchanges): what overlap did not hide
@@ -106,11 +108,19 @@ class Engine:
     def _on_grad_ready(self, i: int) -> None:
         if not self.communicating:
             return
+        if self.awaiting_step:  # gradients were synchronized and their step() never came
+            if not self.loss_scaler_read:
+                # adding to gradients already exchanged would exchange them again, and feed
+                # the algorithm's state (error feedback, momenta) twice in one step
+                raise MisuseError(
+                    f"rank {self.worker_rank}: parameter {self.names[i]!r} got a gradient "
+                    f"again after this step's exchange and before step() "
+                    f"(backward_passes_per_step={self.passes}); raise backward_passes_per_step, "
+                    f"run the extra backward passes inside opt.no_sync(), or call "
+                    f"opt.zero_grad() first to discard the exchanged gradients")
+            self.discard_synchronized()  # the loss scaler skipped the step
         if self.impl.communicates_gradients:
             self._finish_when_backward_ends()
-        if self.awaiting_step:  # gradients were synchronized and their step() never came
-            self.awaiting_step = False
-            self.impl.on_step_skipped()
         count = self._counts[i] = self._counts[i] + 1
         if count > self.passes:
             # gradient exchange: its bucket is already being communicated, and accumulating
@@ -300,6 +310,7 @@ class Engine:
         self._tick()
         self._reset()
         self.awaiting_step = True
+        self.loss_scaler_read = False
 
     def _exchange_sparse(self) -> None:
         """Every sparse gradient, all-gathered and coalesced, scaled as the buckets are (after
@@ -359,6 +370,15 @@ class Engine:
 
     def step_taken(self) -> None:
         self.awaiting_step = False
+
+    def discard_synchronized(self) -> None:
+        """The synchronized gradients will not be stepped on (the loss scaler skipped the step,
+        or ``zero_grad()`` dropped them): what the exchange fed into the algorithm's state
+        goes too (``on_step_skipped``)."""
+        if self.awaiting_step:
+            self.awaiting_step = False
+            self.loss_scaler_read = False
+            self.impl.on_step_skipped()
 
     def pending_description(self) -> str:
         """What of this iteration is under way (gradients counted or buckets launched since

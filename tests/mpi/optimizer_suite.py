@@ -421,9 +421,10 @@ def expect_misuse(fn, *needles) -> str:
 
 
 def check_misuse(rank: int, size: int) -> int:
-    """A second backward pass before step() adds its averaged gradient to the first, as with
-    DDP; zero_grad() between the passes of one step (backward_passes_per_step=2) raises
-    MisuseError on every rank (all ranks misuse alike here); the optimizer keeps working."""
+    """A second backward pass after the step's exchange and before step(), and zero_grad()
+    between the passes of one step (backward_passes_per_step=2), raise MisuseError on every
+    rank (all ranks misuse alike here); zero_grad() after the exchange discards it (a skipped
+    step); the optimizer keeps working."""
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 2)
     opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -434,9 +435,14 @@ def check_misuse(rank: int, size: int) -> int:
         opt.zero_grad()
         model(x).sum().backward()
         torch.testing.assert_close(model.weight.grad, expected)  # backward returned averaged
+        expect_misuse(lambda: model(x).sum().backward(), f"rank {rank}",
+                      "backward_passes_per_step=1", "parameter '", "opt.zero_grad()")
+        weight = model.weight.detach().clone()
+        opt.zero_grad()  # discards the exchanged gradients: this step is skipped
         model(x).sum().backward()
-        torch.testing.assert_close(model.weight.grad, 2 * expected)
+        torch.testing.assert_close(model.weight.grad, expected)
         opt.step()
+        torch.testing.assert_close(model.weight.detach(), weight - 0.1 * expected)
     opt.zero_grad()
     model(x).sum().backward()
     opt.synchronize()
