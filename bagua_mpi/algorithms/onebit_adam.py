@@ -192,7 +192,8 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
     def on_step_skipped(self) -> None:
         if self.compressed:  # the momentum took in the skipped step's gradients already
             raise MisuseError(self._too_late("a step was skipped after its gradients had been "
-                                             "exchanged (GradScaler found inf or NaN?)"))
+                                             "exchanged (a GradScaler that found inf or NaN, "
+                                             "or zero_grad() before step())"))
         super().on_step_skipped()
 
     def _too_late(self, what: str) -> str:
