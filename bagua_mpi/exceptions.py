@@ -1,4 +1,5 @@
 """The library's exceptions: one root (a ``RuntimeError``) so users can catch them all."""
+from .lazy_names import lazy_names
 
 
 class BaguaMPIError(RuntimeError):
@@ -77,16 +78,4 @@ _REEXPORTS = {
 __all__ = ["BaguaMPIError", "NotInitializedError", "MismatchError", "CommunicationError",
            "ConfigError", "MisuseError", "NestedAsyncError", *_REEXPORTS]
 
-
-def __getattr__(name: str):
-    module = _REEXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_REEXPORTS))
+__getattr__, __dir__ = lazy_names(__name__, _REEXPORTS, globals())

@@ -17,30 +17,20 @@ every rank's RNG states, step/epoch and user extras; replicated state once, per-
 can fall back to the previous checkpoint. ``writer`` explains the two write schemes (parallel
 HDF5, or token passing with serial h5py).
 """
-import importlib
-
+from ..lazy_names import lazy_names
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatError,
                      CheckpointNotFoundError, CheckpointWriteError, WorldSizeMismatchError)
 from .rotation import latest, list_checkpoints
 
 # Imported on first use, so that ``python -m bagua_mpi.checkpoint`` (``inspection``) never
 # imports MPI: ``load`` and ``save`` need it, reading a file does not.
-_DEFINED_IN = {"save": "writer", "scheme": "writer", "load": "reader", "CheckpointInfo": "reader",
-               "read_meta": "inspection", "verify": "inspection", "FORMAT_VERSION": "format"}
+_DEFINED_IN = {"save": ".writer", "scheme": ".writer", "load": ".reader",
+               "CheckpointInfo": ".reader", "read_meta": ".inspection", "verify": ".inspection",
+               "FORMAT_VERSION": ".format"}
 
 __all__ = ["save", "load", "latest", "list_checkpoints", "verify", "read_meta", "scheme",
            "CheckpointInfo", "FORMAT_VERSION", "CheckpointError", "CheckpointCorruptError",
            "CheckpointFormatError", "CheckpointNotFoundError", "CheckpointWriteError",
            "WorldSizeMismatchError"]
 
-
-def __getattr__(name: str):
-    if name not in _DEFINED_IN:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_DEFINED_IN[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _DEFINED_IN, globals())
