@@ -51,7 +51,7 @@ __all__ = [
     # errors
     "BaguaMPIError", "CommunicationError", "ConfigError", "MismatchError", "MisuseError",
     "NestedAsyncError", "NotInitializedError", "UnsupportedOptionError", "JoinedRankError",
-    "HorovodInternalError", "HostsUpdatedInterrupt",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "DiscardedExchangeWarning",
 ]
 
 # the names of __all__ that are subpackages or modules: each is imported alone, on first use
@@ -95,8 +95,9 @@ def _import_public_api() -> dict:
                               reducescatter_async, sparse_allreduce_async, synchronize, submit)
     from .consistency import set_enabled as set_consistency_check
     from .cuda import mpi_is_cuda_aware, set_cuda_aware
-    from .exceptions import (BaguaMPIError, CommunicationError, ConfigError, MismatchError,
-                             MisuseError, NestedAsyncError, NotInitializedError)
+    from .exceptions import (BaguaMPIError, CommunicationError, ConfigError,
+                             DiscardedExchangeWarning, MismatchError, MisuseError,
+                             NestedAsyncError, NotInitializedError)
     from .ops import Average, Max, Min, Product, ReduceOp, Sum
     from .runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size,
                           mpi_threads_supported, rank, set_hierarchical, shutdown, size)

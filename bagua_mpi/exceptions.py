@@ -42,6 +42,13 @@ class NestedAsyncError(MisuseError):
     runs inline instead."""
 
 
+class DiscardedExchangeWarning(UserWarning):
+    """``zero_grad()`` discarded gradients that ``DistributedOptimizer`` had already exchanged
+    and that no ``step()`` used. Intended when a step is skipped on purpose; otherwise a
+    backward pass reached this optimizer's parameters that should not have (run it inside
+    ``opt.no_sync()``). Filter it with ``warnings.filterwarnings`` when skips are routine."""
+
+
 # -- every other exception class of the library, re-exported here ----------------------------------
 # They are defined next to the code that raises them, and those modules import this one, so they
 # are re-exported lazily (PEP 562): ``from bagua_mpi.exceptions import CheckpointError`` works and
@@ -76,6 +83,7 @@ _REEXPORTS = {
 }
 
 __all__ = ["BaguaMPIError", "NotInitializedError", "MismatchError", "CommunicationError",
-           "ConfigError", "MisuseError", "NestedAsyncError", *_REEXPORTS]
+           "ConfigError", "MisuseError", "NestedAsyncError", "DiscardedExchangeWarning",
+           *_REEXPORTS]
 
 __getattr__, __dir__ = lazy_names(__name__, _REEXPORTS, globals())

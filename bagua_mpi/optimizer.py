@@ -19,6 +19,7 @@ import contextlib
 import logging
 import sys
 import time
+import warnings
 
 import torch
 
@@ -28,7 +29,7 @@ from .compression import Compression
 from .engine import Engine, StepClock
 from .engine.policy import auto_overlap
 from .consistency import ranks_text
-from .exceptions import MismatchError, MisuseError
+from .exceptions import DiscardedExchangeWarning, MismatchError, MisuseError
 from .ops import Average, ReduceOp, Sum
 from .timeline import Timeline
 
@@ -204,6 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               sparse_as_dense=sparse_as_dense)
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
+        self._discard_told = False  # zero_grad() discarded an exchange: said once
         self.steps = 0
         # Horovod's public arguments, readable as attributes
         self.backward_passes_per_step = backward_passes_per_step
@@ -261,7 +263,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Between the step's last backward pass and ``step()`` it discards the synchronized
         gradients: the step is skipped, on every rank alike when every rank calls it, and what
-        the exchange fed into the algorithm's state is dropped (``on_step_skipped``).
+        the exchange fed into the algorithm's state is dropped (``on_step_skipped``). The
+        first such discard warns (``DiscardedExchangeWarning``): in a GAN's loop it means a
+        pass meant for another optimizer exchanged these gradients for nothing.
 
         Raises ``MisuseError`` between the backward passes of one step
         (``backward_passes_per_step`` > 1): the gradients counted so far are about to be
@@ -273,7 +277,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise MisuseError(f"rank {runtime.get().topo.rank}: zero_grad() called while "
                              f"{pending}; call zero_grad() before backward(), or after "
                              f"step() / synchronize()")
-        self._engine.discard_synchronized()
+        dropped = self.impl.state_a_skip_drops()
+        if self._engine.discard_synchronized() and not self._discard_told:
+            self._discard_told = True
+            warnings.warn(_discarded_exchange_message(runtime.get().topo.rank,
+                                                      self.impl.algorithm.name, dropped),
+                          DiscardedExchangeWarning, stacklevel=2)
         if set_to_none:
             self.optimizer.zero_grad(set_to_none=True)  # the engine re-absorbs them later
         else:
@@ -472,6 +481,16 @@ def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str]]
         raise ValueError(f"{len(missing)} optimizer parameters are not in named_parameters "
                          f"(first: position {missing[0]}, shape {tuple(params[missing[0]].shape)})")
     return params, [name_of[id(p)] for p in params]
+
+
+def _discarded_exchange_message(rank: int, algorithm: str, dropped: list[str]) -> str:
+    lost = (f", and {algorithm}'s {' and '.join(dropped)} restarted" if dropped else "")
+    return (f"bagua_mpi: rank {rank}: zero_grad() discarded gradients this optimizer had "
+            f"already exchanged, with no step() after them: the exchange was made for "
+            f"nothing{lost}. Skipping a step on purpose (a NaN loss) is fine. But if that "
+            f"backward pass was meant for another optimizer's parameters (a GAN's generator "
+            f"pass runs through the discriminator), run it inside this optimizer's no_sync(), "
+            f"or with these parameters' requires_grad off. Said once per optimizer.")
 
 
 def _agreed_auto(notes: list[dict], backend):

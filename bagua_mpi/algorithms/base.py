@@ -458,6 +458,9 @@ class AlgorithmImpl:
     # (error feedback, L-GreCo's accumulators, PowerSGD's warm-started Q); see on_step_skipped
     SKIPPED_STEP_ZEROED = ("residual", "worker_error", "server_error", "error", "accumulator")
     SKIPPED_STEP_RESTARTED = ("q",)
+    STATE_WORDS = {"residual": "error feedback", "worker_error": "error feedback",
+                   "server_error": "error feedback", "error": "error feedback",
+                   "accumulator": "gradient sums", "q": "warm-started Q"}
 
     def on_step_skipped(self) -> None:
         """Main thread, when a backward pass starts after gradients were synchronized and no
@@ -466,6 +469,12 @@ class AlgorithmImpl:
         overflow left an error memory non-finite (or huge), and every later step was skipped
         too."""
         self.state.forget_skipped_step(self.SKIPPED_STEP_ZEROED, self.SKIPPED_STEP_RESTARTED)
+
+    def state_a_skip_drops(self) -> list[str]:
+        """What ``on_step_skipped`` would drop now, in words (for the message that tells a
+        user what a discarded exchange cost)."""
+        kinds = self.state.kinds_held(self.SKIPPED_STEP_ZEROED + self.SKIPPED_STEP_RESTARTED)
+        return list(dict.fromkeys(self.STATE_WORDS.get(k, k) for k in kinds))
 
     def on_loss_scaling(self) -> None:
         """Main thread: ``torch.amp.GradScaler`` reads the optimizer's groups, to unscale this

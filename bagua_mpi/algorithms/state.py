@@ -137,6 +137,11 @@ class AlgorithmState:
             by_name[name] = t
         return by_name[name]
 
+    def kinds_held(self, kinds) -> list[str]:
+        """Which of ``kinds`` this state holds now, in the order given."""
+        held = {kind for kind, _ in self.vectors} | {k for k, t in self.tensors.items() if t}
+        return [kind for kind in kinds if kind in held]
+
     def forget_skipped_step(self, zeroed_kinds, restarted_kinds=()) -> None:
         """After a step was skipped because its gradients held inf or NaN (as
         ``torch.amp.GradScaler`` skips them), drop what those gradients already left in the

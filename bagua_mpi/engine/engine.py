@@ -371,14 +371,18 @@ class Engine:
     def step_taken(self) -> None:
         self.awaiting_step = False
 
-    def discard_synchronized(self) -> None:
+    def discard_synchronized(self) -> bool:
         """The synchronized gradients will not be stepped on (the loss scaler skipped the step,
         or ``zero_grad()`` dropped them): what the exchange fed into the algorithm's state
-        goes too (``on_step_skipped``)."""
-        if self.awaiting_step:
-            self.awaiting_step = False
-            self.loss_scaler_read = False
-            self.impl.on_step_skipped()
+        goes too (``on_step_skipped``). Returns whether exchanged gradients that no loss
+        scaler had read were discarded: the caller's own choice, not a scaler's skip."""
+        if not self.awaiting_step:
+            return False
+        by_user = not self.loss_scaler_read
+        self.awaiting_step = False
+        self.loss_scaler_read = False
+        self.impl.on_step_skipped()
+        return by_user
 
     def pending_description(self) -> str:
         """What of this iteration is under way (gradients counted or buckets launched since

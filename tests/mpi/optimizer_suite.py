@@ -431,18 +431,22 @@ def check_misuse(rank: int, size: int) -> int:
                                   named_parameters=model.named_parameters())
     x = torch.randn(4, 6) + rank  # per rank
     expected = bm.allreduce(torch.ones(2, 6) * x.sum(0), bm.Average)  # d(sum)/dW, averaged
-    for step in range(3):  # the first step is the profiling one; all holds in both
-        opt.zero_grad()
-        model(x).sum().backward()
-        torch.testing.assert_close(model.weight.grad, expected)  # backward returned averaged
-        expect_misuse(lambda: model(x).sum().backward(), f"rank {rank}",
-                      "backward_passes_per_step=1", "parameter '", "opt.zero_grad()")
-        weight = model.weight.detach().clone()
-        opt.zero_grad()  # discards the exchanged gradients: this step is skipped
-        model(x).sum().backward()
-        torch.testing.assert_close(model.weight.grad, expected)
-        opt.step()
-        torch.testing.assert_close(model.weight.detach(), weight - 0.1 * expected)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", bm.DiscardedExchangeWarning)
+        for step in range(3):  # the first step is the profiling one; all holds in both
+            opt.zero_grad()
+            model(x).sum().backward()
+            torch.testing.assert_close(model.weight.grad, expected)  # returned averaged
+            expect_misuse(lambda: model(x).sum().backward(), f"rank {rank}",
+                          "backward_passes_per_step=1", "parameter '", "opt.zero_grad()")
+            weight = model.weight.detach().clone()
+            opt.zero_grad()  # discards the exchanged gradients: this step is skipped
+            model(x).sum().backward()
+            torch.testing.assert_close(model.weight.grad, expected)
+            opt.step()
+            torch.testing.assert_close(model.weight.detach(), weight - 0.1 * expected)
+    told = [w for w in seen if issubclass(w.category, bm.DiscardedExchangeWarning)]
+    assert len(told) == 1, [str(w.message) for w in told]  # the first discard, once
     opt.zero_grad()
     model(x).sum().backward()
     opt.synchronize()
@@ -459,6 +463,76 @@ def check_misuse(rank: int, size: int) -> int:
         torch.testing.assert_close(model.weight.grad, expected)
         opt.step()
     opt.close()
+    return 4
+
+
+def gan(algorithm: str, size: int, rank: int | None, recipe: str = "plain"):
+    """(G, D, warnings) after a GAN's loop with one discriminator pass a step. ``rank`` None:
+    one process on every rank's batch (the oracle). Recipes for the generator's pass, which
+    runs through D: ``plain`` (as with DDP), ``no_sync`` (inside optD.no_sync())."""
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    D = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optG, optD = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (G, D))
+    if rank is not None:
+        optG = bm.DistributedOptimizer(optG, named_parameters=G.named_parameters())
+        optD = bm.DistributedOptimizer(optD, named_parameters=D.named_parameters(),
+                                       algorithm=bm.algorithms.create(algorithm))
+    bce = torch.nn.BCEWithLogitsLoss()
+
+    def batch(step):
+        ranks = range(size) if rank is None else [rank]
+        parts = [torch.randn(2, 12, generator=torch.Generator().manual_seed(100 * step + r))
+                 for r in ranks]  # each rank its own noise and its own real samples
+        both = torch.cat(parts)
+        return both[:, :4], both[:, 4:] + 1.0
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", bm.DiscardedExchangeWarning)
+        for step in range(5):
+            z, real = batch(step)
+            optD.zero_grad()
+            fake = G(z).detach()
+            (bce(D(real), torch.ones(len(real), 1))
+             + bce(D(fake), torch.zeros(len(fake), 1))).backward()
+            optD.step()
+            optG.zero_grad()
+            loss = bce(D(G(z)), torch.ones(len(z), 1))
+            if recipe == "no_sync":
+                with optD.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            optG.step()
+    if rank is not None:
+        optG.close()
+        optD.close()
+    return G, D, [w for w in seen if issubclass(w.category, bm.DiscardedExchangeWarning)]
+
+
+def check_gan_discarded_exchange(rank: int, size: int) -> int:
+    """A GAN's loop with one discriminator pass a step: the generator's pass completes optD's
+    exchange too, which optD's next zero_grad() discards. That warns once, naming the rank and,
+    for an algorithm with error feedback, what it lost; run inside optD.no_sync() it warns
+    nothing. Either way G and D train as one process does on every rank's batch."""
+    G0, D0, _ = gan("gradient_allreduce", size, None)
+    for recipe in ("plain", "no_sync"):
+        G, D, told = gan("gradient_allreduce", size, rank, recipe)
+        for got, want in ((G, G0), (D, D0)):
+            for p, q in zip(got.parameters(), want.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        expected = 1 if recipe == "plain" else 0
+        assert len(told) == expected, (recipe, [str(w.message) for w in told])
+        if told:
+            text = str(told[0].message)
+            for needle in (f"rank {rank}", "zero_grad()", "no_sync()"):
+                assert needle in text, (needle, text)
+            assert "restarted" not in text, text  # gradient_allreduce keeps no state
+    _, _, told = gan("topk", size, rank)
+    assert len(told) == 1 and "topk's error feedback restarted" in str(told[0].message), (
+        [str(w.message) for w in told])
+    _, _, told = gan("topk", size, rank, "no_sync")
+    assert not told, [str(w.message) for w in told]
     return 4
 
 
@@ -632,6 +706,7 @@ def suite_checks() -> dict:
             size),
         "unused_default": lambda rank, size: check_unused_default(size),
         "misuse": check_misuse,
+        "gan_discarded_exchange": check_gan_discarded_exchange,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
