@@ -149,7 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm.check_options(WrapOptions(
             compression=self.compression, hierarchical=hierarchical, average=op is Average,
             gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage))
-        params, names = _trainable_parameters(optimizer, named_parameters)
+        params, names, self._frozen = _trainable_parameters(optimizer, named_parameters)
         device = params[0].device.type if params else "cpu"
         chosen = backends.resolve(backend)
         wire = backends.wire(chosen, device)
@@ -329,6 +329,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.communicating = True
 
     def step(self, closure=None):
+        self._frozen.check_untrained(self._engine.worker_rank)
         if self.impl.wants_flat_params:
             self._engine.check_params_in_buckets()
         self.impl.on_step_start(self.steps)
@@ -466,21 +467,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"algorithm={self.algorithm.name!r}, compression={self.compression!r})")
 
 
-def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str]]:
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str], "Frozen"]:
+    """The optimizer's parameters that train (``requires_grad``), their names, and those
+    frozen at wrap time (``Frozen``: never exchanged, so they must stay frozen)."""
+    everything = [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for p in everything if p.requires_grad]
     if len({id(p) for p in params}) != len(params):
         raise ValueError("a parameter appears in more than one param group")
     if named_parameters is None:
-        return params, [f"param.{i}" for i in range(len(params))]
-    named = list(named_parameters)
-    if any(not isinstance(n, str) for n, _ in named):
-        raise ValueError("named_parameters must yield (name, parameter) pairs")
-    name_of = {id(p): n for n, p in named}
-    missing = [i for i, p in enumerate(params) if id(p) not in name_of]
-    if missing:
-        raise ValueError(f"{len(missing)} optimizer parameters are not in named_parameters "
-                         f"(first: position {missing[0]}, shape {tuple(params[missing[0]].shape)})")
-    return params, [name_of[id(p)] for p in params]
+        name_of = {id(p): f"param.{i}" for i, p in enumerate(params)}
+    else:
+        named = list(named_parameters)
+        if any(not isinstance(n, str) for n, _ in named):
+            raise ValueError("named_parameters must yield (name, parameter) pairs")
+        name_of = {id(p): n for n, p in named}
+        missing = [i for i, p in enumerate(params) if id(p) not in name_of]
+        if missing:
+            raise ValueError(f"{len(missing)} optimizer parameters are not in named_parameters "
+                             f"(first: position {missing[0]}, shape "
+                             f"{tuple(params[missing[0]].shape)})")
+    frozen = Frozen([(name_of.get(id(p), f"frozen parameter {i}"), p)
+                     for i, p in enumerate(everything) if not p.requires_grad])
+    return params, [name_of[id(p)] for p in params], frozen
+
+
+class Frozen:
+    """The parameters of the wrapped optimizer that were frozen (``requires_grad`` off) when it
+    was wrapped. They are not in the buckets, so their gradients are never exchanged: one that
+    gets a gradient later (unfrozen) would be stepped on this rank's gradient alone."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        self.named = named
+
+    def check_untrained(self, rank: int) -> None:
+        """Raise ``MisuseError`` (before anything is stepped) if one of them has a gradient."""
+        trained = [n for n, p in self.named if p.grad is not None]
+        if trained:
+            raise MisuseError(
+                f"rank {rank}: {len(trained)} parameter(s) ({', '.join(trained[:3])}"
+                f"{', ...' if len(trained) > 3 else ''}) have a gradient but were frozen "
+                f"(requires_grad=False) when the optimizer was wrapped, so their gradients are "
+                f"not exchanged and this rank would train them alone. Wrap the optimizer with "
+                f"every parameter it will train unfrozen, and freeze them after wrapping "
+                f"(requires_grad_(False)): a parameter frozen then is left alone by the step "
+                f"and can be unfrozen again")
 
 
 def _discarded_exchange_message(rank: int, algorithm: str, dropped: list[str]) -> str:

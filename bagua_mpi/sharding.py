@@ -159,6 +159,10 @@ class ShardedOptimizer:
             for key, value in user_group.items():  # LR schedulers write the user's groups
                 if key not in ("params", "param_names"):
                     group[key] = value
+        for pc in self.pieces:  # a piece of a parameter frozen since wrapping: no gradient
+            trains = self.params[pc.position].requires_grad
+            if trains != (pc.tensor.grad is not None):
+                pc.tensor.grad = self._grad_of(pc) if trains else None
         self.inner.step()
         self._allgather_params()
         return loss

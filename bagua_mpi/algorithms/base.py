@@ -333,7 +333,7 @@ class AlgorithmImpl:
                           for t in tensors), MPI.SUM, False, route)
         signature = ("bucket", ("algorithm", self.algorithm.name), ("index", bucket.index),
                      ("sizes", tuple(t.numel() for t in tensors)), ("dense", dense_plain),
-                     ("zero_stage", self.zero_stage))
+                     ("zero_stage", self.zero_stage), ("frozen", bucket.frozen_names()))
         return consistency.verify(self.ctx.topo.comm, signature, join)
 
     def setup_buckets(self, buckets: "list[Bucket]") -> None:

@@ -179,6 +179,11 @@ class Bucket:
                 self.absorb_grad(k)
         return missing
 
+    def frozen_names(self) -> tuple[str, ...]:
+        """The parameters frozen since wrapping (``requires_grad`` off): a rank that trains one
+        of them while another has frozen it would step on half its gradient alone."""
+        return tuple(n for n, p in zip(self.names, self.params) if not p.requires_grad)
+
     def segments(self) -> list[tuple[str, int]]:
         """(name, numel) of each parameter, in the order of the flat layout."""
         return [(n, p.numel()) for n, p in zip(self.names, self.params)]

@@ -14,6 +14,9 @@ Life of an iteration, after the first one:
    gradient this iteration a zero gradient so no rank waits for a bucket that never
    completes, and waits for the outstanding handles only. So ``backward()`` returns with the
    gradients averaged, and code before ``step()`` (clipping) sees them alike on every rank.
+   A parameter frozen since wrapping (``requires_grad`` off) sends zeros and gets ``grad =
+   None`` back, so the step leaves it alone, as without wrapping; every rank must freeze it
+   alike (the bucket's agreement check compares them).
 
 The first iteration is the **profiling** phase: hooks only record the order in which gradients
 become ready, and ``synchronize()`` builds the buckets from rank 0's observed order (broadcast, so
@@ -288,11 +291,14 @@ class Engine:
             self._tick()
             self._reset()
             return
+        frozen = []  # frozen after wrapping (requires_grad off): no gradient, none to step on
         for b in range(self._launched, len(self.buckets)):
             if self._remaining[b]:
-                self.buckets[b].fill_missing_grads()
+                bucket = self.buckets[b]
+                frozen += [bucket.params[k] for k in bucket.fill_missing_grads()
+                           if not bucket.params[k].requires_grad]
                 self._remaining[b] = 0
-                self._note_ready(self.buckets[b])
+                self._note_ready(bucket)
         self._launch_in_order()
         started = time.monotonic()  # the timeline's clock
         wait_start = time.perf_counter()
@@ -305,6 +311,8 @@ class Engine:
                 self.timeline.span("wait", started, time.monotonic(), handles=len(self._handles))
         if self.sparse:
             self._exchange_sparse()
+        for p in frozen:  # the zeros they sent would move them (weight decay, momentum)
+            p.grad = None
         if self.find_unused:
             self._drop_globally_unused_grads()
         self._tick()

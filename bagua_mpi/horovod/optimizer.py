@@ -301,7 +301,7 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
                 raise ValueError(f"rank {rt.topo.rank} is not in {process_set!r}: only its "
                                  f"ranks may wrap an optimizer for it")
         adasum.check_size(topo.size)
-        params, names = _base._trainable_parameters(optimizer, named)
+        params, names, self._frozen = _base._trainable_parameters(optimizer, named)
         _base.check_models_agree(names, params,
                                  None if process_set is global_process_set else topo)
         self._params = params
@@ -312,6 +312,7 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._frozen.check_untrained(runtime.get().topo.rank)
         with torch.no_grad():
             starts = [p.detach().clone() for p in self._params]
             self.optimizer.step()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import bagua_mpi as hvd
+from bagua_mpi.exceptions import MisuseError
 from checks import run_checks
 from simulate import TORCH_DTYPES, adasum_all, as_f64, reduce_all
 
@@ -416,6 +417,33 @@ def bad_arguments(rank, size):
     hvd.barrier(process_set=ps)
 
 
+def unfrozen_after_wrapping_raises(rank, size):
+    """A layer frozen when the delta optimizer was wrapped has no Adasum exchange: unfreezing it
+    raises MisuseError at step() (after the closure), naming it, before anything is stepped."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    model = _model()
+    first = next(model.parameters())
+    first.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                   process_set=ps)
+    first.requires_grad_(True)
+    x, y = _batch(r, 0)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    before = [p.detach().clone() for p in model.parameters()]
+    e = expect(MisuseError, lambda: opt.step(closure), f"rank {rank}: 1 parameter(s)")
+    assert "when the optimizer was wrapped" in str(e), e
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "stepped"
+
+
 def mismatch_raises(rank, size):
     """Ranks that disagree (Adasum here, Sum there) get MismatchError, not a hang."""
     m = member()
@@ -431,7 +459,7 @@ CHECKS = {f.__name__: f for f in (
     random_vs_simulation, dtypes, orthogonal_is_sum, parallel_is_mean, magnitudes, zero_vector,
     prescale_postscale, async_variants, grouped_variants, autograd,
     optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
-    bad_arguments, mismatch_raises)}
+    bad_arguments, unfrozen_after_wrapping_raises, mismatch_raises)}
 
 
 def main():

@@ -536,6 +536,90 @@ def check_gan_discarded_exchange(rank: int, size: int) -> int:
     return 4
 
 
+FROZEN_STEPS = range(3, 6)  # the first layer is frozen at steps 3-5 (after wrapping)
+
+
+def freezing_run(size: int, rank: int | None, **options):
+    """A model whose first layer is frozen (``requires_grad_(False)``) at ``FROZEN_STEPS``,
+    trained by SGD with momentum and weight decay, which move a weight whenever it has a
+    gradient, even a zero one. ``rank`` None: one process on every rank's batch (the oracle).
+    Returns the model and the first layer's weight as each step left it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if rank is not None:
+        opt = bm.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **options)
+    weights = []
+    for step in range(8):
+        model[0].requires_grad_(step not in FROZEN_STEPS)
+        batches = [data(step, r, BATCH) for r in (range(size) if rank is None else [rank])]
+        x, y = (torch.cat(t) for t in zip(*batches))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        weights.append(model[0].weight.detach().clone())
+    if rank is not None:
+        opt.close()
+    return model, weights
+
+
+def check_freeze_after_wrapping(rank: int, size: int) -> int:
+    """A layer frozen after wrapping is left alone by the step, as without wrapping (it used to
+    get a zero gradient, which momentum and weight decay turned into updates), and unfreezing
+    it trains it again: every rank equals one process on the combined batch, at ZeRO stages
+    0-2 (stage 0 with and without overlap). A layer frozen when the optimizer was wrapped is
+    never exchanged: unfreezing it raises MisuseError at step(), naming it, before anything
+    is stepped. A rank that freezes a layer the others train raises MismatchError on every
+    rank, naming the layer."""
+    expected, want = freezing_run(size, None)
+    assert all(torch.equal(want[s], want[2]) for s in FROZEN_STEPS)  # the oracle holds still
+    checks = 0
+    for options in (dict(overlap=False), dict(overlap=True, bucket_size_mb=0.0005),
+                    dict(zero_stage=1), dict(zero_stage=2)):
+        model, got = freezing_run(size, rank, **options)
+        for s in FROZEN_STEPS:
+            assert torch.equal(got[s], got[2]), (options, f"the frozen layer moved at step {s}")
+        for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{options}: {name}: {m}")
+        checks += 1
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    x, y = data(0, rank, BATCH)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    model[0].requires_grad_(True)  # unfrozen: its gradients were never going to be exchanged
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    expect(MisuseError, opt.step, f"rank {rank}: 2 parameter(s) (0.weight, 0.bias)",
+           "frozen (requires_grad=False) when the optimizer was wrapped", "after wrapping")
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "stepped"
+    opt.close()
+    checks += 1
+    if size > 1:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4))
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+        for step in range(2):
+            model[0].requires_grad_(not (step == 1 and rank == 0))
+            opt.zero_grad()
+            pass_ = lambda: torch.nn.functional.mse_loss(model(x), y).backward()  # noqa: E731
+            if step == 0:
+                pass_()
+                opt.step()
+            else:
+                expect(bm.MismatchError, pass_, "frozen", "0.weight", "rank 0")
+        opt.close()
+        checks += 1
+    return checks
+
+
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -707,6 +791,7 @@ def suite_checks() -> dict:
         "unused_default": lambda rank, size: check_unused_default(size),
         "misuse": check_misuse,
         "gan_discarded_exchange": check_gan_discarded_exchange,
+        "freeze_after_wrapping": check_freeze_after_wrapping,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
