@@ -277,7 +277,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise MisuseError(f"rank {runtime.get().topo.rank}: zero_grad() called while "
                              f"{pending}; call zero_grad() before backward(), or after "
                              f"step() / synchronize()")
-        dropped = self.impl.state_a_skip_drops()
+        dropped = [] if self._discard_told else self.impl.state_a_skip_drops()
         if self._engine.discard_synchronized() and not self._discard_told:
             self._discard_told = True
             warnings.warn(_discarded_exchange_message(runtime.get().topo.rank,
@@ -467,9 +467,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"algorithm={self.algorithm.name!r}, compression={self.compression!r})")
 
 
-def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str], "Frozen"]:
+def _trainable_parameters(optimizer, named_parameters
+                          ) -> tuple[list, list[str], "FrozenAtWrap"]:
     """The optimizer's parameters that train (``requires_grad``), their names, and those
-    frozen at wrap time (``Frozen``: never exchanged, so they must stay frozen)."""
+    frozen at wrap time (``FrozenAtWrap``: never exchanged, so they must stay frozen)."""
     everything = [p for g in optimizer.param_groups for p in g["params"]]
     params = [p for p in everything if p.requires_grad]
     if len({id(p) for p in params}) != len(params):
@@ -486,12 +487,12 @@ def _trainable_parameters(optimizer, named_parameters) -> tuple[list, list[str],
             raise ValueError(f"{len(missing)} optimizer parameters are not in named_parameters "
                              f"(first: position {missing[0]}, shape "
                              f"{tuple(params[missing[0]].shape)})")
-    frozen = Frozen([(name_of.get(id(p), f"frozen parameter {i}"), p)
+    frozen = FrozenAtWrap([(name_of.get(id(p), f"frozen parameter {i}"), p)
                      for i, p in enumerate(everything) if not p.requires_grad])
     return params, [name_of[id(p)] for p in params], frozen
 
 
-class Frozen:
+class FrozenAtWrap:
     """The parameters of the wrapped optimizer that were frozen (``requires_grad`` off) when it
     was wrapped. They are not in the buckets, so their gradients are never exchanged: one that
     gets a gradient later (unfrozen) would be stepped on this rank's gradient alone."""

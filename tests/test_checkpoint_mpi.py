@@ -123,6 +123,22 @@ def test_resume_in_a_new_job_is_bit_identical(jobs, algorithm, ranks):
                          r"\S+ model=per_rank)", output), output
 
 
+@pytest.mark.parametrize("algorithm", ["ckpt_ef16", "topk:density=0.2"])
+def test_gan_with_two_optimizers_resumes_bit_identical(tmp_path, algorithm):
+    """docs/checkpoints.md's recipe for a second DistributedOptimizer (a GAN's discriminator,
+    with per-rank error feedback): its state in ``extras``, its algorithm state in
+    ``rank_extras``; a new job resumes both optimizers exactly."""
+    base = str(tmp_path)
+    trained = run_mpi("checkpoint_suite.py", 2, "gan_train", algorithm, base, str(N), str(M),
+                      timeout=300)
+    assert_mpi_ok(trained)
+    resumed = run_mpi("checkpoint_suite.py", 2, "gan_resume", algorithm, base, str(M),
+                      timeout=300)
+    assert_mpi_ok(resumed)
+    assert (digests(resumed.output, "GANRES", algorithm, 2)
+            == digests(trained.output, "GANREF", algorithm, 2)), resumed.output
+
+
 # Algorithms whose trajectory does not depend on how parameters are grouped into buckets, so a
 # re-bucketed resume must reach the uninterrupted run's model and optimizer state bit for bit:
 # every operation is elementwise (a sum of two ranks' values is the same float whatever the

@@ -4,6 +4,8 @@
     python checkpoint_suite.py train "ALG;ALG..." DIR N M   # reference N+M steps; N steps, save
     python checkpoint_suite.py resume "ALG;ALG..." DIR M [MB] # new job: load, M more steps
     python checkpoint_suite.py world DIR_SHARED DIR_PER_RANK  # load on another world size
+    python checkpoint_suite.py gan_train ALG DIR N M        # a GAN: two optimizers, one file
+    python checkpoint_suite.py gan_resume ALG DIR M
     python checkpoint_suite.py crash DIR PHASE[@RANK]       # save, then die inside the next save
     python checkpoint_suite.py saveloop DIR                 # save until killed
 
@@ -305,6 +307,80 @@ def resume(algorithms: str, base: str, m: int, bucket_size_mb: float = 25.0) -> 
         opt.close()
 
 
+def build_gan(algorithm: str, init_seed: int = 0):
+    """A GAN: a generator and a discriminator, each with its own DistributedOptimizer (the
+    discriminator's runs ``algorithm``); both sub-models in one ModuleDict, for the file."""
+    torch.manual_seed(init_seed)
+    G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6))
+    D = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt_g = bm.DistributedOptimizer(torch.optim.Adam(G.parameters(), lr=0.01),
+                                    named_parameters=G.named_parameters())
+    opt_d = bm.DistributedOptimizer(torch.optim.Adam(D.parameters(), lr=0.01),
+                                    named_parameters=D.named_parameters(),
+                                    algorithm=parse_algorithm(algorithm))
+    models = torch.nn.ModuleDict({"G": G, "D": D})
+    bm.broadcast_parameters(models.state_dict(), root_rank=0)
+    return models, opt_g, opt_d
+
+
+def train_gan(models, opt_g, opt_d, steps: int) -> None:
+    G, D = models["G"], models["D"]
+    bce = torch.nn.BCEWithLogitsLoss()
+    for _ in range(steps):
+        z, real = torch.randn(8, 4), torch.randn(8, 6) + 1.0
+        opt_d.zero_grad()
+        (bce(D(real), torch.ones(8, 1)) + bce(D(G(z).detach()), torch.zeros(8, 1))).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        with opt_d.no_sync():  # the generator's pass goes through D: not D's exchange
+            bce(D(G(z)), torch.ones(8, 1)).backward()
+        opt_g.step()
+
+
+def gan_digest(models, opt_g, opt_d) -> str:
+    h = hashlib.sha256()
+    hash_tree(h, models.state_dict())
+    for opt in (opt_g, opt_d):
+        hash_tree(h, opt.optimizer.state_dict()["state"])
+        hash_tree(h, opt.algorithm_state_dict())
+    return h.hexdigest()
+
+
+def gan_train_then_save(algorithm: str, base: str, n: int, m: int) -> None:
+    """The N+M-step reference, then N steps saved: the first optimizer as ``optimizer``, the
+    second's state in ``extras`` and its algorithm state in ``rank_extras``
+    (docs/checkpoints.md)."""
+    rank = bm.rank()
+    seed_everything(rank)
+    models, opt_g, opt_d = build_gan(algorithm)
+    train_gan(models, opt_g, opt_d, n + m)
+    print(f"GANREF {algorithm} rank {rank} {gan_digest(models, opt_g, opt_d)}", flush=True)
+    for opt in (opt_g, opt_d):
+        opt.close()
+    seed_everything(rank)
+    models, opt_g, opt_d = build_gan(algorithm)
+    train_gan(models, opt_g, opt_d, n)
+    ckpt.save(directory_of(base, algorithm), model=models, optimizer=opt_g, step=n,
+              extras={"opt_d": opt_d.state_dict()},
+              rank_extras={"opt_d": opt_d.algorithm_state_dict()})
+    for opt in (opt_g, opt_d):
+        opt.close()
+
+
+def gan_resume(algorithm: str, base: str, m: int) -> None:
+    rank = bm.rank()
+    seed_everything(rank + 17)  # the checkpoint restores the RNGs
+    models, opt_g, opt_d = build_gan(algorithm, init_seed=5)
+    info = ckpt.load(directory_of(base, algorithm), model=models, optimizer=opt_g)
+    opt_d.load_state_dict(info.extras["opt_d"])
+    opt_d.load_algorithm_state_dict(info.rank_extras["opt_d"])
+    assert opt_d.steps == opt_g.steps == info.step, (opt_d.steps, opt_g.steps, info.step)
+    train_gan(models, opt_g, opt_d, m)
+    print(f"GANRES {algorithm} rank {rank} {gan_digest(models, opt_g, opt_d)}", flush=True)
+    for opt in (opt_g, opt_d):
+        opt.close()
+
+
 def world(shared_dir: str, per_rank_dir: str) -> None:
     """Load checkpoints written by a different number of ranks."""
     size = bm.size()
@@ -372,6 +448,10 @@ def main() -> None:
         train_then_save(args[0], args[1], int(args[2]), int(args[3]))
     elif mode == "resume":
         resume(args[0], args[1], int(args[2]), *(float(a) for a in args[3:4]))
+    elif mode == "gan_train":
+        gan_train_then_save(args[0], args[1], int(args[2]), int(args[3]))
+    elif mode == "gan_resume":
+        gan_resume(args[0], args[1], int(args[2]))
     elif mode == "world":
         world(args[0], args[1])
     elif mode == "crash":

@@ -536,6 +536,49 @@ def check_gan_discarded_exchange(rank: int, size: int) -> int:
     return 4
 
 
+def compiled_run(size: int, rank: int | None, momentum: float, **options):
+    """Five steps of a small model under ``torch.compile`` (``rank`` None: eager, one process
+    on every rank's batch: the oracle)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    forward = model
+    if rank is not None:
+        opt = bm.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **options)
+        forward = torch.compile(model, backend="aot_eager")
+    for step in range(5):
+        batches = [data(step, r, BATCH) for r in (range(size) if rank is None else [rank])]
+        x, y = (torch.cat(t) for t in zip(*batches))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(forward(x), y).backward()
+        opt.step()
+    if rank is not None:
+        opt.close()
+    return model
+
+
+def check_torch_compile(rank: int, size: int) -> int:
+    """A model compiled with ``torch.compile`` trains as one process does on the combined batch.
+    The ``aot_eager`` backend runs what every backend runs around the parameters (Dynamo's
+    graph, AOTAutograd's one backward node, whose gradients the parameters' hooks then see),
+    without needing a C++ compiler. gradient_allreduce with overlap on and off; local_sgd with
+    period 1 and plain SGD, whose model average after each step equals a step on the averaged
+    gradient."""
+    from torch._dynamo.utils import counters
+    runs = [(0.9, dict(overlap=True, bucket_size_mb=0.0005)), (0.9, dict(overlap=False)),
+            (0.0, dict(algorithm=bm.algorithms.create("local_sgd", period=1)))]
+    for momentum, options in runs:
+        expected = compiled_run(size, None, momentum)
+        torch._dynamo.reset()  # each run compiles afresh (a run may reuse another's graph)
+        graphs = counters["stats"]["unique_graphs"]
+        model = compiled_run(size, rank, momentum, **options)
+        assert counters["stats"]["unique_graphs"] > graphs, "nothing was compiled"
+        for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{options}: {name}: {m}")
+    return len(runs)
+
+
 FROZEN_STEPS = range(3, 6)  # the first layer is frozen at steps 3-5 (after wrapping)
 
 
@@ -792,6 +835,7 @@ def suite_checks() -> dict:
         "misuse": check_misuse,
         "gan_discarded_exchange": check_gan_discarded_exchange,
         "freeze_after_wrapping": check_freeze_after_wrapping,
+        "torch_compile": check_torch_compile,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
