@@ -123,6 +123,31 @@ def test_resume_in_a_new_job_is_bit_identical(jobs, algorithm, ranks):
                          r"\S+ model=per_rank)", output), output
 
 
+def test_batchnorm_buffers_that_differ_per_rank_load_on_any_world_size(tmp_path):
+    """A BatchNorm model trained with gradient_allreduce: its parameters are the same on every
+    rank, its running statistics are not (each rank's own batches), so the file holds the model
+    per rank. The same number of ranks gets each rank's buffers back; another number loads
+    rank 0's copy (parameters and buffers) on every rank. A model whose parameters differ per
+    rank is still refused on another number of ranks."""
+    base = str(tmp_path)
+    saved = run_mpi("checkpoint_suite.py", 3, "batchnorm_save", base, timeout=300)
+    assert_mpi_ok(saved)
+    by_rank = {int(r): (p, b) for r, p, b in re.findall(
+        r"BNSAVE rank (\d+) ([0-9a-f]{64}) ([0-9a-f]{64})", saved.output)}
+    assert sorted(by_rank) == [0, 1, 2], saved.output
+    assert len({p for p, _ in by_rank.values()}) == 1, "parameters differ per rank"
+    assert len({b for _, b in by_rank.values()}) == 3, "the buffers should differ per rank"
+    for ranks in (3, 2):
+        loaded = run_mpi("checkpoint_suite.py", ranks, "batchnorm_load", base, "3",
+                         timeout=300)
+        assert_mpi_ok(loaded)
+        got = {int(r): (p, b) for r, p, b in re.findall(
+            r"BNLOAD rank (\d+) ([0-9a-f]{64}) ([0-9a-f]{64})", loaded.output)}
+        assert sorted(got) == list(range(ranks)), loaded.output
+        for rank, state in got.items():
+            assert state == by_rank[rank if ranks == 3 else 0], (ranks, rank, loaded.output)
+
+
 @pytest.mark.parametrize("algorithm", ["ckpt_ef16", "topk:density=0.2"])
 def test_gan_with_two_optimizers_resumes_bit_identical(tmp_path, algorithm):
     """docs/checkpoints.md's recipe for a second DistributedOptimizer (a GAN's discriminator,

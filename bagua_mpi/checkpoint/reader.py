@@ -80,6 +80,13 @@ def _plan(meta: dict, path: str, size: int, model, optimizer, reset_algorithm_st
             raise CheckpointError(f"{path} holds no optimizer state")
         wanted.append("optimizer")
     per_rank = [n for n in wanted if trees[n] == "per_rank"]
+    if "model" in per_rank and not same_size and meta.get("model_parameters") == "replicated":
+        # only buffers (BatchNorm's running statistics) differed from rank to rank
+        per_rank.remove("model")
+        logger.warning("bagua_mpi checkpoint: %s was saved by %d ranks whose model buffers "
+                       "(e.g. BatchNorm running statistics) differed; its parameters are the "
+                       "same on every rank, and every rank loads rank 0's buffers", path,
+                       meta["world_size"])
     if per_rank and not same_size:
         raise WorldSizeMismatchError(
             f"{path} was saved by {meta['world_size']} ranks whose {' and '.join(per_rank)} "
@@ -183,9 +190,10 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
     is the same on every saving rank and holds no tensors (configuration, step count, stage:
     e.g. ``gradient_allreduce``, or 1-bit Adam still in its warm-up); RNG states and
     ``rank_extras`` are not restored (``info.rng_restored`` is False). Per-rank algorithm state
-    (error-feedback residuals, compressed momenta, anything with tensors) and a model that
-    differs per rank are refused with ``WorldSizeMismatchError``: there is no sound rule to
-    split or merge them.
+    (error-feedback residuals, compressed momenta, anything with tensors) and a model whose
+    parameters differ per rank are refused with ``WorldSizeMismatchError``: there is no sound
+    rule to split or merge them. A model whose parameters are the same on every saving rank
+    and only its buffers differ (BatchNorm's running statistics) loads rank 0's copy.
 
     Example::
 

@@ -2,13 +2,15 @@
 
 Steps (all ranks, after draining the library's queued communication):
 
-1. **Prepare.** Each rank encodes its trees (``format.encode_tree``: nothing is copied yet) and
+1. **Prepare.** Each rank encodes its trees (``trees.encode_tree``: nothing is copied yet) and
    hashes (SHA-256) the model and optimizer state. One MIN and one MAX allreduce of a
    fixed-size vector check that all ranks passed the same step and the same kinds of state,
    find encoding errors, and tell whether the model/optimizer are *replicated* (bit-identical on
    every rank: written once) or per-rank (decentralized training: every rank's copy is
-   written), and whether the algorithm state is *per-rank* (it holds tensors, or differs between
-   ranks) — which decides whether another world size may load it.
+   written; also a model whose parameters agree but whose buffers do not, which ``/meta``
+   records, since it can load on another number of ranks), and whether the algorithm state
+   is *per-rank* (it holds tensors, or differs between ranks) — which decides whether
+   another world size may load it.
 2. **Write** under a temporary name in the target directory, with one of two schemes, recorded
    in ``/meta`` as ``write_scheme``:
 
@@ -39,6 +41,7 @@ rank (default 0) SIGKILL itself at ``phase``, one of ``PHASES``.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
 import signal
@@ -147,7 +150,7 @@ class _Vector:
 
     NAMES = ("step", "keep", "has_model", "has_optimizer", "has_algorithm", "has_extras",
              "has_rank_extras", "has_rng", "error_rank", "errors", "algorithm_tensors")
-    DIGESTS = 12  # 4 words each: model, optimizer, algorithm state
+    DIGESTS = 16  # 4 words each: model, optimizer, algorithm state, the model's parameters
 
     def __init__(self):
         self.values = np.zeros(len(self.NAMES) + self.DIGESTS, dtype=np.uint64)
@@ -169,8 +172,29 @@ class _Vector:
         return bool(np.array_equal(low[base:base + 4], high[base:base + 4]))
 
 
+def _parameter_paths(model) -> set[str] | None:
+    """The paths of the model tree's leaves that are parameters, not buffers (None when the
+    model was given as a state_dict, which does not tell them apart)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    return {f"model.{name}" for name, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def _model_digests(tree: Tree, paths: set[str]) -> tuple[bytes, bytes]:
+    """Digests of the model tree without its parameters (structure and buffers) and of the
+    parameters alone: ranks whose buffers differ (BatchNorm's running statistics, which each
+    rank gathers from its own batches) may still agree on the second."""
+    rest = [leaf for leaf in tree.leaves if leaf.path not in paths]
+    params = hashlib.sha256()
+    for leaf in tree.leaves:
+        if leaf.path in paths:
+            params.update(leaf.path.encode())
+            params.update(memoryview(leaf.array()).cast("B"))
+    return tree_digest(tree.skeleton, rest), params.digest()
+
+
 def _agree(comm, rank: int, size: int, step: int, keep: int | None, trees, error: str | None,
-           algorithm, replicated: bool | None):
+           algorithm, replicated: bool | None, parameter_paths: set[str] | None = None):
     vec = _Vector()
     vec["step"] = step
     vec["keep"] = 0 if keep is None else keep
@@ -184,9 +208,15 @@ def _agree(comm, rank: int, size: int, step: int, keep: int | None, trees, error
         # Model and optimizer: replicated when bit-identical everywhere. Algorithm state is
         # per-rank when it holds tensors (their shapes may depend on the world size) or
         # differs between ranks, so only tensor-free state is hashed.
+        # A module's model is hashed in two parts, the parameters apart (slot 3).
+        split = "model" in trees and replicated is None and parameter_paths is not None
         for slot, name in enumerate(("model", "optimizer", "algorithm")):
-            if name in trees and (replicated is None if slot < 2 else not tensors):
+            if (name in trees and (replicated is None if slot < 2 else not tensors)
+                    and not (split and name == "model")):
                 vec.set_digest(slot, tree_digest(trees[name].skeleton, trees[name].leaves))
+        if split:
+            for slot, digest in zip((0, 3), _model_digests(trees["model"], parameter_paths)):
+                vec.set_digest(slot, digest)
     low, high = np.empty_like(vec.values), np.empty_like(vec.values)
     comm.Allreduce(vec.values, low, op=MPI.MIN)
     comm.Allreduce(vec.values, high, op=MPI.MAX)
@@ -204,6 +234,9 @@ def _agree(comm, rank: int, size: int, step: int, keep: int | None, trees, error
     if replicated is None:
         rep = {name: _Vector.digests_equal(low, high, slot)
                for slot, name in enumerate(("model", "optimizer")) if name in trees}
+        if "model" in trees and parameter_paths is not None:
+            rep["model_parameters"] = _Vector.digests_equal(low, high, 3)
+            rep["model"] = rep["model"] and rep["model_parameters"]
     else:
         rep = {name: bool(replicated) for name in ("model", "optimizer") if name in trees}
     per_rank_algorithm = "algorithm" in trees and (
@@ -229,6 +262,7 @@ def _meta(step, epoch, size, write_scheme, trees, replicated, algorithm,
         "world_size": size, "write_scheme": write_scheme,
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "trees": layout,
+        "model_parameters": _parameters_layout(layout, replicated),
         "algorithm": (None if algorithm is None else
                       {"config": algorithm["config"], "steps": algorithm["steps"]}),
         "per_rank_algorithm_state": algorithm_state,
@@ -236,6 +270,19 @@ def _meta(step, epoch, size, write_scheme, trees, replicated, algorithm,
         "algorithm_state_kinds": sorted((algorithm or {}).get("state", {}).get("tensors", {})),
         "versions": _versions(),
     }
+
+
+def _parameters_layout(layout: dict, replicated: dict) -> str | None:
+    """Whether the model's parameters are the same on every rank, also where its tree is
+    written per rank because buffers differ: such a model loads on another number of ranks
+    (rank 0's copy, as a checkpoint saved by rank 0 alone would hold). None: not known (no
+    model, or one given as a state_dict, whose parameters and buffers look alike)."""
+    if "model" not in layout:
+        return None
+    if layout["model"] == "replicated":
+        return "replicated"
+    same = replicated.get("model_parameters")
+    return None if same is None else "replicated" if same else "per_rank"
 
 
 def _versions() -> dict:
@@ -373,7 +420,7 @@ def save(directory: str, model=None, optimizer=None, *, step: int, epoch: int | 
     except (CheckpointError, TypeError, ValueError) as exc:
         error = str(exc)
     replicated_map, algorithm_state = _agree(comm, rank, size, step, keep, trees, error,
-                                             algorithm, replicated)
+                                             algorithm, replicated, _parameter_paths(model))
     write_scheme = scheme()
     meta = _meta(step, epoch, size, write_scheme, trees, replicated_map, algorithm,
                  algorithm_state, getattr(optimizer, "zero_stage", 0))

@@ -4,6 +4,8 @@
     python checkpoint_suite.py train "ALG;ALG..." DIR N M   # reference N+M steps; N steps, save
     python checkpoint_suite.py resume "ALG;ALG..." DIR M [MB] # new job: load, M more steps
     python checkpoint_suite.py world DIR_SHARED DIR_PER_RANK  # load on another world size
+    python checkpoint_suite.py batchnorm_save DIR           # BatchNorm buffers that differ
+    python checkpoint_suite.py batchnorm_load DIR SAVED_BY  # per rank, loaded on any size
     python checkpoint_suite.py gan_train ALG DIR N M        # a GAN: two optimizers, one file
     python checkpoint_suite.py gan_resume ALG DIR M
     python checkpoint_suite.py crash DIR PHASE[@RANK]       # save, then die inside the next save
@@ -381,6 +383,72 @@ def gan_resume(algorithm: str, base: str, m: int) -> None:
         opt.close()
 
 
+class BatchNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 24)
+        self.norm = torch.nn.BatchNorm1d(24)
+        self.b = torch.nn.Linear(24, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def parameters_and_buffers(model) -> tuple[str, str]:
+    """Digests of the model's parameters and of its buffers."""
+    def digest(tensors):
+        return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()
+    return digest(model.parameters()), digest(model.buffers())
+
+
+def batchnorm_save(base: str) -> None:
+    """Two checkpoints: a BatchNorm model trained with gradient_allreduce on each rank's own
+    batches (identical parameters, running statistics that differ per rank), and a model whose
+    parameters differ per rank."""
+    rank = bm.rank()
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    for step in range(3):
+        x = torch.randn(16, 12, generator=torch.Generator().manual_seed(10 * step + rank))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.zeros(16, 3)).backward()
+        opt.step()
+    ckpt.save(os.path.join(base, "batchnorm"), model=model, optimizer=opt, step=3)
+    print(f"BNSAVE rank {rank} {' '.join(parameters_and_buffers(model))}", flush=True)
+    opt.close()
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.a.weight += rank  # as decentralized training leaves them
+    ckpt.save(os.path.join(base, "diverged"), model=model, step=3)
+
+
+def batchnorm_load(base: str, saved_by: int) -> None:
+    """Load ``batchnorm_save``'s checkpoints: on another number of ranks the BatchNorm model
+    loads (rank 0's buffers, the parameters every rank had) and the diverged one is refused;
+    on the same number each rank gets its own buffers back."""
+    rank, size = bm.rank(), bm.size()
+    torch.manual_seed(7)
+    model = BatchNormNet()
+    info = ckpt.load(os.path.join(base, "batchnorm"), model=model)
+    assert info.meta["trees"]["model"] == "per_rank", info.meta["trees"]
+    assert info.meta["model_parameters"] == "replicated", info.meta
+    print(f"BNLOAD rank {rank} {' '.join(parameters_and_buffers(model))}", flush=True)
+    model = Net()
+    if size == saved_by:
+        ckpt.load(os.path.join(base, "diverged"), model=model)
+        return
+    try:
+        ckpt.load(os.path.join(base, "diverged"), model=model)
+    except ckpt.WorldSizeMismatchError as exc:
+        assert "model state differs from rank to rank" in str(exc), exc
+    else:
+        raise AssertionError("a model whose parameters differ per rank loaded on "
+                             f"{size} ranks, saved by {saved_by}")
+
+
 def world(shared_dir: str, per_rank_dir: str) -> None:
     """Load checkpoints written by a different number of ranks."""
     size = bm.size()
@@ -452,6 +520,10 @@ def main() -> None:
         gan_train_then_save(args[0], args[1], int(args[2]), int(args[3]))
     elif mode == "gan_resume":
         gan_resume(args[0], args[1], int(args[2]))
+    elif mode == "batchnorm_save":
+        batchnorm_save(args[0])
+    elif mode == "batchnorm_load":
+        batchnorm_load(args[0], int(args[1]))
     elif mode == "world":
         world(args[0], args[1])
     elif mode == "crash":
