@@ -202,7 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               find_unused_parameters=find_unused_parameters,
                               timeline=self.timeline, clock=self._step_clock(),
                               shard_parts=size if zero_stage else 1,
-                              sparse_as_dense=sparse_as_dense)
+                              sparse_as_dense=sparse_as_dense, process_set=process_set)
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
         self._discard_told = False  # zero_grad() discarded an exchange: said once

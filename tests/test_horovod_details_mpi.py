@@ -8,7 +8,7 @@ import pytest
 
 from mpi_harness import assert_check_passed, run_mpi
 
-CHECKS = {"psopt": ["psopt_named", "psopt_unnamed"],
+CHECKS = {"psopt": ["psopt_named", "psopt_unnamed", "psopt_find_unused"],
           "optdetails": ["optimizer_names", "broadcast_optimizer_state_frozen"],
           "rsint": ["reducescatter_scaling"],
           "names": ["names_all_reuse", "names_one_rank_reuses", "names_distinct"]}

@@ -53,7 +53,7 @@ class Engine:
                  overlap: bool, flatten: bool, profile_order: bool, backward_passes_per_step: int,
                  find_unused_parameters: bool, timeline: Timeline | None,
                  clock: StepClock | None = None, shard_parts: int = 1,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, process_set=None):
         self.params = params
         self.names = names
         self.impl = impl
@@ -63,6 +63,8 @@ class Engine:
         self.profile_order = profile_order
         self.passes = backward_passes_per_step
         self.find_unused = find_unused_parameters
+        # the ranks that train together (None: all of them), for the engine's own collectives
+        self.process_set = process_set
         self.shard_parts = shard_parts  # ZeRO: buckets padded to this many equal slices
         # Sparse gradients (nn.Embedding(sparse=True)) stay sparse, outside the buckets, and
         # are all-gathered (primitives/sparse_grads.py), as Horovod does without
@@ -347,9 +349,13 @@ class Engine:
     def _drop_globally_unused_grads(self) -> None:
         """Parameters no rank used this iteration get ``grad = None``, as without wrapping."""
         used = torch.from_numpy((np.asarray(self._counts) > 0).astype(np.uint8))
-        collectives.allreduce_(used, Max)
+        collectives.allreduce_(used, op=Max, **self._among())
         for i in np.flatnonzero(used.numpy() == 0):
             self.params[i].grad = None
+
+    def _among(self) -> dict:
+        """The keyword that runs a collective among the ranks that train together."""
+        return {} if self.process_set is None else {"process_set": self.process_set}
 
     def check_params_in_buckets(self) -> None:
         """Raise ``MisuseError`` when a parameter left its bucket's flat buffer (see

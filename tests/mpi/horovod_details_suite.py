@@ -55,12 +55,13 @@ def simulate(ranks, steps):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def check_ps_optimizer(rank, size, members_set, named, op_name):
+def check_ps_optimizer(rank, size, members_set, named, op_name, **options):
     steps = 3
     members = members_set.ranks
     model, data = model_and_data(rank, steps)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     kwargs = {"named_parameters": model.named_parameters()} if named else {}
+    kwargs.update(options)
     dopt = hvd.DistributedOptimizer(opt, process_set=members_set, **kwargs)
     inside = rank in members
     assert isinstance(dopt, hvd.DistributedOptimizer)
@@ -87,6 +88,11 @@ def mode_psopt(rank, size, sets):
     ok("psopt_named")
     check_ps_optimizer(rank, size, members_set, named=False, op_name="unnamed")
     ok("psopt_unnamed")
+    # the engine's own collective (which parameters some rank used) runs among the set's
+    # ranks, not on the global communicator the others never enter
+    check_ps_optimizer(rank, size, members_set, named=True, op_name="find_unused",
+                       find_unused_parameters=True)
+    ok("psopt_find_unused")
 
 
 # -- item 4: DistributedOptimizer details ---------------------------------------------------------
