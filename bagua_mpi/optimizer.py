@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from . import backends, collectives, config, layout, runtime, sharding
+from . import backends, collectives, config, consistency, layout, runtime, sharding
 from .algorithms import AlgorithmContext, UnsupportedOptionError, WrapOptions, create
 from .compression import Compression
 from .engine import Engine, StepClock
@@ -206,6 +206,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
         self._discard_told = False  # zero_grad() discarded an exchange: said once
+        # the parameters are compared across the ranks before this optimizer's first step
+        self._start_checked = self.algorithm.averages_models
         self.steps = 0
         # Horovod's public arguments, readable as attributes
         self.backward_passes_per_step = backward_passes_per_step
@@ -342,6 +344,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"rank {runtime.get().topo.rank}: step() inside skip_synchronize() while "
                     f"{self._engine.pending_description()}; call synchronize() after "
                     f"backward() and before the step")
+        if not self._start_checked:
+            self._start_checked = True
+            if consistency.enabled():  # the agreement check's switch turns this off too
+                self._engine.check_same_start()
         self._synchronized = False
         self.impl.before_step(self.optimizer)
         if self._sharded is not None:

@@ -35,12 +35,14 @@ import torch
 from .. import collectives, node_shared, runtime
 from ..primitives.sparse_grads import sparse_allgather
 from ..transport import Transport
-from ..exceptions import MisuseError
+from ..exceptions import MismatchError, MisuseError
 from ..ops import Max
 from ..timeline import Timeline
 from .buckets import Bucket, plan_buckets
 from .clock import StepClock
 
+# check_same_start's values lie in [1, 2**62): SPAN - w stays positive
+_SPAN = np.int64(1) << 62
 # the backward pass (graph task) running on this thread, -1 outside one
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 # the autograd node being evaluated on this thread: as a backward pass ends, None unless that
@@ -352,6 +354,36 @@ class Engine:
         collectives.allreduce_(used, op=Max, **self._among())
         for i in np.flatnonzero(used.numpy() == 0):
             self.params[i].grad = None
+
+    def check_same_start(self) -> None:
+        """Raise ``MismatchError`` on every rank unless the parameters are the same on every
+        rank: called before the first step of an algorithm that exchanges gradients, which
+        applies the same averaged gradient everywhere, so ranks that start apart (a forgotten
+        ``broadcast_parameters``) would each train their own model, silently.
+
+        Compares a float64 sum per parameter, bit for bit, with one MAX allreduce of
+        ``[w, SPAN - w]`` (the maximum and the minimum), where w is the sum's bit pattern
+        without its two lowest bits, plus one: positive, so that nothing overflows and the
+        zeros a rank inside ``join()`` adds to the library's allreduce change no maximum."""
+        sums = (torch.stack([p.detach().double().sum() for p in self.params]).cpu().numpy()
+                if self.params else np.zeros(0))
+        w = (sums.view(np.uint64) >> np.uint64(2)).astype(np.int64) + 1
+        both = torch.from_numpy(np.concatenate([w, _SPAN - w]))
+        collectives.allreduce_(both, op=Max, **self._among())
+        high, low = both[:len(w)].numpy(), _SPAN - both[len(w):].numpy()
+        differ = np.flatnonzero(high != low)
+        if differ.size:
+            i = int(differ[0])
+            value = lambda v: (np.uint64(v - 1) << np.uint64(2)).view(np.float64)  # noqa: E731
+            raise MismatchError(
+                f"rank {self.worker_rank}: the parameters differ from rank to rank at the first "
+                f"step ({differ.size} of {len(self.params)}; {self.names[i]!r} sums to "
+                f"{value(low[i]):.6g} on some rank and {value(high[i]):.6g} on another): "
+                f"{self.impl.algorithm.name} applies the same averaged gradients on every rank, "
+                f"so each rank would train a model of its own. Call "
+                f"bm.broadcast_parameters(model.state_dict(), root_rank=0) before the first "
+                f"step (DDP broadcasts when it wraps a model; Horovod and bagua_mpi leave it "
+                f"to you)")
 
     def _among(self) -> dict:
         """The keyword that runs a collective among the ranks that train together."""

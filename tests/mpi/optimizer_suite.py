@@ -410,6 +410,52 @@ def check_join(rank: int, size: int) -> int:
     return 2
 
 
+def check_same_start(rank: int, size: int) -> int:
+    """Ranks whose parameters differ at the first step (each seeded its own way, no
+    broadcast_parameters) get MismatchError on every rank from that step, naming the remedy,
+    before anything is stepped, where each used to train a model of its own; after
+    broadcast_parameters they train. The algorithms that average models, and a job with the
+    agreement check off, are not compared."""
+    if size == 1:
+        return 0
+    checks = 0
+    for algorithm in ("gradient_allreduce", "qsgd"):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(4, 2)
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      algorithm=algorithm)
+        model(torch.ones(3, 4)).sum().backward()
+        before = model.weight.detach().clone()
+        expect(bm.MismatchError, opt.step, f"rank {rank}: the parameters differ from rank to "
+               "rank at the first step (2 of 2; 'weight' sums to", algorithm,
+               "bm.broadcast_parameters(model.state_dict(), root_rank=0)")
+        assert torch.equal(model.weight, before), "stepped"
+        bm.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        weights = bm.allgather(model.weight.detach()[None])
+        assert all(torch.equal(w, weights[0]) for w in weights), "the ranks differ"
+        opt.close()
+        checks += 1
+    for options, seed in ((dict(algorithm="local_sgd"), rank), (dict(), rank)):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 2)
+        if not options:
+            bm.set_consistency_check(False)
+        try:
+            opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          named_parameters=model.named_parameters(), **options)
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()  # not compared: no error
+            opt.close()
+        finally:
+            bm.set_consistency_check(True)
+        checks += 1
+    return checks
+
+
 def expect_misuse(fn, *needles) -> str:
     try:
         fn()
@@ -750,6 +796,7 @@ def check_mismatched_settings(rank: int, size: int) -> int:
         "compression": ({"compression": bm.Compression.fp16}, {},
                         [f"compression: 'none' on {others}; 'fp16' on rank {last}"]),
     }
+    torch.manual_seed(0)  # the same start everywhere (the first step compares the parameters)
     model = torch.nn.Linear(4, 2)
     for name, (theirs, mine, needles) in cases.items():
         kwargs = theirs if odd else mine
@@ -839,6 +886,7 @@ def suite_checks() -> dict:
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
+        "same_start": check_same_start,
         "compression": lambda rank, size: check_compression(size),
         "mismatched_models": check_mismatched_models,
         "mismatched_settings": check_mismatched_settings,
