@@ -41,7 +41,9 @@ from ..timeline import Timeline
 from .buckets import Bucket, plan_buckets
 from .clock import StepClock
 
-# check_same_start's values lie in [1, 2**62): SPAN - w stays positive
+# check_same_start: a tensor's 16-bit words sum to less than 2**55 in magnitude (under 2**40
+# words), so sum + OFFSET lies in (0, 2**61) and SPAN - (sum + OFFSET) is positive too
+_OFFSET = np.int64(1) << 60
 _SPAN = np.int64(1) << 62
 # the backward pass (graph task) running on this thread, -1 outside one
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -361,29 +363,29 @@ class Engine:
         applies the same averaged gradient everywhere, so ranks that start apart (a forgotten
         ``broadcast_parameters``) would each train their own model, silently.
 
-        Compares a float64 sum per parameter, bit for bit, with one MAX allreduce of
-        ``[w, SPAN - w]`` (the maximum and the minimum), where w is the sum's bit pattern
-        without its two lowest bits, plus one: positive, so that nothing overflows and the
-        zeros a rank inside ``join()`` adds to the library's allreduce change no maximum."""
-        sums = (torch.stack([p.detach().double().sum() for p in self.params]).cpu().numpy()
-                if self.params else np.zeros(0))
-        w = (sums.view(np.uint64) >> np.uint64(2)).astype(np.int64) + 1
+        Each tensor's bytes are summed as 16-bit integers into an int64: exact, so the sum is
+        the same whatever order a device adds in (a float sum's last bits need not be, across
+        GPU models). One MAX allreduce of ``[w, SPAN - w]`` gives the maximum and the minimum
+        of w = sum + OFFSET, which is positive, so that the zeros a rank inside ``join()`` adds
+        to the library's allreduce change neither."""
+        words = [p.detach().contiguous().view(-1) for p in self.params]
+        sums = (torch.stack([t.view(torch.int16 if t.element_size() % 2 == 0 else torch.int8)
+                             .sum(dtype=torch.int64) for t in words]).cpu().numpy()
+                if words else np.zeros(0, dtype=np.int64))
+        w = sums + _OFFSET
         both = torch.from_numpy(np.concatenate([w, _SPAN - w]))
         collectives.allreduce_(both, op=Max, **self._among())
         high, low = both[:len(w)].numpy(), _SPAN - both[len(w):].numpy()
-        differ = np.flatnonzero(high != low)
-        if differ.size:
-            i = int(differ[0])
-            value = lambda v: (np.uint64(v - 1) << np.uint64(2)).view(np.float64)  # noqa: E731
+        differ = [self.names[i] for i in np.flatnonzero(high != low)]
+        if differ:
             raise MismatchError(
                 f"rank {self.worker_rank}: the parameters differ from rank to rank at the first "
-                f"step ({differ.size} of {len(self.params)}; {self.names[i]!r} sums to "
-                f"{value(low[i]):.6g} on some rank and {value(high[i]):.6g} on another): "
-                f"{self.impl.algorithm.name} applies the same averaged gradients on every rank, "
-                f"so each rank would train a model of its own. Call "
-                f"bm.broadcast_parameters(model.state_dict(), root_rank=0) before the first "
-                f"step (DDP broadcasts when it wraps a model; Horovod and bagua_mpi leave it "
-                f"to you)")
+                f"step ({len(differ)} of {len(self.params)} tensors: {', '.join(differ[:3])}"
+                f"{', ...' if len(differ) > 3 else ''}): {self.impl.algorithm.name} applies "
+                f"the same averaged gradients on every rank, so each rank would train a model "
+                f"of its own. Call bm.broadcast_parameters(model.state_dict(), root_rank=0) "
+                f"before the first step (DDP broadcasts when it wraps a model; Horovod and "
+                f"bagua_mpi leave it to you)")
 
     def _among(self) -> dict:
         """The keyword that runs a collective among the ranks that train together."""

@@ -428,7 +428,7 @@ def check_same_start(rank: int, size: int) -> int:
         model(torch.ones(3, 4)).sum().backward()
         before = model.weight.detach().clone()
         expect(bm.MismatchError, opt.step, f"rank {rank}: the parameters differ from rank to "
-               "rank at the first step (2 of 2; 'weight' sums to", algorithm,
+               "rank at the first step (2 of 2 tensors: weight, bias)", algorithm,
                "bm.broadcast_parameters(model.state_dict(), root_rank=0)")
         assert torch.equal(model.weight, before), "stepped"
         bm.broadcast_parameters(model.state_dict(), root_rank=0)
