@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from .. import collectives, node_shared, runtime
+from .. import collectives, consistency, node_shared, runtime
 from ..primitives.sparse_grads import sparse_allgather
 from ..transport import Transport
 from ..exceptions import MismatchError, MisuseError
@@ -41,6 +41,9 @@ from ..timeline import Timeline
 from .buckets import Bucket, plan_buckets
 from .clock import StepClock
 
+# what the first synchronize() calls itself in the agreement check and its JoinedRankError
+_FIRST_STEP = ("the first step of a DistributedOptimizer (it builds the buckets, which a rank "
+               "inside join() cannot take part in: join() only after the first step)",)
 # check_same_start: a tensor's 16-bit words sum to less than 2**55 in magnitude (under 2**40
 # words), so sum + OFFSET lies in (0, 2**61) and SPAN - (sum + OFFSET) is positive too
 _OFFSET = np.int64(1) << 60
@@ -227,6 +230,11 @@ class Engine:
 
     # -- buckets ----------------------------------------------------------------------------------
     def _build_buckets(self) -> None:
+        if consistency.enabled():
+            # the set-up's collectives cannot take zeros from a rank inside join(): with one
+            # there, the agreement check raises JoinedRankError on the others instead of a hang
+            comm = self.impl.ctx.topo.comm
+            self.worker.run(lambda: consistency.verify(comm, _FIRST_STEP), _FIRST_STEP)
         if self.keep_sparse:  # a rank that saw no gradient of a sparse parameter learns here
             everyone = self.worker.run(
                 lambda: self.impl.ctx.topo.comm.allgather(sorted(self.sparse)),

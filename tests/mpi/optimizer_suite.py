@@ -365,8 +365,8 @@ def check_sparse_gradients_send_rows(rank: int, size: int) -> int:
 def check_join(rank: int, size: int) -> int:
     """Uneven data (Horovod's join): the last rank runs out after 2 of 4 steps and joins; the
     others' gradient allreduces go on with its zeros, averaged over all ranks. A compressed
-    algorithm cannot take zeros from a joined rank: the training ranks get JoinedRankError,
-    never a hang."""
+    algorithm cannot take zeros from a joined rank, nor can the first step's set-up: the
+    training ranks get JoinedRankError, never a hang."""
     if size == 1:
         return 0
     last = size - 1
@@ -407,7 +407,24 @@ def check_join(rank: int, size: int) -> int:
     bm.join()
     assert raised == (rank != last), (rank, raised)
     opt.close()
-    return 2
+
+    # a rank that joins before its first step: the others' first step builds the buckets,
+    # which it cannot take part in; they get JoinedRankError saying so, not a hang
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    raised = False
+    if rank != last:
+        try:
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+        except bm.JoinedRankError as exc:
+            raised = "join() only after the first step" in str(exc)
+    bm.join()
+    assert raised == (rank != last), (rank, raised)
+    opt.close()
+    return 3
 
 
 def check_same_start(rank: int, size: int) -> int:
