@@ -25,6 +25,7 @@ def check_optimizer_choice():
     """DistributedOptimizer(backend=): unknown names and a missing GPU/NCCL fail at wrap time,
     naming what is missing; "mpi" trains as before; the choice reaches the dense steps."""
     import torch
+    torch.manual_seed(0)  # the same start on every rank (the first step compares them)
     model = torch.nn.Linear(4, 2)
 
     def wrap(backend):
