@@ -206,7 +206,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False  # set by an explicit synchronize() before step()
         self._skip_sync = False
         self._discard_told = False  # zero_grad() discarded an exchange: said once
-        # the parameters are compared across the ranks before this optimizer's first step
+        # the parameters are compared across the ranks before this optimizer's first step,
+        # except by the algorithms that average models (they bring the models together)
         self._start_checked = self.algorithm.averages_models
         self.steps = 0
         # Horovod's public arguments, readable as attributes
@@ -279,8 +280,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise MisuseError(f"rank {runtime.get().topo.rank}: zero_grad() called while "
                              f"{pending}; call zero_grad() before backward(), or after "
                              f"step() / synchronize()")
-        dropped = [] if self._discard_told else self.impl.state_a_skip_drops()
-        if self._engine.discard_synchronized() and not self._discard_told:
+        dropped = self._engine.discard_synchronized()
+        if dropped is not None and not self._discard_told:
             self._discard_told = True
             warnings.warn(_discarded_exchange_message(runtime.get().topo.rank,
                                                       self.impl.algorithm.name, dropped),
@@ -494,7 +495,7 @@ def _trainable_parameters(optimizer, named_parameters
                              f"(first: position {missing[0]}, shape "
                              f"{tuple(params[missing[0]].shape)})")
     frozen = FrozenAtWrap([(name_of.get(id(p), f"frozen parameter {i}"), p)
-                     for i, p in enumerate(everything) if not p.requires_grad])
+                           for i, p in enumerate(everything) if not p.requires_grad])
     return params, [name_of[id(p)] for p in params], frozen
 
 

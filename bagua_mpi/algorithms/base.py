@@ -462,18 +462,15 @@ class AlgorithmImpl:
                    "server_error": "error feedback", "error": "error feedback",
                    "accumulator": "gradient sums", "q": "warm-started Q"}
 
-    def on_step_skipped(self) -> None:
+    def on_step_skipped(self) -> list[str]:
         """Main thread, when a backward pass starts after gradients were synchronized and no
         ``step()`` followed (``torch.amp.GradScaler`` skips the step when they hold inf or
         NaN). The exchange already fed them into the algorithm's state; without this, one
         overflow left an error memory non-finite (or huge), and every later step was skipped
-        too."""
-        self.state.forget_skipped_step(self.SKIPPED_STEP_ZEROED, self.SKIPPED_STEP_RESTARTED)
-
-    def state_a_skip_drops(self) -> list[str]:
-        """What ``on_step_skipped`` would drop now, in words (for the message that tells a
+        too. Returns what it dropped, in words (``STATE_WORDS``: for the message that tells a
         user what a discarded exchange cost)."""
-        kinds = self.state.kinds_held(self.SKIPPED_STEP_ZEROED + self.SKIPPED_STEP_RESTARTED)
+        kinds = self.state.forget_skipped_step(self.SKIPPED_STEP_ZEROED,
+                                               self.SKIPPED_STEP_RESTARTED)
         return list(dict.fromkeys(self.STATE_WORDS.get(k, k) for k in kinds))
 
     def on_loss_scaling(self) -> None:

@@ -189,12 +189,12 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
             raise MisuseError(self._too_late("torch.amp.GradScaler unscales the gradients "
                                              "after their exchange"))
 
-    def on_step_skipped(self) -> None:
+    def on_step_skipped(self) -> list[str]:
         if self.compressed:  # the momentum took in the skipped step's gradients already
             raise MisuseError(self._too_late("a step was skipped after its gradients had been "
                                              "exchanged (a GradScaler that found inf or NaN, "
                                              "or zero_grad() before step())"))
-        super().on_step_skipped()
+        return super().on_step_skipped()
 
     def _too_late(self, what: str) -> str:
         return (f"rank {self.ctx.topo.rank}: onebit_adam, compressed stage (step {self.step}): "

@@ -137,27 +137,28 @@ class AlgorithmState:
             by_name[name] = t
         return by_name[name]
 
-    def kinds_held(self, kinds) -> list[str]:
-        """Which of ``kinds`` this state holds now, in the order given."""
-        held = {kind for kind, _ in self.vectors} | {k for k, t in self.tensors.items() if t}
-        return [kind for kind in kinds if kind in held]
-
-    def forget_skipped_step(self, zeroed_kinds, restarted_kinds=()) -> None:
+    def forget_skipped_step(self, zeroed_kinds, restarted_kinds=()) -> list[str]:
         """After a step was skipped because its gradients held inf or NaN (as
         ``torch.amp.GradScaler`` skips them), drop what those gradients already left in the
         state: every tensor of ``zeroed_kinds`` becomes 0 (an error-feedback memory restarts
         empty), and those of ``restarted_kinds`` are dropped, to be made afresh at their next
         use (PowerSGD's warm-started Q, the same on every rank). The whole of them, not only
-        their non-finite entries: an overflowing gradient also leaves huge finite values."""
+        their non-finite entries: an overflowing gradient also leaves huge finite values.
+        Returns the kinds it dropped, in the order given."""
+        dropped = set()
         for (kind, _), vec in self.vectors.items():
             if kind in zeroed_kinds:
                 vec.data.zero_()
-        for kind in list(self.tensors):
-            if kind in zeroed_kinds:
-                for t in self.tensors[kind].values():
+                dropped.add(kind)
+        for kind, by_name in list(self.tensors.items()):
+            if by_name and kind in zeroed_kinds:
+                for t in by_name.values():
                     t.zero_()
-            elif kind in restarted_kinds:
+                dropped.add(kind)
+            elif by_name and kind in restarted_kinds:
                 self.tensors[kind] = {}
+                dropped.add(kind)
+        return [kind for kind in (*zeroed_kinds, *restarted_kinds) if kind in dropped]
 
     def drop(self, kind: str) -> None:
         """Forget every allocation of ``kind`` (a stage change that restarts that state)."""

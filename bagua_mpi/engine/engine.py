@@ -427,18 +427,19 @@ class Engine:
     def step_taken(self) -> None:
         self.awaiting_step = False
 
-    def discard_synchronized(self) -> bool:
+    def discard_synchronized(self) -> list[str] | None:
         """The synchronized gradients will not be stepped on (the loss scaler skipped the step,
         or ``zero_grad()`` dropped them): what the exchange fed into the algorithm's state
-        goes too (``on_step_skipped``). Returns whether exchanged gradients that no loss
-        scaler had read were discarded: the caller's own choice, not a scaler's skip."""
+        goes too (``on_step_skipped``). Returns None unless the caller discarded exchanged
+        gradients that no loss scaler had read (its own choice, not a scaler's skip); then
+        what the algorithm's state lost, in words."""
         if not self.awaiting_step:
-            return False
+            return None
         by_user = not self.loss_scaler_read
         self.awaiting_step = False
         self.loss_scaler_read = False
-        self.impl.on_step_skipped()
-        return by_user
+        dropped = self.impl.on_step_skipped()
+        return dropped if by_user else None
 
     def pending_description(self) -> str:
         """What of this iteration is under way (gradients counted or buckets launched since
