@@ -26,7 +26,7 @@ import torch
 from . import backends, collectives, config, consistency, layout, runtime, sharding
 from .algorithms import AlgorithmContext, UnsupportedOptionError, WrapOptions, create
 from .compression import Compression
-from .engine import Engine, StepClock
+from .engine import Engine, StepClock, ownership
 from .engine.policy import auto_overlap
 from .consistency import ranks_text
 from .exceptions import DiscardedExchangeWarning, MismatchError, MisuseError
@@ -36,6 +36,8 @@ from .timeline import Timeline
 logger = logging.getLogger(__name__)
 # torch.amp.GradScaler's module: it reads param_groups to unscale (see the property)
 _GRAD_SCALER = "torch.amp.grad_scaler"
+_REPLACES_NOTE = ("earlier DistributedOptimizers over these parameters still open on this "
+                  "rank, which this one closes; close() them on every rank or on none")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -150,6 +152,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             compression=self.compression, hierarchical=hierarchical, average=op is Average,
             gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage))
         params, names, self._frozen = _trainable_parameters(optimizer, named_parameters)
+        wrapped = [p for g in optimizer.param_groups for p in g["params"]]
+        replaced = ownership.open_over(wrapped)  # taken over below (engine/ownership.py)
         device = params[0].device.type if params else "cpu"
         chosen = backends.resolve(backend)
         wire = backends.wire(chosen, device)
@@ -163,11 +167,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "hierarchical": hierarchical, "zero_stage": zero_stage,
                     "bucket_size_mb": bucket_size_mb, "flatten": flatten,
                     "find_unused_parameters": find_unused_parameters,
-                    "sparse_as_dense": sparse_as_dense}
+                    "sparse_as_dense": sparse_as_dense,
+                    "replaces_open_optimizers": len(replaced)}
         notes = check_models_agree(names, params, None if process_set is None else topo,
                                    settings=settings,
                                    notes={"backend": backends.why_wire(chosen, device),
-                                          "wire": wire})
+                                          "wire": wire,
+                                          "replaces_open_optimizers": _REPLACES_NOTE})
         if chosen == "auto":
             backend = _agreed_auto(notes, backend)
         size = topo.size
@@ -195,6 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if overlap is None:
             overlap = auto_overlap(params, topo)
         self.overlap = bool(overlap)
+        ownership.close_replaced(replaced, wrapped, by="a DistributedOptimizer")
         self._engine = Engine(params, names, self.impl,
                               bucket_bytes=int(bucket_size_mb * 1024 * 1024), overlap=overlap,
                               flatten=flatten, profile_order=profile_order,
@@ -295,6 +302,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for (and finish) this iteration's gradient communication: Horovod's call. The
         step's last backward pass already finishes it as it ends, so after ``backward()`` this
         does nothing, as does calling it again before ``step()``."""
+        self._check_open("synchronize()")
         if not self._engine.synchronized_for_step():
             self._engine.synchronize()
         self._synchronized = True
@@ -332,6 +340,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.communicating = True
 
     def step(self, closure=None):
+        self._check_open("step()")
         self._frozen.check_untrained(self._engine.worker_rank)
         if self.impl.wants_flat_params:
             self._engine.check_params_in_buckets()
@@ -465,9 +474,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._engine.buckets
 
     def close(self) -> None:
-        """Remove the hooks, stop the algorithm's background work and write the timeline."""
+        """Remove the hooks, stop the algorithm's background work and write the timeline
+        (collective where the algorithm's closing exchange is: ``async_average``). Wrapping
+        any of its parameters again closes it too (``engine/ownership.py``). ``step()`` then
+        raises ``MisuseError``."""
+        if self._engine.closed_because is not None:
+            return
         self.impl.close()
         self._engine.close()
+
+    def _check_open(self, call: str) -> None:
+        reason = self._engine.closed_because
+        if reason is not None:
+            raise MisuseError(f"rank {self._engine.worker_rank}: {call} on a DistributedOptimizer "
+                              f"that no longer exchanges gradients: {reason}")
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, "

@@ -38,6 +38,7 @@ from ..transport import Transport
 from ..exceptions import MismatchError, MisuseError
 from ..ops import Max
 from ..timeline import Timeline
+from . import ownership
 from .buckets import Bucket, plan_buckets
 from .clock import StepClock
 
@@ -110,6 +111,9 @@ class Engine:
         self._finish_queued_in: int | None = None  # the backward pass that will finish
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(params)]
+        # why this engine no longer exchanges its parameters' gradients (None while open)
+        self.closed_because: str | None = None
+        self.serial = ownership.register(self)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _hook_for(self, i: int):
@@ -465,7 +469,13 @@ class Engine:
         for bucket in self.buckets:
             bucket.zero_grads()
 
-    def close(self) -> None:
+    def close(self, reason: str = "close() was called") -> None:
+        """Remove the hooks (the parameters' gradients are no longer exchanged) and write the
+        timeline; ``reason`` is what a later ``step()`` of the optimizer reports."""
+        if self.closed_because is not None:
+            return
+        self.closed_because = reason
+        ownership.forget(self)
         for bucket in self.buckets or ():
             bucket.privatize()  # p.grad must outlive the shared window (freed at shutdown)
         for h in self._hooks:

@@ -43,6 +43,7 @@ import torch
 from .. import collectives, runtime
 from .. import optimizer as _base
 from ..compression import Compression, Compressor
+from ..engine import ownership
 from ..ops import Adasum, Average, ReduceOp
 from ..process_sets import ProcessSet, global_process_set
 
@@ -222,6 +223,14 @@ class _UnbucketedOptimizer(DistributedOptimizer):
                         num_groups, groups, sparse_as_dense, process_set)
         return named
 
+    def _take_over(self) -> None:
+        """Close the bucketed optimizers still hooked on these parameters, as a new
+        bucketed one does (``engine/ownership.py``): their hooks would exchange the
+        gradients this optimizer steps on."""
+        wrapped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        ownership.close_replaced(ownership.open_over(wrapped), wrapped,
+                                 by=f"the {type(self).__name__}")
+
     def synchronize(self) -> None:
         """Nothing to wait for: nothing is exchanged during backward."""
 
@@ -306,6 +315,7 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
                                  None if process_set is global_process_set else topo)
         self._params = params
         self._parameter_names = dict(zip(params, names))
+        self._take_over()
 
     def step(self, closure=None):
         loss = None
@@ -359,6 +369,7 @@ class LocalDistributedOptimizer(_UnbucketedOptimizer):
             raise ValueError("gradient_predivide_factor not supported with op != Average "
                              "(as Horovod)")
         self._parameter_names = {p: n for n, p in named}
+        self._take_over()
 
     def step(self, closure=None):
         self._synchronized = False

@@ -444,6 +444,43 @@ def unfrozen_after_wrapping_raises(rank, size):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "stepped"
 
 
+def replaces_earlier_optimizer(rank, size):
+    """The delta optimizer wrapped over parameters a bucketed DistributedOptimizer still
+    hooks closes it: backward leaves each rank its own gradients (the earlier hooks would
+    have averaged them) and the step matches the simulation; the earlier optimizer's step()
+    raises MisuseError naming its successor."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    model = _model()
+    earlier = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), process_set=ps)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                   process_set=ps)
+    x, y = _batch(r, 0)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    local = _model()
+    torch.nn.functional.mse_loss(local(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), local.parameters()):
+        assert torch.equal(p.grad, q.grad), f"{name}: the gradient was exchanged"
+    opt.step()
+    deltas = []
+    for q in range(n):
+        replica = _model()
+        xq, yq = _batch(q, 0)
+        torch.nn.functional.mse_loss(replica(xq), yq).backward()
+        deltas.append([-0.1 * p.grad for p in replica.parameters()])
+    for i, (p, start) in enumerate(zip(model.parameters(), _model().parameters())):
+        want = start.detach() + torch.from_numpy(adasum_all([d[i] for d in deltas]))
+        close(p.detach(), [want], f"parameter {i}", expected=want.numpy(), tol=1e-12)
+    e = expect(MisuseError, earlier.step,
+               "the AdasumDistributedOptimizer wrapped later over its parameters")
+    assert f"rank {rank}: step()" in str(e), e
+
+
 def mismatch_raises(rank, size):
     """Ranks that disagree (Adasum here, Sum there) get MismatchError, not a hang."""
     m = member()
@@ -459,7 +496,7 @@ CHECKS = {f.__name__: f for f in (
     random_vs_simulation, dtypes, orthogonal_is_sum, parallel_is_mean, magnitudes, zero_vector,
     prescale_postscale, async_variants, grouped_variants, autograd,
     optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
-    bad_arguments, unfrozen_after_wrapping_raises, mismatch_raises)}
+    bad_arguments, unfrozen_after_wrapping_raises, replaces_earlier_optimizer, mismatch_raises)}
 
 
 def main():

@@ -726,6 +726,91 @@ def check_freeze_after_wrapping(rank: int, size: int) -> int:
     return checks
 
 
+PHASES = (2, 2, 3)  # steps of each optimizer in rewrapping_run
+
+
+def rewrapping_run(size: int, rank: int | None, how: str, **options):
+    """Progressive unfreezing with a new optimizer per phase, as trainers build one per
+    epoch or per fine-tuning stage: the last layer alone first, then every layer (the first
+    one's weight unfrozen) twice over, each phase a fresh SGD with momentum over the same
+    parameters. ``how`` the earlier optimizer goes: ``rebind`` (the name bound to the new one),
+    ``del`` (deleted first) or ``close`` (closed first). ``rank`` None: one process on every
+    rank's batch (the oracle). Returns the model and the optimizers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    opt, wrapped, step = None, [], 0
+    for phase, steps in enumerate(PHASES):
+        params = model[2].parameters() if phase == 0 else model.parameters()
+        if phase == 1:
+            model[0].requires_grad_(True)
+        if how == "close" and opt is not None:
+            opt.close()
+        elif how == "del" and opt is not None:
+            del opt
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        if rank is not None:
+            opt = bm.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                          **options)
+            wrapped.append(opt)
+        for _ in range(steps):
+            batches = [data(step, r, BATCH) for r in (range(size) if rank is None else [rank])]
+            x, y = (torch.cat(t) for t in zip(*batches))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            step += 1
+    return model, wrapped
+
+
+def check_rewrapping(rank: int, size: int) -> int:
+    """Wrapping parameters that an earlier DistributedOptimizer still hooks takes them over:
+    the earlier one is closed (its hooks used to stay, and refused the new optimizer's first
+    backward pass), so every rank trains as one process does on the combined batch, whether
+    the earlier optimizer was rebound, deleted or closed, with and without overlap. The
+    earlier optimizer's step() then raises MisuseError naming the parameters taken over. A
+    rank that closed its earlier optimizer where the others did not raises MismatchError on
+    every rank at the new wrap (the others' closing would run without it)."""
+    expected, _ = rewrapping_run(size, None, "rebind")
+    checks = 0
+    for how, options in (("rebind", dict(overlap=False)),
+                         ("rebind", dict(overlap=True, bucket_size_mb=0.0005)),
+                         ("del", {}), ("close", {})):
+        model, wrapped = rewrapping_run(size, rank, how, **options)
+        for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{how} {options}: {name}: {m}")
+        first = wrapped[0]
+        if how == "close":
+            expect_misuse(first.step, f"rank {rank}: step()", "close() was called")
+        else:
+            expect_misuse(first.step, f"rank {rank}: step()", "no longer exchanges gradients",
+                          "a DistributedOptimizer wrapped later over its parameters",
+                          "(2 of them: '2.weight', '2.bias')")
+            expect_misuse(wrapped[1].synchronize, f"rank {rank}: synchronize()",
+                          "(4 of them: '0.weight', '0.bias', '2.weight', ...)")
+        wrapped[-1].close()
+        checks += 1
+    if size > 1:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 2)
+        first = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+        if rank == 0:
+            first.close()
+        try:
+            bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters())
+        except bm.MismatchError as exc:
+            for needle in ("replaces_open_optimizers", "rank 0", "close() them on every rank"):
+                assert needle in str(exc), f"{needle!r} not in {exc}"
+        else:
+            raise AssertionError("a rank that closed its earlier optimizer alone went unnoticed")
+        first.close()  # the failed wrap closed nothing: the earlier optimizer is still open
+        checks += 1
+    return checks
+
+
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -899,6 +984,7 @@ def suite_checks() -> dict:
         "misuse": check_misuse,
         "gan_discarded_exchange": check_gan_discarded_exchange,
         "freeze_after_wrapping": check_freeze_after_wrapping,
+        "rewrapping": check_rewrapping,
         "torch_compile": check_torch_compile,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
