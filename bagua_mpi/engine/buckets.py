@@ -71,6 +71,7 @@ class Bucket:
         self.device = self.params[0].device
         # each parameter's layout in the flat buffers, fixed here (see the module docstring)
         self.strides = [autograd_strides(p) for p in self.params]
+        self.shapes = [tuple(p.shape) for p in self.params]
         self.offsets = []
         offset = 0
         for p in self.params:
@@ -178,6 +179,15 @@ class Bucket:
             else:
                 self.absorb_grad(k)
         return missing
+
+    def conversion(self, k: int) -> str | None:
+        """How parameter k changed since the bucket was built (``"dtype float32 -> float64"``),
+        or None: a model converted after wrapping has gradients its bucket cannot hold."""
+        p = self.params[k]
+        changes = [f"{what} {was} -> {now}" for what, was, now in (
+            ("dtype", self.dtype, p.dtype), ("device", self.device, p.device),
+            ("shape", self.shapes[k], tuple(p.shape))) if was != now]
+        return ", ".join(str(c).replace("torch.", "") for c in changes) or None
 
     def frozen_names(self) -> tuple[str, ...]:
         """The parameters frozen since wrapping (``requires_grad`` off): a rank that trains one

@@ -161,11 +161,31 @@ class Engine:
                 self.profiled_order.append(i)
             return
         bucket, k = self._bucket_of[i]
-        bucket.absorb_grad(k)
+        try:
+            bucket.absorb_grad(k)
+        except RuntimeError:
+            self._check_not_converted(bucket)
+            raise
         if count == self.passes and self.impl.communicates_gradients:
             self._remaining[bucket.index] -= 1
             if self._remaining[bucket.index] == 0:
                 self._bucket_ready(bucket)
+
+    def _check_not_converted(self, bucket: Bucket) -> None:
+        """Raise ``MisuseError`` if a parameter of ``bucket`` changed dtype, device or shape
+        since the buckets were built (called when moving a gradient into the bucket failed, so
+        the hot path pays nothing)."""
+        changed = [(bucket.names[k], c) for k in range(len(bucket.params))
+                   if (c := bucket.conversion(k)) is not None]
+        if changed:
+            name, change = changed[0]
+            raise MisuseError(
+                f"rank {self.worker_rank}: parameter {name!r} ({change}) "
+                f"{f'and {len(changed) - 1} more ' if len(changed) > 1 else ''}changed after "
+                f"the optimizer was wrapped: the model was converted (.to(), .double(), "
+                f".half()) or a parameter's data replaced after the first step, and its "
+                f"gradient no longer fits its bucket; convert the model before wrapping it, "
+                f"or wrap a new optimizer after converting (it takes the parameters over)")
 
     def _finish_when_backward_ends(self) -> None:
         """Have the backward pass that is running call ``_backward_ended`` as it ends (once)."""
@@ -313,8 +333,12 @@ class Engine:
         for b in range(self._launched, len(self.buckets)):
             if self._remaining[b]:
                 bucket = self.buckets[b]
-                frozen += [bucket.params[k] for k in bucket.fill_missing_grads()
-                           if not bucket.params[k].requires_grad]
+                try:
+                    missing = bucket.fill_missing_grads()
+                except RuntimeError:
+                    self._check_not_converted(bucket)
+                    raise
+                frozen += [bucket.params[k] for k in missing if not bucket.params[k].requires_grad]
                 self._remaining[b] = 0
                 self._note_ready(bucket)
         self._launch_in_order()

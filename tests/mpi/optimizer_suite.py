@@ -811,6 +811,53 @@ def check_rewrapping(rank: int, size: int) -> int:
     return checks
 
 
+def converting_run(size: int, rank: int | None):
+    """Two float32 steps, the model converted to float64, and two more steps with a new
+    optimizer over the converted parameters. ``rank`` None: one process on every rank's batch
+    (the oracle). Returns the model and the error the first float64 backward pass raised under
+    the earlier wrapper."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    error = None
+    for phase, dtype in enumerate((torch.float32, torch.float64)):
+        if phase:
+            model.double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if rank is not None:
+            if phase:  # the earlier wrapper's buckets hold float32 gradients
+                x, y = data(0, rank, BATCH)
+                error = expect(MisuseError, lambda: torch.nn.functional.mse_loss(
+                    model(x.double()), y.double()).backward())
+            opt = bm.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        for step in range(2 * phase, 2 * phase + 2):
+            batches = [data(step, r, BATCH) for r in (range(size) if rank is None else [rank])]
+            x, y = (torch.cat(t).to(dtype) for t in zip(*batches))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    if rank is not None:
+        opt.close()
+    return model, error
+
+
+def check_converted_after_wrapping(rank: int, size: int) -> int:
+    """A model converted to another dtype after the first step: the next backward pass raises
+    MisuseError naming a parameter and the change (it was torch's error about assigning a
+    float gradient to a double tensor), and a new optimizer wrapped over the converted
+    parameters trains as one process does on the combined batch."""
+    expected, _ = converting_run(size, None)
+    model, error = converting_run(size, rank)
+    for needle in (f"rank {rank}: parameter '", "(dtype float32 -> float64)",
+                   "changed after the optimizer was wrapped", "convert the model before"):
+        assert needle in str(error), f"{needle!r} not in {error}"
+    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+        assert p.dtype == torch.float64, name
+        # the float32 steps' rounding (the sum's order) carries into the float64 ones
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    return 2
+
+
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -985,6 +1032,7 @@ def suite_checks() -> dict:
         "gan_discarded_exchange": check_gan_discarded_exchange,
         "freeze_after_wrapping": check_freeze_after_wrapping,
         "rewrapping": check_rewrapping,
+        "converted_after_wrapping": check_converted_after_wrapping,
         "torch_compile": check_torch_compile,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
