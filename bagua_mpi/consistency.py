@@ -46,13 +46,14 @@ def set_enabled(value: bool) -> None:
     _enabled = bool(value)
 
 
-def signature_hash(signature: tuple) -> int:
-    """Stable (not per-process salted) 62-bit hash of a signature tuple."""
-    h = _hash_cache.get(signature)
+def signature_hash(signature: tuple, cache: bool = True) -> int:
+    """Stable (not per-process salted) 62-bit hash of a signature tuple; ``cache=False`` for a
+    signature that changes from call to call (it would only fill the cache)."""
+    h = _hash_cache.get(signature) if cache else None
     if h is None:
         digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
         h = int.from_bytes(digest, "little") & _HASH_MASK
-        if len(_hash_cache) < 65536:
+        if cache and len(_hash_cache) < 65536:
             _hash_cache[signature] = h
     return h
 
@@ -64,14 +65,15 @@ _I64_MIN = np.iinfo(np.int64).min
 NO_ACTIVE = np.int64(1) << 40
 
 
-def verify(comm: MPI.Intracomm, signature: tuple, join=None) -> bool:
+def verify(comm: MPI.Intracomm, signature: tuple, join=None, cache: bool = True) -> bool:
     """Raise ``MismatchError`` on every rank unless all ranks pass an equal signature.
 
     ``join``: what a rank inside ``join()`` must contribute zeros to (``((wire dtype, count),
     ...), mpi op, hierarchical)``); None for collectives joined ranks cannot take part in.
-    Returns whether some rank is inside ``join()`` (it then takes part through MPI).
+    ``cache``: see ``signature_hash``. Returns whether some rank is inside ``join()`` (it then
+    takes part through MPI).
     """
-    h = signature_hash(signature)
+    h = signature_hash(signature, cache)
     buf = np.array([h, -h, 0, -comm.Get_rank(), -1], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
     if buf[2]:
@@ -99,7 +101,9 @@ def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:
 def raise_mismatch(comm: MPI.Intracomm, signature: tuple) -> None:
     """Gather every rank's signature and raise a ``MismatchError`` that lists them."""
     everyone = comm.allgather(signature)
-    raise MismatchError(describe_mismatch(comm.Get_rank(), everyone))
+    error = MismatchError(describe_mismatch(comm.Get_rank(), everyone))
+    error.signatures = everyone  # for a caller that can say more about its own fields
+    raise error
 
 
 def verify_hashes(comm: MPI.Intracomm, hashes, signature: tuple) -> None:

@@ -195,6 +195,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                    hierarchical, self.impl.wire)
                          if zero_stage else None)
         _ = self.backend  # decided and logged once, at wrap time
+        self.impl.wrapped_optimizer = optimizer
         self.impl.bind_optimizer(optimizer)
         prefix = timeline if timeline is not None else config.timeline_prefix()
         self.timeline = Timeline(prefix, rt.topo.rank) if prefix else None

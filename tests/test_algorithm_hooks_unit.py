@@ -309,3 +309,50 @@ def test_no_builtin_config_repeats_the_base_post_init():
     for cls in _REGISTRY.values():
         if cls.__module__.startswith("bagua_mpi."):
             assert cls.__post_init__ is Algorithm.__post_init__, cls.__name__
+
+
+def test_hyperparameter_digest_summary_and_differences():
+    """What the first bucket's agreement check carries (``algorithms/hyperparameters.py``): a
+    digest that changes with any hyperparameter and not with the parameters; on a mismatch,
+    summaries with plain values as they are, a CPU scalar tensor as its float, a device tensor
+    by name only (reading it would wait for the device), anything else by its type; and
+    ``differences`` naming each value that differs, with the ranks holding it."""
+    from bagua_mpi.algorithms import hyperparameters as hp
+    p = torch.nn.Parameter(torch.zeros(2))
+    groups = [{"params": [p], "lr": torch.tensor(0.5), "betas": [0.9, 0.99], "foreach": None,
+               "weights": torch.zeros(3), "hook": len},
+              {"params": [], "lr": 0.25, "nesterov": True}]
+    assert hp.summary(groups) == (
+        (0, (("lr", 0.5), ("betas", (0.9, 0.99)), ("foreach", None),
+             ("weights", "tensor(3,) on cpu"), ("hook", "builtin_function_or_method"))),
+        (1, (("lr", 0.25), ("nesterov", True))))
+
+    def adam(**changes):
+        group = {"params": [p], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False,
+                 "foreach": None, "capturable": torch.tensor(1.0)}
+        return [{**group, **changes}]
+    base = hp.digest(adam())
+    assert 0 <= base < 2 ** 62 and hp.digest(adam(params=[])) == base
+    for change in ({"lr": 1e-3 + 1e-18}, {"lr": 2e-3}, {"betas": (0.9, 0.99)}, {"eps": None},
+                   {"amsgrad": True}, {"foreach": False}, {"capturable": torch.tensor(2.0)},
+                   {"extra": 0}):
+        assert hp.digest(adam(**change)) != base, change
+    assert hp.digest(adam() * 2) != base
+
+    def signature(digest):
+        return ("bucket", ("index", 0), (hp.FIELD, digest))
+    assert not hp.digests_differ([signature(1), signature(1)])
+    assert hp.digests_differ([signature(1), signature(2)])
+    assert not hp.digests_differ([signature(1), ("bucket", ("index", 1), ("frozen", ()))])
+    assert not hp.digests_differ([])
+
+    def summary(lr, momentum=0.9, groups=1):
+        return hp.summary([{"params": [], "lr": lr, "momentum": momentum}] * groups)
+    assert hp.differences([summary(0.1), summary(0.1), summary(0.1)]) == []
+    assert hp.differences([summary(0.1), summary(0.05), summary(0.1, 0.5)]) == [
+        "param group 0 'lr': 0.1 on ranks 0,2; 0.05 on rank 1",
+        "param group 0 'momentum': 0.9 on ranks 0-1; 0.5 on rank 2"]
+    assert hp.differences([summary(0.1), summary(0.1, groups=2), summary(0.1)]) == [
+        "param group 1: on rank 1 only"]
+    assert hp.differences([summary(0.1), ((0, (("lr", 0.1),)),)]) == [
+        "param group 0 'momentum': 0.9 on rank 0; (no such key) on rank 1"]

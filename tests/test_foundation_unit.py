@@ -132,9 +132,9 @@ def test_every_signature_an_algorithm_checks_is_key_value_pairs(initialized, mon
     seen = []
     original = consistency.verify
 
-    def recording(comm, signature, join=None):
+    def recording(comm, signature, join=None, cache=True):
         seen.append(signature)
-        return original(comm, signature, join)
+        return original(comm, signature, join, cache)
     monkeypatch.setattr(consistency, "verify", recording)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)

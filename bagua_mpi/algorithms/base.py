@@ -89,10 +89,10 @@ from ..collectives import join_route
 from ..accounting import WireStats, overhead
 from ..buffers import dtype_name, reduce_dtype
 from ..engine.clock import StepClock
-from ..exceptions import BaguaMPIError
+from ..exceptions import BaguaMPIError, MismatchError
 from ..layout import shaped_view
 from ..transport import Transport
-from . import dense
+from . import dense, hyperparameters
 from .state import AlgorithmState, StateVector, names_key
 from .validation import validate_fields
 
@@ -125,6 +125,9 @@ class AlgorithmImpl:
     wants_flat_params: ClassVar[bool] = False
     backend: str | None = None  # DistributedOptimizer(backend=): the dense steps' library
     zero_stage: int = 0  # DistributedOptimizer(zero_stage=): 2 reduce-scatters gradients
+    # the optimizer DistributedOptimizer wraps: its hyperparameters join the first bucket's
+    # agreement check (hyperparameters.py)
+    wrapped_optimizer: torch.optim.Optimizer | None = None
 
     def __init__(self, algorithm: "Algorithm", ctx: AlgorithmContext):
         self.algorithm = algorithm
@@ -334,7 +337,27 @@ class AlgorithmImpl:
         signature = ("bucket", ("algorithm", self.algorithm.name), ("index", bucket.index),
                      ("sizes", tuple(t.numel() for t in tensors)), ("dense", dense_plain),
                      ("zero_stage", self.zero_stage), ("frozen", bucket.frozen_names()))
-        return consistency.verify(self.ctx.topo.comm, signature, join)
+        optimizer = self.wrapped_optimizer
+        if bucket.index == 0 and optimizer is not None:  # once a step: ranks must step alike
+            signature += ((hyperparameters.FIELD,
+                           hyperparameters.digest(optimizer.param_groups)),)
+        comm = self.ctx.topo.comm
+        try:
+            return consistency.verify(comm, signature, join, cache=bucket.index != 0)
+        except MismatchError as exc:
+            # decided from the gathered signatures alone, which every rank saw alike, so that
+            # every rank takes part in the gather below or none does
+            if not hyperparameters.digests_differ(getattr(exc, "signatures", [])):
+                raise
+            differ = hyperparameters.differences(
+                comm.allgather(hyperparameters.summary(optimizer.param_groups)))
+            raise MismatchError(
+                f"rank {self.ctx.topo.rank}: the wrapped optimizer's hyperparameters differ "
+                f"across the ranks at step {step} (checked as its first bucket is exchanged, "
+                f"before any rank steps with them):\n  " + "\n  ".join(differ) +
+                "\nEvery rank must step alike: a learning-rate scheduler stepped on a "
+                "per-rank metric (ReduceLROnPlateau on this rank's validation loss) parts "
+                "them; average the metric over the ranks first (bagua_mpi.allreduce)") from None
 
     def setup_buckets(self, buckets: "list[Bucket]") -> None:
         """Main thread, once: hand the buckets over, then allocate the state (state held since

@@ -454,12 +454,13 @@ def mode_state(rank, size):
     assert (dopt.backward_passes_per_step, dopt.op, dopt.num_groups, dopt.sparse_as_dense) == \
         (1, hvd.Average, 2, True)
     assert set(dopt._parameter_names.values()) == {"weight", "bias"}
+    other = torch.nn.Linear(4, 2)  # wrapping model2's parameters again would close dopt
     if size & (size - 1):
         expect(NotImplementedError, lambda: hvd.DistributedOptimizer(
-            torch.optim.SGD(model2.parameters(), lr=0.1), op=hvd.Adasum), "power of 2")
+            torch.optim.SGD(other.parameters(), lr=0.1), op=hvd.Adasum), "power of 2")
     else:
         assert isinstance(hvd.DistributedOptimizer(
-            torch.optim.SGD(model2.parameters(), lr=0.1), op=hvd.Adasum),
+            torch.optim.SGD(other.parameters(), lr=0.1), op=hvd.Adasum),
             hvd.DistributedOptimizer)
     model2(inp("dopt", rank, (6, 4), "float32")).sum().backward()
     dopt.synchronize()

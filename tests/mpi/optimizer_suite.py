@@ -473,6 +473,58 @@ def check_same_start(rank: int, size: int) -> int:
     return checks
 
 
+def check_hyperparameters_that_differ(rank: int, size: int) -> int:
+    """A ReduceLROnPlateau stepped on each rank's own metric, which lowers the learning rate on
+    the last rank alone: the next step's first bucket raises MismatchError on every rank,
+    naming the param group, 'lr' and each rank's value, before any rank steps with it (the
+    ranks used to train apart, silently), for every registered algorithm that exchanges
+    gradients. With the metric averaged first (the recipe the message gives) they train on
+    alike."""
+    if size == 1:
+        return 0
+    checks = 0
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    others = "rank 0" if size == 2 else f"ranks 0-{size - 2}"
+    for name in bm.algorithms.names():
+        if bm.algorithms.create(name).averages_models:
+            continue  # they step on local gradients and bring the models together after
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 2)
+        opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                      named_parameters=model.named_parameters(), algorithm=name)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        for step in range(2):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            scheduler.step(1.0 if rank == size - 1 else -float(step))  # the last one plateaus
+        opt.zero_grad()
+        expect(bm.MismatchError, lambda: model(x).pow(2).mean().backward(),
+               f"rank {rank}: the wrapped optimizer's hyperparameters differ across the ranks "
+               f"at step 2", f"param group 0 'lr': 0.01 on {others}; 0.005 on rank {size - 1}",
+               "average the metric over the ranks first")
+        weights = bm.allgather(model.weight.detach()[None])
+        assert all(torch.equal(w, weights[0]) for w in weights), f"{name}: the ranks differ"
+        opt.close()
+        checks += 1
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    for step in range(4):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        metric = 2.0 if rank == size - 1 else 1.0 - min(step, 1) / 2  # averaged: flat from 1
+        scheduler.step(bm.allreduce(torch.tensor(metric)).item())
+    assert opt.param_groups[0]["lr"] < 0.1  # the averaged metric plateaued: lowered alike
+    weights = bm.allgather(model.weight.detach()[None])
+    assert all(torch.equal(w, weights[0]) for w in weights), "the ranks differ"
+    opt.close()
+    return checks + 1
+
+
 def expect_misuse(fn, *needles) -> str:
     try:
         fn()
@@ -1038,6 +1090,7 @@ def suite_checks() -> dict:
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
         "same_start": check_same_start,
+        "hyperparameters_that_differ": check_hyperparameters_that_differ,
         "compression": lambda rank, size: check_compression(size),
         "mismatched_models": check_mismatched_models,
         "mismatched_settings": check_mismatched_settings,
