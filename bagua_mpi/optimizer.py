@@ -23,7 +23,8 @@ import warnings
 
 import torch
 
-from . import backends, collectives, config, consistency, layout, runtime, sharding
+from . import (backends, collectives, config, consistency, layout, optimizer_hooks, runtime,
+               sharding)
 from .algorithms import AlgorithmContext, UnsupportedOptionError, WrapOptions, create
 from .compression import Compression
 from .engine import Engine, StepClock, ownership
@@ -92,6 +93,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     zero_stage = 0  # (class defaults: subclasses that skip __init__ are unsharded)
     _sharded = None
+    # torch.optim.Optimizer's per-instance hook tables (its register_*_hook methods fill them)
+    _optimizer_step_pre_hooks = optimizer_hooks.HookTable()
+    _optimizer_step_post_hooks = optimizer_hooks.HookTable()
+    _optimizer_state_dict_pre_hooks = optimizer_hooks.HookTable()
+    _optimizer_state_dict_post_hooks = optimizer_hooks.HookTable()
+    _optimizer_load_state_dict_pre_hooks = optimizer_hooks.HookTable()
+    _optimizer_load_state_dict_post_hooks = optimizer_hooks.HookTable()
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  algorithm="gradient_allreduce", compression=Compression.none,
@@ -247,6 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def defaults(self):
         return self.optimizer.defaults
 
+    @optimizer_hooks.state_dict_hooks
     def state_dict(self):
         """The wrapped optimizer's state dict; with ``zero_stage`` the logical (unsharded) one,
         gathered from every rank (collective), which any world size and stage loads."""
@@ -254,6 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._sharded.state_dict()
         return self.optimizer.state_dict()
 
+    @optimizer_hooks.load_state_dict_hooks
     def load_state_dict(self, state_dict) -> None:
         if self._sharded is not None:
             self._sharded.load_state_dict(state_dict)  # this rank keeps its slices
@@ -340,6 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._engine.communicating = True
 
+    @optimizer_hooks.runs_step_hooks
     def step(self, closure=None):
         self._check_open("step()")
         self._frozen.check_untrained(self._engine.worker_rank)

@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from .. import collectives, runtime
+from .. import collectives, optimizer_hooks, runtime
 from .. import optimizer as _base
 from ..compression import Compression, Compressor
 from ..engine import ownership
@@ -176,6 +176,7 @@ class DistributedOptimizer(_base.DistributedOptimizer):
                         num_groups, groups, sparse_as_dense, process_set)
         self._parameter_names = {p: n for n, p in named}
 
+    @optimizer_hooks.runs_step_hooks
     def step(self, closure=None):
         if self._synchronized and self._engine.synchronized_for_step() and not self._skip_sync:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
@@ -249,6 +250,7 @@ class _UnbucketedOptimizer(DistributedOptimizer):
         _check_passes(passes)
         self.backward_passes_per_step = passes  # gradients accumulate in .grad meanwhile
 
+    @optimizer_hooks.load_state_dict_hooks
     def load_state_dict(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
 
@@ -317,6 +319,7 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
         self._parameter_names = dict(zip(params, names))
         self._take_over()
 
+    @optimizer_hooks.runs_step_hooks
     def step(self, closure=None):
         loss = None
         if closure is not None:
@@ -371,6 +374,7 @@ class LocalDistributedOptimizer(_UnbucketedOptimizer):
         self._parameter_names = {p: n for n, p in named}
         self._take_over()
 
+    @optimizer_hooks.runs_step_hooks
     def step(self, closure=None):
         self._synchronized = False
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()

@@ -910,6 +910,71 @@ def check_converted_after_wrapping(rank: int, size: int) -> int:
     return 2
 
 
+def check_torch_optimizer_hooks(rank: int, size: int) -> int:
+    """torch.optim.Optimizer's per-instance hooks work on the wrapper (they raised
+    AttributeError): step pre-hooks run once per step (the Horovod subclass's step calls the
+    base one), after the exchange, so they see the averaged gradients, and may replace the
+    closure; post-hooks see the stepped parameters; removed hooks stop; state-dict hooks may
+    replace what is saved and loaded. With ZeRO stage 1, an algorithm that averages models and
+    Horovod's spelling."""
+    import bagua_mpi.horovod as hvd
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    want = bm.allreduce(torch.ones(2, 6) * x.sum(0), bm.Average)  # d(sum)/dW, averaged
+    checks = 0
+    for make in (lambda m: bm.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                   named_parameters=m.named_parameters()),
+                 lambda m: bm.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                   named_parameters=m.named_parameters(),
+                                                   zero_stage=1),
+                 lambda m: bm.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                   named_parameters=m.named_parameters(),
+                                                   algorithm="local_sgd"),
+                 lambda m: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                    named_parameters=m.named_parameters())):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 2)
+        opt = make(model)
+        seen = []
+
+        def pre(optimizer, args, kwargs):
+            assert optimizer is opt and args[0] is opt
+            seen.append(("pre", model.weight.grad.clone(), model.weight.detach().clone()))
+            if len(args) > 1:  # the closure a test passed, replaced
+                return (opt, lambda: "replaced"), kwargs
+
+        def post(optimizer, args, kwargs):
+            seen.append(("post", None, model.weight.detach().clone()))
+        handles = [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
+        for step in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            result = opt.step(lambda: "original") if step == 1 else opt.step()
+        assert [kind for kind, _, _ in seen] == ["pre", "post"] * 2, [k for k, _, _ in seen]
+        if not opt.algorithm.averages_models:
+            torch.testing.assert_close(seen[0][1], want)  # the pre-hook saw them averaged
+            assert result == "replaced", result
+        assert torch.equal(seen[1][2], seen[2][2]) and not torch.equal(seen[0][2], seen[1][2])
+        for handle in handles:
+            handle.remove()
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        assert len(seen) == 4, "a removed hook ran"
+        calls = []
+        opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "note": rank})
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: {k: v for k, v in sd.items() if k != "note"})
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+        saved = opt.state_dict()
+        assert saved["note"] == rank and calls == ["save pre"], (saved.keys(), calls)
+        opt.load_state_dict(saved)
+        assert calls == ["save pre", "load post"], calls
+        opt.close()
+        checks += 1
+    return checks
+
+
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -1086,6 +1151,7 @@ def suite_checks() -> dict:
         "rewrapping": check_rewrapping,
         "converted_after_wrapping": check_converted_after_wrapping,
         "torch_compile": check_torch_compile,
+        "torch_optimizer_hooks": check_torch_optimizer_hooks,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
