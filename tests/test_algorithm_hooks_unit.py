@@ -338,6 +338,7 @@ def test_hyperparameter_digest_summary_and_differences():
                    {"extra": 0}):
         assert hp.digest(adam(**change)) != base, change
     assert hp.digest(adam() * 2) != base
+    assert hp.digest(adam(seed=10 ** 400)) != hp.digest(adam(seed=10 ** 400 + 1))
 
     def signature(digest):
         return ("bucket", ("index", 0), (hp.FIELD, digest))

@@ -49,7 +49,11 @@ def digest(param_groups) -> int:
                 numbers.append(math.nan)
             elif key != "params":
                 rest.append((key, _plain(value)))
-    packed = array("d", numbers).tobytes() + repr(rest).encode()
+    try:
+        packed = array("d", numbers).tobytes()
+    except OverflowError:  # an int past float64's range: as text, slower but exact
+        packed = repr(numbers).encode()
+    packed += repr(rest).encode()
     return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 2
 
 
