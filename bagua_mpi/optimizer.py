@@ -160,6 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             compression=self.compression, hierarchical=hierarchical, average=op is Average,
             gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage))
         params, names, self._frozen = _trainable_parameters(optimizer, named_parameters)
+        self._groups = WrappedGroups(optimizer)
         wrapped = [p for g in optimizer.param_groups for p in g["params"]]
         replaced = ownership.open_over(wrapped)  # taken over below (engine/ownership.py)
         device = params[0].device.type if params else "cpu"
@@ -273,8 +274,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.impl.bind_optimizer(self.optimizer)
 
     def add_param_group(self, param_group) -> None:
-        raise NotImplementedError("parameters cannot be added after wrapping: build the "
-                                  "optimizer with all groups, then wrap it")
+        raise NotImplementedError("parameters cannot be added to a DistributedOptimizer: build "
+                                  "the optimizer with all groups, then wrap it, or add the "
+                                  "group to the wrapped optimizer and wrap that again (the "
+                                  "new DistributedOptimizer takes the parameters over)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: ``None`` by default, as ``torch.optim`` does (backward's fresh
@@ -353,6 +356,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @optimizer_hooks.runs_step_hooks
     def step(self, closure=None):
         self._check_open("step()")
+        self._groups.check_unchanged(self._engine.worker_rank)
         self._frozen.check_untrained(self._engine.worker_rank)
         if self.impl.wants_flat_params:
             self._engine.check_params_in_buckets()
@@ -551,6 +555,36 @@ class FrozenAtWrap:
                 f"every parameter it will train unfrozen, and freeze them after wrapping "
                 f"(requires_grad_(False)): a parameter frozen then is left alone by the step "
                 f"and can be unfrozen again")
+
+
+class WrappedGroups:
+    """How many parameters each param group of the wrapped optimizer held when it was
+    wrapped. A parameter added afterwards (``group["params"].append(p)``, or a group added to
+    the wrapped optimizer itself) has no hook and no bucket, so this rank would train it alone;
+    one removed would still be exchanged."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.sizes = self._sizes()
+
+    def _sizes(self) -> list[int]:
+        return [len(group["params"]) for group in self.optimizer.param_groups]
+
+    def check_unchanged(self, rank: int) -> None:
+        """Raise ``MisuseError`` (before anything is stepped) if the groups changed."""
+        sizes = self._sizes()
+        if sizes == self.sizes:
+            return
+        if len(sizes) != len(self.sizes):
+            change = f"{len(self.sizes)} -> {len(sizes)} groups"
+        else:
+            change = ", ".join(f"group {g}: {was} -> {now} parameters"
+                               for g, (was, now) in enumerate(zip(self.sizes, sizes)) if was != now)
+        raise MisuseError(
+            f"rank {rank}: the wrapped optimizer's param groups changed after wrapping "
+            f"({change}): a parameter added has no hook and no bucket, so this rank would "
+            f"train it alone, and one removed would still be exchanged. Wrap a new "
+            f"DistributedOptimizer around the changed optimizer (it takes the parameters over)")
 
 
 def _discarded_exchange_message(rank: int, algorithm: str, dropped: list[str]) -> str:

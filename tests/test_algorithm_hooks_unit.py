@@ -333,6 +333,7 @@ def test_hyperparameter_digest_summary_and_differences():
         return [{**group, **changes}]
     base = hp.digest(adam())
     assert 0 <= base < 2 ** 62 and hp.digest(adam(params=[])) == base
+    assert hp.digest(adam(param_names=["weight"])) == base  # torch's names: not compared here
     for change in ({"lr": 1e-3 + 1e-18}, {"lr": 2e-3}, {"betas": (0.9, 0.99)}, {"eps": None},
                    {"amsgrad": True}, {"foreach": False}, {"capturable": torch.tensor(2.0)},
                    {"extra": 0}):

@@ -30,14 +30,17 @@ import torch
 from ..consistency import ranks_text
 
 FIELD = "hyperparameters"
+# the group's parameters and their names (torch.optim keeps these when built from
+# named_parameters()): the wrap-time model check compares them, once
+_NOT_HYPERPARAMETERS = ("params", "param_names")
 _PLAIN = (bool, int, float, str, type(None))
 
 
 def digest(param_groups) -> int:
-    """A 62-bit hash of every group's hyperparameters (everything but ``params``)."""
+    """A 62-bit hash of every group's hyperparameters (everything but its parameters)."""
     numbers, rest = [], []
     for group in param_groups:
-        numbers.append(len(group))
+        numbers.append(-math.inf)  # where a group starts
         for key, value in group.items():
             kind = type(value)
             if kind is float or kind is int or kind is bool:
@@ -47,7 +50,7 @@ def digest(param_groups) -> int:
                 numbers.extend(value)
             elif value is None:
                 numbers.append(math.nan)
-            elif key != "params":
+            elif key not in _NOT_HYPERPARAMETERS:
                 rest.append((key, _plain(value)))
     try:
         packed = array("d", numbers).tobytes()
@@ -59,7 +62,8 @@ def digest(param_groups) -> int:
 
 def summary(param_groups) -> tuple:
     """``((group index, ((key, value), ...)), ...)`` for every group of ``param_groups``."""
-    return tuple((i, tuple((k, _plain(v)) for k, v in group.items() if k != "params"))
+    return tuple((i, tuple((k, _plain(v)) for k, v in group.items()
+                           if k not in _NOT_HYPERPARAMETERS))
                  for i, group in enumerate(param_groups))
 
 

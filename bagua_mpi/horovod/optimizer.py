@@ -313,6 +313,7 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
                                  f"ranks may wrap an optimizer for it")
         adasum.check_size(topo.size)
         params, names, self._frozen = _base._trainable_parameters(optimizer, named)
+        self._groups = _base.WrappedGroups(optimizer)
         _base.check_models_agree(names, params,
                                  None if process_set is global_process_set else topo)
         self._params = params
@@ -325,7 +326,9 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._frozen.check_untrained(runtime.get().topo.rank)
+        rank = runtime.get().topo.rank
+        self._groups.check_unchanged(rank)
+        self._frozen.check_untrained(rank)
         with torch.no_grad():
             starts = [p.detach().clone() for p in self._params]
             self.optimizer.step()

@@ -975,6 +975,55 @@ def check_torch_optimizer_hooks(rank: int, size: int) -> int:
     return checks
 
 
+def growing_run(size: int, rank: int | None):
+    """The last layer trained alone for 2 steps, then the first layer's parameters appended to
+    the wrapped optimizer's group and 2 more steps. ``rank`` None: one process on every rank's
+    batch (the oracle). Returns the model and the error the first step after the append
+    raised under the earlier wrapper, and whether it stepped anything."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    torch_opt = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    opt = torch_opt
+    if rank is not None:
+        opt = bm.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters())
+    error, stepped = None, False
+    for step in range(4):
+        batches = [data(step, r, BATCH) for r in (range(size) if rank is None else [rank])]
+        x, y = (torch.cat(t) for t in zip(*batches))
+        if step == 2:
+            torch_opt.param_groups[0]["params"].extend(model[0].parameters())
+            if rank is not None:  # the parameters appended have no hook: refused
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                before = [p.detach().clone() for p in model.parameters()]
+                error = expect(MisuseError, opt.step)
+                stepped = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+                opt = bm.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    if rank is not None:
+        opt.close()
+    return model, error, stepped
+
+
+def check_groups_changed_after_wrapping(rank: int, size: int) -> int:
+    """Parameters appended to a wrapped optimizer's param group (they have no hook and no
+    bucket, and each rank used to train them alone, silently) make step() raise MisuseError
+    naming the group and the count, before anything is stepped; the wrapped optimizer wrapped
+    again (the remedy the message gives) trains as one process does on the combined batch."""
+    expected, _, _ = growing_run(size, None)
+    model, error, stepped = growing_run(size, rank)
+    for needle in (f"rank {rank}: the wrapped optimizer's param groups changed after wrapping "
+                   "(group 0: 2 -> 4 parameters)", "Wrap a new DistributedOptimizer"):
+        assert needle in str(error), f"{needle!r} not in {error}"
+    assert not stepped, "the refused step changed the model"
+    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    return 2
+
+
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -1150,6 +1199,7 @@ def suite_checks() -> dict:
         "freeze_after_wrapping": check_freeze_after_wrapping,
         "rewrapping": check_rewrapping,
         "converted_after_wrapping": check_converted_after_wrapping,
+        "groups_changed_after_wrapping": check_groups_changed_after_wrapping,
         "torch_compile": check_torch_compile,
         "torch_optimizer_hooks": check_torch_optimizer_hooks,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
