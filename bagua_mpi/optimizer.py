@@ -494,9 +494,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (collective where the algorithm's closing exchange is: ``async_average``). Wrapping
         any of its parameters again closes it too (``engine/ownership.py``). ``step()`` then
         raises ``MisuseError``."""
-        if self._engine.closed_because is not None:
-            return
-        self.impl.close()
         self._engine.close()
 
     def _check_open(self, call: str) -> None:

@@ -494,10 +494,13 @@ class Engine:
             bucket.zero_grads()
 
     def close(self, reason: str = "close() was called") -> None:
-        """Remove the hooks (the parameters' gradients are no longer exchanged) and write the
-        timeline; ``reason`` is what a later ``step()`` of the optimizer reports."""
+        """Stop the algorithm's background work (its ``close``: collective where it has a
+        closing exchange), remove the hooks (the parameters' gradients are no longer
+        exchanged) and write the timeline; ``reason`` is what a later ``step()`` of the
+        optimizer reports. A second call does nothing."""
         if self.closed_because is not None:
             return
+        self.impl.close()
         self.closed_because = reason
         ownership.forget(self)
         for bucket in self.buckets or ():

@@ -11,8 +11,8 @@ the next backward pass. So wrapping parameters takes them over:
    built), before the new wrapper's agreement check, which compares how many it replaces (a
    rank that closed its earlier optimizer and a rank that did not would otherwise disagree on
    whether the earlier one's closing collectives run);
-2. the new wrapper closes each of them (``Engine.close(reason)``: hooks removed, background
-   work stopped by the algorithm's ``close``); the earlier optimizer's ``step()`` then raises
+2. the new wrapper closes each of them (``Engine.close(reason)``: background work stopped by
+   the algorithm's ``close``, hooks removed); the earlier optimizer's ``step()`` then raises
    ``MisuseError`` naming the reason, rather than stepping on gradients it no longer exchanges;
 3. the new engine registers itself (``register``).
 
@@ -52,11 +52,10 @@ def shared_names(engine, params) -> list[str]:
 
 def close_replaced(engines, params, by: str) -> None:
     """Close ``engines`` (from ``open_over(params)``) for a wrapper, ``by``, that takes over
-    ``params``: each algorithm's background work stops first (its closing exchange, where it
-    has one, is collective: every rank replaces alike, as the agreement check made sure)."""
+    ``params`` (an algorithm's closing exchange, where it has one, is collective: every rank
+    replaces alike, as the agreement check made sure)."""
     for engine in engines:
         names = shared_names(engine, params)
         shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-        engine.impl.close()
         engine.close(f"{by} wrapped later over its parameters ({len(names)} of them: "
                      f"{shown}) took them over; step that one")
