@@ -148,20 +148,34 @@ def test_batchnorm_buffers_that_differ_per_rank_load_on_any_world_size(tmp_path)
             assert state == by_rank[rank if ranks == 3 else 0], (ranks, rank, loaded.output)
 
 
-@pytest.mark.parametrize("algorithm", ["ckpt_ef16", "topk:density=0.2"])
-def test_gan_with_two_optimizers_resumes_bit_identical(tmp_path, algorithm):
-    """docs/checkpoints.md's recipe for a second DistributedOptimizer (a GAN's discriminator,
-    with per-rank error feedback): its state in ``extras``, its algorithm state in
-    ``rank_extras``; a new job resumes both optimizers exactly."""
+@pytest.mark.parametrize("algorithm, ranks", [("ckpt_ef16", 2), ("topk:density=0.2", 3)])
+def test_gan_with_two_optimizers_resumes_bit_identical(tmp_path, algorithm, ranks):
+    """Two DistributedOptimizers in one file by name (a GAN; the discriminator's algorithm keeps
+    per-rank error feedback): a new job resumes both exactly."""
     base = str(tmp_path)
-    trained = run_mpi("checkpoint_suite.py", 2, "gan_train", algorithm, base, str(N), str(M),
-                      timeout=300)
+    trained = run_mpi("checkpoint_suite.py", ranks, "gan_train", algorithm, base, str(N),
+                      str(M), timeout=300)
     assert_mpi_ok(trained)
-    resumed = run_mpi("checkpoint_suite.py", 2, "gan_resume", algorithm, base, str(M),
+    resumed = run_mpi("checkpoint_suite.py", ranks, "gan_resume", algorithm, base, str(M),
                       timeout=300)
     assert_mpi_ok(resumed)
-    assert (digests(resumed.output, "GANRES", algorithm, 2)
-            == digests(trained.output, "GANREF", algorithm, 2)), resumed.output
+    assert (digests(resumed.output, "GANRES", algorithm, ranks)
+            == digests(trained.output, "GANREF", algorithm, ranks)), resumed.output
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_optimizers_by_name_refuse_what_does_not_match(tmp_path, ranks):
+    """A GAN saved by 2 ranks: loading other optimizer names, or (on 3 ranks) the
+    discriminator's per-rank error feedback, raises a named error and changes nothing;
+    ``reset_algorithm_state=True`` resumes; ranks naming their optimizers differently cannot
+    save."""
+    base = str(tmp_path)
+    assert_mpi_ok(run_mpi("checkpoint_suite.py", 2, "gan_train", "ckpt_ef16", base, "2", "1",
+                          timeout=300))
+    misuse = run_mpi("checkpoint_suite.py", ranks, "gan_misuse", "ckpt_ef16", base, "2",
+                     timeout=300)
+    assert_mpi_ok(misuse)
+    assert misuse.output.count("GANMISUSE ckpt_ef16 rank") == ranks, misuse.output
 
 
 # Algorithms whose trajectory does not depend on how parameters are grouped into buckets, so a

@@ -305,6 +305,65 @@ def test_load_refuses_another_model_and_another_algorithm(tmp_path):
     other.close()
 
 
+def test_several_optimizers_by_name_round_trip(tmp_path):
+    """A DistributedOptimizer and a plain torch optimizer (on another part of the model) saved
+    by name come back into fresh ones, each with its own state; the file says which is which."""
+    def build(seed):
+        model, opt_a = make(seed=seed)
+        head = torch.nn.Linear(2, 3)
+        opt_b = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+        return torch.nn.ModuleDict({"body": model, "head": head}), opt_a, opt_b
+
+    def run(models, opt_a, opt_b, steps):
+        for _ in range(steps):
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            models["head"](models["body"](torch.randn(10, 6))).square().mean().backward()
+            opt_a.step()
+            opt_b.step()
+
+    models, opt_a, opt_b = build(0)
+    run(models, opt_a, opt_b, 3)
+    path = ckpt.save(str(tmp_path), model=models, optimizer={"b": opt_b, "a": opt_a}, step=3)
+    meta = ckpt.read_meta(path)
+    assert meta["algorithm"] is None and sorted(meta["optimizers"]) == ["a", "b"]
+    assert meta["optimizers"]["a"]["algorithm"]["config"]["name"] == "gradient_allreduce"
+    assert meta["optimizers"]["b"]["algorithm"] is None
+    want = (params(models), opt_a.state_dict(), opt_b.state_dict())
+    models2, opt_a2, opt_b2 = build(1)
+    info = ckpt.load(path, model=models2, optimizer={"a": opt_a2, "b": opt_b2})
+    assert info.algorithm_state == {"a": "loaded", "b": "none"}
+    assert_identical(want, (params(models2), opt_a2.state_dict(), opt_b2.state_dict()))
+    assert opt_a2.steps == 3
+    with pytest.raises(ckpt.CheckpointError, match=r"holds the state of optimizers 'a', 'b' "
+                                                   r"\(optimizer=\{...\}\); load\(\) was given "
+                                                   r"one optimizer"):
+        ckpt.load(path, optimizer=opt_a2)
+    single = ckpt.save(str(tmp_path / "one"), model=models, optimizer=opt_a, step=3)
+    with pytest.raises(ckpt.CheckpointError, match=r"holds the state of one optimizer"):
+        ckpt.load(single, optimizer={"a": opt_a2})
+    for opt in (opt_a, opt_a2):
+        opt.close()
+
+
+def test_bad_optimizer_arguments(tmp_path):
+    model, opt = make()
+    plain = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    cases = [({}, ValueError, "names no optimizer"),
+             ({"m": model}, TypeError, r"optimizer\['m'\] must be a torch.optim.Optimizer"),
+             ({"x": opt, "y": opt}, ValueError, r"optimizer\['x'\] and optimizer\['y'\] are "
+                                                "the same optimizer"),
+             ({1: plain}, TypeError, "non-empty strings"),
+             (model, TypeError, "optimizer must be a torch.optim.Optimizer")]
+    for bad, kind, pattern in cases:
+        with pytest.raises(kind, match=pattern):
+            ckpt.load(str(tmp_path), optimizer=bad)
+        with pytest.raises(ckpt.CheckpointError, match="not saved: rank 0: .*" + pattern):
+            ckpt.save(str(tmp_path), optimizer=bad, step=1)
+    assert ckpt.latest(str(tmp_path)) is None
+    opt.close()
+
+
 # -- corruption --------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from .errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatEr
 from .format import open_file
 from .inspection import read_meta
 from .trees import read_tree
+from . import optimizers
 from . import rng as rng_state
 from . import rotation
 
@@ -48,7 +49,9 @@ class CheckpointInfo:
     world_size: int  # ranks of the job that saved it
     write_scheme: str  # "token" or "mpio"
     rng_restored: bool
-    algorithm_state: str  # "loaded", "reset" (reset_algorithm_state=True), "none"
+    # "loaded", "reset" (reset_algorithm_state=True, or resharded), "none"; with several
+    # optimizers, one of those for each, by name
+    algorithm_state: str | dict
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, why) fallen back from
     meta: dict = field(default_factory=dict, repr=False)  # the file's /meta
 
@@ -63,21 +66,29 @@ def _agree_error(comm, rank: int, size: int, error: str | None) -> str | None:
     return comm.bcast(error, root=culprit)
 
 
-def _plan(meta: dict, path: str, size: int, model, optimizer, reset_algorithm_state: bool):
-    """Which trees this job loads, from ``/meta`` alone; raises on an impossible resume."""
-    from ..optimizer import DistributedOptimizer
-
+def _plan(meta: dict, path: str, size: int, model, named: dict | None,
+          reset_algorithm_state: bool):
+    """Which trees this job loads, and what becomes of each optimizer's algorithm state
+    (``{name: "loaded" | "reset" | "none"}``), from ``/meta`` alone; raises on an impossible
+    resume."""
     trees = meta["trees"]
     same_size = meta["world_size"] == size
-    distributed = isinstance(optimizer, DistributedOptimizer)
     wanted = []
     if model is not None:
         if "model" not in trees:
             raise CheckpointError(f"{path} holds no model state")
         wanted.append("model")
-    if optimizer is not None:
+    if named is not None:
         if "optimizer" not in trees:
             raise CheckpointError(f"{path} holds no optimizer state")
+        saved_names = meta.get("optimizers")  # absent: one optimizer given alone
+        given_names = list(named) if optimizers.several(named) else None
+        if (saved_names is None) != (given_names is None) or (
+                given_names is not None and sorted(saved_names) != given_names):
+            raise CheckpointError(
+                f"{path} holds the state of {optimizers.describe(saved_names)}; load() was "
+                f"given {optimizers.describe(given_names)}: pass the optimizers it holds, by "
+                "the same names")
         wanted.append("optimizer")
     per_rank = [n for n in wanted if trees[n] == "per_rank"]
     if "model" in per_rank and not same_size and meta.get("model_parameters") == "replicated":
@@ -92,43 +103,56 @@ def _plan(meta: dict, path: str, size: int, model, optimizer, reset_algorithm_st
             f"{path} was saved by {meta['world_size']} ranks whose {' and '.join(per_rank)} "
             f"state differs from rank to rank (e.g. decentralized training); it cannot be "
             f"loaded by {size} ranks. Resume with {meta['world_size']} ranks.")
-    algorithm = "none"
-    if distributed and meta.get("algorithm") is not None:
-        saved = meta["algorithm"]["config"].get("name")
-        if saved != optimizer.algorithm.name:
-            raise CheckpointError(f"{path} holds state of algorithm {saved!r}, the optimizer "
-                                  f"runs {optimizer.algorithm.name!r}")
-        if reset_algorithm_state:
-            algorithm = "reset"
-        elif meta["per_rank_algorithm_state"] and not same_size and (
-                optimizer.zero_stage or meta.get("zero_stage")):
-            # sharded training is where a requeued job often gets fewer nodes: its logical
-            # optimizer state reshards, and what belongs to another partition starts afresh
-            algorithm = "reset"
-            logger.warning(
-                "bagua_mpi checkpoint: %s was saved by %d ranks, loaded by %d: the per-rank "
-                "state of algorithm %r (%s) belongs to the old partition of the buckets and was "
-                "reset; the model and the optimizer state were resharded and continue",
-                path, meta["world_size"], size, saved,
-                ", ".join(meta.get("algorithm_state_kinds") or ["error feedback"]))
-        elif meta["per_rank_algorithm_state"] and not same_size:
-            raise WorldSizeMismatchError(
-                f"{path} was saved by {meta['world_size']} ranks and holds per-rank state of "
-                f"algorithm {saved!r} (error feedback, peer models, ...), which has no meaning "
-                f"on {size} ranks. Resume with {meta['world_size']} ranks, or pass "
-                "reset_algorithm_state=True to start the algorithm's state afresh (training "
-                "continues, but not bit-identically).")
-        else:
-            algorithm = "loaded"
-            wanted.append("algorithm")
-    elif distributed:
-        logger.warning("bagua_mpi checkpoint: %s was saved without a DistributedOptimizer; the "
-                       "algorithm starts afresh", path)
+    algorithms = {name: _algorithm_plan(meta, path, size, name, opt, reset_algorithm_state)
+                  for name, opt in (named or {}).items()}
+    if "loaded" in algorithms.values():
+        wanted.append("algorithm")
     if "extras" in trees:
         wanted.append("extras")
     if same_size:
         wanted += [n for n in ("rank_extras", "rng") if n in trees]
-    return wanted, algorithm
+    return wanted, algorithms
+
+
+def _algorithm_plan(meta: dict, path: str, size: int, name, optimizer,
+                    reset_algorithm_state: bool) -> str:
+    """What becomes of one optimizer's saved algorithm state: "loaded", "reset" or "none"."""
+    from ..optimizer import DistributedOptimizer
+
+    entry = meta if name is optimizers.ONE else meta["optimizers"][name]
+    saved, saved_zero_stage = entry.get("algorithm"), entry.get("zero_stage")
+    kinds, per_rank = entry.get("algorithm_state_kinds"), entry["per_rank_algorithm_state"]
+    which = "the optimizer" if name is optimizers.ONE else f"optimizer {name!r}"
+    if not isinstance(optimizer, DistributedOptimizer):
+        return "none"
+    if saved is None:
+        logger.warning("bagua_mpi checkpoint: %s was saved without a DistributedOptimizer as "
+                       "%s; its algorithm starts afresh", path, which)
+        return "none"
+    saved_name = saved["config"].get("name")
+    if saved_name != optimizer.algorithm.name:
+        raise CheckpointError(f"{path} holds state of algorithm {saved_name!r}, {which} runs "
+                              f"{optimizer.algorithm.name!r}")
+    if reset_algorithm_state:
+        return "reset"
+    if not per_rank or meta["world_size"] == size:
+        return "loaded"
+    if optimizer.zero_stage or saved_zero_stage:
+        # sharded training is where a requeued job often gets fewer nodes: its logical
+        # optimizer state reshards, and what belongs to another partition starts afresh
+        logger.warning(
+            "bagua_mpi checkpoint: %s was saved by %d ranks, loaded by %d: the per-rank state "
+            "of algorithm %r (%s) of %s belongs to the old partition of the buckets and was "
+            "reset; the model and the optimizer state were resharded and continue",
+            path, meta["world_size"], size, saved_name,
+            ", ".join(kinds or ["error feedback"]), which)
+        return "reset"
+    raise WorldSizeMismatchError(
+        f"{path} was saved by {meta['world_size']} ranks and holds per-rank state of algorithm "
+        f"{saved_name!r} for {which} (error feedback, peer models, ...), which has no meaning "
+        f"on {size} ranks. Resume with {meta['world_size']} ranks, or pass "
+        "reset_algorithm_state=True to start the algorithm's state afresh (training "
+        "continues, but not bit-identically).")
 
 
 def _read(path: str, meta: dict, rank: int, size: int, wanted: list[str]) -> dict:
@@ -148,20 +172,25 @@ def _read(path: str, meta: dict, rank: int, size: int, wanted: list[str]) -> dic
     return parts
 
 
-def _apply(parts: dict, meta: dict, model, optimizer, algorithm: str, restore_rng: bool,
-           strict: bool) -> bool:
+def _apply(parts: dict, meta: dict, model, named: dict | None, algorithms: dict,
+           restore_rng: bool, strict: bool) -> bool:
     if model is not None:
         if isinstance(model, torch.nn.Module):
             model.load_state_dict(parts["model"], strict=strict)
         else:
             for key, value in parts["model"].items():
                 model[key].copy_(value)
-    if optimizer is not None:
-        optimizer.load_state_dict(parts["optimizer"])  # the wrapper's, so it sees the new groups
-        if algorithm == "loaded":
-            optimizer.load_algorithm_state_dict(parts["algorithm"])
-        elif algorithm == "reset" and meta.get("algorithm") is not None:
-            optimizer.steps = int(meta["algorithm"]["steps"])  # the step count goes on
+    if named is not None:
+        states = optimizers.unpack(named, parts["optimizer"])
+        algorithm_states = optimizers.unpack(named, parts.get("algorithm"))
+        for name, optimizer in named.items():
+            optimizer.load_state_dict(states[name])  # the wrapper's: it sees the new groups
+            if algorithms[name] == "loaded":
+                optimizer.load_algorithm_state_dict(algorithm_states[name])
+            elif algorithms[name] == "reset":
+                saved = (meta["algorithm"] if name is optimizers.ONE
+                         else meta["optimizers"][name]["algorithm"])
+                optimizer.steps = int(saved["steps"])  # the step count goes on
     if restore_rng and "rng" in parts:
         rng_state.restore(parts["rng"])
         return True
@@ -176,7 +205,8 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
     Args:
         path: a checkpoint directory (its ``latest``) or one ``ckpt-*.h5`` file.
         model / optimizer: what to restore into (either may be None). A
-            ``DistributedOptimizer`` also gets this rank's algorithm state.
+            ``DistributedOptimizer`` also gets this rank's algorithm state. Optimizers saved
+            by name (``optimizer={"G": opt_g, "D": opt_d}``) are given by the same names.
         fallback: when the chosen file is corrupt, truncated or unfinished, log why and try
             the previous checkpoints, newest first (``info.skipped`` lists what was skipped).
         restore_rng: restore each rank's torch/CUDA/NumPy/Python RNG states (same world size).
@@ -200,6 +230,7 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
         info = bagua_mpi.checkpoint.load("ckpt", model=model, optimizer=opt)
         start = info.step                     # the step count that was saved
     """
+    named = optimizers.by_name(optimizer)  # TypeError / ValueError before any communication
     rt = runtime.get()
     comm, rank, size = rt.topo.comm, rt.topo.rank, rt.topo.size
     rt.worker.drain()
@@ -229,8 +260,8 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
         if problem is not None and problem.startswith("format: "):
             raise CheckpointFormatError(problem[len("format: "):])
         if problem is None:
-            wanted, algorithm = _plan(meta, candidate, size, model, optimizer,
-                                      reset_algorithm_state)
+            wanted, algorithms = _plan(meta, candidate, size, model, named,
+                                       reset_algorithm_state)
             parts = None
             try:
                 parts = _read(candidate, meta, rank, size, wanted)
@@ -246,7 +277,7 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
             continue
         error = None
         try:
-            rng_restored = _apply(parts, meta, model, optimizer, algorithm, restore_rng, strict)
+            rng_restored = _apply(parts, meta, model, named, algorithms, restore_rng, strict)
         except Exception as exc:  # noqa: BLE001 - agreed, then raised on every rank
             error = f"rank {rank}: {type(exc).__name__}: {exc}"
         error = _agree_error(comm, rank, size, error)
@@ -260,6 +291,8 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
             path=candidate, step=meta["step"], epoch=meta["epoch"],
             extras=parts.get("extras"), rank_extras=parts.get("rank_extras"),
             world_size=meta["world_size"], write_scheme=meta["write_scheme"],
-            rng_restored=rng_restored, algorithm_state=algorithm, skipped=skipped, meta=meta)
+            rng_restored=rng_restored, skipped=skipped, meta=meta,
+            algorithm_state=(algorithms if optimizers.several(named)
+                             else algorithms.get(optimizers.ONE, "none")))
     reasons = "; ".join(f"{p}: {why}" for p, why in skipped)
     raise CheckpointCorruptError(path, f"no loadable checkpoint ({reasons})")

@@ -58,6 +58,7 @@ from .. import config, runtime
 from .errors import CheckpointError, CheckpointWriteError
 from .format import FORMAT_NAME, FORMAT_VERSION, LIBVER, USERBLOCK_SIZE, open_file, seal, write_json
 from .trees import Leaf, encode_tree, tree_digest, write_tree
+from . import optimizers
 from . import rng as rng_state
 from . import rotation
 
@@ -114,8 +115,9 @@ def _state_of(model) -> dict:
     raise TypeError(f"model must be a torch.nn.Module or a state_dict, got {type(model)}")
 
 
-def _encode_all(model, optimizer, extras, rank_extras, with_rng: bool):
-    """This rank's trees, by name; and its algorithm state summary."""
+def _encode_all(model, named: dict | None, extras, rank_extras, with_rng: bool):
+    """This rank's trees, by name; and the algorithm state of each DistributedOptimizer, by
+    optimizer name (``optimizers.ONE`` for one given alone)."""
     from ..optimizer import DistributedOptimizer
 
     trees: dict[str, Tree] = {}
@@ -124,32 +126,34 @@ def _encode_all(model, optimizer, extras, rank_extras, with_rng: bool):
         skeleton, leaves = encode_tree(obj, name)
         trees[name] = Tree(name, skeleton, leaves)
 
-    algorithm = None
+    algorithms: dict = {}
     if model is not None:
         add("model", _state_of(model))
-    if optimizer is not None:
-        if isinstance(optimizer, DistributedOptimizer):
-            algorithm = optimizer.algorithm_state_dict()
-            add("algorithm", algorithm)
-            add("optimizer", optimizer.state_dict())  # logical state, also when sharded
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            add("optimizer", optimizer.state_dict())
-        else:
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+    if named is not None:
+        states = {}
+        for name, opt in named.items():  # sorted: sharded state dicts are collective
+            if isinstance(opt, DistributedOptimizer):
+                algorithms[name] = opt.algorithm_state_dict()
+            states[name] = opt.state_dict()  # logical state, also when sharded
+        if algorithms:
+            add("algorithm", optimizers.pack(named, algorithms))
+        add("optimizer", optimizers.pack(named, states))
     if extras is not None:
         add("extras", extras)
     if rank_extras is not None:
         add("rank_extras", rank_extras)
     if with_rng:
         add("rng", rng_state.capture())
-    return trees, algorithm
+    return trees, algorithms
 
 
 class _Vector:
     """Named slots of the fixed-size uint64 vector that the prepare allreduces carry."""
 
     NAMES = ("step", "keep", "has_model", "has_optimizer", "has_algorithm", "has_extras",
-             "has_rank_extras", "has_rng", "error_rank", "errors", "algorithm_tensors")
+             "has_rank_extras", "has_rng", "optimizer_names", "error_rank", "errors",
+             "algorithm_tensors")
+    AGREED = NAMES[:8]  # every rank must pass the same (optimizer_names is reported apart)
     DIGESTS = 16  # 4 words each: model, optimizer, algorithm state, the model's parameters
 
     def __init__(self):
@@ -194,10 +198,11 @@ def _model_digests(tree: Tree, paths: set[str]) -> tuple[bytes, bytes]:
 
 
 def _agree(comm, rank: int, size: int, step: int, keep: int | None, trees, error: str | None,
-           algorithm, replicated: bool | None, parameter_paths: set[str] | None = None):
+           named, replicated: bool | None, parameter_paths: set[str] | None = None):
     vec = _Vector()
     vec["step"] = step
     vec["keep"] = 0 if keep is None else keep
+    vec["optimizer_names"] = optimizers.names_digest(named)
     for name in ("model", "optimizer", "algorithm", "extras", "rank_extras", "rng"):
         vec[f"has_{name}"] = int(name in trees)
     vec["errors"] = int(error is not None)
@@ -224,13 +229,18 @@ def _agree(comm, rank: int, size: int, step: int, keep: int | None, trees, error
         culprit = _Vector.get(low, "error_rank")
         message = comm.bcast(error, root=culprit)
         raise CheckpointError(f"checkpoint not saved: rank {culprit}: {message}")
-    for name in _Vector.NAMES[:8]:
+    for name in _Vector.AGREED:
         if _Vector.get(low, name) != _Vector.get(high, name):
             what = name.replace("has_", "")
             raise CheckpointError(
                 f"checkpoint not saved: the ranks disagree on {what} (from "
                 f"{_Vector.get(low, name)} to {_Vector.get(high, name)}); every rank must call "
                 "save() with the same step, keep and kinds of state")
+    if _Vector.get(low, "optimizer_names") != _Vector.get(high, "optimizer_names"):
+        names = comm.allgather(sorted(named) if optimizers.several(named) else None)
+        raise CheckpointError(
+            "checkpoint not saved: the ranks name their optimizers differently: " + "; ".join(
+                f"rank {r}: {optimizers.describe(n)}" for r, n in enumerate(names)))
     if replicated is None:
         rep = {name: _Vector.digests_equal(low, high, slot)
                for slot, name in enumerate(("model", "optimizer")) if name in trees}
@@ -244,10 +254,39 @@ def _agree(comm, rank: int, size: int, step: int, keep: int | None, trees, error
     return rep, per_rank_algorithm
 
 
+def _per_rank_algorithms(comm, named: dict, algorithms: dict) -> dict:
+    """Several optimizers, once ``_agree`` found the same names on every rank: which of them
+    hold per-rank algorithm state (tensors, or tensor-free state that differs between ranks),
+    so that another world size refuses or resets only those. One MIN and one MAX allreduce
+    of 5 words per optimizer: a tensor flag and a digest."""
+    vec = np.zeros(5 * len(named), dtype=np.uint64)
+    for i, name in enumerate(named):
+        if name in algorithms:
+            skeleton, leaves = encode_tree(algorithms[name], name)
+            vec[5 * i] = int(bool(leaves))
+            if not leaves:
+                vec[5 * i + 1:5 * i + 5] = np.frombuffer(tree_digest(skeleton, leaves),
+                                                         dtype=np.uint64)
+    low, high = np.empty_like(vec), np.empty_like(vec)
+    comm.Allreduce(vec, low, op=MPI.MIN)
+    comm.Allreduce(vec, high, op=MPI.MAX)
+    return {name: bool(high[5 * i]) or not np.array_equal(low[5 * i:5 * i + 5],
+                                                          high[5 * i:5 * i + 5])
+            for i, name in enumerate(named) if name in algorithms}
+
+
 # -- 2. write ------------------------------------------------------------------------------------
 
-def _meta(step, epoch, size, write_scheme, trees, replicated, algorithm,
-          algorithm_state, zero_stage: int = 0) -> dict:
+def _algorithm_summary(state: dict | None) -> dict | None:
+    return None if state is None else {"config": state["config"], "steps": state["steps"]}
+
+
+def _state_kinds(state: dict | None) -> list[str]:
+    return sorted((state or {}).get("state", {}).get("tensors", {}))
+
+
+def _meta(step, epoch, size, write_scheme, trees, replicated, named, algorithms,
+          algorithm_state, per_rank_by_optimizer: dict) -> dict:
     layout = {}
     for name in ("model", "optimizer"):
         if name in trees:
@@ -257,19 +296,29 @@ def _meta(step, epoch, size, write_scheme, trees, replicated, algorithm,
     for name in ("algorithm", "rank_extras", "rng"):
         if name in trees:
             layout[name] = "per_rank"
-    return {
+    zero_stages = {name: getattr(opt, "zero_stage", 0) for name, opt in (named or {}).items()}
+    meta = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "epoch": epoch,
         "world_size": size, "write_scheme": write_scheme,
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "trees": layout,
         "model_parameters": _parameters_layout(layout, replicated),
-        "algorithm": (None if algorithm is None else
-                      {"config": algorithm["config"], "steps": algorithm["steps"]}),
+        "algorithm": _algorithm_summary(algorithms.get(optimizers.ONE)),
+        # per-rank for all the optimizers together when it is for any of them
         "per_rank_algorithm_state": algorithm_state,
-        "zero_stage": zero_stage,
-        "algorithm_state_kinds": sorted((algorithm or {}).get("state", {}).get("tensors", {})),
+        "zero_stage": max(zero_stages.values(), default=0),
+        "algorithm_state_kinds": sorted({kind for state in algorithms.values()
+                                         for kind in _state_kinds(state)}),
         "versions": _versions(),
     }
+    if optimizers.several(named):
+        meta["optimizers"] = {
+            name: {"algorithm": _algorithm_summary(algorithms.get(name)),
+                   "per_rank_algorithm_state": per_rank_by_optimizer.get(name, False),
+                   "zero_stage": zero_stages[name],
+                   "algorithm_state_kinds": _state_kinds(algorithms.get(name))}
+            for name in named}
+    return meta
 
 
 def _parameters_layout(layout: dict, replicated: dict) -> str | None:
@@ -384,7 +433,8 @@ def save(directory: str, model=None, optimizer=None, *, step: int, epoch: int | 
             filesystem visible to all ranks).
         model: a ``torch.nn.Module`` (or a ``state_dict``).
         optimizer: a ``DistributedOptimizer`` (its wrapped optimizer's state plus this rank's
-            algorithm state) or any ``torch.optim.Optimizer``.
+            algorithm state) or any ``torch.optim.Optimizer``; or several by name,
+            ``{"G": opt_g, "D": opt_d}``, which ``load`` must then be given by the same names.
         step: the training step this state belongs to, e.g. the number of optimizer steps
             done (names the file; the same on all ranks).
         epoch: optional, returned by ``load``.
@@ -414,16 +464,19 @@ def save(directory: str, model=None, optimizer=None, *, step: int, epoch: int | 
     rt.worker.drain()  # no library collective of ours may be in flight during the save
     started = time.perf_counter()
 
-    error, trees, algorithm = None, {}, None
+    error, trees, algorithms, named = None, {}, {}, None
     try:
-        trees, algorithm = _encode_all(model, optimizer, extras, rank_extras, rng)
+        named = optimizers.by_name(optimizer)
+        trees, algorithms = _encode_all(model, named, extras, rank_extras, rng)
     except (CheckpointError, TypeError, ValueError) as exc:
         error = str(exc)
     replicated_map, algorithm_state = _agree(comm, rank, size, step, keep, trees, error,
-                                             algorithm, replicated, _parameter_paths(model))
+                                             named, replicated, _parameter_paths(model))
+    per_rank_by_optimizer = (_per_rank_algorithms(comm, named, algorithms)
+                             if optimizers.several(named) else {})
     write_scheme = scheme()
-    meta = _meta(step, epoch, size, write_scheme, trees, replicated_map, algorithm,
-                 algorithm_state, getattr(optimizer, "zero_stage", 0))
+    meta = _meta(step, epoch, size, write_scheme, trees, replicated_map, named, algorithms,
+                 algorithm_state, per_rank_by_optimizer)
     shared, mine = _split(trees, meta)
 
     directory = os.path.abspath(directory)

@@ -8,6 +8,7 @@
     python checkpoint_suite.py batchnorm_load DIR SAVED_BY  # per rank, loaded on any size
     python checkpoint_suite.py gan_train ALG DIR N M        # a GAN: two optimizers, one file
     python checkpoint_suite.py gan_resume ALG DIR M
+    python checkpoint_suite.py gan_misuse ALG DIR M         # errors; another world size
     python checkpoint_suite.py crash DIR PHASE[@RANK]       # save, then die inside the next save
     python checkpoint_suite.py saveloop DIR                 # save until killed
 
@@ -349,9 +350,8 @@ def gan_digest(models, opt_g, opt_d) -> str:
 
 
 def gan_train_then_save(algorithm: str, base: str, n: int, m: int) -> None:
-    """The N+M-step reference, then N steps saved: the first optimizer as ``optimizer``, the
-    second's state in ``extras`` and its algorithm state in ``rank_extras``
-    (docs/checkpoints.md)."""
+    """The N+M-step reference, then N steps saved with both optimizers by name
+    (``optimizer={"G": opt_g, "D": opt_d}``, docs/checkpoints.md)."""
     rank = bm.rank()
     seed_everything(rank)
     models, opt_g, opt_d = build_gan(algorithm)
@@ -362,23 +362,78 @@ def gan_train_then_save(algorithm: str, base: str, n: int, m: int) -> None:
     seed_everything(rank)
     models, opt_g, opt_d = build_gan(algorithm)
     train_gan(models, opt_g, opt_d, n)
-    ckpt.save(directory_of(base, algorithm), model=models, optimizer=opt_g, step=n,
-              extras={"opt_d": opt_d.state_dict()},
-              rank_extras={"opt_d": opt_d.algorithm_state_dict()})
+    ckpt.save(directory_of(base, algorithm), model=models, step=n,
+              optimizer={"G": opt_g, "D": opt_d})
+    meta = ckpt.read_meta(ckpt.latest(directory_of(base, algorithm)))
+    assert sorted(meta["optimizers"]) == ["D", "G"], meta
+    assert meta["optimizers"]["D"]["per_rank_algorithm_state"], meta  # error feedback
+    assert not meta["optimizers"]["G"]["per_rank_algorithm_state"], meta  # config and steps
     for opt in (opt_g, opt_d):
         opt.close()
 
 
 def gan_resume(algorithm: str, base: str, m: int) -> None:
+    """Same world size: both optimizers and their algorithm state come back exactly (the dict
+    is built in another order than at the save)."""
     rank = bm.rank()
     seed_everything(rank + 17)  # the checkpoint restores the RNGs
     models, opt_g, opt_d = build_gan(algorithm, init_seed=5)
-    info = ckpt.load(directory_of(base, algorithm), model=models, optimizer=opt_g)
-    opt_d.load_state_dict(info.extras["opt_d"])
-    opt_d.load_algorithm_state_dict(info.rank_extras["opt_d"])
+    info = ckpt.load(directory_of(base, algorithm), model=models,
+                     optimizer={"D": opt_d, "G": opt_g})
+    assert info.algorithm_state == {"D": "loaded", "G": "loaded"}, info.algorithm_state
     assert opt_d.steps == opt_g.steps == info.step, (opt_d.steps, opt_g.steps, info.step)
     train_gan(models, opt_g, opt_d, m)
     print(f"GANRES {algorithm} rank {rank} {gan_digest(models, opt_g, opt_d)}", flush=True)
+    for opt in (opt_g, opt_d):
+        opt.close()
+
+
+def expect_error(kind, pattern: str, call) -> str:
+    """``call()`` must raise ``kind`` with ``pattern`` in its message; returns the message."""
+    try:
+        call()
+    except kind as exc:
+        assert pattern in str(exc), (pattern, str(exc))
+        return str(exc)
+    raise AssertionError(f"no {kind.__name__} ({pattern!r})")
+
+
+def gan_misuse(algorithm: str, base: str, m: int) -> None:
+    """Another world size, or other optimizers, than the GAN's save: named errors that change
+    nothing, then a resume that resets the discriminator's per-rank error feedback and loads
+    everything else. Also: ranks that name their optimizers differently cannot save."""
+    rank, size = bm.rank(), bm.size()
+    directory = directory_of(base, algorithm)
+    models, opt_g, opt_d = build_gan(algorithm, init_seed=5)
+    before = gan_digest(models, opt_g, opt_d)
+    expect_error(ckpt.CheckpointError, "holds the state of optimizers 'D', 'G'",
+                 lambda: ckpt.load(directory, model=models, optimizer=opt_g))
+    expect_error(ckpt.CheckpointError, "load() was given optimizers 'G' (optimizer={...})",
+                 lambda: ckpt.load(directory, model=models, optimizer={"G": opt_g}))
+    expect_error(ckpt.CheckpointError, "pass the optimizers it holds",
+                 lambda: ckpt.load(directory, optimizer={"G": opt_g, "d": opt_d}))
+    saved_by = ckpt.read_meta(ckpt.latest(directory))["world_size"]
+    if saved_by != size:
+        message = expect_error(
+            ckpt.WorldSizeMismatchError, "for optimizer 'D'",
+            lambda: ckpt.load(directory, model=models, optimizer={"G": opt_g, "D": opt_d}))
+        assert "'G'" not in message, message  # G's state is the same on every rank
+    assert gan_digest(models, opt_g, opt_d) == before, "a refused load changed something"
+    info = ckpt.load(directory, model=models, optimizer={"G": opt_g, "D": opt_d},
+                     reset_algorithm_state=True)
+    assert info.algorithm_state == {"D": "reset", "G": "reset"}, info.algorithm_state
+    assert opt_d.steps == opt_g.steps == info.step, (opt_d.steps, opt_g.steps, info.step)
+    torch.manual_seed(40 + rank)
+    train_gan(models, opt_g, opt_d, m)
+    digest = [float(p.double().sum()) for p in models.parameters()]
+    assert bm.allgather_object(digest) == [digest] * size, "the ranks drifted apart"
+    mine = {"G": opt_g, "D": opt_d} if rank == 0 else {"G": opt_g, "disc": opt_d}
+    message = expect_error(ckpt.CheckpointError, "name their optimizers differently",
+                           lambda: ckpt.save(directory, optimizer=mine, step=99))
+    assert "rank 0: optimizers 'D', 'G'" in message and (
+        size == 1 or "rank 1: optimizers 'G', 'disc'" in message), message
+    assert ckpt.read_meta(ckpt.latest(directory))["step"] != 99, "a refused save was written"
+    print(f"GANMISUSE {algorithm} rank {rank} ok", flush=True)
     for opt in (opt_g, opt_d):
         opt.close()
 
@@ -520,6 +575,8 @@ def main() -> None:
         gan_train_then_save(args[0], args[1], int(args[2]), int(args[3]))
     elif mode == "gan_resume":
         gan_resume(args[0], args[1], int(args[2]))
+    elif mode == "gan_misuse":
+        gan_misuse(args[0], args[1], int(args[2]))
     elif mode == "batchnorm_save":
         batchnorm_save(args[0])
     elif mode == "batchnorm_load":
