@@ -19,6 +19,12 @@ matrices) is therefore in the parameters' memory order. Checkpoints of the algor
 record the layouts that differ from row-major (``algorithms/state.py``) and refuse, by name, to
 resume that state into another layout; every rank must wrap the same layouts (checked at wrap
 time).
+
+A complex parameter (``complex64``: the spectral weights of a Fourier neural operator, say) is
+held as its real view (``torch.view_as_real``: a trailing dimension of 2, real and imaginary
+parts side by side), as DDP does: its bucket is a ``float32`` one with two elements per complex
+element, its ``.grad`` a complex view of that range, and every algorithm sees the real view
+(``real_geometry``), so it compresses and averages the two parts as any other floats.
 """
 from __future__ import annotations
 
@@ -95,3 +101,23 @@ def memory_order(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Ten
     out.copy_(t)
     return flat_alias(out)
 
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a complex ``t`` seen as real (a trailing dimension of 2), sharing its
+    memory."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a bucket holds ``dtype`` in: itself, or a complex dtype's real part."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def real_geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(shape, autograd strides, element count) of ``real_view`` of ``t``'s gradient: what a
+    bucket lays out for ``t``, counted in real elements."""
+    strides = autograd_strides(t)
+    if not t.is_complex():
+        return tuple(t.shape), strides, t.numel()
+    return tuple(t.shape) + (2,), tuple(2 * s for s in strides) + (1,), 2 * t.numel()

@@ -191,7 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             prescale=1.0 / gradient_predivide_factor,
             postscale=(gradient_predivide_factor / size) if op is Average else 1.0,
             hierarchical=hierarchical, compression=self.compression,
-            param_numels={n: p.numel() for n, p in zip(names, params)},
+            param_numels={n: layout.real_geometry(p)[2] for n, p in zip(names, params)},
             param_strides=layout.strides_not_row_major(names, params))
         self.impl = self.algorithm.reify(ctx)
         self.impl.use_clock(self._step_clock())  # the one step clock: this wrapper advances it

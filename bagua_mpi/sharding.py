@@ -61,6 +61,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
                 f"zero_stage={stage} is not supported with {type(optimizer).__name__}: {reason}; "
                 f"sharding needs an optimizer that updates parameters elementwise (SGD, Adam, "
                 f"AdamW, RMSprop, Adagrad, ...); use zero_stage=0")
+    complex_shapes = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
+                      if p.is_complex()]
+    if complex_shapes:
+        raise UnsupportedOptionError(
+            f"zero_stage={stage} is not supported with complex parameters ({len(complex_shapes)} "
+            f"of them, the first of shape {complex_shapes[0]}): a rank's slice could end inside "
+            f"a complex element; use zero_stage=0, which trains them")
 
 
 def shard_index(topo, hierarchical: bool) -> int:

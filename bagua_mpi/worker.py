@@ -74,6 +74,15 @@ class Handle:
         self._owned = ()
         return self._result
 
+    def then(self, transform: Callable[[Any], Any]) -> "Handle":
+        """Make ``wait`` return ``transform(result)`` (after any finishing step already set);
+        call before anyone waits. Returns the handle."""
+        earlier = self._finish
+        self._finish = transform if earlier is None else (lambda r: transform(earlier(r)))
+        if self._finish_lock is None:
+            self._finish_lock = threading.Lock()
+        return self
+
     def _complete(self, result=None, error: BaseException | None = None) -> None:
         self._result = result
         self._error = error

@@ -90,7 +90,6 @@ from ..accounting import WireStats, overhead
 from ..buffers import dtype_name, reduce_dtype
 from ..engine.clock import StepClock
 from ..exceptions import BaguaMPIError, MismatchError
-from ..layout import shaped_view
 from ..transport import Transport
 from . import dense, hyperparameters
 from .state import AlgorithmState, StateVector, names_key
@@ -261,11 +260,10 @@ class AlgorithmImpl:
     def param_slices(bucket: "Bucket", *vectors: torch.Tensor) -> Iterator[tuple]:
         """(parameter, its slice of each of ``vectors``) for each parameter of ``bucket``, the
         vectors laid out as the bucket's flat vector; each slice is seen with the parameter's
-        shape and memory layout (``layout.py``), so it lines up with the parameter element by
-        element."""
-        for p, start, strides in zip(bucket.params, bucket.offsets, bucket.strides):
-            end = start + p.numel()
-            yield (p, *(shaped_view(v[start:end], p, strides) for v in vectors))
+        shape and memory layout (``layout.py``; a complex parameter's real view's), so it
+        lines up with ``layout.real_view`` of the parameter element by element."""
+        for k, p in enumerate(bucket.params):
+            yield (p, *(bucket.real_view(v, k) for v in vectors))
 
     def bucket_slices(self, vector: torch.Tensor) -> Iterator[tuple["Bucket", torch.Tensor]]:
         """(bucket, its slice of ``vector``) for each bucket, ``vector`` holding the buckets'

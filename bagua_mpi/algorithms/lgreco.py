@@ -77,7 +77,7 @@ class LGreCoImpl(AlgorithmImpl):
             solve(np.zeros((1, 1)), np.ones((1, 1)), 1.0)
             self.startup_seconds = time.perf_counter() - started
         for bucket in buckets:
-            for index, name, p in zip(bucket.indices, bucket.names, bucket.params):
+            for index, name, p in zip(bucket.indices, bucket.names, bucket.real_params()):
                 self.layers[name] = (index, p)
                 self.layer_bucket[name] = bucket.index
                 self.assignment.setdefault(name, self.default_level)

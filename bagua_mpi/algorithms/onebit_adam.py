@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..exceptions import MisuseError
+from ..layout import real_view
 from ..primitives.codecs import OneBitCodec, call_seed
 from ..primitives.lowprec import compressed_allreduce_
 from .base import Algorithm
@@ -137,9 +138,10 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         for bucket in self.buckets:
             m, v = self.moments(bucket)
             for p, m_p, v_p in self.param_slices(bucket, m, v):
-                state = optimizer.state[p]
-                m_p.copy_(state["exp_avg"])
-                v_p.copy_(state["exp_avg_sq"] / (1 - self.betas[1] ** float(state["step"])))
+                state = optimizer.state[p]  # complex parameters: Adam's moments are complex
+                m_p.copy_(real_view(state["exp_avg"]))
+                v_p.copy_(real_view(state["exp_avg_sq"])
+                          / (1 - self.betas[1] ** float(state["step"])))
         self._freeze_unseen()
         self.switched = True
         self.setup_exchange()
@@ -178,6 +180,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                 for p, m_p, v_p in self.param_slices(bucket, *self.moments(bucket)):
                     group = self._group_of[p]
                     lr, eps = group["lr"], group["eps"]
+                    p = real_view(p)  # a complex parameter steps as pairs of reals, as in Adam
                     if self.decoupled and group["weight_decay"]:
                         p.mul_(1 - lr * group["weight_decay"])
                     update = m_p / (v_p.sqrt() + eps)

@@ -56,7 +56,7 @@ class PowerSGDImpl(AlgorithmImpl):
 
     def init_exchange(self, buckets) -> None:
         for bucket in buckets:
-            for layer, name, p in zip(bucket.indices, bucket.names, bucket.params):
+            for layer, name, p in zip(bucket.indices, bucket.names, bucket.real_params()):
                 if self.matrix_shape(p) is not None:
                     self.layer_state(name, p, layer)
 
@@ -65,7 +65,8 @@ class PowerSGDImpl(AlgorithmImpl):
         grads = bucket.grad_views()
         with float32_all(grads) as flats:  # where the gradients are
             segments, dense = [], []
-            for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.params, flats):
+            for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.real_params(),
+                                         flats):
                 shape = self.matrix_shape(p)
                 if shape is None:
                     dense.append(g)

@@ -22,6 +22,7 @@ from ..ops import Average, ReduceOp, mpi_op
 from ..primitives import adasum
 from ..worker import Handle
 from ._allreduce_backends import join_route, nccl_allreduce_, reducer_for
+from ._complex import allreduce_op, complex_as_real
 from ._core import (check_factor, check_list, check_wanted, global_process_set, reduction,
                     resolve_op, run_now, start, topo_of)
 
@@ -183,6 +184,10 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set, *, hierarchical=None,
                check=None):
     """In-place ``allreduce``: the result overwrites ``tensor``, which is returned."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_complex():
+        return _complex_allreduce_(tensor, average, name, op, prescale_factor,
+                                   postscale_factor, process_set, hierarchical=hierarchical,
+                                   check=check)
     op = resolve_op(average, op)
     rt = runtime.get()
     if (_fast_path_options(rt, name, process_set, prescale_factor, postscale_factor,
@@ -192,6 +197,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     run, d = _allreduce_run(rt, topo_of(rt, process_set), tensor, tensor, op, prescale_factor,
                             postscale_factor, hierarchical, check)
     return run_now(rt, run, d, name)
+
+
+_complex_allreduce_ = complex_as_real(allreduce_, allreduce_op)  # its real view, in place
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,

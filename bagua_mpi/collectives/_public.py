@@ -16,6 +16,7 @@ import torch
 from ..ops import Average
 from . import _autograd
 from ._allreduce import plain_allreduce, plain_grouped_allreduce
+from ._complex import allreduce_op, complex_as_real
 from ._core import NO_COMPRESSION, check_list, global_process_set, resolve_op, wants_grad
 from ._movement import (name_and_op, plain_allgather, plain_alltoall, plain_broadcast,
                         plain_grouped_allgather, plain_grouped_reducescatter,
@@ -37,6 +38,10 @@ def allreduce(tensor, average=None, name=None, compression=NO_COMPRESSION, op=No
     Differentiable: a tensor that requires grad gets the allreduce of its gradient.
     """
     # the small-allreduce path runs through here: the common cases cost no call
+    if isinstance(tensor, torch.Tensor) and tensor.is_complex():
+        return _complex_allreduce(tensor, average, name, compression, op, prescale_factor,
+                                  postscale_factor, process_set, hierarchical=hierarchical,
+                                  check=check)
     if op is None and average is None:
         op = Average
     else:
@@ -51,6 +56,9 @@ def allreduce(tensor, average=None, name=None, compression=NO_COMPRESSION, op=No
                                         process_set, name, hierarchical)
     return plain_allreduce(tensor, op, name, prescale_factor, postscale_factor, process_set,
                            hierarchical, check)
+
+
+_complex_allreduce = complex_as_real(allreduce, allreduce_op)  # its real view, then complex
 
 
 def grouped_allreduce(tensors: Sequence, average=None, name=None, compression=NO_COMPRESSION,

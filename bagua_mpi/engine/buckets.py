@@ -15,6 +15,10 @@ one tensor per bucket. ``flatten_params()`` does the same for the parameters the
 parameter's range holds its elements in the parameter's memory order and the views have its
 strides (``layout.py``: a ``channels_last`` parameter keeps a ``channels_last`` gradient); the
 flat vectors of an unflattened bucket (``grad_vector``, ``param_vector``) follow the same order.
+A complex parameter is laid out as its real view (``layout.real_geometry``): a bucket of the
+real dtype, two elements per complex element; its ``.grad`` and ``.data`` are complex views of
+that range, and what the algorithms get (``grad_views``, ``communication_tensors``,
+``real_params``...) is real.
 
 Sharded buckets (ZeRO, ``parts`` = n > 1) pad both flat buffers to n equal partitions of
 ``part`` elements (``grad_storage`` / ``param_storage``; the padding stays zero), so that rank
@@ -27,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..buffers import empty_like
-from ..layout import autograd_strides, memory_order, shaped_view
+from ..layout import autograd_strides, memory_order, real_dtype, real_geometry, real_view
 
 
 MIN_BUCKET_BYTES = 1 << 20
@@ -66,17 +70,22 @@ class Bucket:
         self.indices = indices
         self.params = [params[i] for i in indices]
         self.names = [names[i] for i in indices]
-        self.numel = sum(p.numel() for p in self.params)
-        self.dtype = self.params[0].dtype
+        self.dtypes = [p.dtype for p in self.params]  # complex ones are held as real
+        self.dtype = real_dtype(self.params[0].dtype)
         self.device = self.params[0].device
         # each parameter's layout in the flat buffers, fixed here (see the module docstring)
         self.strides = [autograd_strides(p) for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
+        geometry = [real_geometry(p) for p in self.params]
+        self.real_shapes = [shape for shape, _, _ in geometry]
+        self.real_strides = [strides for _, strides, _ in geometry]
+        self.real_numels = [numel for _, _, numel in geometry]
+        self.numel = sum(self.real_numels)
         self.offsets = []
         offset = 0
-        for p in self.params:
+        for numel in self.real_numels:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += numel
         self.parts = parts
         self.part = -(-self.numel // parts)  # partition length of a sharded bucket
         self.flat_grad: torch.Tensor | None = None
@@ -131,13 +140,25 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.params[0].element_size()
+        return self.numel * self.dtype.itemsize
+
+    def real_view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        """Parameter k's range of ``flat`` with the shape and memory layout of the parameter
+        (of its real view, for a complex one)."""
+        start = self.offsets[k]
+        return flat[start:start + self.real_numels[k]].as_strided(self.real_shapes[k],
+                                                                  self.real_strides[k])
 
     def param_view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        """Parameter k's range of ``flat`` with the parameter's shape and memory layout."""
-        p = self.params[k]
-        return shaped_view(flat[self.offsets[k]:self.offsets[k] + p.numel()], p,
-                           self.strides[k])
+        """Parameter k's range of ``flat`` as the parameter: its shape, memory layout and dtype
+        (complex parameters' ranges start at even offsets: their buckets hold only complex
+        parameters, each two elements per complex element)."""
+        view = self.real_view(flat, k)
+        return torch.view_as_complex(view) if self.dtypes[k].is_complex else view
+
+    def real_params(self) -> list[torch.Tensor]:
+        """The parameters as the algorithms see them: real views of the complex ones."""
+        return [real_view(p) for p in self.params]
 
     def absorb_grad(self, k: int) -> None:
         """Make parameter k's ``.grad`` the view into the flat buffer again, if it is not.
@@ -185,7 +206,7 @@ class Bucket:
         or None: a model converted after wrapping has gradients its bucket cannot hold."""
         p = self.params[k]
         changes = [f"{what} {was} -> {now}" for what, was, now in (
-            ("dtype", self.dtype, p.dtype), ("device", self.device, p.device),
+            ("dtype", self.dtypes[k], p.dtype), ("device", self.device, p.device),
             ("shape", self.shapes[k], tuple(p.shape))) if was != now]
         return ", ".join(str(c).replace("torch.", "") for c in changes) or None
 
@@ -195,38 +216,39 @@ class Bucket:
         return tuple(n for n, p in zip(self.names, self.params) if not p.requires_grad)
 
     def segments(self) -> list[tuple[str, int]]:
-        """(name, numel) of each parameter, in the order of the flat layout."""
-        return [(n, p.numel()) for n, p in zip(self.names, self.params)]
+        """(name, elements in the flat layout) of each parameter, in the order of the layout."""
+        return list(zip(self.names, self.real_numels))
 
     def communication_segments(self) -> list[list[tuple[str, int]]]:
         """The parameters each of ``communication_tensors()`` covers, as ``segments()``."""
         if self.flat_grad is not None:
             return [self.segments()]
-        return [[(n, p.numel())] for n, p in zip(self.names, self.params)]
+        return [[segment] for segment in self.segments()]
 
     def grad_views(self) -> list[torch.Tensor]:
-        """Each parameter's gradient (views of the flat buffer when flattened)."""
+        """Each parameter's gradient, real (views of the flat buffer when flattened)."""
         if self.flat_grad is not None:
-            return [self.param_view(self.flat_grad, k) for k in range(len(self.params))]
-        return [p.grad for p in self.params]
+            return [self.real_view(self.flat_grad, k) for k in range(len(self.params))]
+        return [real_view(p.grad) for p in self.params]
 
     def grad_vector(self) -> torch.Tensor:
         """The bucket's gradients as one vector: the flat buffer itself, or a concatenation."""
         if self.flat_grad is not None:
             return self.flat_grad
-        return torch.cat([memory_order(p.grad.detach(), p) for p in self.params])
+        return torch.cat([_real_flat(memory_order(p.grad.detach(), p)) for p in self.params])
 
     def param_vector(self) -> torch.Tensor:
         """The bucket's parameters as one vector: the flat buffer itself, or a concatenation."""
         if self.flat_param is not None:
             return self.flat_param
-        return torch.cat([memory_order(p.detach()) for p in self.params])
+        return torch.cat([_real_flat(memory_order(p.detach())) for p in self.params])
 
     def communication_tensors(self) -> list[torch.Tensor]:
-        """What the algorithm communicates: the flat buffer, or each gradient (no flattening)."""
+        """What the algorithm communicates: the flat buffer, or each gradient (no flattening),
+        real."""
         if self.flat_grad is not None:
             return [self.flat_grad]
-        return [p.grad for p in self.params]
+        return [real_view(p.grad) for p in self.params]
 
     def zero_grads(self) -> None:
         self._ensure_grads()
@@ -280,10 +302,10 @@ class Bucket:
                 if p.data_ptr() != address or p.stride() != self.strides[k]]
 
     def param_tensors(self) -> list[torch.Tensor]:
-        """The parameters as the algorithm sees them: the flat buffer, or each tensor."""
+        """The parameters as the algorithm sees them: the flat buffer, or each tensor (real)."""
         if self.flat_param is not None:
             return [self.flat_param]
-        return [p.data for p in self.params]
+        return [real_view(p.data) for p in self.params]
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, {len(self.params)} tensors, {self.nbytes} bytes)"
@@ -297,3 +319,8 @@ def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
+
+
+def _real_flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor (complex: of its real view) as real elements, in memory order."""
+    return real_view(t).reshape(-1)

@@ -150,6 +150,78 @@ def check_data_movement(rank, size, counts):
             counts["reducescatter"] += 1
 
 
+def complex_input(rank, shape, salt=0):
+    g = np.random.default_rng([SEED, salt, rank])
+    return torch.from_numpy((g.standard_normal(shape) + 1j * g.standard_normal(shape))
+                            .astype(np.complex64))
+
+
+def check_complex(rank, size, counts):
+    """Complex tensors (sent as their real views) against NumPy's complex arithmetic over every
+    rank's input; in-place and asynchronous forms hand back the caller's complex tensor; the
+    reductions that are not sums are refused by name; allreduce's gradient flows."""
+    close = dict(rtol=1e-5, atol=1e-5)
+    inputs = [complex_input(r, (7, 3)) for r in range(size)]
+    total = torch.from_numpy(np.sum([t.numpy() for t in inputs], axis=0))
+    for op, want in ((bm.Sum, total), (bm.Average, total / size)):
+        torch.testing.assert_close(bm.allreduce(inputs[rank], op=op), want, **close)
+        mine = inputs[rank].clone()
+        assert bm.allreduce_(mine, op=op) is mine
+        torch.testing.assert_close(mine, want, **close)
+        got = bm.synchronize(bm.allreduce_async(inputs[rank], op=op))
+        assert got.dtype == torch.complex64, got.dtype
+        torch.testing.assert_close(got, want, **close)
+        mine = inputs[rank].clone()
+        assert bm.synchronize(bm.allreduce_async_(mine, op=op)) is mine
+        torch.testing.assert_close(mine, want, **close)
+    torch.testing.assert_close(bm.allreduce(inputs[rank], bm.Sum), total, **close)  # positional
+    real = [torch.full((2,), float(r + 1)) for r in range(size)]
+    got = bm.grouped_allreduce([inputs[rank], real[rank]], op=bm.Sum)
+    torch.testing.assert_close(got[0], total, **close)
+    torch.testing.assert_close(got[1], torch.full((2,), size * (size + 1) / 2))
+    for op in (bm.Max, bm.Min, bm.Product, bm.Adasum):
+        for call in (lambda: bm.allreduce(inputs[rank], op=op),
+                     lambda: bm.allreduce_(inputs[rank].clone(), op=op),
+                     lambda: bm.reducescatter(inputs[rank], op=op)):
+            try:
+                call()
+            except TypeError as e:
+                assert f"not reduced with {op.name}" in str(e), e
+            else:
+                raise AssertionError(f"complex {op.name} was not refused")
+    rows = [complex_input(r, (r + 1, 2), salt=1) for r in range(size)]
+    assert torch.equal(bm.allgather(rows[rank]), torch.cat(rows))
+    assert torch.equal(bm.synchronize(bm.allgather_async(rows[rank])), torch.cat(rows))
+    for root in range(size):
+        assert torch.equal(bm.broadcast(inputs[rank], root), inputs[root])
+        mine = inputs[rank].clone()
+        assert bm.broadcast_(mine, root) is mine and torch.equal(mine, inputs[root])
+        mine = inputs[rank].clone()
+        assert bm.synchronize(bm.broadcast_async_(mine, root)) is mine
+        assert torch.equal(mine, inputs[root])
+    splits = [[(r + j) % 3 for j in range(size)] for r in range(size)]
+    sent = [complex_input(r, (sum(splits[r]), 2), salt=2) for r in range(size)]
+    pieces = [sent[r][sum(splits[r][:rank]):sum(splits[r][:rank + 1])] for r in range(size)]
+    got, received = bm.alltoall(sent[rank], splits[rank])
+    assert torch.equal(got, torch.cat(pieces)) and received.tolist() == [
+        splits[r][rank] for r in range(size)]
+    tall = [complex_input(r, (2 * size + 1, 2), salt=3) for r in range(size)]
+    full = torch.from_numpy(np.sum([t.numpy() for t in tall], axis=0))
+    split = bm.collectives.reducescatter_rows(2 * size + 1, size)
+    start = sum(split[:rank])
+    torch.testing.assert_close(bm.reducescatter(tall[rank], op=bm.Sum),
+                               full[start:start + split[rank]], **close)
+    # the gradient of a Sum allreduce is the Sum allreduce of the gradients (the same on
+    # every rank here): torch's own gradient of the loss times the number of ranks
+    c = torch.tensor(0.5 - 2j, dtype=torch.complex64)
+    x = inputs[rank].clone().requires_grad_(True)
+    (bm.allreduce(x, op=bm.Sum) * c).real.sum().backward()
+    y = total.clone().requires_grad_(True)
+    (y * c).real.sum().backward()
+    torch.testing.assert_close(x.grad, size * y.grad, **close)
+    counts["complex"] += 24 + 3 * size
+
+
 def check_objects(rank, size, counts):
     assert bm.allgather_object({"rank": rank}) == [{"rank": r} for r in range(size)]
     for root in range(size):
@@ -161,12 +233,13 @@ def check_objects(rank, size, counts):
 def check_every_collective(rank, size):
     """Every check above; returns the number of cases each kind ran."""
     counts = {k: 0 for k in ("allreduce", "scaling", "numpy", "large", "grouped", "data",
-                             "reducescatter", "objects")}
+                             "reducescatter", "complex", "objects")}
     check_allreduce(rank, size, counts)
     check_scaling_and_numpy(rank, size, counts)
     check_large_outputs(rank, size, counts)
     check_grouped(rank, size, counts)
     check_data_movement(rank, size, counts)
+    check_complex(rank, size, counts)
     check_objects(rank, size, counts)
     # Every rank must have run the same checks; a rank that skipped some would differ here.
     assert bm.allgather_object(counts) == [counts] * size

@@ -1024,6 +1024,99 @@ def check_groups_changed_after_wrapping(rank: int, size: int) -> int:
     return 2
 
 
+class SpectralNet(torch.nn.Module):
+    """A Fourier layer (a complex weight on the first modes, as a Fourier neural operator has)
+    then a real one. ``as_real`` holds the complex weight as a real parameter with a trailing
+    dimension of 2 and views it as complex in ``forward``: the same function of the same floats,
+    which every algorithm already trains as a real tensor, so it is the oracle."""
+
+    def __init__(self, as_real: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        spectral = torch.randn(6, 5, 4, dtype=torch.complex64) / 4
+        self.as_real = as_real
+        self.spectral = torch.nn.Parameter(torch.view_as_real(spectral).clone() if as_real
+                                           else spectral)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x):  # x: (batch, 6 channels, 16 points)
+        weight = torch.view_as_complex(self.spectral) if self.as_real else self.spectral
+        modes = torch.fft.rfft(x)[..., :4]                     # (batch, 6, 4) complex
+        mixed = torch.einsum("bim,iom->bom", modes, weight)   # (batch, 5, 4)
+        y = torch.fft.irfft(mixed, n=16)                      # (batch, 5, 16)
+        return self.out(torch.tanh(y)).mean(dim=1)
+
+
+COMPLEX_CASES = {  # hyperparameters that reach each algorithm's compressed path in 5 steps
+    "onebit_adam": {"warmup_steps": 2, "chunk": 64},
+    "lgreco": {"warmup_steps": 2, "period_steps": 2},
+    "topk": {"density": 0.2}, "gtopk": {"density": 0.2},
+    "powersgd": {"rank": 1, "min_compression": 1.0},
+    "qsgd": {"chunk": 64}, "bytegrad": {"chunk": 64},
+    "low_precision_decentralized": {"chunk": 64}, "local_sgd": {"period": 2},
+}
+
+
+def spectral_run(as_real: bool, rank: int, algorithm, steps: int = 5, **options):
+    model = SpectralNet(as_real)
+    opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.02),
+                                  named_parameters=model.named_parameters(),
+                                  algorithm=algorithm, bucket_size_mb=1e-6, **options)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 6, 16, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.close()
+    spectral = model.spectral.detach()
+    return (spectral if as_real else torch.view_as_real(spectral)), model.out.weight.detach()
+
+
+def check_complex_parameters(rank: int, size: int) -> int:
+    """A complex parameter trains as its real view, as DDP trains it: under every registered
+    algorithm (from the registry) a model with a complex64 weight ends bit-identical to its
+    twin holding the same floats as a real parameter. ``async`` averages on a timer, so two of
+    its runs differ anyway: it must train and stay finite. Gradient averaging matches one
+    process on the combined batch (flattened or not); ZeRO refuses complex parameters by name."""
+    checks = 0
+    for name in bm.algorithms.names():
+        algorithm = bm.algorithms.create(name, **COMPLEX_CASES.get(name, {}))
+        ours = spectral_run(False, rank, algorithm)
+        if name == "async":
+            assert all(torch.isfinite(t).all() for t in ours), "async: not finite"
+            checks += 1
+            continue
+        twin = spectral_run(True, rank, algorithm)
+        for what, a, b in zip(("spectral", "out.weight"), ours, twin):
+            assert torch.equal(a, b), (f"{name}: {what} differs from the real twin by "
+                                       f"{(a - b).abs().max().item():.3g}")
+        if not algorithm.averages_models:
+            gathered = bm.allgather(ours[0][None])
+            assert all(torch.equal(t, gathered[0]) for t in gathered), f"{name}: ranks differ"
+        checks += 1
+    model = SpectralNet(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    for step in range(5):
+        batches = [torch.Generator().manual_seed(100 * step + r) for r in range(size)]
+        data = [(torch.randn(4, 6, 16, generator=g), torch.randn(4, 3, generator=g))
+                for g in batches]
+        opt.zero_grad()
+        x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for options in ({}, {"flatten": False}, {"overlap": False}):
+        got, _ = spectral_run(False, rank, "gradient_allreduce", **options)
+        torch.testing.assert_close(got, torch.view_as_real(model.spectral.detach()),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{options}: {m}")
+        checks += 1
+    expect(bm.UnsupportedOptionError, lambda: spectral_run(False, rank, "gradient_allreduce",
+                                                           zero_stage=1),
+           "zero_stage=1 is not supported with complex parameters (1 of them, the first of "
+           "shape (6, 5, 4))")
+    return checks + 1
+
+
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -1202,6 +1295,7 @@ def suite_checks() -> dict:
         "groups_changed_after_wrapping": check_groups_changed_after_wrapping,
         "torch_compile": check_torch_compile,
         "torch_optimizer_hooks": check_torch_optimizer_hooks,
+        "complex_parameters": check_complex_parameters,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
