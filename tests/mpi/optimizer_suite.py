@@ -1057,17 +1057,25 @@ COMPLEX_CASES = {  # hyperparameters that reach each algorithm's compressed path
 }
 
 
-def spectral_run(as_real: bool, rank: int, algorithm, steps: int = 5, **options):
+def spectral_run(as_real: bool, rank: int, algorithm, steps: int = 5, save_at=None, resume=None,
+                 **options):
+    """Train ``SpectralNet``; ``save_at=(step, directory)`` checkpoints after that many steps,
+    ``resume=directory`` starts from a fresh model and optimizer loaded from it."""
     model = SpectralNet(as_real)
     opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.02),
                                   named_parameters=model.named_parameters(),
                                   algorithm=algorithm, bucket_size_mb=1e-6, **options)
-    for step in range(steps):
+    first = 0
+    if resume is not None:
+        first = bm.checkpoint.load(resume, model=model, optimizer=opt).step
+    for step in range(first, steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(4, 6, 16, generator=g), torch.randn(4, 3, generator=g)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        if save_at is not None and step + 1 == save_at[0]:
+            bm.checkpoint.save(save_at[1], model=model, optimizer=opt, step=step + 1)
     opt.close()
     spectral = model.spectral.detach()
     return (spectral if as_real else torch.view_as_real(spectral)), model.out.weight.detach()
@@ -1078,7 +1086,8 @@ def check_complex_parameters(rank: int, size: int) -> int:
     algorithm (from the registry) a model with a complex64 weight ends bit-identical to its
     twin holding the same floats as a real parameter. ``async`` averages on a timer, so two of
     its runs differ anyway: it must train and stay finite. Gradient averaging matches one
-    process on the combined batch (flattened or not); ZeRO refuses complex parameters by name."""
+    process on the combined batch (flattened or not); a checkpoint resumes exactly; ZeRO refuses
+    complex parameters by name."""
     checks = 0
     for name in bm.algorithms.names():
         algorithm = bm.algorithms.create(name, **COMPLEX_CASES.get(name, {}))
@@ -1110,11 +1119,20 @@ def check_complex_parameters(rank: int, size: int) -> int:
         torch.testing.assert_close(got, torch.view_as_real(model.spectral.detach()),
                                    rtol=1e-5, atol=1e-6, msg=lambda m: f"{options}: {m}")
         checks += 1
+    # a checkpoint of the complex weight, Adam's complex moments and top-k's per-rank residual
+    # (sized in real elements) resumes bit for bit
+    topk = bm.algorithms.create("topk", **COMPLEX_CASES["topk"])
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = bm.broadcast_object(tmp if rank == 0 else None)
+        whole = spectral_run(False, rank, topk, save_at=(3, tmp))
+        resumed = spectral_run(False, rank, topk, resume=tmp)
+        bm.barrier()  # rank 0's directory outlives every rank's reads
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed)), "the resume differs"
     expect(bm.UnsupportedOptionError, lambda: spectral_run(False, rank, "gradient_allreduce",
                                                            zero_stage=1),
            "zero_stage=1 is not supported with complex parameters (1 of them, the first of "
            "shape (6, 5, 4))")
-    return checks + 1
+    return checks + 2
 
 
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
