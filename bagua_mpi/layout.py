@@ -22,7 +22,7 @@ time).
 
 A complex parameter (``complex64``: the spectral weights of a Fourier neural operator, say) is
 held as its real view (``torch.view_as_real``: a trailing dimension of 2, real and imaginary
-parts side by side), as DDP does: its bucket is a ``float32`` one with two elements per complex
+parts side by side), as DDP does: it sits in a ``float32`` bucket with two elements per complex
 element, its ``.grad`` a complex view of that range, and every algorithm sees the real view
 (``real_geometry``), so it compresses and averages the two parts as any other floats.
 """

@@ -15,10 +15,10 @@ one tensor per bucket. ``flatten_params()`` does the same for the parameters the
 parameter's range holds its elements in the parameter's memory order and the views have its
 strides (``layout.py``: a ``channels_last`` parameter keeps a ``channels_last`` gradient); the
 flat vectors of an unflattened bucket (``grad_vector``, ``param_vector``) follow the same order.
-A complex parameter is laid out as its real view (``layout.real_geometry``): a bucket of the
-real dtype, two elements per complex element; its ``.grad`` and ``.data`` are complex views of
-that range, and what the algorithms get (``grad_views``, ``communication_tensors``,
-``real_params``...) is real.
+A complex parameter is laid out as its real view (``layout.real_geometry``) in a bucket of its
+real dtype, two elements per complex element (complex parameters first, at even offsets); its
+``.grad`` and ``.data`` are complex views of that range, and what the algorithms get
+(``grad_views``, ``communication_tensors``, ``real_params``...) is real.
 
 Sharded buckets (ZeRO, ``parts`` = n > 1) pad both flat buffers to n equal partitions of
 ``part`` elements (``grad_storage`` / ``param_storage``; the padding stays zero), so that rank
@@ -38,7 +38,11 @@ MIN_BUCKET_BYTES = 1 << 20
 
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Partition parameter indices, taken in ``order``, into buckets of about ``bucket_bytes``."""
+    """Partition parameter indices, taken in ``order``, into buckets of about ``bucket_bytes``.
+
+    A complex parameter shares a bucket with the real ones of its real dtype; each bucket lists
+    its complex parameters first, so their ranges start at even offsets (each spans an even
+    number of real elements), which their complex views need."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     floor = min(MIN_BUCKET_BYTES, bucket_bytes // 16)  # see the module docstring
@@ -49,16 +53,20 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int
     for i in order:
         p = params[i]
         nbytes = p.numel() * p.element_size()
-        this_kind = (p.dtype, p.device)
+        this_kind = (real_dtype(p.dtype), p.device)
         if current and (this_kind != kind or used + nbytes > bucket_bytes and used >= floor):
-            buckets.append(current)
+            buckets.append(_complex_first(current, params))
             current, used = [], 0
         current.append(i)
         used += nbytes
         kind = this_kind
     if current:
-        buckets.append(current)
+        buckets.append(_complex_first(current, params))
     return buckets
+
+
+def _complex_first(indices: list[int], params: list[torch.Tensor]) -> list[int]:
+    return sorted(indices, key=lambda i: not params[i].is_complex())  # stable: else in order
 
 
 class Bucket:
@@ -97,7 +105,10 @@ class Bucket:
         self.shard_grad: torch.Tensor | None = None  # stage 2: this rank's reduced slice
         if flatten:
             if allocate is not None:  # a row of node-shared memory (zeroed by the allocator)
-                self.shared = allocate(self.part * parts)
+                length = self.part * parts
+                if length % 2 and any(d.is_complex for d in self.dtypes):
+                    length += 1  # rows of even length keep every row's complex ranges aligned
+                self.shared = allocate(length)
                 self.shared.used = self.numel  # the rest of the row is slice padding
                 self.grad_storage = self.shared.tensor
                 self.flat_grad = self.grad_storage[:self.numel]
@@ -151,8 +162,7 @@ class Bucket:
 
     def param_view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         """Parameter k's range of ``flat`` as the parameter: its shape, memory layout and dtype
-        (complex parameters' ranges start at even offsets: their buckets hold only complex
-        parameters, each two elements per complex element)."""
+        (a complex parameter's range starts at an even offset: see ``plan_buckets``)."""
         view = self.real_view(flat, k)
         return torch.view_as_complex(view) if self.dtypes[k].is_complex else view
 

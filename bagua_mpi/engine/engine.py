@@ -36,6 +36,7 @@ from .. import collectives, consistency, node_shared, runtime
 from ..primitives.sparse_grads import sparse_allgather
 from ..transport import Transport
 from ..exceptions import MismatchError, MisuseError
+from ..layout import real_dtype
 from ..ops import Max
 from ..timeline import Timeline
 from . import ownership
@@ -276,7 +277,7 @@ class Engine:
         self.buckets = []
         for b, idx in enumerate(groups):
             first = self.params[idx[0]]
-            allocate = allocators.get((first.dtype, first.device))
+            allocate = allocators.get((real_dtype(first.dtype), first.device))
 
             def make(b=b, idx=idx, allocate=allocate):
                 return Bucket(b, idx, self.params, self.names, self.flatten, allocate,
@@ -302,9 +303,10 @@ class Engine:
         kinds, total = {}, 0
         for idx in groups:
             p = self.params[idx[0]]
-            allocate = node_shared.allocator(topo, p.dtype, p.device)
+            kind = (real_dtype(p.dtype), p.device)
+            allocate = node_shared.allocator(topo, *kind)
             if allocate is not None:
-                kinds[(p.dtype, p.device)] = allocate
+                kinds[kind] = allocate
                 total += sum(self.params[i].numel() * self.params[i].element_size()
                              for i in idx)
         usable = self.worker.run(lambda: node_shared.usable(topo, total, bool(kinds)),
