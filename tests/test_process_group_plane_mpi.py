@@ -12,7 +12,7 @@ machine without a GPU:
   where centralized, first-step checks, and a check that no payload took MPI);
 * exact resume through gloo: a job trains and checkpoints every algorithm, a new job resumes,
   and every rank's model and state digests match the uninterrupted run's;
-* ``join()`` and sparse gradients through gloo (``optimizer_suite.py``).
+* ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``).
 """
 import os
 import re
@@ -108,3 +108,12 @@ def test_join_meets_the_training_ranks_on_their_wire(nprocs):
                      timeout=240)
     assert_check_passed(result, "join")
     assert_check_passed(result, "sparse_gradients")  # the sparse allgather through gloo too
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_complex_parameters_through_gloo(nprocs):
+    """Complex parameters' real views on the process-group wire: every registered algorithm
+    bit for bit against the real twin, and the checkpoint resume (``optimizer_suite.py``)."""
+    result = run_mpi("optimizer_suite.py", nprocs, "--check", "complex_parameters",
+                     env=gloo_env(nprocs), timeout=300)
+    assert_check_passed(result, "complex_parameters")
