@@ -22,9 +22,10 @@ time).
 
 A complex parameter (``complex64``: the spectral weights of a Fourier neural operator, say) is
 held as its real view (``torch.view_as_real``: a trailing dimension of 2, real and imaginary
-parts side by side), as DDP does: it sits in a ``float32`` bucket with two elements per complex
-element, its ``.grad`` a complex view of that range, and every algorithm sees the real view
-(``real_geometry``), so it compresses and averages the two parts as any other floats.
+parts side by side), as DDP does: it sits in a bucket of its real dtype (``float32`` for
+``complex64``) with two elements per complex element, its ``.grad`` a complex view of that
+range, and every algorithm sees the real view (``real_geometry``), so it compresses and
+averages the two parts as any other floats.
 """
 from __future__ import annotations
 
@@ -77,13 +78,6 @@ def describe(t: torch.Tensor) -> str:
     return f"strides {strides}"
 
 
-def shaped_view(flat: torch.Tensor, like: torch.Tensor,
-                strides: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``flat`` (1-D, ``like.numel()`` elements, in ``like``'s memory order) seen as ``like``:
-    its shape, with ``strides`` (default: ``autograd_strides(like)``)."""
-    return flat.as_strided(like.shape, autograd_strides(like) if strides is None else strides)
-
-
 def flat_alias(t: torch.Tensor) -> torch.Tensor:
     """A dense ``t`` (its strides are ``autograd_strides(t)``) as a 1-D view of its elements in
     memory order."""
@@ -100,7 +94,6 @@ def memory_order(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Ten
     out = torch.empty_strided(like.shape, strides, dtype=t.dtype, device=t.device)
     out.copy_(t)
     return flat_alias(out)
-
 
 
 def real_view(t: torch.Tensor) -> torch.Tensor:

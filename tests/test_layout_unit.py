@@ -25,12 +25,28 @@ def test_autograd_strides_are_those_autograd_gives(kind):
     assert layout.autograd_strides(p) == p.grad.stride()
 
 
+def shaped(flat, like):
+    """``flat`` (``like``'s elements in its memory order) seen with ``like``'s shape and the
+    strides autograd gives it: what a bucket's view of a parameter is."""
+    return flat.as_strided(like.shape, layout.autograd_strides(like))
+
+
 @pytest.mark.parametrize("kind", list(params()))
-def test_memory_order_and_shaped_view_invert_each_other(kind):
+def test_memory_order_and_the_bucket_view_invert_each_other(kind):
     t = params()[kind]
     flat = layout.memory_order(t).clone()
-    view = layout.shaped_view(flat, t)
+    view = shaped(flat, t)
     assert torch.equal(view, t) and view.stride() == layout.autograd_strides(t)
+
+
+@pytest.mark.parametrize("kind", list(params()))
+def test_real_geometry_of_a_complex_tensor_is_its_real_view(kind):
+    t = torch.complex(params()[kind], -params()[kind])
+    shape, strides, numel = layout.real_geometry(t)
+    real = layout.real_view(layout.memory_order(t).clone())  # (n, 2): parts side by side
+    view = real.reshape(-1).as_strided(shape, strides)
+    assert numel == 2 * t.numel() and layout.real_dtype(t.dtype) == torch.float32
+    assert torch.equal(torch.view_as_complex(view), t)
 
 
 def test_describe_names_the_formats():
@@ -47,7 +63,7 @@ def test_float32_form_of_a_dense_tensor_is_a_view_in_memory_order():
         assert flat.data_ptr() == t.data_ptr()
         assert torch.equal(flat, t.permute(0, 2, 3, 1).reshape(-1))  # N, H, W, C order
         flat.mul_(2)
-    assert torch.equal(t, layout.shaped_view(flat, t))
+    assert torch.equal(t, shaped(flat, t))
 
 
 def test_float32_form_of_another_dtype_is_written_back_element_by_element():
