@@ -1116,7 +1116,8 @@ def check_complex_parameters(rank: int, size: int) -> int:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     # one bucket of the complex weight (first) and the real layer (51 floats: odd length)
-    for options in ({}, {"flatten": False}, {"overlap": False}, {"bucket_size_mb": 25}):
+    for options in ({}, {"flatten": False}, {"overlap": False}, {"bucket_size_mb": 25},
+                    {"hierarchical": True}):
         got, _ = spectral_run(False, rank, "gradient_allreduce", **options)
         torch.testing.assert_close(got, torch.view_as_real(model.spectral.detach()),
                                    rtol=1e-5, atol=1e-6, msg=lambda m: f"{options}: {m}")
