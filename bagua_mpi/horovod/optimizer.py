@@ -44,6 +44,7 @@ from .. import collectives, optimizer_hooks, runtime
 from .. import optimizer as _base
 from ..compression import Compression, Compressor
 from ..engine import ownership
+from ..algorithms import UnsupportedOptionError
 from ..ops import Adasum, Average, ReduceOp
 from ..process_sets import ProcessSet, global_process_set
 
@@ -296,6 +297,13 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
         if kwargs:
             raise ValueError(f"op=Adasum runs Horovod's delta optimizer: "
                              f"{', '.join(sorted(kwargs))} do not apply to it")
+        complex_names = [name for name, p in named if p.is_complex()]
+        if complex_names:
+            raise UnsupportedOptionError(
+                f"op=Adasum is not supported with complex parameters ({len(complex_names)}: "
+                f"{', '.join(complex_names[:3])}{', ...' if len(complex_names) > 3 else ''}): "
+                "Adasum's dot products are defined for real vectors; use op=Average, which "
+                "trains them")
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor not supported with op != Average "
                              "(as Horovod)")

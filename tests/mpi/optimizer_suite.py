@@ -1087,8 +1087,8 @@ def check_complex_parameters(rank: int, size: int) -> int:
     algorithm (from the registry) a model with a complex64 weight ends bit-identical to its
     twin holding the same floats as a real parameter. ``async`` averages on a timer, so two of
     its runs differ anyway: it must train and stay finite. Gradient averaging matches one
-    process on the combined batch (flattened or not); a checkpoint resumes exactly; ZeRO refuses
-    complex parameters by name."""
+    process on the combined batch (flattened or not); a checkpoint resumes exactly; ZeRO and
+    Horovod's Adasum optimizer refuse complex parameters by name."""
     checks = 0
     for name in bm.algorithms.names():
         algorithm = bm.algorithms.create(name, **COMPLEX_CASES.get(name, {}))
@@ -1135,7 +1135,11 @@ def check_complex_parameters(rank: int, size: int) -> int:
                                                            zero_stage=1),
            "zero_stage=1 is not supported with complex parameters (1 of them, the first of "
            "shape (6, 5, 4))")
-    return checks + 2
+    model = SpectralNet(False)
+    expect(bm.UnsupportedOptionError, lambda: bm.horovod.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+        op=bm.horovod.Adasum), "op=Adasum is not supported with complex parameters (1: spectral)")
+    return checks + 3
 
 
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
