@@ -66,6 +66,13 @@ def unpack(named: dict, tree) -> dict:
     return dict(tree or {})
 
 
+def meta_entry(meta: dict, name) -> dict:
+    """Where ``/meta`` describes optimizer ``name``'s algorithm (``algorithm``, ``zero_stage``,
+    ``per_rank_algorithm_state``, ``algorithm_state_kinds``): the top level for one optimizer
+    given alone, else its entry under ``optimizers``."""
+    return meta if name is ONE else meta["optimizers"][name]
+
+
 def names_digest(named: dict | None) -> int:
     """A nonzero 63-bit digest of several optimizers' names (0 for one or none), which the
     ranks compare before saving."""

@@ -119,7 +119,7 @@ def _algorithm_plan(meta: dict, path: str, size: int, name, optimizer,
     """What becomes of one optimizer's saved algorithm state: "loaded", "reset" or "none"."""
     from ..optimizer import DistributedOptimizer
 
-    entry = meta if name is optimizers.ONE else meta["optimizers"][name]
+    entry = optimizers.meta_entry(meta, name)
     saved, saved_zero_stage = entry.get("algorithm"), entry.get("zero_stage")
     kinds, per_rank = entry.get("algorithm_state_kinds"), entry["per_rank_algorithm_state"]
     which = "the optimizer" if name is optimizers.ONE else f"optimizer {name!r}"
@@ -188,8 +188,7 @@ def _apply(parts: dict, meta: dict, model, named: dict | None, algorithms: dict,
             if algorithms[name] == "loaded":
                 optimizer.load_algorithm_state_dict(algorithm_states[name])
             elif algorithms[name] == "reset":
-                saved = (meta["algorithm"] if name is optimizers.ONE
-                         else meta["optimizers"][name]["algorithm"])
+                saved = optimizers.meta_entry(meta, name)["algorithm"]
                 optimizer.steps = int(saved["steps"])  # the step count goes on
     if restore_rng and "rng" in parts:
         rng_state.restore(parts["rng"])

@@ -29,8 +29,8 @@ Modules, each importing only those listed before it:
 * ``_autograd``: the differentiable versions, built on ``_allreduce`` and ``_movement``;
 * ``_public``: the out-of-place collectives that pick ``_autograd`` or the plain version.
 
-``_complex`` (importing none of them) sends complex tensors as their real views: it wraps every
-public collective below, and ``allreduce``/``allreduce_`` call it themselves.
+``_complex`` (importing only ``_core``) sends complex tensors as their real views: it wraps
+every public collective below, and ``allreduce``/``allreduce_`` call it themselves.
 """
 from ..exceptions import BaguaMPIError
 from ._allreduce import (allreduce_, allreduce_async, allreduce_async_, grouped_allreduce_,

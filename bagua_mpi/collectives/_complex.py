@@ -17,6 +17,7 @@ import torch
 
 from ..ops import ReduceOp
 from ..worker import Handle
+from ._core import chosen_op, name_and_op
 
 _SUMMABLE = ("Sum", "Average")
 
@@ -53,17 +54,13 @@ def _restore(result, given):
 
 
 def allreduce_op(arguments) -> object:
-    op, average = arguments.get("op"), arguments.get("average")
-    if op is not None:
-        return op
-    if average is None or average is True:
-        return "Average"
-    return "Sum" if average is False else average  # this library's positional op
+    """The op an allreduce-family call asks for (its bound arguments), as the call resolves it."""
+    return chosen_op(arguments.get("average"), arguments.get("op"))
 
 
 def reducescatter_op(arguments) -> object:
-    name, op = arguments.get("name"), arguments.get("op", "Average")
-    return name if isinstance(name, ReduceOp) else op  # reducescatter(t, Sum)
+    """The op a reducescatter-family call asks for (its bound arguments)."""
+    return name_and_op(arguments.get("name"), arguments.get("op", "Average"))[1]
 
 
 def complex_as_real(fn, op_of=None):

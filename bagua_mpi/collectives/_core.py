@@ -18,7 +18,7 @@ from mpi4py import MPI
 from .. import consistency, process_sets, timeline
 from ..buffers import INTEGER, is_cuda
 from ..compression import Compression
-from ..ops import Average, ReduceOp, Sum, mpi_op
+from ..ops import Average, ReduceOp, Sum, UnsupportedOp, mpi_op
 from ..worker import Handle
 
 global_process_set = process_sets.global_process_set
@@ -100,18 +100,33 @@ def has_named_handles() -> bool:
 def resolve_op(average, op):
     """Horovod's ``average=`` (deprecated) / ``op=`` pair to one op; ``op`` wins, not both.
     Call it straight from the public function: the warning names that function's caller."""
+    if op is None and average is None:  # the common case, without a further call
+        return Average
+    if op is None and (average is True or average is False):
+        warnings.warn("average= is deprecated (as in Horovod): use op=Average or op=Sum",
+                      DeprecationWarning, stacklevel=3)
+    return chosen_op(average, op)
+
+
+def chosen_op(average, op):
+    """``resolve_op``'s choice, without its warning."""
     if op is None:
         if average is None:
             return Average
         if average is True or average is False:
-            warnings.warn("average= is deprecated (as in Horovod): use op=Average or op=Sum",
-                          DeprecationWarning, stacklevel=3)
             return Average if average else Sum
         return average  # this library's positional op: allreduce(t, Sum)
     if average is not None:
         raise ValueError("the op parameter supersedes average: pass only one of them "
                          f"(got average={average!r}, op={op!r})")
     return op
+
+
+def name_and_op(name, op):
+    """This library's positional op in Horovod's ``name`` slot: reducescatter(t, Sum)."""
+    if isinstance(name, (ReduceOp, UnsupportedOp)):
+        return None, name
+    return name, op
 
 
 def reduction(op, dt: str):

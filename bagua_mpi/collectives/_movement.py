@@ -16,10 +16,10 @@ from .. import consistency, runtime, transport
 from ..buffers import (contiguous, copy_into, dtype_name, empty_like, reduce_dtype, scale_,
                        scaled_copy, to_dtype)
 from ..exceptions import BaguaMPIError
-from ..ops import Average, ReduceOp, UnsupportedOp
+from ..ops import Average, ReduceOp
 from ..worker import Handle
-from ._core import (agree, check_factor, check_list, global_process_set, reduction, root_of,
-                    row_elems, run_now, start, topo_of)
+from ._core import (agree, check_factor, check_list, global_process_set, name_and_op, reduction,
+                    root_of, row_elems, run_now, start, topo_of)
 
 
 # -- allgather ---------------------------------------------------------------------------------
@@ -277,13 +277,6 @@ def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
         return out
 
     return run, ("reducescatter", op.name, dt, shape)
-
-
-def name_and_op(name, op):
-    """This library's positional op in Horovod's ``name`` slot: reducescatter(t, Sum)."""
-    if isinstance(name, (ReduceOp, UnsupportedOp)):
-        return None, name
-    return name, op
 
 
 def plain_reducescatter(tensor, name=None, op=Average, process_set=global_process_set,

@@ -17,10 +17,10 @@ from ..ops import Average
 from . import _autograd
 from ._allreduce import plain_allreduce, plain_grouped_allreduce
 from ._complex import allreduce_op, complex_as_real
-from ._core import NO_COMPRESSION, check_list, global_process_set, resolve_op, wants_grad
-from ._movement import (name_and_op, plain_allgather, plain_alltoall, plain_broadcast,
-                        plain_grouped_allgather, plain_grouped_reducescatter,
-                        plain_reducescatter)
+from ._core import (NO_COMPRESSION, check_list, global_process_set, name_and_op, resolve_op,
+                    wants_grad)
+from ._movement import (plain_allgather, plain_alltoall, plain_broadcast, plain_grouped_allgather,
+                        plain_grouped_reducescatter, plain_reducescatter)
 
 
 def allreduce(tensor, average=None, name=None, compression=NO_COMPRESSION, op=None,
