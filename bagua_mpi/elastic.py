@@ -4,8 +4,10 @@ An MPI job has a fixed set of ranks, so what Horovod Elastic does by re-forming 
 in-process is done here in two ways:
 
 * **Errors every rank sees** (``MismatchError``, ``JoinedRankError``: raised on all ranks at
-  once): ``run`` restores the last ``commit()`` on every rank, re-synchronises from rank 0 and
-  calls the training function again (at most ``reset_limit`` times in a row without a commit).
+  once): ``run`` restores the last ``commit()`` on every rank, takes the state's values from
+  rank 0 again and calls the training function again (at most ``reset_limit`` times in a row
+  without a commit). The restore is exact: models, optimizers and their algorithms' state are
+  each rank's own commit, so the run goes on as one that never failed.
 * **A rank that dies** ends the job (MPI cannot continue without it). With a checkpoint
   directory (``TorchState(..., checkpoint_dir=...)`` or ``BAGUA_MPI_ELASTIC_DIR``) every
   ``commit()`` is also written as a ``bagua_mpi.checkpoint`` (HDF5, atomic, no pickle), and
@@ -22,9 +24,12 @@ from __future__ import annotations
 import copy
 import functools
 
+import torch
+
 from . import collectives, config, consistency, runtime
 from .exceptions import MismatchError
 from .horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from .optimizer import DistributedOptimizer
 
 _RETRYABLE = (MismatchError, consistency.JoinedRankError)
 
@@ -43,9 +48,13 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        self.sync()
+        self._sync_after_reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def _sync_after_reset(self) -> None:
+        """What a reset makes equal again before the callbacks: here everything, from rank 0."""
+        self.sync()
 
     def on_hosts_updated(self, timestamp=None, update_res=None) -> None:
         """Never called: the ranks of an MPI job are fixed."""
@@ -105,7 +114,17 @@ class ObjectState(State):
 
 
 class TorchState(ObjectState):
-    """Model, optimizer and values (``TorchState(model, optimizer, epoch=0, batch=0)``).
+    """Models, optimizers and values (``TorchState(model, optimizer, epoch=0, batch=0)``).
+
+    As Horovod's: keyword arguments that are models (``torch.nn.Module``) or optimizers join
+    ``model`` and ``optimizer`` (``TorchState(generator, opt_g, discriminator=d, opt_d=opt_d,
+    epoch=0)``, a GAN). Each is saved, restored and synchronised in place: the objects the
+    training loop holds are the ones restored. The other keyword arguments are values.
+
+    A ``DistributedOptimizer``'s algorithm state (error feedback, peer models, step count) is
+    committed and restored with it, and ``restore`` first abandons the iteration the error
+    interrupted (``DistributedOptimizer.abandon_iteration``), so training after a restore goes
+    on exactly as it would have from the commit.
 
     ``checkpoint_dir`` (default ``BAGUA_MPI_ELASTIC_DIR``): also write every commit there, and
     let ``run`` resume from it after a restart. The values then must be numbers, strings,
@@ -113,20 +132,32 @@ class TorchState(ObjectState):
     """
 
     def __init__(self, model=None, optimizer=None, checkpoint_dir: str | None = None, **kwargs):
-        self.model = model
-        self.optimizer = optimizer
+        handled = {"model": model, "optimizer": optimizer,
+                   **{name: v for name, v in kwargs.items() if _is_model(v) or _is_optimizer(v)}}
+        for name in ("model", "optimizer"):
+            value = handled[name]
+            if value is not None and not (_is_model(value) or _is_optimizer(value)):
+                raise TypeError(f"TorchState({name}=...) takes a torch.nn.Module or an "
+                                f"optimizer, got {type(value).__name__}")
+        # sorted by name: synchronising and checkpointing are collective, the same order on
+        # every rank whatever order the keyword arguments came in
+        self._models = {n: v for n, v in sorted(handled.items()) if _is_model(v)}
+        self._optimizers = {n: v for n, v in sorted(handled.items()) if _is_optimizer(v)}
+        for name, value in handled.items():
+            setattr(self, name, value)
         self.checkpoint_dir = checkpoint_dir or config.elastic_dir()
         self.commits = 0
-        super().__init__(**kwargs)
-        self._model_state = None
-        self._optimizer_state = None
+        super().__init__(**{n: v for n, v in kwargs.items() if n not in handled})
+        self._snapshots: dict = {}
         self._snapshot()
 
     def _snapshot(self) -> None:
-        if self.model is not None:
-            self._model_state = copy.deepcopy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._optimizer_state = copy.deepcopy(self.optimizer.state_dict())
+        self._snapshots = {
+            "models": {n: copy.deepcopy(m.state_dict()) for n, m in self._models.items()},
+            "optimizers": {n: copy.deepcopy(o.state_dict()) for n, o in self._optimizers.items()},
+            # already a copy (one float per parameter for error feedback: not twice)
+            "algorithms": {n: o.algorithm_state_dict()
+                           for n, o in self._optimizers.items() if _is_distributed(o)}}
 
     def save(self) -> None:
         super().save()
@@ -134,25 +165,49 @@ class TorchState(ObjectState):
         self.commits += 1
         if self.checkpoint_dir:
             from . import checkpoint
-            checkpoint.save(self.checkpoint_dir, model=self.model, optimizer=self.optimizer,
-                            step=self.commits, keep=2,
+            checkpoint.save(self.checkpoint_dir, model=self._checkpoint_model(),
+                            optimizer=self._checkpoint_optimizer(), step=self.commits, keep=2,
                             extras={"elastic": self._saved_state, "commits": self.commits})
 
+    def _checkpoint_model(self):
+        """One model as itself (the layout of a single-model checkpoint), several as one
+        ``ModuleDict`` by name."""
+        if len(self._models) > 1:
+            return torch.nn.ModuleDict(self._models)
+        return next(iter(self._models.values()), None)
+
+    def _checkpoint_optimizer(self):
+        if len(self._optimizers) > 1:
+            return dict(self._optimizers)
+        return next(iter(self._optimizers.values()), None)
+
     def restore(self) -> None:
-        if self.model is not None and self._model_state is not None:
-            self.model.load_state_dict(self._model_state)
-        if self.optimizer is not None and self._optimizer_state is not None:
-            self.optimizer.load_state_dict(self._optimizer_state)
+        for opt in self._optimizers.values():
+            if _is_distributed(opt):
+                opt.abandon_iteration()
+        for name, model in self._models.items():
+            model.load_state_dict(self._snapshots["models"][name])
+        for name, opt in self._optimizers.items():
+            opt.load_state_dict(self._snapshots["optimizers"][name])
+            if name in self._snapshots["algorithms"]:
+                opt.load_algorithm_state_dict(self._snapshots["algorithms"][name])
         super().restore()
 
     def sync(self) -> None:
         from .horovod.functions import broadcast_optimizer_state, broadcast_parameters
-        if self.model is not None:
-            broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.optimizer is not None:
-            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for model in self._models.values():
+            broadcast_parameters(model.state_dict(), root_rank=0)
+        for opt in self._optimizers.values():
+            broadcast_optimizer_state(opt, root_rank=0)
         super().sync()
         self._snapshot()
+
+    def _sync_after_reset(self) -> None:
+        """Only the values come from rank 0 again. After a restore (or a resume) every rank
+        holds its own last commit of the models and optimizers: the same on every rank where
+        the algorithm keeps replicas, and each rank's own where it averages models
+        (``decentralized``), whose models and peer estimates a broadcast would set apart."""
+        ObjectState.sync(self)
 
     def resume(self) -> bool:
         """Load the last commit from ``checkpoint_dir`` if there is one (collective)."""
@@ -161,13 +216,26 @@ class TorchState(ObjectState):
         from . import checkpoint
         if checkpoint.latest(self.checkpoint_dir) is None:
             return False
-        info = checkpoint.load(self.checkpoint_dir, model=self.model, optimizer=self.optimizer)
+        info = checkpoint.load(self.checkpoint_dir, model=self._checkpoint_model(),
+                               optimizer=self._checkpoint_optimizer())
         extras = info.extras or {}
         self._saved_state = dict(extras.get("elastic", self._saved_state))
         self.commits = int(extras.get("commits", info.step))
         self._set_attrs()
         self._snapshot()
         return True
+
+
+def _is_model(value) -> bool:
+    return isinstance(value, torch.nn.Module)
+
+
+def _is_optimizer(value) -> bool:
+    return isinstance(value, torch.optim.Optimizer)
+
+
+def _is_distributed(opt) -> bool:
+    return isinstance(opt, DistributedOptimizer)
 
 
 class ElasticSampler:
@@ -204,7 +272,6 @@ class ElasticSampler:
         self.processed_num += len(indices) * self.num_replicas
 
     def reset(self) -> None:
-        import torch
         n = len(self.dataset)
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -238,10 +305,11 @@ class ElasticSampler:
 
 
 def run(func=None, *, reset_limit: int = 3):
-    """Decorator for ``train(state, ...)``: sync the state from rank 0 (after resuming from the
-    last persistent commit, if any, followed by the reset callbacks) and call ``train``; on an
-    error that every rank raised, restore the last commit, re-sync, run the reset callbacks and
-    call it again."""
+    """Decorator for ``train(state, ...)``: sync the state from rank 0, or resume it from the
+    last persistent commit if there is one and run the reset callbacks, then call ``train``; on
+    an error that every rank raised, restore the last commit (``state.on_reset``: for a
+    ``TorchState`` the values come from rank 0 again, each rank keeps its restored models),
+    run the reset callbacks and call it again."""
     if func is None:
         return functools.partial(run, reset_limit=reset_limit)
 

@@ -321,6 +321,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine.synchronize()
         self._synchronized = True
 
+    def abandon_iteration(self) -> None:
+        """Drop the iteration under way, as if it had not begun: gradients counted for the
+        coming exchange, buckets on the wire (waited for) and synchronized gradients no
+        ``step()`` took are forgotten, without touching the algorithm's state (a skipped step,
+        by contrast, clears what the exchange fed into it). Call it on every rank before
+        restoring state saved between steps after an error; ``elastic.TorchState.restore``
+        does."""
+        self._engine.abandon_iteration()
+        self._synchronized = False
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` between steps (Horovod's method); every rank must
         call it with the same value before the same step."""
@@ -410,7 +420,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- algorithm state, lifecycle -----------------------------------------------------------------
     def algorithm_state_dict(self) -> dict:
-        """This rank's algorithm state (residuals, peer models, stage...): tensors and numbers."""
+        """This rank's algorithm state (residuals, peer models, stage...): tensors and numbers,
+        all of them copies (nothing in it changes as training goes on)."""
         return {"config": self.algorithm.config(), "steps": self.steps,
                 "state": self.impl.state_dict()}
 

@@ -188,6 +188,30 @@ def test_tensor_state_follows_the_parameters_not_the_bucket():
     assert len(impl.state.vectors) == 3
 
 
+def test_loading_state_replaces_what_the_run_had():
+    """Loading into an impl that has stepped (an elastic restore, a roll-back to an earlier
+    checkpoint) leaves nothing of its own: a vector the loaded state lacks is zeroed in place
+    (its holder keeps it), a per-parameter tensor it lacks is made afresh at its next use, and
+    one it has takes the loaded values."""
+    impl = make_impl(GTopK(density=0.5))
+    buckets = make_buckets([[0, 1], [2]], flatten=False)
+    impl.setup_buckets(buckets)
+    segments = buckets[0].communication_segments()[0]
+    residual = impl.residual(segments, "cpu")
+    residual.fill_(3.0)
+    made = []
+    q = impl.state.tensor("q", "layer2.weight", lambda: made.append(1) or torch.ones(3, 2))
+    q.fill_(5.0)
+    saved = torch.full((3, 2), 7.0)
+    impl.load_state_dict({"step": 4, "tensors": {"q": {"layer2.weight": saved}}, "extra": {}})
+    assert impl.residual(segments, "cpu") is residual and not residual.any()
+    again = impl.state.tensor("q", "layer2.weight", lambda: made.append(1) or torch.ones(3, 2))
+    assert again is not q and torch.equal(again, saved) and made == [1, 1]
+    impl.load_state_dict({"step": 0, "tensors": {}, "extra": {}})
+    fresh = impl.state.tensor("q", "layer2.weight", lambda: torch.ones(3, 2))
+    assert torch.equal(fresh, torch.ones(3, 2)) and impl.step == 0
+
+
 def test_stage_two_reduce_scatter_keys_the_worker_error_as_the_stage_zero_exchange():
     impl = make_impl(QSGD(error_feedback=True))
     bucket = make_buckets([[0, 1, 2]], flatten=True)[0]

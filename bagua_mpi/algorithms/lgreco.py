@@ -165,8 +165,11 @@ class LGreCoImpl(AlgorithmImpl):
     def load_extra_state(self, extra: dict) -> None:
         self.decisions = int(extra.get("decisions", 0))
         cast = self.family.level_type
-        self.assignment = {name: cast(level)
-                           for name, level in extra.get("assignment", {}).items()}
+        # layers the saved assignment lacks (saved before the first step: none had a level
+        # yet) start at the default, as init_buckets starts them; it will not run again here
+        self.assignment = dict.fromkeys(self.layers, self.default_level)
+        self.assignment.update({name: cast(level)
+                                for name, level in extra.get("assignment", {}).items()})
 
 
 @register

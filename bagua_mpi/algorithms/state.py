@@ -77,8 +77,12 @@ class StateVector:
     def export(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, numel, p0, d0, count in self._overlaps():
+            part = self.data[d0:d0 + count].detach()
+            if count == numel:  # the whole parameter (all but a server's partition edges)
+                out[name] = part.to("cpu", copy=True)
+                continue
             full = torch.zeros(numel, dtype=self.data.dtype)
-            full[p0:p0 + count] = self.data[d0:d0 + count].detach().cpu()
+            full[p0:p0 + count] = part.cpu()
             out[name] = full
         return out
 
@@ -160,6 +164,15 @@ class AlgorithmState:
                 dropped.add(kind)
         return [kind for kind in (*zeroed_kinds, *restarted_kinds) if kind in dropped]
 
+    def clear(self) -> None:
+        """Back to a fresh run's state: every vector zeroed in place (whoever holds it keeps
+        it), per-parameter tensors and held checkpoint values dropped (``tensor`` makes them
+        afresh at their next use, as the first step did)."""
+        for vec in self.vectors.values():
+            vec.data.zero_()
+        self.tensors = {}
+        self.pending = {}
+
     def drop(self, kind: str) -> None:
         """Forget every allocation of ``kind`` (a stage change that restarts that state)."""
         self.vectors = {k: v for k, v in self.vectors.items() if k[0] != kind}
@@ -201,7 +214,11 @@ class AlgorithmState:
                         f"before wrapping it, or load with reset_algorithm_state=True")
 
     def load_state_dict(self, state: dict) -> None:
-        """Apply what is allocated now; hold the rest until it is allocated."""
+        """Replace the state by ``state``: what is allocated now takes its values, the rest is
+        held until it is allocated. State of kinds and parameters that ``state`` lacks restarts
+        as a fresh run's would (``clear``), so loading into an optimizer that has stepped
+        (an elastic restore, a roll-back to an earlier checkpoint) leaves nothing of its own."""
+        self.clear()
         for kind, by_name in state.items():
             for name, value in by_name.items():
                 if name not in self.param_numels:

@@ -471,6 +471,23 @@ class Engine:
         dropped = self.impl.on_step_skipped()
         return dropped if by_user else None
 
+    def abandon_iteration(self) -> None:
+        """Forget the iteration under way: the gradients counted since the last exchange, the
+        buckets launched (waited for, their results dropped) and synchronized gradients that no
+        ``step()`` took. For a restore of state saved between steps after an error (elastic's
+        ``TorchState``): nothing of the abandoned iteration may reach the restored state, and a
+        discarded exchange would clear the restored error feedback at the next backward pass."""
+        for handle in self._handles:
+            if not handle.done():
+                handle.wait()  # launched on every rank: finish it (and drop what it did)
+        if self.buckets is None:
+            self._counts = [0] * len(self.params)
+        else:
+            self._reset()
+        self.awaiting_step = False
+        self.loss_scaler_read = False
+        self._finish_queued_in = None
+
     def pending_description(self) -> str:
         """What of this iteration is under way (gradients counted or buckets launched since
         the last synchronize), or '' when nothing is (always, for algorithms that do not

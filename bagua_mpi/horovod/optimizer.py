@@ -247,6 +247,9 @@ class _UnbucketedOptimizer(DistributedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def abandon_iteration(self) -> None:
+        self._synchronized = False  # backward exchanged nothing: nothing else to drop
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         _check_passes(passes)
         self.backward_passes_per_step = passes  # gradients accumulate in .grad meanwhile

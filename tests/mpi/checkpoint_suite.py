@@ -36,6 +36,7 @@ import bagua_mpi.checkpoint as ckpt
 from bagua_mpi import collectives, preemption
 from bagua_mpi.algorithms import Algorithm, AlgorithmImpl, register
 from bagua_mpi.ops import Sum
+from short_runs import gan_models
 
 
 class EF16Impl(AlgorithmImpl):
@@ -313,9 +314,7 @@ def resume(algorithms: str, base: str, m: int, bucket_size_mb: float = 25.0) -> 
 def build_gan(algorithm: str, init_seed: int = 0):
     """A GAN: a generator and a discriminator, each with its own DistributedOptimizer (the
     discriminator's runs ``algorithm``); both sub-models in one ModuleDict, for the file."""
-    torch.manual_seed(init_seed)
-    G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6))
-    D = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    G, D = gan_models(init_seed)
     opt_g = bm.DistributedOptimizer(torch.optim.Adam(G.parameters(), lr=0.01),
                                     named_parameters=G.named_parameters())
     opt_d = bm.DistributedOptimizer(torch.optim.Adam(D.parameters(), lr=0.01),

@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 import bagua_mpi as bm
 from bagua_mpi.exceptions import MisuseError
 from checks import expect, run_suite
+from short_runs import HYPERPARAMETERS
 
 STEPS = 10
 BATCH = 6  # rows per rank per backward pass
@@ -1047,14 +1048,6 @@ class SpectralNet(torch.nn.Module):
         return self.out(torch.tanh(y)).mean(dim=1)
 
 
-COMPLEX_CASES = {  # hyperparameters that reach each algorithm's compressed path in 5 steps
-    "onebit_adam": {"warmup_steps": 2, "chunk": 64},
-    "lgreco": {"warmup_steps": 2, "period_steps": 2},
-    "topk": {"density": 0.2}, "gtopk": {"density": 0.2},
-    "powersgd": {"rank": 1, "min_compression": 1.0},
-    "qsgd": {"chunk": 64}, "bytegrad": {"chunk": 64},
-    "low_precision_decentralized": {"chunk": 64}, "local_sgd": {"period": 2},
-}
 
 
 def spectral_run(as_real: bool, rank: int, algorithm, steps: int = 5, save_at=None, resume=None,
@@ -1091,7 +1084,7 @@ def check_complex_parameters(rank: int, size: int) -> int:
     Horovod's Adasum optimizer refuse complex parameters by name."""
     checks = 0
     for name in bm.algorithms.names():
-        algorithm = bm.algorithms.create(name, **COMPLEX_CASES.get(name, {}))
+        algorithm = bm.algorithms.create(name, **HYPERPARAMETERS.get(name, {}))
         ours = spectral_run(False, rank, algorithm)
         if name == "async":
             assert all(torch.isfinite(t).all() for t in ours), "async: not finite"
@@ -1124,7 +1117,7 @@ def check_complex_parameters(rank: int, size: int) -> int:
         checks += 1
     # a checkpoint of the complex weight, Adam's complex moments and top-k's per-rank residual
     # (sized in real elements) resumes bit for bit
-    topk = bm.algorithms.create("topk", **COMPLEX_CASES["topk"])
+    topk = bm.algorithms.create("topk", **HYPERPARAMETERS["topk"])
     with tempfile.TemporaryDirectory() as tmp:
         tmp = bm.broadcast_object(tmp if rank == 0 else None)
         whole = spectral_run(False, rank, topk, save_at=(3, tmp))

@@ -1,0 +1,222 @@
+"""Elastic restores (``hvd.elastic.run`` with ``TorchState``) against uninterrupted training.
+
+An error that every rank sees (here a collective whose shapes differ across the ranks: a
+``MismatchError``) makes ``elastic.run`` restore the last ``commit()`` and call the training
+function again. The oracle is the same training, with the same per-rank data, that never failed:
+after the restore the run must end bit for bit where it ends, for
+
+* every registered algorithm (from the registry), with the error raised at three points: after
+  ``step()`` before the commit, between ``backward()`` (whose exchange fed the algorithm's
+  state) and ``step()``, and before the first commit;
+* an error between the backward passes of one step (``backward_passes_per_step=2``);
+* ZeRO stages 1 and 2;
+* a GAN whose second model and optimizer are keyword arguments (``TorchState(G, opt_g,
+  discriminator=D, opt_d=opt_d)``, as Horovod's), restored in place and resumed from the
+  checkpoint directory by a second training with new objects.
+
+``async`` averages on a timer, so two of its runs differ anyway: it must restore and go on.
+Each check prints ``CHECK <name> PASS|FAIL`` (``checks.run_checks``).
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import warnings
+
+import torch
+
+import bagua_mpi as bm
+from checks import expect, run_checks
+from short_runs import HYPERPARAMETERS, gan_models
+
+EPOCHS = 7
+# where the error is raised: (epoch, point), point one of "after_step", "before_step"
+FAILURES = {"after_step": (3, "after_step"), "before_step": (4, "before_step"),
+            "before_first_commit": (0, "after_step")}
+
+
+def batch(epoch: int, pass_: int = 0):
+    """This rank's batch: different on every rank and every epoch, the same in every run."""
+    g = torch.Generator().manual_seed(1000 * epoch + 10 * pass_ + bm.rank())
+    return torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+
+
+def everyone_fails() -> None:
+    """A collective whose shapes differ across the ranks: MismatchError on every rank."""
+    bm.allreduce(torch.zeros(1 + bm.rank()))
+
+
+def train(algorithm: str, fail_at=None, passes: int = 1, **options) -> torch.Tensor:
+    """EPOCHS steps under ``elastic.run`` (one commit each), failing once at ``fail_at``
+    ((epoch, point), or (epoch, "between_passes") with ``passes`` 2); this rank's parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    base = (torch.optim.Adam(model.parameters(), lr=0.01)
+            if algorithm == "onebit_adam" or options.get("zero_stage")
+            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                  algorithm=bm.algorithms.create(algorithm,
+                                                                 **HYPERPARAMETERS.get(algorithm, {})),
+                                  backward_passes_per_step=passes, **options)
+    state = bm.elastic.TorchState(model, opt, epoch=0)
+    failed = []
+
+    def fails_here(point: str) -> bool:
+        return (fail_at is not None and not failed and fail_at == (state.epoch, point)
+                and not failed.append(1))
+
+    @bm.elastic.run
+    def loop(state):
+        while state.epoch < EPOCHS:
+            opt.zero_grad()
+            for p in range(passes):
+                x, y = batch(state.epoch, p)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                if p + 1 < passes and fails_here("between_passes"):
+                    everyone_fails()
+            if fails_here("before_step"):
+                everyone_fails()
+            opt.step()
+            if fails_here("after_step"):
+                everyone_fails()
+            state.epoch += 1
+            state.commit()
+
+    loop(state)
+    assert failed or fail_at is None, f"the error at {fail_at} was never raised"
+    opt.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def assert_same_on_every_rank_view(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Each rank compares its own parameters (they differ across ranks where the algorithm
+    averages models); every rank raises if any rank's differ."""
+    diff = (got - want).abs().max().item()
+    worst = max(bm.allgather_object(diff))
+    assert worst == 0.0, f"{label}: the restored run ends {worst:.3g} away from the " \
+                         f"uninterrupted one (largest over the ranks)"
+
+
+def restore_check(algorithm: str):
+    def check(rank: int, size: int) -> None:
+        if algorithm == "async":  # its timer decides what is averaged: no two runs agree
+            for fail_at in FAILURES.values():
+                assert torch.isfinite(train(algorithm, fail_at)).all(), "async: not finite"
+            return
+        want = train(algorithm)
+        for label, fail_at in FAILURES.items():
+            assert_same_on_every_rank_view(f"{algorithm}, error {label}",
+                                           train(algorithm, fail_at), want)
+    return check
+
+
+def check_between_passes(rank: int, size: int) -> None:
+    """An error after the first of two accumulated backward passes: the counted gradients
+    are abandoned (``zero_grad()`` would refuse them otherwise) and the restored run goes on."""
+    for algorithm in ("gradient_allreduce", "topk"):
+        want = train(algorithm, passes=2)
+        assert_same_on_every_rank_view(f"{algorithm}, error between passes",
+                                       train(algorithm, (2, "between_passes"), passes=2), want)
+
+
+def zero_check(stage: int):
+    def check(rank: int, size: int) -> None:
+        want = train("gradient_allreduce", zero_stage=stage)
+        for label, fail_at in FAILURES.items():
+            assert_same_on_every_rank_view(f"zero_stage={stage}, error {label}",
+                                           train("gradient_allreduce", fail_at,
+                                                 zero_stage=stage), want)
+    return check
+
+
+def gan(directory=None, fail_at_epoch=None, stop_at=None):
+    """A GAN under ``elastic.run``: the discriminator and its optimizer (top-k, per-rank error
+    feedback) are keyword arguments of ``TorchState``. Returns (state, G, D, parameters)."""
+    G, D = gan_models()
+    opt_g = bm.DistributedOptimizer(torch.optim.Adam(G.parameters(), lr=0.01),
+                                    named_parameters=G.named_parameters())
+    opt_d = bm.DistributedOptimizer(torch.optim.Adam(D.parameters(), lr=0.01),
+                                    named_parameters=D.named_parameters(),
+                                    algorithm=bm.algorithms.create("topk", density=0.2))
+    state = bm.elastic.TorchState(G, opt_g, checkpoint_dir=directory, discriminator=D,
+                                  opt_d=opt_d, epoch=0)
+    bce = torch.nn.BCEWithLogitsLoss()
+    failed = []
+
+    @bm.elastic.run
+    def loop(state):
+        while state.epoch < EPOCHS:
+            g = torch.Generator().manual_seed(1000 * state.epoch + bm.rank())
+            z, real = torch.randn(8, 4, generator=g), torch.randn(8, 6, generator=g) + 1.0
+            opt_d.zero_grad()
+            (bce(D(real), torch.ones(8, 1)) + bce(D(G(z).detach()), torch.zeros(8, 1))).backward()
+            opt_d.step()
+            if state.epoch == fail_at_epoch and not failed:
+                failed.append(1)
+                everyone_fails()
+            opt_g.zero_grad()
+            with opt_d.no_sync():  # the generator's pass goes through D: not D's exchange
+                bce(D(G(z)), torch.ones(8, 1)).backward()
+            opt_g.step()
+            state.epoch += 1
+            state.commit()
+            if state.epoch == stop_at:
+                return
+
+    loop(state)
+    for opt in (opt_g, opt_d):
+        opt.close()
+    params = torch.cat([p.detach().reshape(-1) for p in [*G.parameters(), *D.parameters()]])
+    return state, G, D, params
+
+
+def check_several_models(rank: int, size: int) -> None:
+    """Horovod's ``TorchState(model, optimizer, **kwargs)``: a second model and optimizer among
+    the keyword arguments are restored in place (the objects the loop holds), not kept as
+    values; and a restart resumes both from the checkpoint directory."""
+    *_, want = gan()
+    state, G, D, got = gan(fail_at_epoch=3)
+    assert state.discriminator is D and state.model is G, "TorchState replaced the models"
+    assert "discriminator" not in state._saved_state, "a model was kept as a value"
+    assert_same_on_every_rank_view("GAN, error after D's step", got, want)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = bm.broadcast_object(tmp if rank == 0 else None)
+        state, *_ = gan(directory=tmp, stop_at=4)
+        assert state.commits == 4, state.commits
+        info = bm.checkpoint.read_meta(bm.checkpoint.latest(tmp))
+        assert sorted(info["optimizers"]) == ["opt_d", "optimizer"], info["optimizers"]
+        state, _, _, resumed = gan(directory=tmp)  # new objects: the job restarted
+        bm.barrier()  # rank 0's directory outlives every rank's reads
+    assert state.commits == EPOCHS, state.commits
+    assert_same_on_every_rank_view("GAN resumed from the checkpoint directory", resumed, want)
+
+
+def check_bad_arguments(rank: int, size: int) -> None:
+    model = torch.nn.Linear(2, 1)
+    expect(TypeError, lambda: bm.elastic.TorchState(model.state_dict()),
+           "TorchState(model=...) takes a torch.nn.Module or an optimizer, got OrderedDict")
+    expect(TypeError, lambda: bm.elastic.TorchState(model, optimizer=0.1),
+           "TorchState(optimizer=...) takes a torch.nn.Module or an optimizer, got float")
+
+
+def suite_checks(algorithms=None) -> dict:
+    """The checks by name: one restore check per algorithm of ``algorithms`` (default: every
+    registered one), then the others."""
+    checks = {f"restore_{name}": restore_check(name)
+              for name in (bm.algorithms.names() if algorithms is None else algorithms)}
+    checks.update({"restore_between_passes": check_between_passes,
+                   "restore_zero_stage_1": zero_check(1), "restore_zero_stage_2": zero_check(2),
+                   "several_models": check_several_models, "bad_arguments": check_bad_arguments})
+    return checks
+
+
+def main() -> int:
+    warnings.simplefilter("ignore")  # the restores' retries are the point, not their notes
+    bm.init()
+    failures = run_checks(suite_checks())
+    bm.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
