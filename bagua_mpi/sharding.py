@@ -22,6 +22,12 @@ The optimizer must update parameters elementwise (SGD, Adam, AdamW, RMSprop, Ada
 slice's update may not depend on the rest of the tensor. Those whose step needs whole tensors
 are refused by name; a state entry shaped otherwise than its piece is refused when met.
 
+A complex parameter lies in its bucket as its real view, so its pieces are real and a slice may
+end between the real and imaginary parts of one element. That is the update torch.optim's
+optimizers make anyway (each reads a complex tensor as its real view, elementwise), so those
+are accepted; an optimizer whose ``step`` comes from elsewhere is refused with complex
+parameters. The logical state of a complex parameter is complex, as the unsharded optimizer's.
+
 Checkpoints: ``state_dict()`` gathers the *logical* state, exactly what the unsharded optimizer
 would hold (one tensor per parameter and state entry, numbered as torch numbers parameters), so
 a file does not depend on the world size or the stage, and ``load_state_dict`` takes any such
@@ -36,7 +42,7 @@ from mpi4py import MPI
 
 from . import runtime
 from .algorithms.base import UnsupportedOptionError
-from .layout import memory_order
+from .layout import memory_order, real_view
 from .transport import Transport
 
 STAGES = (0, 1, 2)
@@ -63,11 +69,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
                 f"AdamW, RMSprop, Adagrad, ...); use zero_stage=0")
     complex_shapes = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
                       if p.is_complex()]
-    if complex_shapes:
+    step_from = getattr(type(optimizer).step, "__module__", None) or "?"
+    if complex_shapes and not step_from.startswith("torch.optim."):
         raise UnsupportedOptionError(
-            f"zero_stage={stage} is not supported with complex parameters ({len(complex_shapes)} "
-            f"of them, the first of shape {complex_shapes[0]}): a rank's slice could end inside "
-            f"a complex element; use zero_stage=0, which trains them")
+            f"zero_stage={stage} with complex parameters ({len(complex_shapes)} of them, the "
+            f"first of shape {complex_shapes[0]}) needs an optimizer whose step updates a "
+            f"complex tensor as its real view, elementwise, as torch.optim's do: a rank's slice "
+            f"may end inside a complex element, and its real and imaginary parts are then "
+            f"updated on two ranks. {type(optimizer).__name__}.step comes from {step_from!r}, "
+            f"which may update a complex element as a whole; use zero_stage=0, which trains "
+            f"them with any optimizer")
 
 
 def shard_index(topo, hierarchical: bool) -> int:
@@ -136,8 +147,10 @@ class ShardedOptimizer:
             flat = bucket.flatten_params()
             lo = self.index * bucket.part
             hi = min(lo + bucket.part, bucket.numel)
-            for param, offset in zip(bucket.params, bucket.offsets):
-                start, stop = max(offset, lo), min(offset + param.numel(), hi)
+            # in real elements: a complex parameter's piece is of its real view (the inner
+            # optimizer updates it as torch.optim updates a complex tensor: as real pairs)
+            for param, offset, numel in zip(bucket.params, bucket.offsets, bucket.real_numels):
+                start, stop = max(offset, lo), min(offset + numel, hi)
                 if start < stop:
                     self.pieces.append(Piece(self.position[id(param)], bucket, start, stop,
                                              start - offset, self.group_of[id(param)],
@@ -333,9 +346,10 @@ class ShardedOptimizer:
                             f"optimizer state {key!r} of parameter {pc.position} has shape "
                             f"{tuple(value.shape)}, the parameter {tuple(param.shape)}: not an "
                             f"elementwise state, so it cannot be sharded")
-                    # the slices are of the bucket's flat order: the parameter's memory order
-                    value = memory_order(value, param)[
-                        pc.offset:pc.offset + pc.stop - pc.start].clone()
+                    # the slices are of the bucket's flat order: the parameter's memory
+                    # order, in real elements (a complex state tensor as its real view)
+                    flat = real_view(memory_order(value, param)).reshape(-1)
+                    value = flat[pc.offset:pc.offset + pc.stop - pc.start].clone()
                 sliced[index][key] = value
         groups = self.inner.state_dict()["param_groups"]
         self.inner.load_state_dict({"state": sliced, "param_groups": groups})

@@ -39,6 +39,20 @@ def test_plan_buckets_joins_a_tiny_bucket_to_the_next_parameter():
     assert plan_buckets([torch.zeros(30), torch.zeros(400)], [0, 1], 1600) == [[0], [1]]
 
 
+def test_plan_buckets_puts_what_may_be_viewed_as_complex_first():
+    """Complex parameters, and real ones whose last dimension is 2 (a model may call
+    torch.view_as_complex on them), lead their bucket in the given order, so each starts at an
+    even offset: after flatten_params the views still work."""
+    params = [torch.zeros(3), torch.zeros(4, 2), torch.zeros(5), torch.zeros(2, dtype=torch.cfloat),
+              torch.zeros(2, 3)]
+    assert plan_buckets(params, [0, 1, 2, 3, 4], 10_000) == [[1, 3, 0, 2, 4]]
+    bucket = Bucket(0, [1, 3, 0, 2, 4], params, [f"p{i}" for i in range(5)], flatten=True)
+    bucket.flatten_params()
+    assert bucket.offsets[:2] == [0, 8]
+    torch.view_as_complex(params[1])  # raised for an odd storage offset
+    assert params[3].is_complex() and params[3].data_ptr() == bucket.flat_param[8:].data_ptr()
+
+
 def test_bucket_flattening_makes_grads_views_and_reabsorbs():
     a = torch.nn.Parameter(torch.ones(2, 3))
     b = torch.nn.Parameter(torch.ones(4))

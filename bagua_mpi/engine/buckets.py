@@ -16,7 +16,8 @@ parameter's range holds its elements in the parameter's memory order and the vie
 strides (``layout.py``: a ``channels_last`` parameter keeps a ``channels_last`` gradient); the
 flat vectors of an unflattened bucket (``grad_vector``, ``param_vector``) follow the same order.
 A complex parameter is laid out as its real view (``layout.real_geometry``) in a bucket of its
-real dtype, two elements per complex element (complex parameters first, at even offsets); its
+real dtype, two elements per complex element (first, at even offsets, with any real parameter
+whose last dimension is 2, which a model may view as complex: ``in_pairs``); its
 ``.grad`` and ``.data`` are complex views of that range, and what the algorithms get
 (``grad_views``, ``communication_tensors``, ``real_params``...) is real.
 
@@ -41,8 +42,8 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int
     """Partition parameter indices, taken in ``order``, into buckets of about ``bucket_bytes``.
 
     A complex parameter shares a bucket with the real ones of its real dtype; each bucket lists
-    its complex parameters first, so their ranges start at even offsets (each spans an even
-    number of real elements), which their complex views need."""
+    the parameters held in pairs of real elements first (``in_pairs``), so their ranges start at
+    even offsets (each spans an even number of real elements), which complex views need."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     floor = min(MIN_BUCKET_BYTES, bucket_bytes // 16)  # see the module docstring
@@ -55,18 +56,28 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], bucket_bytes: int
         nbytes = p.numel() * p.element_size()
         this_kind = (real_dtype(p.dtype), p.device)
         if current and (this_kind != kind or used + nbytes > bucket_bytes and used >= floor):
-            buckets.append(_complex_first(current, params))
+            buckets.append(_pairs_first(current, params))
             current, used = [], 0
         current.append(i)
         used += nbytes
         kind = this_kind
     if current:
-        buckets.append(_complex_first(current, params))
+        buckets.append(_pairs_first(current, params))
     return buckets
 
 
-def _complex_first(indices: list[int], params: list[torch.Tensor]) -> list[int]:
-    return sorted(indices, key=lambda i: not params[i].is_complex())  # stable: else in order
+def in_pairs(p: torch.Tensor) -> bool:
+    """Whether ``p`` is held as pairs of real elements that something views as complex: a
+    complex parameter (the bucket's own views), or a real one whose last dimension is 2, which
+    a model may view as complex in ``forward`` (``torch.view_as_complex``: a Fourier layer's
+    weight written before complex parameters were accepted). Such a view needs an even storage
+    offset, and ``flatten_params`` (ZeRO, the model-averaging algorithms) makes the parameter a
+    view of the bucket's buffer at its offset."""
+    return p.is_complex() or (p.is_floating_point() and p.dim() > 0 and p.shape[-1] == 2)
+
+
+def _pairs_first(indices: list[int], params: list[torch.Tensor]) -> list[int]:
+    return sorted(indices, key=lambda i: not in_pairs(params[i]))  # stable: else in order
 
 
 class Bucket:
@@ -106,8 +117,8 @@ class Bucket:
         if flatten:
             if allocate is not None:  # a row of node-shared memory (zeroed by the allocator)
                 length = self.part * parts
-                if length % 2 and any(d.is_complex for d in self.dtypes):
-                    length += 1  # rows of even length keep every row's complex ranges aligned
+                if length % 2 and any(in_pairs(p) for p in self.params):
+                    length += 1  # rows of even length keep every row's pairs aligned
                 self.shared = allocate(length)
                 self.shared.used = self.numel  # the rest of the row is slice padding
                 self.grad_storage = self.shared.tensor

@@ -3,6 +3,7 @@
 ``python optimizer_suite.py`` on every rank. The reference (one process, the concatenated
 batch of all ranks) is computed on every rank, so each compares with it directly.
 """
+import copy
 import json
 import os
 import sys
@@ -1048,14 +1049,11 @@ class SpectralNet(torch.nn.Module):
         return self.out(torch.tanh(y)).mean(dim=1)
 
 
-
-
 def spectral_run(as_real: bool, rank: int, algorithm, steps: int = 5, save_at=None, resume=None,
                  **options):
     """Train ``SpectralNet``; ``save_at=(step, directory)`` checkpoints after that many steps,
     ``resume=directory`` starts from a fresh model and optimizer loaded from it."""
     model = SpectralNet(as_real)
-    options = {"bucket_size_mb": 1e-6, **options}  # one bucket a tensor: the twin's layout
     opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.02),
                                   named_parameters=model.named_parameters(),
                                   algorithm=algorithm, **options)
@@ -1063,16 +1061,21 @@ def spectral_run(as_real: bool, rank: int, algorithm, steps: int = 5, save_at=No
     if resume is not None:
         first = bm.checkpoint.load(resume, model=model, optimizer=opt).step
     for step in range(first, steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(4, 6, 16, generator=g), torch.randn(4, 3, generator=g)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+        spectral_step(model, opt, rank, step)
         if save_at is not None and step + 1 == save_at[0]:
             bm.checkpoint.save(save_at[1], model=model, optimizer=opt, step=step + 1)
     opt.close()
     spectral = model.spectral.detach()
     return (spectral if as_real else torch.view_as_real(spectral)), model.out.weight.detach()
+
+
+def spectral_step(model, opt, rank: int, step: int) -> None:
+    """One training step of ``SpectralNet`` on this rank's batch of ``step``."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 6, 16, generator=g), torch.randn(4, 3, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
 
 
 def check_complex_parameters(rank: int, size: int) -> int:
@@ -1124,15 +1127,87 @@ def check_complex_parameters(rank: int, size: int) -> int:
         resumed = spectral_run(False, rank, topk, resume=tmp)
         bm.barrier()  # rank 0's directory outlives every rank's reads
     assert all(torch.equal(a, b) for a, b in zip(whole, resumed)), "the resume differs"
-    expect(bm.UnsupportedOptionError, lambda: spectral_run(False, rank, "gradient_allreduce",
-                                                           zero_stage=1),
-           "zero_stage=1 is not supported with complex parameters (1 of them, the first of "
-           "shape (6, 5, 4))")
     model = SpectralNet(False)
     expect(bm.UnsupportedOptionError, lambda: bm.horovod.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
         op=bm.horovod.Adasum), "op=Adasum is not supported with complex parameters (1: spectral)")
     return checks + 3
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A step of its own (not torch.optim's): it might update a complex element as a whole."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sgn(), alpha=-group["lr"])
+
+
+def check_complex_zero(rank: int, size: int) -> int:
+    """ZeRO shards a complex parameter as its real view. In one bucket (the complex weight's
+    240 real elements first, then 51 real ones) the slices are of 146, 97 and 73 elements at
+    2, 3 and 4 ranks, so at 3 and 4 a slice ends inside a complex element. Stages 1 and 2 end
+    where stage 0 ends, their logical state dict holds the complex moments stage 0 holds, that
+    state loaded into stage 2 goes on as stage 0 does, and an optimizer whose step is not
+    torch.optim's is refused by name. The real twin trains there too, bit for bit as the complex
+    model (ZeRO and decentralized make the parameters views of the bucket)."""
+    def build(stage: int):
+        model = SpectralNet(False)
+        opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.02),
+                                      named_parameters=model.named_parameters(),
+                                      bucket_size_mb=25, zero_stage=stage)
+        return model, opt
+
+    def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+    trained = {}
+    for stage in (0, 1, 2):
+        model, opt = build(stage)
+        for step in range(4):
+            spectral_step(model, opt, rank, step)
+        trained[stage] = (model, opt, opt.state_dict())  # collective at stages 1 and 2
+    reference = trained[0][2]["state"]
+    assert reference[0]["exp_avg"].is_complex(), reference[0]["exp_avg"].dtype
+    for stage in (1, 2):
+        model, _, state = trained[stage]
+        close(model.spectral.detach(), trained[0][0].spectral.detach(), f"stage {stage}")
+        close(model.out.weight.detach(), trained[0][0].out.weight.detach(), f"stage {stage}")
+        for position, entry in reference.items():
+            for key, value in entry.items():
+                close(state["state"][position][key], value, f"stage {stage}: state {key}")
+    # the twin (the weight real, viewed as complex in forward) where the model is made views of
+    # the bucket: its range starts at an even offset, as view_as_complex needs
+    for options in ({"zero_stage": 1}, {"zero_stage": 2}, {"algorithm": "decentralized"}):
+        options = {"algorithm": "gradient_allreduce", "bucket_size_mb": 25, **options}
+        algorithm = options.pop("algorithm")
+        twin = spectral_run(True, rank, algorithm, **options)
+        ours = spectral_run(False, rank, algorithm, **options)
+        for what, a, b in zip(("spectral", "out.weight"), ours, twin):
+            assert torch.equal(a, b), f"{options}: {what} differs from the twin's"
+    # stage 0's state (complex moments) loaded into stage 2, then two more steps on both
+    model, opt = build(2)
+    model.load_state_dict(trained[0][0].state_dict())
+    opt.load_state_dict(copy.deepcopy(trained[0][2]))
+    for step in (4, 5):
+        spectral_step(model, opt, rank, step)
+        spectral_step(trained[0][0], trained[0][1], rank, step)
+    close(model.spectral.detach(), trained[0][0].spectral.detach(), "stage 0's state at stage 2")
+    for _, opt, _ in trained.values():
+        opt.close()
+    opt.close()
+    model = SpectralNet(False)
+    expect(bm.UnsupportedOptionError, lambda: bm.DistributedOptimizer(
+        SignSGD(model.parameters()), named_parameters=model.named_parameters(), zero_stage=1),
+        "zero_stage=1 with complex parameters (1 of them, the first of shape (6, 5, 4)) needs "
+        "an optimizer whose step updates a complex tensor as its real view",
+        "SignSGD.step comes from '__main__'")
+    return 4
 
 
 def check_bucket_order_and_overlap(rank: int, size: int, tmp: str) -> int:
@@ -1314,6 +1389,7 @@ def suite_checks() -> dict:
         "torch_compile": check_torch_compile,
         "torch_optimizer_hooks": check_torch_optimizer_hooks,
         "complex_parameters": check_complex_parameters,
+        "complex_zero": check_complex_zero,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "join": check_join,
