@@ -86,10 +86,11 @@ class ObjectState(State):
         for name, value in kwargs.items():
             setattr(self, name, value)
         self._saved_state = dict.fromkeys(kwargs)
-        self._saved_state = self._values()
+        self._saved_state = copy.deepcopy(self._values())
 
     def _set_attrs(self) -> None:
-        for name, value in self._saved_state.items():
+        # copies: a value changed in place (a list appended to) must not change the commit
+        for name, value in copy.deepcopy(self._saved_state).items():
             current = getattr(self, name, None)
             if isinstance(current, ElasticSampler):  # samplers keep their object
                 current.load_state_dict(value if isinstance(value, dict)
@@ -114,50 +115,72 @@ class ObjectState(State):
 
 
 class TorchState(ObjectState):
-    """Models, optimizers and values (``TorchState(model, optimizer, epoch=0, batch=0)``).
+    """Models, optimizers, LR schedulers and values (``TorchState(model, optimizer, epoch=0)``).
 
-    As Horovod's: keyword arguments that are models (``torch.nn.Module``) or optimizers join
-    ``model`` and ``optimizer`` (``TorchState(generator, opt_g, discriminator=d, opt_d=opt_d,
-    epoch=0)``, a GAN). Each is saved, restored and synchronised in place: the objects the
-    training loop holds are the ones restored. The other keyword arguments are values.
+    As Horovod's: keyword arguments that are models (``torch.nn.Module``), optimizers or LR
+    schedulers are handled as ``model`` and ``optimizer`` are (``TorchState(generator, opt_g,
+    discriminator=d, opt_d=opt_d, scheduler=sched, epoch=0)``): each is saved, restored and
+    synchronised in place, so the objects the training loop holds are the ones restored, and
+    assigning another one (``state.model = new_model``) hands it over and saves it. The other
+    keyword arguments are values.
 
     A ``DistributedOptimizer``'s algorithm state (error feedback, peer models, step count) is
     committed and restored with it, and ``restore`` first abandons the iteration the error
     interrupted (``DistributedOptimizer.abandon_iteration``), so training after a restore goes
-    on exactly as it would have from the commit.
+    on exactly as it would have from the commit, however many restores a commit sees.
 
     ``checkpoint_dir`` (default ``BAGUA_MPI_ELASTIC_DIR``): also write every commit there, and
-    let ``run`` resume from it after a restart. The values then must be numbers, strings,
-    lists or dicts (they go to the checkpoint's JSON ``extras``).
+    let ``run`` resume from it after a restart. The values and the schedulers' state dicts then
+    must be numbers, strings, lists or dicts (they go to the checkpoint's JSON ``extras``).
     """
 
     def __init__(self, model=None, optimizer=None, checkpoint_dir: str | None = None, **kwargs):
-        handled = {"model": model, "optimizer": optimizer,
-                   **{name: v for name, v in kwargs.items() if _is_model(v) or _is_optimizer(v)}}
-        for name in ("model", "optimizer"):
-            value = handled[name]
-            if value is not None and not (_is_model(value) or _is_optimizer(value)):
-                raise TypeError(f"TorchState({name}=...) takes a torch.nn.Module or an "
-                                f"optimizer, got {type(value).__name__}")
-        # sorted by name: synchronising and checkpointing are collective, the same order on
-        # every rank whatever order the keyword arguments came in
-        self._models = {n: v for n, v in sorted(handled.items()) if _is_model(v)}
-        self._optimizers = {n: v for n, v in sorted(handled.items()) if _is_optimizer(v)}
+        for name, value in (("model", model), ("optimizer", optimizer)):
+            if value is not None and _kind_of(value) is None:
+                raise TypeError(f"TorchState({name}=...) takes a torch.nn.Module, an optimizer "
+                                f"or an LR scheduler, got {type(value).__name__}")
+        handled = {name: value for name, value in
+                   {"model": model, "optimizer": optimizer, **kwargs}.items()
+                   if value is not None and _kind_of(value) is not None}
+        self.model, self.optimizer = model, optimizer
         for name, value in handled.items():
             setattr(self, name, value)
+        # kind -> name -> object, names sorted: synchronising and checkpointing are collective,
+        # in the same order on every rank whatever order the keyword arguments came in
+        self._snapshots = {kind: {} for kind in (*_KINDS, "algorithms")}
+        self._handled = {kind: {} for kind in _KINDS}  # from here on, __setattr__ hands over
+        for name in sorted(handled):
+            self._handled[_kind_of(handled[name])][name] = handled[name]
         self.checkpoint_dir = checkpoint_dir or config.elastic_dir()
         self.commits = 0
         super().__init__(**{n: v for n, v in kwargs.items() if n not in handled})
-        self._snapshots: dict = {}
         self._snapshot()
 
+    def __setattr__(self, name, value) -> None:
+        handled = self.__dict__.get("_handled")
+        kind = next((k for k, named in (handled or {}).items() if name in named), None)
+        if kind is not None:
+            if _kind_of(value) != kind:
+                raise TypeError(f"state.{name} holds {_KIND_WORDS[kind]}; a "
+                                f"{type(value).__name__} is not one")
+            handled[kind][name] = value
+            self._snapshot_one(kind, name)
+        super().__setattr__(name, value)
+
+    # -- save, restore, sync ---------------------------------------------------------------------
     def _snapshot(self) -> None:
-        self._snapshots = {
-            "models": {n: copy.deepcopy(m.state_dict()) for n, m in self._models.items()},
-            "optimizers": {n: copy.deepcopy(o.state_dict()) for n, o in self._optimizers.items()},
+        for kind, named in self._handled.items():
+            for name in named:
+                self._snapshot_one(kind, name)
+
+    def _snapshot_one(self, kind: str, name: str) -> None:
+        value = self._handled[kind][name]
+        self._snapshots[kind][name] = copy.deepcopy(value.state_dict())
+        if kind == "optimizers" and isinstance(value, DistributedOptimizer):
             # already a copy (one float per parameter for error feedback: not twice)
-            "algorithms": {n: o.algorithm_state_dict()
-                           for n, o in self._optimizers.items() if _is_distributed(o)}}
+            self._snapshots["algorithms"][name] = value.algorithm_state_dict()
+        else:
+            self._snapshots["algorithms"].pop(name, None)
 
     def save(self) -> None:
         super().save()
@@ -167,38 +190,44 @@ class TorchState(ObjectState):
             from . import checkpoint
             checkpoint.save(self.checkpoint_dir, model=self._checkpoint_model(),
                             optimizer=self._checkpoint_optimizer(), step=self.commits, keep=2,
-                            extras={"elastic": self._saved_state, "commits": self.commits})
+                            extras={"elastic": self._saved_state, "commits": self.commits,
+                                    "schedulers": self._snapshots["schedulers"]})
 
     def _checkpoint_model(self):
         """One model as itself (the layout of a single-model checkpoint), several as one
         ``ModuleDict`` by name."""
-        if len(self._models) > 1:
-            return torch.nn.ModuleDict(self._models)
-        return next(iter(self._models.values()), None)
+        models = self._handled["models"]
+        if len(models) > 1:
+            return torch.nn.ModuleDict(models)
+        return next(iter(models.values()), None)
 
     def _checkpoint_optimizer(self):
-        if len(self._optimizers) > 1:
-            return dict(self._optimizers)
-        return next(iter(self._optimizers.values()), None)
+        optimizers = self._handled["optimizers"]
+        if len(optimizers) > 1:
+            return dict(optimizers)
+        return next(iter(optimizers.values()), None)
 
     def restore(self) -> None:
-        for opt in self._optimizers.values():
-            if _is_distributed(opt):
+        for opt in self._handled["optimizers"].values():
+            if isinstance(opt, DistributedOptimizer):
                 opt.abandon_iteration()
-        for name, model in self._models.items():
-            model.load_state_dict(self._snapshots["models"][name])
-        for name, opt in self._optimizers.items():
-            opt.load_state_dict(self._snapshots["optimizers"][name])
-            if name in self._snapshots["algorithms"]:
-                opt.load_algorithm_state_dict(self._snapshots["algorithms"][name])
+        for kind, named in self._handled.items():
+            for name, value in named.items():
+                # a copy: torch.optim keeps the tensors it loads and its steps change them in
+                # place, so the snapshot would not be the commit at the next restore
+                value.load_state_dict(copy.deepcopy(self._snapshots[kind][name]))
+                if name in self._snapshots["algorithms"]:
+                    value.load_algorithm_state_dict(self._snapshots["algorithms"][name])
         super().restore()
 
     def sync(self) -> None:
         from .horovod.functions import broadcast_optimizer_state, broadcast_parameters
-        for model in self._models.values():
+        for model in self._handled["models"].values():
             broadcast_parameters(model.state_dict(), root_rank=0)
-        for opt in self._optimizers.values():
+        for opt in self._handled["optimizers"].values():
             broadcast_optimizer_state(opt, root_rank=0)
+        for scheduler in self._handled["schedulers"].values():
+            scheduler.load_state_dict(collectives.broadcast_object(scheduler.state_dict(), 0))
         super().sync()
         self._snapshot()
 
@@ -219,6 +248,14 @@ class TorchState(ObjectState):
         info = checkpoint.load(self.checkpoint_dir, model=self._checkpoint_model(),
                                optimizer=self._checkpoint_optimizer())
         extras = info.extras or {}
+        saved = extras.get("schedulers", {})
+        if sorted(saved) != sorted(self._handled["schedulers"]):
+            from .checkpoint import CheckpointError
+            raise CheckpointError(
+                f"{self.checkpoint_dir} holds LR schedulers {sorted(saved)}, this TorchState "
+                f"has {sorted(self._handled['schedulers'])}: give it the same schedulers")
+        for name, scheduler in self._handled["schedulers"].items():
+            scheduler.load_state_dict(saved[name])
         self._saved_state = dict(extras.get("elastic", self._saved_state))
         self.commits = int(extras.get("commits", info.step))
         self._set_attrs()
@@ -226,16 +263,15 @@ class TorchState(ObjectState):
         return True
 
 
-def _is_model(value) -> bool:
-    return isinstance(value, torch.nn.Module)
+_KINDS = {"models": lambda v: isinstance(v, torch.nn.Module),
+          "optimizers": lambda v: isinstance(v, torch.optim.Optimizer),
+          "schedulers": lambda v: isinstance(v, torch.optim.lr_scheduler.LRScheduler)}
+_KIND_WORDS = {"models": "a model", "optimizers": "an optimizer", "schedulers": "an LR scheduler"}
 
 
-def _is_optimizer(value) -> bool:
-    return isinstance(value, torch.optim.Optimizer)
-
-
-def _is_distributed(opt) -> bool:
-    return isinstance(opt, DistributedOptimizer)
+def _kind_of(value) -> str | None:
+    """Which kind of handled object ``value`` is (a key of ``_KINDS``), or None: a value."""
+    return next((kind for kind, test in _KINDS.items() if test(value)), None)
 
 
 class ElasticSampler:

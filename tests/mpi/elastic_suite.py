@@ -10,9 +10,12 @@ after the restore the run must end bit for bit where it ends, for
   state) and ``step()``, and before the first commit;
 * an error between the backward passes of one step (``backward_passes_per_step=2``);
 * ZeRO stages 1 and 2;
-* a GAN whose second model and optimizer are keyword arguments (``TorchState(G, opt_g,
-  discriminator=D, opt_d=opt_d)``, as Horovod's), restored in place and resumed from the
-  checkpoint directory by a second training with new objects.
+* the state's values, one of them a list appended to in place;
+* an LR scheduler stepped before the error;
+* a GAN whose second model and optimizer and a scheduler are keyword arguments
+  (``TorchState(G, opt_g, discriminator=D, opt_d=opt_d, scheduler=s)``, as Horovod's), restored
+  in place and resumed from the checkpoint directory by a second training with new objects;
+* a model assigned to ``state.model`` after construction (handed over, as Horovod's).
 
 ``async`` averages on a timer, so two of its runs differ anyway: it must restore and go on.
 Each check prints ``CHECK <name> PASS|FAIL`` (``checks.run_checks``).
@@ -30,9 +33,11 @@ from checks import expect, run_checks
 from short_runs import HYPERPARAMETERS, gan_models
 
 EPOCHS = 7
-# where the error is raised: (epoch, point), point one of "after_step", "before_step"
+# where the error is raised: (epoch, point[, times]), point one of "after_step", "before_step";
+# twice in a row: the second restore must find the commit as the first did (torch.optim's
+# load_state_dict keeps the tensors it is given, and the steps after it change them in place)
 FAILURES = {"after_step": (3, "after_step"), "before_step": (4, "before_step"),
-            "before_first_commit": (0, "after_step")}
+            "before_first_commit": (0, "after_step"), "twice": (2, "after_step", 2)}
 
 
 def batch(epoch: int, pass_: int = 0):
@@ -47,8 +52,9 @@ def everyone_fails() -> None:
 
 
 def train(algorithm: str, fail_at=None, passes: int = 1, **options) -> torch.Tensor:
-    """EPOCHS steps under ``elastic.run`` (one commit each), failing once at ``fail_at``
-    ((epoch, point), or (epoch, "between_passes") with ``passes`` 2); this rank's parameters."""
+    """EPOCHS steps under ``elastic.run`` (one commit each), failing at ``fail_at`` ((epoch,
+    point) once, (epoch, point, times), or (epoch, "between_passes") with ``passes`` 2); this
+    rank's parameters."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     base = (torch.optim.Adam(model.parameters(), lr=0.01)
@@ -58,16 +64,19 @@ def train(algorithm: str, fail_at=None, passes: int = 1, **options) -> torch.Ten
                                   algorithm=bm.algorithms.create(algorithm,
                                                                  **HYPERPARAMETERS.get(algorithm, {})),
                                   backward_passes_per_step=passes, **options)
-    state = bm.elastic.TorchState(model, opt, epoch=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    state = bm.elastic.TorchState(model, opt, scheduler=scheduler, epoch=0, history=[])
     failed = []
+    times = 1 if fail_at is None or len(fail_at) == 2 else fail_at[2]
 
     def fails_here(point: str) -> bool:
-        return (fail_at is not None and not failed and fail_at == (state.epoch, point)
-                and not failed.append(1))
+        return (fail_at is not None and len(failed) < times
+                and tuple(fail_at[:2]) == (state.epoch, point) and not failed.append(1))
 
     @bm.elastic.run
     def loop(state):
         while state.epoch < EPOCHS:
+            state.history.append(state.epoch)  # a value changed in place, before the error
             opt.zero_grad()
             for p in range(passes):
                 x, y = batch(state.epoch, p)
@@ -77,13 +86,15 @@ def train(algorithm: str, fail_at=None, passes: int = 1, **options) -> torch.Ten
             if fails_here("before_step"):
                 everyone_fails()
             opt.step()
+            scheduler.step()
             if fails_here("after_step"):
                 everyone_fails()
             state.epoch += 1
             state.commit()
 
     loop(state)
-    assert failed or fail_at is None, f"the error at {fail_at} was never raised"
+    assert fail_at is None or len(failed) == times, f"the error at {fail_at} was not raised"
+    assert state.history == list(range(EPOCHS)), f"{fail_at}: history {state.history}"
     opt.close()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -138,8 +149,9 @@ def gan(directory=None, fail_at_epoch=None, stop_at=None):
     opt_d = bm.DistributedOptimizer(torch.optim.Adam(D.parameters(), lr=0.01),
                                     named_parameters=D.named_parameters(),
                                     algorithm=bm.algorithms.create("topk", density=0.2))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt_g, step_size=2, gamma=0.5)
     state = bm.elastic.TorchState(G, opt_g, checkpoint_dir=directory, discriminator=D,
-                                  opt_d=opt_d, epoch=0)
+                                  opt_d=opt_d, scheduler=scheduler, epoch=0)
     bce = torch.nn.BCEWithLogitsLoss()
     failed = []
 
@@ -158,6 +170,7 @@ def gan(directory=None, fail_at_epoch=None, stop_at=None):
             with opt_d.no_sync():  # the generator's pass goes through D: not D's exchange
                 bce(D(G(z)), torch.ones(8, 1)).backward()
             opt_g.step()
+            scheduler.step()
             state.epoch += 1
             state.commit()
             if state.epoch == stop_at:
@@ -191,12 +204,27 @@ def check_several_models(rank: int, size: int) -> None:
     assert_same_on_every_rank_view("GAN resumed from the checkpoint directory", resumed, want)
 
 
-def check_bad_arguments(rank: int, size: int) -> None:
-    model = torch.nn.Linear(2, 1)
+def check_handover_and_bad_arguments(rank: int, size: int) -> None:
+    """Assigning another model to ``state.model`` hands it over (as Horovod's): the restore
+    brings back the new one, as it was when assigned; a value of another kind is refused."""
+    model, other = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    state = bm.elastic.TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=0)
+    state.model = other
+    assigned = other.weight.detach().clone()
+    with torch.no_grad():
+        other.weight.add_(1.0)
+        model.weight.add_(1.0)
+    state.restore()
+    assert torch.equal(other.weight, assigned), "the assigned model was not restored"
+    assert not torch.equal(model.weight.detach(), assigned), "the old model was restored"
+    expect(TypeError, lambda: setattr(state, "model", 3),
+           "state.model holds a model; a int is not one")
     expect(TypeError, lambda: bm.elastic.TorchState(model.state_dict()),
-           "TorchState(model=...) takes a torch.nn.Module or an optimizer, got OrderedDict")
+           "TorchState(model=...) takes a torch.nn.Module, an optimizer or an LR scheduler, "
+           "got OrderedDict")
     expect(TypeError, lambda: bm.elastic.TorchState(model, optimizer=0.1),
-           "TorchState(optimizer=...) takes a torch.nn.Module or an optimizer, got float")
+           "TorchState(optimizer=...) takes a torch.nn.Module, an optimizer or an LR scheduler, "
+           "got float")
 
 
 def suite_checks(algorithms=None) -> dict:
@@ -206,7 +234,8 @@ def suite_checks(algorithms=None) -> dict:
               for name in (bm.algorithms.names() if algorithms is None else algorithms)}
     checks.update({"restore_between_passes": check_between_passes,
                    "restore_zero_stage_1": zero_check(1), "restore_zero_stage_2": zero_check(2),
-                   "several_models": check_several_models, "bad_arguments": check_bad_arguments})
+                   "several_models": check_several_models,
+                   "handover_and_bad_arguments": check_handover_and_bad_arguments})
     return checks
 
 
