@@ -1151,30 +1151,33 @@ class SignSGD(torch.optim.Optimizer):
 def check_complex_zero(rank: int, size: int) -> int:
     """ZeRO shards a complex parameter as its real view. In one bucket (the complex weight's
     240 real elements first, then 51 real ones) the slices are of 146, 97 and 73 elements at
-    2, 3 and 4 ranks, so at 3 and 4 a slice ends inside a complex element. Stages 1 and 2 end
-    where stage 0 ends, their logical state dict holds the complex moments stage 0 holds, that
+    2, 3 and 4 ranks, so at 3 and 4 a slice ends inside a complex element. Stages 1 and 2 (and
+    stage 2 sharded over two levels at 4 ranks) end where stage 0 ends, their logical state dict holds the complex moments stage 0 holds, that
     state loaded into stage 2 goes on as stage 0 does, and an optimizer whose step is not
     torch.optim's is refused by name. The real twin trains there too, bit for bit as the complex
     model (ZeRO and decentralized make the parameters views of the bucket)."""
-    def build(stage: int):
+    def build(stage: int, **options):
         model = SpectralNet(False)
         opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.02),
                                       named_parameters=model.named_parameters(),
-                                      bucket_size_mb=25, zero_stage=stage)
+                                      bucket_size_mb=25, zero_stage=stage, **options)
         return model, opt
 
     def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
     trained = {}
-    for stage in (0, 1, 2):
-        model, opt = build(stage)
+    # two-level sharding (nodes of 2 ranks) where every node is full
+    two_level = {"2 levels": (2, {"hierarchical": True})} if size % 2 == 0 and size > 2 else {}
+    for stage, (zero_stage, options) in {0: (0, {}), 1: (1, {}), 2: (2, {}),
+                                         **two_level}.items():
+        model, opt = build(zero_stage, **options)
         for step in range(4):
             spectral_step(model, opt, rank, step)
         trained[stage] = (model, opt, opt.state_dict())  # collective at stages 1 and 2
     reference = trained[0][2]["state"]
     assert reference[0]["exp_avg"].is_complex(), reference[0]["exp_avg"].dtype
-    for stage in (1, 2):
+    for stage in (1, 2, *two_level):
         model, _, state = trained[stage]
         close(model.spectral.detach(), trained[0][0].spectral.detach(), f"stage {stage}")
         close(model.out.weight.detach(), trained[0][0].out.weight.detach(), f"stage {stage}")
