@@ -242,6 +242,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if engine is not None and sys._getframe(1).f_globals.get("__name__") == _GRAD_SCALER:
             self.impl.on_loss_scaling()
             engine.loss_scaler_read = True
+            if (self._sharded is not None and self._sharded.stage == 2
+                    and self._engine.buckets is not None):
+                # the gradients are slices, not p.grad: the scaler reads those (collective,
+                # as every rank's scaler unscales at the same point of the step)
+                if self._sharded.inner is None:
+                    self._sharded.attach(self._engine.buckets)
+                return self._sharded.loss_scaler_groups()
         return self.optimizer.param_groups
 
     @param_groups.setter

@@ -249,6 +249,25 @@ class ShardedOptimizer:
                     bucket.flat_grad.mul_(factor)
         return torch.tensor(norm, dtype=torch.float32)
 
+    def loss_scaler_groups(self) -> list[dict]:
+        """What ``torch.amp.GradScaler`` reads at stage 2, where ``p.grad`` is None: groups of
+        this rank's pieces, whose gradients are its slices of the reduced gradient (the scaler
+        unscales them in place and checks them), and one more group holding a sentinel whose
+        one-element gradient is inf when any rank's slices hold inf or NaN (one flag, one
+        8-byte allreduce). The slices differ across the ranks, and a rank whose scaler stepped
+        while another's skipped would wait for it in the parameters' allgather; with the
+        sentinel every rank skips the same steps, and a rank without slices still has a
+        gradient for the scaler to check."""
+        slices = [s for s in self.grad_slices() if s.numel()]
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        local = (not bool(torch.stack([s.isfinite().all() for s in slices]).all())
+                 if slices else False)  # one read from the device
+        anywhere = runtime.get().worker.run(
+            lambda: self.topo.comm.allreduce(int(local), op=MPI.MAX), ("zero inf check",))
+        sentinel = torch.zeros(1, device=device)
+        sentinel.grad = torch.full((1,), float("inf") if anywhere else 0.0, device=device)
+        return [*self.inner.param_groups, {"params": [sentinel]}]
+
     # -- memory ------------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors this rank holds."""

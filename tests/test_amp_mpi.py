@@ -1,6 +1,7 @@
 """Loss scaling (torch.amp.GradScaler) with DistributedOptimizer under a real mpiexec (see
 tests/mpi/amp_suite.py): both recipes, an inf or NaN batch on one rank, every algorithm that
-exchanges gradients, at 1-3 ranks; each check is its own test."""
+exchanges gradients, ZeRO stages 1 and 2 (an overflow in one rank's slice only), at 1-3 ranks;
+each check is its own test."""
 import pytest
 
 from mpi_harness import assert_check_passed, library_algorithms, run_mpi, suite_job

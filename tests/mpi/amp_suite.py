@@ -55,7 +55,7 @@ def batch(step: int, rank: int, size: int, poison: str | None):
     g = torch.Generator().manual_seed(100 * step + rank)
     x = torch.randn(ROWS, 16, generator=g)
     y = x[:, :4].sum(dim=1, keepdim=True)
-    if poison and step == BAD and rank == size - 1:
+    if poison in ("inf", "nan") and step == BAD and rank == size - 1:
         x = x * (1e30 if poison == "inf" else float("nan"))
     return x, y
 
@@ -73,17 +73,29 @@ def combined_loss(net, size: int) -> float:
 
 
 def train(name: str, recipe: str, poison: str | None, rank: int, size: int, make=model,
-          bucket_mb: float = 0.001):
+          bucket_mb: float = 0.001, **options):
     """(model, scale after each step, loss on every rank's next batch after each step) of a
-    run of ``name`` under GradScaler."""
+    run of ``name`` under GradScaler. ``poison``: the last rank's batch at step ``BAD`` is
+    ``inf`` or ``nan``, or (``element``) one element of its first layer's gradient is inf, which
+    at ``zero_stage=2`` lands in one rank's slice only."""
     net = make()
     algorithm = bm.algorithms.create(name, **OVERRIDES.get(name, {}))
     opt = bm.DistributedOptimizer(base_optimizer(name, net.parameters()),
                                   named_parameters=net.named_parameters(), algorithm=algorithm,
-                                  overlap=True, bucket_size_mb=bucket_mb)
+                                  overlap=True, bucket_size_mb=bucket_mb, **options)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1000)
     scales, losses = [], []
+    now = [0]
+    if poison == "element" and rank == size - 1:
+        def one_inf(grad):
+            if now[0] != BAD:
+                return grad
+            grad = grad.clone()
+            grad.view(-1)[-1] = float("inf")
+            return grad
+        net[0].weight.register_hook(one_inf)
     for step in range(STEPS):
+        now[0] = step
         x, y = batch(step, rank, size, poison)
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(net(x), y)).backward()
@@ -119,10 +131,10 @@ def flat(net) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
-def check_skip(name: str, recipe: str, poison: str, rank: int, size: int) -> None:
+def check_skip(name: str, recipe: str, poison: str, rank: int, size: int, **options) -> None:
     with warnings.catch_warnings():  # a scaler's skip is routine: zero_grad() must not warn
         warnings.simplefilter("error", bm.DiscardedExchangeWarning)
-        net, scales, losses = train(name, recipe, poison, rank, size)
+        net, scales, losses = train(name, recipe, poison, rank, size, **options)
     everyone = bm.allgather_object(scales)
     assert all(s == everyone[0] for s in everyone), f"the ranks' scales differ: {everyone}"
     backoffs = [step for step in range(STEPS)
@@ -251,8 +263,24 @@ def skip_checks() -> dict:
     return out
 
 
+def zero_checks() -> dict:
+    """ZeRO: at stage 2 ``p.grad`` is None and each rank holds its slice of the gradient; the
+    scaler unscales and checks the slices, and skips a step wherever any rank's slice overflowed
+    (``element``: one rank's slice only). Stage 1 keeps whole gradients. The replay oracle for
+    gradient averaging, the loss for QSGD's compressed reduce-scatter."""
+    out = {}
+    for stage, name in ((1, "gradient_allreduce"), (2, "gradient_allreduce"), (2, "qsgd")):
+        for recipe in ("plain", "explicit"):
+            for poison in ("inf", "element"):
+                out[f"zero{stage}_{name}_{recipe}_{poison}"] = (
+                    lambda rank, size, n=name, r=recipe, p=poison, z=stage: check_skip(
+                        n, r, p, rank, size, zero_stage=z))
+    return out
+
+
 def suite_checks() -> dict:
     return {"plain_recipe_overlapped": check_plain_recipe_overlapped, **skip_checks(),
+            **zero_checks(),
             "onebit_adam_refuses_grad_scaler": check_onebit_adam_refuses_grad_scaler,
             "onebit_adam_refuses_clipping": check_onebit_adam_refuses_clipping,
             "onebit_adam_refuses_skipped_step": check_onebit_adam_refuses_skipped_step,
