@@ -5,9 +5,9 @@ An error that every rank sees (here a collective whose shapes differ across the 
 function again. The oracle is the same training, with the same per-rank data, that never failed:
 after the restore the run must end bit for bit where it ends, for
 
-* every registered algorithm (from the registry), with the error raised at three points: after
-  ``step()`` before the commit, between ``backward()`` (whose exchange fed the algorithm's
-  state) and ``step()``, and before the first commit;
+* every registered algorithm (from the registry), with the error raised after ``step()`` before
+  the commit, between ``backward()`` (whose exchange fed the algorithm's state) and ``step()``,
+  before the first commit, and twice in a row before one commit;
 * an error between the backward passes of one step (``backward_passes_per_step=2``);
 * ZeRO stages 1 and 2;
 * the state's values, one of them a list appended to in place;
@@ -60,10 +60,9 @@ def train(algorithm: str, fail_at=None, passes: int = 1, **options) -> torch.Ten
     base = (torch.optim.Adam(model.parameters(), lr=0.01)
             if algorithm == "onebit_adam" or options.get("zero_stage")
             else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    chosen = bm.algorithms.create(algorithm, **HYPERPARAMETERS.get(algorithm, {}))
     opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                  algorithm=bm.algorithms.create(algorithm,
-                                                                 **HYPERPARAMETERS.get(algorithm, {})),
-                                  backward_passes_per_step=passes, **options)
+                                  algorithm=chosen, backward_passes_per_step=passes, **options)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     state = bm.elastic.TorchState(model, opt, scheduler=scheduler, epoch=0, history=[])
     failed = []
@@ -99,7 +98,7 @@ def train(algorithm: str, fail_at=None, passes: int = 1, **options) -> torch.Ten
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def assert_same_on_every_rank_view(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_matches_on_every_rank(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
     """Each rank compares its own parameters (they differ across ranks where the algorithm
     averages models); every rank raises if any rank's differ."""
     diff = (got - want).abs().max().item()
@@ -116,7 +115,7 @@ def restore_check(algorithm: str):
             return
         want = train(algorithm)
         for label, fail_at in FAILURES.items():
-            assert_same_on_every_rank_view(f"{algorithm}, error {label}",
+            assert_matches_on_every_rank(f"{algorithm}, error {label}",
                                            train(algorithm, fail_at), want)
     return check
 
@@ -126,7 +125,7 @@ def check_between_passes(rank: int, size: int) -> None:
     are abandoned (``zero_grad()`` would refuse them otherwise) and the restored run goes on."""
     for algorithm in ("gradient_allreduce", "topk"):
         want = train(algorithm, passes=2)
-        assert_same_on_every_rank_view(f"{algorithm}, error between passes",
+        assert_matches_on_every_rank(f"{algorithm}, error between passes",
                                        train(algorithm, (2, "between_passes"), passes=2), want)
 
 
@@ -134,7 +133,7 @@ def zero_check(stage: int):
     def check(rank: int, size: int) -> None:
         want = train("gradient_allreduce", zero_stage=stage)
         for label, fail_at in FAILURES.items():
-            assert_same_on_every_rank_view(f"zero_stage={stage}, error {label}",
+            assert_matches_on_every_rank(f"zero_stage={stage}, error {label}",
                                            train("gradient_allreduce", fail_at,
                                                  zero_stage=stage), want)
     return check
@@ -191,7 +190,7 @@ def check_several_models(rank: int, size: int) -> None:
     state, G, D, got = gan(fail_at_epoch=3)
     assert state.discriminator is D and state.model is G, "TorchState replaced the models"
     assert "discriminator" not in state._saved_state, "a model was kept as a value"
-    assert_same_on_every_rank_view("GAN, error after D's step", got, want)
+    assert_matches_on_every_rank("GAN, error after D's step", got, want)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = bm.broadcast_object(tmp if rank == 0 else None)
         state, *_ = gan(directory=tmp, stop_at=4)
@@ -201,7 +200,7 @@ def check_several_models(rank: int, size: int) -> None:
         state, _, _, resumed = gan(directory=tmp)  # new objects: the job restarted
         bm.barrier()  # rank 0's directory outlives every rank's reads
     assert state.commits == EPOCHS, state.commits
-    assert_same_on_every_rank_view("GAN resumed from the checkpoint directory", resumed, want)
+    assert_matches_on_every_rank("GAN resumed from the checkpoint directory", resumed, want)
 
 
 def check_handover_and_bad_arguments(rank: int, size: int) -> None:

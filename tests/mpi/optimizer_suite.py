@@ -1152,9 +1152,9 @@ def check_complex_zero(rank: int, size: int) -> int:
     """ZeRO shards a complex parameter as its real view. In one bucket (the complex weight's
     240 real elements first, then 51 real ones) the slices are of 146, 97 and 73 elements at
     2, 3 and 4 ranks, so at 3 and 4 a slice ends inside a complex element. Stages 1 and 2 (and
-    stage 2 sharded over two levels at 4 ranks) end where stage 0 ends, their logical state dict holds the complex moments stage 0 holds, that
-    state loaded into stage 2 goes on as stage 0 does, and an optimizer whose step is not
-    torch.optim's is refused by name. The real twin trains there too, bit for bit as the complex
+    stage 2 sharded over two levels at 4 ranks) end where stage 0 ends, their logical state
+    dict holds the complex moments stage 0 holds, that state loaded into stage 2 goes on as
+    stage 0 does, and an optimizer whose step is not torch.optim's is refused by name. The real twin trains there too, bit for bit as the complex
     model (ZeRO and decentralized make the parameters views of the bucket)."""
     def build(stage: int, **options):
         model = SpectralNet(False)
