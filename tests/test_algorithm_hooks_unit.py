@@ -192,7 +192,8 @@ def test_loading_state_replaces_what_the_run_had():
     """Loading into an impl that has stepped (an elastic restore, a roll-back to an earlier
     checkpoint) leaves nothing of its own: a vector the loaded state lacks is zeroed in place
     (its holder keeps it), a per-parameter tensor it lacks is made afresh at its next use, and
-    one it has takes the loaded values."""
+    one it has takes the loaded values. A state that does not fit is refused before anything
+    changes."""
     impl = make_impl(GTopK(density=0.5))
     buckets = make_buckets([[0, 1], [2]], flatten=False)
     impl.setup_buckets(buckets)
@@ -210,6 +211,13 @@ def test_loading_state_replaces_what_the_run_had():
     impl.load_state_dict({"step": 0, "tensors": {}, "extra": {}})
     fresh = impl.state.tensor("q", "layer2.weight", lambda: torch.ones(3, 2))
     assert torch.equal(fresh, torch.ones(3, 2)) and impl.step == 0
+    # a state that does not fit (another PowerSGD rank: Q of another width) changes nothing
+    residual.fill_(3.0)
+    with pytest.raises(ValueError, match="has shape"):
+        impl.load_state_dict({"step": 9, "tensors": {"residual": {}, "q": {
+            "layer2.weight": torch.zeros(3, 5)}}, "extra": {}})
+    assert bool((residual == 3.0).all()) and impl.state.tensors["q"]["layer2.weight"] is fresh
+    assert impl.step == 0
 
 
 def test_stage_two_reduce_scatter_keys_the_worker_error_as_the_stage_zero_exchange():

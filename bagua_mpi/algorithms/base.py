@@ -392,9 +392,9 @@ class AlgorithmImpl:
 
     def load_state_dict(self, state: dict) -> None:
         self.state.check_layouts(state.get("tensors", {}), state.get("layouts", {}))
+        self.state.load_state_dict(state.get("tensors", {}))  # first: it may refuse them
         self.step = int(state.get("step", 0))
         self.load_extra_state(state.get("extra", {}))
-        self.state.load_state_dict(state.get("tensors", {}))
         self._state_checked = False
 
     def check_state_claimed(self) -> None:

@@ -217,28 +217,38 @@ class AlgorithmState:
         """Replace the state by ``state``: what is allocated now takes its values, the rest is
         held until it is allocated. State of kinds and parameters that ``state`` lacks restarts
         as a fresh run's would (``clear``), so loading into an optimizer that has stepped
-        (an elastic restore, a roll-back to an earlier checkpoint) leaves nothing of its own."""
+        (an elastic restore, a roll-back to an earlier checkpoint) leaves nothing of its own.
+        Every entry is checked against what is allocated first: a state that does not fit
+        raises ``ValueError`` and changes nothing."""
+        for kind, by_name in state.items():
+            for name, value in by_name.items():
+                self._check_fits(kind, name, value)
         self.clear()
         for kind, by_name in state.items():
             for name, value in by_name.items():
-                if name not in self.param_numels:
-                    raise ValueError(f"checkpoint has {kind!r} state for parameter {name!r}, "
-                                     f"which this model does not have")
                 self._apply(kind, name, value)
 
+    def _check_fits(self, kind: str, name: str, value: torch.Tensor) -> None:
+        if name not in self.param_numels:
+            raise ValueError(f"checkpoint has {kind!r} state for parameter {name!r}, "
+                             f"which this model does not have")
+        for (k, _), vec in self.vectors.items():
+            if k == kind and name in vec.names() and value.numel() != self.param_numels[name]:
+                raise ValueError(f"checkpoint {kind!r} state of {name} has {value.numel()} "
+                                 f"elements, the parameter has {self.param_numels[name]}")
+        target = self.tensors.get(kind, {}).get(name)
+        if target is not None and tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"checkpoint {kind!r} state of {name} has shape "
+                             f"{tuple(value.shape)}, this run needs {tuple(target.shape)}")
+
     def _apply(self, kind: str, name: str, value: torch.Tensor) -> None:
+        """After ``clear``: into the vectors allocated now, else held (per-parameter tensors
+        are made afresh at their next use, and take it then)."""
         placed = False
         for (k, _), vec in self.vectors.items():
             if k == kind and name in vec.names():
                 vec.fill(name, value)
                 placed = True
-        target = self.tensors.get(kind, {}).get(name)
-        if target is not None:
-            if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(f"checkpoint {kind!r} state of {name} has shape "
-                                 f"{tuple(value.shape)}, this run needs {tuple(target.shape)}")
-            target.copy_(value)
-            placed = True
         if not placed:
             self.pending.setdefault(kind, {})[name] = value
 
