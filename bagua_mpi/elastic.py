@@ -175,11 +175,14 @@ class TorchState(ObjectState):
 
     def _snapshot_one(self, kind: str, name: str) -> None:
         value = self._handled[kind][name]
-        self._snapshots[kind][name] = copy.deepcopy(value.state_dict())
-        if kind == "optimizers" and isinstance(value, DistributedOptimizer):
-            # already a copy (one float per parameter for error feedback: not twice)
+        if isinstance(value, DistributedOptimizer):
+            # this rank's own state (ZeRO: its slices, not the gathered whole, which would
+            # undo the sharding's memory saving at every commit), and the algorithm's, which
+            # is already a copy (one float per parameter for error feedback: not twice)
+            self._snapshots[kind][name] = copy.deepcopy(value.local_state_dict())
             self._snapshots["algorithms"][name] = value.algorithm_state_dict()
         else:
+            self._snapshots[kind][name] = copy.deepcopy(value.state_dict())
             self._snapshots["algorithms"].pop(name, None)
 
     def save(self) -> None:
@@ -215,9 +218,12 @@ class TorchState(ObjectState):
             for name, value in named.items():
                 # a copy: torch.optim keeps the tensors it loads and its steps change them in
                 # place, so the snapshot would not be the commit at the next restore
-                value.load_state_dict(copy.deepcopy(self._snapshots[kind][name]))
-                if name in self._snapshots["algorithms"]:
+                saved = copy.deepcopy(self._snapshots[kind][name])
+                if isinstance(value, DistributedOptimizer):
+                    value.load_local_state_dict(saved)
                     value.load_algorithm_state_dict(self._snapshots["algorithms"][name])
+                else:
+                    value.load_state_dict(saved)
         super().restore()
 
     def sync(self) -> None:

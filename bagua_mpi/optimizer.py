@@ -280,6 +280,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # loading replaces the param_groups dicts: algorithms holding them must see the new ones
         self.impl.bind_optimizer(self.optimizer)
 
+    def local_state_dict(self) -> dict:
+        """The wrapped optimizer's state as this rank holds it, for an in-memory snapshot that
+        this rank loads back (``load_local_state_dict``; an elastic commit): with
+        ``zero_stage`` only this rank's slices, not gathered (no communication, 1/n of the
+        memory ``state_dict()`` takes); otherwise ``state_dict()``. Not for checkpoints, which
+        need the logical state."""
+        if self._sharded is not None:
+            return self._sharded.local_state_dict()
+        return self.optimizer.state_dict()
+
+    def load_local_state_dict(self, local: dict) -> None:
+        if self._sharded is not None:
+            self._sharded.load_local_state_dict(local)
+        else:
+            self.optimizer.load_state_dict(local)
+        self.impl.bind_optimizer(self.optimizer)
+
     def add_param_group(self, param_group) -> None:
         raise NotImplementedError("parameters cannot be added to a DistributedOptimizer: build "
                                   "the optimizer with all groups, then wrap it, or add the "

@@ -340,6 +340,30 @@ class ShardedOptimizer:
                                if kind == "tensor"}:
                         state[pos][key] = bucket.param_view(flat, i).clone()
 
+    def local_state_dict(self) -> dict:
+        """This rank's own part, not gathered (no communication, 1/n of the state): the user's
+        param groups, the inner optimizer's state over this rank's pieces, and a logical state
+        loaded before the first step and not applied yet. For in-memory snapshots that this rank
+        loads back (``load_local_state_dict``), as an elastic commit does; a checkpoint needs the
+        logical ``state_dict``."""
+        return {"param_groups": self.user.state_dict()["param_groups"],
+                "inner": None if self.inner is None else self.inner.state_dict(),
+                "held": self._held}
+
+    def load_local_state_dict(self, local: dict) -> None:
+        """Back to a ``local_state_dict`` of this rank, taken on the same buckets. One taken
+        before the first step gives the inner optimizer empty state again (and the logical
+        state then held)."""
+        self.user.load_state_dict({"state": {}, "param_groups": local["param_groups"]})
+        if self.inner is None:
+            self._held = local["held"]
+            return
+        groups = self.inner.state_dict()["param_groups"]
+        self.inner.load_state_dict(local["inner"] if local["inner"] is not None
+                                   else {"state": {}, "param_groups": groups})
+        if local["inner"] is None and local["held"] is not None:
+            self._apply(local["held"])
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Take a logical state dict (from any world size, sharded or not): the user's groups
         get the hyperparameters, the inner optimizer this rank's slices of the state."""

@@ -10,7 +10,7 @@ after the restore the run must end bit for bit where it ends, for
   inside the exchange (the hyperparameter check, where the algorithm exchanges gradients),
   before the first commit, and twice in a row before one commit;
 * an error between the backward passes of one step (``backward_passes_per_step=2``);
-* ZeRO stages 1 and 2;
+* ZeRO stages 1 and 2 (a commit copies this rank's slices of the state, not the whole);
 * the state's values, one of them a list appended to in place;
 * an LR scheduler stepped before the error;
 * a GAN whose second model and optimizer and a scheduler are keyword arguments
@@ -149,6 +149,35 @@ def zero_check(stage: int):
     return check
 
 
+def tensor_bytes(tree) -> int:
+    """Bytes of every tensor in a tree of dicts, lists and tuples."""
+    if torch.is_tensor(tree):
+        return tree.numel() * tree.element_size()
+    items = tree.values() if isinstance(tree, dict) else tree
+    return sum(map(tensor_bytes, items)) if isinstance(tree, (dict, list, tuple)) else 0
+
+
+def check_sharded_commit_keeps_this_ranks_slices(rank: int, size: int) -> None:
+    """At ZeRO stage 2 a commit copies this rank's slices of Adam's state, not the gathered
+    whole (which would undo the sharding's memory saving at every commit)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), zero_stage=2)
+    for epoch in range(2):
+        x, y = batch(epoch)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    state = bm.elastic.TorchState(model, opt, epoch=0)
+    state.commit()
+    kept = tensor_bytes(state._snapshots["optimizers"])
+    whole = tensor_bytes(opt.state_dict()["state"])  # the logical state, gathered
+    held = opt.memory_stats()["optimizer_state_bytes"]
+    assert kept <= held + 64 and kept <= whole // size + 64 * size, (kept, held, whole)
+    opt.close()
+
+
 def gan(directory=None, fail_at_epoch=None, stop_at=None):
     """A GAN under ``elastic.run``: the discriminator and its optimizer (top-k, per-rank error
     feedback) are keyword arguments of ``TorchState``. Returns (state, G, D, parameters)."""
@@ -243,6 +272,8 @@ def suite_checks(algorithms=None) -> dict:
               for name in (bm.algorithms.names() if algorithms is None else algorithms)}
     checks.update({"restore_between_passes": check_between_passes,
                    "restore_zero_stage_1": zero_check(1), "restore_zero_stage_2": zero_check(2),
+                   "sharded_commit_keeps_this_ranks_slices":
+                       check_sharded_commit_keeps_this_ranks_slices,
                    "several_models": check_several_models,
                    "handover_and_bad_arguments": check_handover_and_bad_arguments})
     return checks
