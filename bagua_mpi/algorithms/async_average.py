@@ -80,6 +80,10 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._error: BaseException | None = None
         self._started_step = 0  # step after which the exchange in flight started
         self._resume_in_flight = False  # a loaded checkpoint carries an exchange's result
+        # a restore mid-run (elastic): the exchange under way belongs to the abandoned steps and
+        # is dropped when it ends; the restored state's own exchange result is applied instead
+        self._discard_in_flight = False
+        self._restored_delta: torch.Tensor | None = None
         self.closed = False
 
     def init_buckets(self, buckets) -> None:
@@ -96,9 +100,7 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._snapshot = torch.zeros(total, dtype=torch.float32, device=home, pin_memory=pin)
         self._delta = torch.zeros(total, dtype=torch.float32, device=home, pin_memory=pin)
         if self._resume_in_flight:  # the saved run had an exchange in flight: its result
-            for bucket, delta in self.bucket_slices(self._delta):
-                delta.copy_(self.tensor_state("in_flight_delta", bucket.segments()).data)
-            self.state.drop("in_flight_delta")
+            self._take_saved_delta(self._delta)
             self._in_flight = True
             self._done.set()
         self._thread = threading.Thread(target=self._loop, name="bagua_mpi-async", daemon=True)
@@ -115,7 +117,8 @@ class AsyncAverageImpl(AlgorithmImpl):
             self._done.wait()  # bounded staleness: this step may not run ahead any further
             self._raise_background_error()
         if self._in_flight and self._done.is_set():
-            self._apply_delta()
+            self._finish_in_flight()
+        self._apply_restored()
         interval = self.algorithm.sync_interval_ms / 1000.0
         if not self._in_flight and time.monotonic() - self._last_start >= interval:
             self._start_exchange(continue_flag=1.0)
@@ -139,15 +142,51 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._last_start = time.monotonic()
         self._wake.set()
 
-    def _apply_delta(self) -> None:
+    def _apply_delta(self, deltas: torch.Tensor) -> None:
         with torch.no_grad():
-            for bucket, delta in self.bucket_slices(self._delta):
+            for bucket, delta in self.bucket_slices(deltas):
                 flat = bucket.flat_param
                 flat.add_(delta.to(device=flat.device, dtype=flat.dtype))
         if self._crosses_to_host():
-            staging.h2d(self._delta.numel() * 4)
-        self._in_flight = False
+            staging.h2d(deltas.numel() * 4)
         self.exchanges += 1
+
+    def _finish_in_flight(self) -> None:
+        """The exchange in flight has ended: apply its result, or drop it if it started before
+        a restore (not this run's)."""
+        if self._discard_in_flight:
+            self._discard_in_flight = False
+        else:
+            self._apply_delta(self._delta)
+        self._in_flight = False
+
+    def _apply_restored(self) -> None:
+        """The restored state's exchange result, at the step the saved run applied it."""
+        if self._restored_delta is not None:
+            self._apply_delta(self._restored_delta)
+            self._restored_delta = None
+
+    def _take_saved_delta(self, into: torch.Tensor) -> None:
+        """The saved exchange's result (``in_flight_delta``, held since the load) into ``into``."""
+        for bucket, delta in self.bucket_slices(into):
+            delta.copy_(self.tensor_state("in_flight_delta", bucket.segments()).data)
+        self.state.drop("in_flight_delta")
+        self._resume_in_flight = False
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before the first step (a resumed job) ``init_buckets`` takes the saved exchange's
+        result. Later (an elastic restore, on every rank after an error they all saw) the
+        exchange under way started in the abandoned steps: it cannot be called back (every
+        rank's thread is in it, or will be), so its result is dropped when it ends, and the
+        restored state's own result is applied at the next step, as the saved run did."""
+        super().load_state_dict(state)
+        if self._thread is None:
+            return
+        self._discard_in_flight = self._in_flight
+        self._restored_delta = None
+        if self._resume_in_flight:
+            self._restored_delta = torch.zeros_like(self._delta)
+            self._take_saved_delta(self._restored_delta)
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
@@ -198,11 +237,12 @@ class AsyncAverageImpl(AlgorithmImpl):
             if self._in_flight:
                 self._done.wait(0.05)
                 if self._done.is_set() and not self._stopped.is_set():
-                    self._apply_delta()
+                    self._finish_in_flight()
                 continue
             self._start_exchange(continue_flag=0.0)
         if self._in_flight and self._done.is_set():
-            self._apply_delta()
+            self._finish_in_flight()
+        self._apply_restored()
         self._thread.join()
         self._raise_background_error()
         # the final synchronisation: identical models everywhere
@@ -211,18 +251,31 @@ class AsyncAverageImpl(AlgorithmImpl):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Wait for an exchange in flight and checkpoint its result too, so that a resumed job
-        applies it at the same step as the uninterrupted one would."""
-        in_flight = self._in_flight and self._thread is not None
-        if in_flight:
+        """The state, with the result of the exchange in flight where this rank can have it, so
+        that a resumed job applies it at the same step as the uninterrupted one would.
+
+        In lockstep (``sync_interval_ms=0``, ``max_staleness=1``: every rank starts the same
+        exchange at every step) this waits for it. Otherwise it takes the result only if the
+        exchange has ended: waiting could hang, since an exchange this rank started may need a
+        rank that has not started it yet, and that rank may next enter a collective (a
+        checkpoint's, a logged loss's) that waits for this one. When an exchange's result is
+        applied depends on timing there anyway."""
+        result = self._restored_delta  # a restored result not applied yet, else the live one
+        live = (self._in_flight and self._thread is not None and not self._discard_in_flight)
+        if result is None and live and (self._done.is_set() or self._lockstep()):
             self._done.wait()
             self._raise_background_error()
-            for bucket, delta in self.bucket_slices(self._delta):
+            result = self._delta
+        if result is not None:
+            for bucket, delta in self.bucket_slices(result):
                 self.tensor_state("in_flight_delta", bucket.segments()).data.copy_(delta)
         state = super().state_dict()
-        state["extra"]["in_flight"] = in_flight
+        state["extra"]["in_flight"] = result is not None
         self.state.drop("in_flight_delta")
         return state
+
+    def _lockstep(self) -> bool:
+        return self.algorithm.sync_interval_ms == 0 and self.algorithm.max_staleness == 1
 
     def extra_state(self) -> dict:
         return {"exchanges": self.exchanges, "started_step": self._started_step}
