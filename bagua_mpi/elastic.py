@@ -199,16 +199,11 @@ class TorchState(ObjectState):
     def _checkpoint_model(self):
         """One model as itself (the layout of a single-model checkpoint), several as one
         ``ModuleDict`` by name."""
-        models = self._handled["models"]
-        if len(models) > 1:
-            return torch.nn.ModuleDict(models)
-        return next(iter(models.values()), None)
+        return _one_or_several(self._handled["models"], torch.nn.ModuleDict)
 
     def _checkpoint_optimizer(self):
-        optimizers = self._handled["optimizers"]
-        if len(optimizers) > 1:
-            return dict(optimizers)
-        return next(iter(optimizers.values()), None)
+        """One optimizer as itself, several by name (``checkpoint.save(optimizer={...})``)."""
+        return _one_or_several(self._handled["optimizers"], dict)
 
     def restore(self) -> None:
         for opt in self._handled["optimizers"].values():
@@ -251,15 +246,17 @@ class TorchState(ObjectState):
         from . import checkpoint
         if checkpoint.latest(self.checkpoint_dir) is None:
             return False
-        info = checkpoint.load(self.checkpoint_dir, model=self._checkpoint_model(),
-                               optimizer=self._checkpoint_optimizer())
-        extras = info.extras or {}
+        # the extras alone first (verified, nothing restored), so that other schedulers than
+        # the commit's are refused before the models and optimizers are touched
+        found = checkpoint.load(self.checkpoint_dir, restore_rng=False)
+        extras = found.extras or {}
         saved = extras.get("schedulers", {})
         if sorted(saved) != sorted(self._handled["schedulers"]):
-            from .checkpoint import CheckpointError
-            raise CheckpointError(
-                f"{self.checkpoint_dir} holds LR schedulers {sorted(saved)}, this TorchState "
-                f"has {sorted(self._handled['schedulers'])}: give it the same schedulers")
+            raise checkpoint.CheckpointError(
+                f"{found.path} holds LR schedulers {sorted(saved)}, this TorchState has "
+                f"{sorted(self._handled['schedulers'])}: give it the same schedulers")
+        info = checkpoint.load(found.path, model=self._checkpoint_model(),
+                               optimizer=self._checkpoint_optimizer(), verify=False)
         for name, scheduler in self._handled["schedulers"].items():
             scheduler.load_state_dict(saved[name])
         self._saved_state = dict(extras.get("elastic", self._saved_state))
@@ -273,6 +270,13 @@ _KINDS = {"models": lambda v: isinstance(v, torch.nn.Module),
           "optimizers": lambda v: isinstance(v, torch.optim.Optimizer),
           "schedulers": lambda v: isinstance(v, torch.optim.lr_scheduler.LRScheduler)}
 _KIND_WORDS = {"models": "a model", "optimizers": "an optimizer", "schedulers": "an LR scheduler"}
+
+
+def _one_or_several(named: dict, several):
+    """None, the one object of ``named``, or ``several(named)`` for more than one."""
+    if len(named) > 1:
+        return several(named)
+    return next(iter(named.values()), None)
 
 
 def _kind_of(value) -> str | None:

@@ -286,16 +286,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``zero_stage`` only this rank's slices, not gathered (no communication, 1/n of the
         memory ``state_dict()`` takes); otherwise ``state_dict()``. Not for checkpoints, which
         need the logical state."""
-        if self._sharded is not None:
-            return self._sharded.local_state_dict()
-        return self.optimizer.state_dict()
+        if self._sharded is None:
+            return self.state_dict()
+        return self._sharded.local_state_dict()
 
     def load_local_state_dict(self, local: dict) -> None:
-        if self._sharded is not None:
-            self._sharded.load_local_state_dict(local)
-        else:
-            self.optimizer.load_state_dict(local)
-        self.impl.bind_optimizer(self.optimizer)
+        if self._sharded is None:
+            self.load_state_dict(local)
+            return
+        self._sharded.load_local_state_dict(local)
+        self.impl.bind_optimizer(self.optimizer)  # loading replaced the groups' dicts
 
     def add_param_group(self, param_group) -> None:
         raise NotImplementedError("parameters cannot be added to a DistributedOptimizer: build "

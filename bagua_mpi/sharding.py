@@ -258,10 +258,12 @@ class ShardedOptimizer:
         while another's skipped would wait for it in the parameters' allgather; with the
         sentinel every rank skips the same steps, and a rank without slices still has a
         gradient for the scaler to check."""
-        slices = [s for s in self.grad_slices() if s.numel()]
+        # one check per bucket, over this rank's whole slice (its padding is zeros), and one
+        # read from the device
+        slices = [bucket.shard_grad_buffer() for bucket in self.buckets]
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
         local = (not bool(torch.stack([s.isfinite().all() for s in slices]).all())
-                 if slices else False)  # one read from the device
+                 if slices else False)
         anywhere = runtime.get().worker.run(
             lambda: self.topo.comm.allreduce(int(local), op=MPI.MAX), ("zero inf check",))
         sentinel = torch.zeros(1, device=device)

@@ -479,7 +479,10 @@ class Engine:
         discarded exchange would clear the restored error feedback at the next backward pass."""
         for handle in self._handles:
             if not handle.done():
-                handle.wait()  # launched on every rank: finish it (and drop what it did)
+                try:
+                    handle.wait()  # launched on every rank: finish it (and drop what it did)
+                except (MismatchError, consistency.JoinedRankError):
+                    pass  # the disagreement the iteration was abandoned for, in a later bucket
         if self.buckets is None:
             self._counts = [0] * len(self.params)
         else:

@@ -250,12 +250,6 @@ class _UnbucketedOptimizer(DistributedOptimizer):
     def abandon_iteration(self) -> None:
         self._synchronized = False  # backward exchanged nothing: nothing else to drop
 
-    def local_state_dict(self) -> dict:
-        return self.optimizer.state_dict()  # never sharded
-
-    def load_local_state_dict(self, local: dict) -> None:
-        self.optimizer.load_state_dict(local)
-
     def set_backward_passes_per_step(self, passes: int) -> None:
         _check_passes(passes)
         self.backward_passes_per_step = passes  # gradients accumulate in .grad meanwhile

@@ -246,6 +246,12 @@ def check_several_models(rank: int, size: int) -> None:
         info = bm.checkpoint.read_meta(bm.checkpoint.latest(tmp))
         assert sorted(info["optimizers"]) == ["opt_d", "optimizer"], info["optimizers"]
         state, _, _, resumed = gan(directory=tmp)  # new objects: the job restarted
+        G, D = gan_models(init_seed=7)  # a restart without the scheduler: refused, untouched
+        before = [p.detach().clone() for p in G.parameters()]
+        without = bm.elastic.TorchState(G, checkpoint_dir=tmp, discriminator=D, epoch=0)
+        expect(bm.checkpoint.CheckpointError, without.resume,
+               "holds LR schedulers ['scheduler'], this TorchState has []")
+        assert all(torch.equal(a, b) for a, b in zip(before, G.parameters())), "G was touched"
         bm.barrier()  # rank 0's directory outlives every rank's reads
     assert state.commits == EPOCHS, state.commits
     assert_matches_on_every_rank("GAN resumed from the checkpoint directory", resumed, want)
