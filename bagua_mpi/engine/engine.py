@@ -479,10 +479,7 @@ class Engine:
         discarded exchange would clear the restored error feedback at the next backward pass."""
         for handle in self._handles:
             if not handle.done():
-                try:
-                    handle.wait()  # launched on every rank: finish it (and drop what it did)
-                except (MismatchError, consistency.JoinedRankError):
-                    pass  # the disagreement the iteration was abandoned for, in a later bucket
+                handle.wait()  # launched on every rank: finish it (and drop what it did)
         if self.buckets is None:
             self._counts = [0] * len(self.params)
         else:
