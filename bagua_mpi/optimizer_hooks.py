@@ -13,6 +13,8 @@ creates, and the wrapping of ``step`` that runs them, were missing:
   ``(args, kwargs)``; post-hooks get the same after the step. Nested calls (a subclass's
   ``step`` calling ``super().step()``) run them once. Torch's global step hooks run where they
   always did, in the wrapped optimizer's own ``step``;
+* ``step_in_place_of``: where the wrapped optimizer's ``step`` is not called (ZeRO), its own
+  step hooks and an LR scheduler's record of the step, as if it had been;
 * ``state_dict_hooks`` / ``load_state_dict_hooks``: run the state-dict tables around the
   wrapper's own ``state_dict`` and ``load_state_dict``, as torch's methods do.
 
@@ -51,23 +53,41 @@ def runs_step_hooks(step):
     def wrapper(self, *args, **kwargs):
         if self.__dict__.get(_RUNNING):
             return step(self, *args, **kwargs)
-        args = (self, *args)
-        for hook in tuple(self._optimizer_step_pre_hooks.values()):
-            result = hook(self, args, kwargs)
-            if result is not None:
-                if not (isinstance(result, tuple) and len(result) == 2):
-                    raise RuntimeError(f"a step pre-hook must return None or a tuple of "
-                                       f"(new_args, new_kwargs), got {result!r}")
-                args, kwargs = result
         self.__dict__[_RUNNING] = True
         try:
-            out = step(*args, **kwargs)
+            return run_step_hooks(self, step, (self, *args), kwargs)
         finally:
             self.__dict__[_RUNNING] = False
-        for hook in tuple(self._optimizer_step_post_hooks.values()):
-            hook(self, args, kwargs)
-        return out
     return wrapper
+
+
+def run_step_hooks(optimizer, step, args: tuple, kwargs: dict):
+    """``step(*args, **kwargs)`` with ``optimizer``'s per-instance step hooks around it, as
+    torch runs them around an optimizer's own ``step`` (``args`` starts with ``optimizer``)."""
+    for hook in tuple(optimizer._optimizer_step_pre_hooks.values()):
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"a step pre-hook must return None or a tuple of "
+                                   f"(new_args, new_kwargs), got {result!r}")
+            args, kwargs = result
+    out = step(*args, **kwargs)
+    for hook in tuple(optimizer._optimizer_step_post_hooks.values()):
+        hook(optimizer, args, kwargs)
+    return out
+
+
+def step_in_place_of(optimizer, step, closure=None):
+    """``step(optimizer, closure)`` standing in for ``optimizer.step(closure)``, which is never
+    called (ZeRO steps another optimizer over this rank's slices): ``optimizer``'s own step
+    hooks run around it, and an LR scheduler built on ``optimizer`` learns that it stepped.
+    Torch's scheduler reads that from the flag its wrapper of ``optimizer.step`` sets; without
+    it, its first ``step()`` warned that the optimizer had not stepped."""
+    out = run_step_hooks(optimizer, step, (optimizer,) if closure is None
+                         else (optimizer, closure), {})
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        optimizer._opt_called = True
+    return out
 
 
 def state_dict_hooks(state_dict):

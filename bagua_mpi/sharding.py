@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
-from . import runtime
+from . import optimizer_hooks, runtime
 from .algorithms.base import UnsupportedOptionError
 from .layout import memory_order, real_view
 from .transport import Transport
@@ -171,6 +171,11 @@ class ShardedOptimizer:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self, closure=None):
+        """The user's optimizer's step, run on this rank's slices: its step hooks and LR
+        schedulers see it step, though its own ``step`` is not called."""
+        return optimizer_hooks.step_in_place_of(self.user, self._step, closure)
+
+    def _step(self, _user, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():

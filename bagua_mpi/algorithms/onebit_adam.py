@@ -43,6 +43,7 @@ import torch
 
 from ..exceptions import MisuseError
 from ..layout import real_view
+from ..optimizer_hooks import step_in_place_of
 from ..primitives.codecs import OneBitCodec, call_seed
 from ..primitives.lowprec import compressed_allreduce_
 from .base import Algorithm
@@ -170,6 +171,12 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
     def optimizer_step(self, optimizer, closure=None):
         if not self.compressed:
             return super().optimizer_step(optimizer, closure)
+        # Adam's own step is not called: its step hooks and LR schedulers still see a step
+        return step_in_place_of(optimizer, self._frozen_variance_step, closure)
+
+    def _frozen_variance_step(self, _optimizer, closure=None):
+        """The compressed stage's update: p -= lr * m / (sqrt(v) + eps), with the averaged
+        momentum m and the variance v frozen at the switch (AdamW's decay first)."""
         loss = closure() if closure is not None else None
         for bucket in self.buckets:
             if _changed(self._grad_versions.get(bucket.index, ()), _versions(bucket)):

@@ -977,6 +977,45 @@ def check_torch_optimizer_hooks(rank: int, size: int) -> int:
     return checks
 
 
+def check_users_optimizer_hooks_every_algorithm(rank: int, size: int) -> int:
+    """Hooks and an LR scheduler put on the user's optimizer before wrapping (as a script that
+    builds its schedule with the optimizer does) see every step, under every registered
+    algorithm past its warm-up: 1-bit Adam's compressed stage and ZeRO update without calling
+    that optimizer's ``step``. The post-hook sees the stepped parameters, and the scheduler
+    does not warn that the optimizer never stepped."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    checks = 0
+    for name in bm.algorithms.names():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 2)
+        adam = torch.optim.Adam(model.parameters(), lr=0.01)
+        seen = []
+        adam.register_step_pre_hook(
+            lambda optimizer, args, kwargs: seen.append(("pre", model.weight.detach().clone())))
+        adam.register_step_post_hook(
+            lambda optimizer, args, kwargs: seen.append(("post", model.weight.detach().clone())))
+        scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.5)
+        opt = bm.DistributedOptimizer(adam, named_parameters=model.named_parameters(),
+                                      algorithm=bm.algorithms.create(
+                                          name, **HYPERPARAMETERS.get(name, {})))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
+            for _ in range(5):
+                opt.zero_grad()
+                model(x).pow(2).sum().backward()
+                opt.step()
+                scheduler.step()
+        kinds = [kind for kind, _ in seen]
+        assert kinds == ["pre", "post"] * 5, f"{name}: {kinds}"
+        for step in range(5):
+            assert not torch.equal(seen[2 * step][1], seen[2 * step + 1][1]), (
+                f"{name}, step {step}: the post-hook saw the parameters before the update")
+        assert adam.param_groups[0]["lr"] == 0.01 * 0.5 ** 2, (name, adam.param_groups[0]["lr"])
+        opt.close()
+        checks += 1
+    return checks
+
+
 def growing_run(size: int, rank: int | None):
     """The last layer trained alone for 2 steps, then the first layer's parameters appended to
     the wrapped optimizer's group and 2 more steps. ``rank`` None: one process on every rank's
@@ -1391,6 +1430,7 @@ def suite_checks() -> dict:
         "groups_changed_after_wrapping": check_groups_changed_after_wrapping,
         "torch_compile": check_torch_compile,
         "torch_optimizer_hooks": check_torch_optimizer_hooks,
+        "users_optimizer_hooks_every_algorithm": check_users_optimizer_hooks_every_algorithm,
         "complex_parameters": check_complex_parameters,
         "complex_zero": check_complex_zero,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),

@@ -13,6 +13,7 @@ stages and compare with the uninterrupted reference to 1e-6 (float64 model).
 import argparse
 import logging
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -117,6 +118,56 @@ def make_trajectory_check(kind: str):
             assert torch.equal(everyone, flat.expand_as(everyone)), f"stage {stage}: ranks differ"
             opt.close()
     return check
+
+
+def check_users_optimizer_hooks_and_scheduler(rank, size):
+    """Step hooks and an LR scheduler on the user's optimizer, both made before wrapping (as
+    scripts that build the optimizer and its schedule together do): at stages 1 and 2 its own
+    ``step`` is not called, yet the pre-hook runs once a step, the post-hook sees the gathered
+    parameters (an EMA of the weights, as the single-process run's own hook keeps it), and the
+    scheduler does not warn that the optimizer never stepped."""
+    def hooked(model, opt):
+        calls, ema = [0], [None]
+
+        def pre(optimizer, args, kwargs):
+            calls[0] += 1
+
+        def post(optimizer, args, kwargs):
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            ema[0] = flat.clone() if ema[0] is None else 0.5 * ema[0] + 0.5 * flat
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+        return calls, ema
+
+    model = new_model()
+    opt = new_base("adamw", model)
+    _, expected_ema = hooked(model, opt)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        scheduler.step()
+    expected = model
+    for stage in (0, 1, 2):
+        model = new_model()
+        base = new_base("adamw", model)
+        calls, ema = hooked(model, base)
+        scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=3, gamma=0.5)
+        opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                      bucket_size_mb=BUCKET_MB, zero_stage=stage)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
+            for step in range(STEPS):
+                distributed_step(model, opt, step)
+                scheduler.step()
+        assert calls[0] == STEPS, f"stage {stage}: the pre-hook ran {calls[0]} times"
+        torch.testing.assert_close(ema[0], expected_ema[0], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"stage {stage}: the post-hook's EMA: {m}")
+        assert_close_models(model, expected, 1e-5, f"zero_stage={stage}")
+        opt.close()
+    return 0
 
 
 def check_hierarchical(rank, size):
@@ -378,6 +429,8 @@ def suite_checks() -> dict:
                    "state_is_sharded": check_state_is_sharded,
                    "state_dict_is_logical": check_state_dict_is_logical,
                    "clip_grad_norm": check_clip_grad_norm,
+                   "users_optimizer_hooks_and_scheduler":
+                       check_users_optimizer_hooks_and_scheduler,
                    "fp16_wire": check_fp16_wire,
                    "compressed_qsgd": make_compressed_check("qsgd", chunk=64),
                    "compressed_bytegrad_error_feedback": make_compressed_check(
