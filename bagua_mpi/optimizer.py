@@ -86,6 +86,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             gradients, so each rank keeps only its slice of them (``p.grad`` is None after
             ``synchronize()``: clip with ``opt.clip_grad_norm_``). Needs an elementwise
             optimizer and flattened buckets; checkpoints hold the logical, unsharded state.
+        zero_elementwise: with ``zero_stage``, declare that an optimizer from outside
+            torch.optim (a third-party one, or a subclass with a ``step`` of its own) updates
+            each element from that element's own state alone, as Lion or signSGD do; without
+            it such an optimizer is refused, since one that takes norms over whole tensors
+            (LAMB, LARS) would step each rank's slice differently, silently.
 
     An option the algorithm cannot honour raises ``UnsupportedOptionError`` here, naming the
     option and what to use instead (docs/training.md's algorithm x option table lists them).
@@ -109,7 +114,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  hierarchical: bool | None = None,
                  profile_order: bool = True, find_unused_parameters: bool = False,
                  timeline: str | None = None, process_set=None, backend: str | None = None,
-                 zero_stage: int = 0, sparse_as_dense: bool = False):
+                 zero_stage: int = 0, sparse_as_dense: bool = False,
+                 zero_elementwise: bool = False):
         # Deliberately no super().__init__: the wrapped optimizer holds the real state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
@@ -133,8 +139,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
         if isinstance(zero_stage, bool) or zero_stage not in sharding.STAGES:
             raise ValueError(f"zero_stage must be one of {sharding.STAGES}, got {zero_stage!r}")
+        if not isinstance(zero_elementwise, bool):
+            raise ValueError(f"zero_elementwise must be a bool, got {zero_elementwise!r}")
+        if zero_elementwise and not zero_stage:
+            raise ValueError("zero_elementwise only applies with zero_stage 1 or 2")
         if zero_stage:
-            sharding.check_optimizer(optimizer, zero_stage)
+            sharding.check_optimizer(optimizer, zero_stage, zero_elementwise)
             if not flatten:
                 raise UnsupportedOptionError(f"zero_stage={zero_stage} is not supported with "
                                              f"flatten=False: slices are cut from the flat "

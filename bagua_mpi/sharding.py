@@ -20,7 +20,9 @@ between steps a rank holds 1/n of the gradients. ``p.grad`` is then ``None`` aft
 
 The optimizer must update parameters elementwise (SGD, Adam, AdamW, RMSprop, Adagrad...): a
 slice's update may not depend on the rest of the tensor. Those whose step needs whole tensors
-are refused by name; a state entry shaped otherwise than its piece is refused when met.
+are refused by name, and a step from outside torch.optim's elementwise optimizers unless the
+user declares it elementwise (``zero_elementwise=True``); a state entry shaped otherwise than
+its piece is refused when met.
 
 A complex parameter lies in its bucket as its real view, so its pieces are real and a slice may
 end between the real and imaginary parts of one element. That is the update torch.optim's
@@ -58,8 +60,27 @@ WHOLE_TENSOR_OPTIMIZERS = {
 }
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
-    """Refuse an optimizer that cannot update a slice of a tensor on its own."""
+# torch.optim's optimizers whose step updates each element from that element's own state
+# (and per-tensor scalars that depend only on the step count), so a slice steps as it would
+# inside the whole tensor
+ELEMENTWISE_TORCH_OPTIMIZERS = frozenset({
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
+    "Adadelta", "ASGD"})
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, stage: int,
+                    declared_elementwise: bool = False) -> None:
+    """Refuse an optimizer that cannot update a slice of a tensor on its own.
+
+    1. One known to need whole tensors (a line search, factored or matrix preconditioners):
+       refused with the reason.
+    2. Complex parameters with a ``step`` from outside torch.optim: refused (it may update a
+       complex element as a whole, which a slice can cut in two).
+    3. A ``step`` from outside torch.optim's elementwise optimizers (a third-party or
+       subclass's step): refused unless the user declares it elementwise
+       (``zero_elementwise=True``). LAMB's and LARS's trust ratios, Prodigy's and
+       D-Adaptation's step sizes are norms or sums over whole tensors or the whole model; on a
+       slice they come out differently on every rank, and nothing would say so."""
     for cls in type(optimizer).__mro__:
         reason = WHOLE_TENSOR_OPTIMIZERS.get(cls.__name__)
         if reason is not None:
@@ -67,18 +88,30 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
                 f"zero_stage={stage} is not supported with {type(optimizer).__name__}: {reason}; "
                 f"sharding needs an optimizer that updates parameters elementwise (SGD, Adam, "
                 f"AdamW, RMSprop, Adagrad, ...); use zero_stage=0")
+    owner = next(c for c in type(optimizer).__mro__ if "step" in c.__dict__)
+    step_from = f"{owner.__module__}.{owner.__qualname__}.step"
+    from_torch = (owner.__module__.startswith("torch.optim.")
+                  and owner.__name__ in ELEMENTWISE_TORCH_OPTIMIZERS)
     complex_shapes = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
                       if p.is_complex()]
-    step_from = getattr(type(optimizer).step, "__module__", None) or "?"
-    if complex_shapes and not step_from.startswith("torch.optim."):
+    if complex_shapes and not from_torch:
         raise UnsupportedOptionError(
             f"zero_stage={stage} with complex parameters ({len(complex_shapes)} of them, the "
             f"first of shape {complex_shapes[0]}) needs an optimizer whose step updates a "
             f"complex tensor as its real view, elementwise, as torch.optim's do: a rank's slice "
             f"may end inside a complex element, and its real and imaginary parts are then "
-            f"updated on two ranks. {type(optimizer).__name__}.step comes from {step_from!r}, "
+            f"updated on two ranks. {type(optimizer).__name__}'s step is {step_from!r}, "
             f"which may update a complex element as a whole; use zero_stage=0, which trains "
             f"them with any optimizer")
+    if not from_torch and not declared_elementwise:
+        raise UnsupportedOptionError(
+            f"zero_stage={stage} with {type(optimizer).__name__}: its step is {step_from!r}, "
+            f"not one of torch.optim's elementwise optimizers "
+            f"({', '.join(sorted(ELEMENTWISE_TORCH_OPTIMIZERS))}). Each rank steps only its "
+            f"slice of every tensor, which gives the unsharded result only if the step updates "
+            f"each element from that element's own state. If this optimizer does (Lion, "
+            f"signSGD), pass zero_elementwise=True; if it takes norms or sums over whole "
+            f"tensors or the model (LAMB, LARS, Prodigy, D-Adaptation), use zero_stage=0")
 
 
 def shard_index(topo, hierarchical: bool) -> int:

@@ -391,6 +391,102 @@ def check_refusals(rank, size):
         assert (name, 2) not in refused, (name, refused.get((name, 2)))
 
 
+class Lion(torch.optim.Optimizer):
+    """An optimizer from outside torch.optim that is elementwise: the sign of an interpolated
+    momentum (Lion's update, without weight decay)."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.99)):
+        super().__init__(params, {"lr": lr, "betas": betas})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.add_(torch.sign(beta1 * m + (1 - beta1) * p.grad), alpha=-group["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class TrustRatioSGD(torch.optim.Optimizer):
+    """Not elementwise: each tensor's step is scaled by ||p|| / ||grad|| (LAMB's and LARS's
+    layer-wise trust ratio), a norm over the whole tensor."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / p.grad.norm().clamp_min(1e-12)
+                    p.add_(p.grad, alpha=-group["lr"] * float(ratio))
+
+
+class AdamSubclass(torch.optim.Adam):
+    """A subclass that keeps torch's step: accepted as Adam is."""
+
+
+class AdamWithOwnStep(torch.optim.Adam):
+    """A subclass with a step of its own, which might do anything: refused by default."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def train_with(make_optimizer, stage: int, steps: int = STEPS, **options) -> Net:
+    """``steps`` steps of the batch scheme on this rank's rows (``stage`` None: one process on
+    the whole batch, the oracle)."""
+    model = new_model()
+    opt = make_optimizer(model.parameters())
+    if stage is not None:
+        opt = bm.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                      bucket_size_mb=BUCKET_MB, zero_stage=stage, **options)
+    for step in range(steps):
+        if stage is None:
+            x, y = batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        else:
+            distributed_step(model, opt, step)
+    if stage is not None:
+        opt.close()
+    return model
+
+
+def check_optimizers_from_outside_torch(rank, size):
+    """ZeRO accepts torch.optim's elementwise optimizers and their subclasses that keep their
+    step; a step from elsewhere is refused unless declared elementwise
+    (``zero_elementwise=True``): a declared Lion then follows its single-process run at
+    stages 1 and 2, while a layer-wise trust ratio declared so would not (shown, at more than
+    one rank, as the reason for the refusal)."""
+    for make in (Lion, TrustRatioSGD, AdamWithOwnStep):
+        name = make.__name__
+        expect_refusal(lambda: train_with(make, 1), f"zero_stage=1 with {name}",
+                       f"__main__.{name}.step", "zero_elementwise=True", "LAMB")
+    expect_refusal(lambda: train_with(Lion, 0, zero_elementwise=True),
+                   "zero_elementwise only applies with zero_stage")
+    expect_refusal(lambda: train_with(Lion, 1, zero_elementwise="yes"), "must be a bool")
+    expect_refusal(lambda: train_with(lambda p: torch.optim.LBFGS(p), 1, zero_elementwise=True),
+                   "LBFGS", "line search")
+    expected = train_with(lambda p: torch.optim.Adam(p, lr=0.01), None)
+    assert_close_models(train_with(lambda p: AdamSubclass(p, lr=0.01), 2), expected, 1e-5,
+                        "a subclass of Adam at stage 2")
+    expected = train_with(Lion, None)
+    for stage in (1, 2):
+        assert_close_models(train_with(Lion, stage, zero_elementwise=True), expected, 1e-5,
+                            f"Lion declared elementwise at stage {stage}")
+    expected = train_with(TrustRatioSGD, None)
+    sharded = train_with(TrustRatioSGD, 1, zero_elementwise=True)
+    gap = max((p - q).abs().max().item()
+              for p, q in zip(sharded.parameters(), expected.parameters()))
+    assert (gap > 1e-3) == (size > 1), f"a trust ratio on slices, {size} ranks: {gap}"
+
+
 # -- checkpoint phases ---------------------------------------------------------------------------
 def checkpoint_phase(args) -> int:
     """Train steps [first, last) at this world size and ``--stage`` (loading ``--load`` first,
@@ -435,7 +531,8 @@ def suite_checks() -> dict:
                    "compressed_qsgd": make_compressed_check("qsgd", chunk=64),
                    "compressed_bytegrad_error_feedback": make_compressed_check(
                        "bytegrad", chunk=64, error_feedback=True),
-                   "refusals": check_refusals})
+                   "refusals": check_refusals,
+                   "optimizers_from_outside_torch": check_optimizers_from_outside_torch})
     return checks
 
 
