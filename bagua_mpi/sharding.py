@@ -37,6 +37,7 @@ state and keeps this rank's slices.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -88,10 +89,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int,
                 f"zero_stage={stage} is not supported with {type(optimizer).__name__}: {reason}; "
                 f"sharding needs an optimizer that updates parameters elementwise (SGD, Adam, "
                 f"AdamW, RMSprop, Adagrad, ...); use zero_stage=0")
-    owner = next(c for c in type(optimizer).__mro__ if "step" in c.__dict__)
-    step_from = f"{owner.__module__}.{owner.__qualname__}.step"
-    from_torch = (owner.__module__.startswith("torch.optim.")
-                  and owner.__name__ in ELEMENTWISE_TORCH_OPTIMIZERS)
+    # the function itself, under the wrappers torch puts on a class's step when it is first
+    # instantiated (they keep its module and name, and may sit on a subclass)
+    step = inspect.unwrap(type(optimizer).step)
+    step_module = getattr(step, "__module__", None) or "?"
+    step_from = f"{step_module}.{getattr(step, '__qualname__', '?')}"
+    from_torch = (step_module.startswith("torch.optim.")
+                  and step_from.rsplit(".", 2)[-2] in ELEMENTWISE_TORCH_OPTIMIZERS)
     complex_shapes = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
                       if p.is_complex()]
     if complex_shapes and not from_torch:
@@ -195,7 +199,15 @@ class ShardedOptimizer:
         try:
             self.inner = type(self.user)(groups)
         except TypeError:  # a class whose constructor needs its defaults spelled out
-            self.inner = type(self.user)(groups, **self.user.defaults)
+            try:
+                self.inner = type(self.user)(groups, **self.user.defaults)
+            except TypeError as exc:
+                raise UnsupportedOptionError(
+                    f"zero_stage={self.stage}: sharding builds a second "
+                    f"{type(self.user).__name__} over this rank's slices, as "
+                    f"{type(self.user).__name__}(param_groups) or with its defaults as "
+                    f"keywords, and both failed ({exc}); give the constructor's other "
+                    f"arguments defaults, or use zero_stage=0") from exc
         for pc in self.pieces:  # views of buffers that live as long as the buckets
             pc.tensor.grad = self._grad_of(pc)
         if self._held is not None:

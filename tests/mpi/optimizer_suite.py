@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 import bagua_mpi as bm
 from bagua_mpi.exceptions import MisuseError
 from checks import expect, run_suite
-from short_runs import HYPERPARAMETERS
+from short_runs import HYPERPARAMETERS, PerTensorSGD
 
 STEPS = 10
 BATCH = 6  # rows per rank per backward pass
@@ -1173,18 +1173,12 @@ def check_complex_parameters(rank: int, size: int) -> int:
     return checks + 3
 
 
-class SignSGD(torch.optim.Optimizer):
-    """A step of its own (not torch.optim's): it might update a complex element as a whole."""
+class SignSGD(PerTensorSGD):
+    """A step not torch.optim's: it might update a complex element as a whole."""
 
-    def __init__(self, params, lr=0.01):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad.sgn(), alpha=-group["lr"])
+    @staticmethod
+    def direction(p, grad):
+        return grad.sgn()
 
 
 def check_complex_zero(rank: int, size: int) -> int:
@@ -1249,7 +1243,7 @@ def check_complex_zero(rank: int, size: int) -> int:
         zero_elementwise=True),  # elementwise over reals says nothing of complex elements
         "zero_stage=1 with complex parameters (1 of them, the first of shape (6, 5, 4)) needs "
         "an optimizer whose step updates a complex tensor as its real view",
-        "SignSGD's step is '__main__.SignSGD.step'")
+        "SignSGD's step is 'short_runs.PerTensorSGD.step'")
     return 4
 
 

@@ -3,6 +3,7 @@
 ``HYPERPARAMETERS``: per algorithm, the hyperparameters that reach its compressed path (or its
 model exchange) within five steps; algorithms not named run with their defaults.
 ``gan_models``: a small GAN's generator and discriminator, the same on every rank.
+``PerTensorSGD``: a base for optimizers from outside torch.optim, stepping each tensor alone.
 """
 import torch
 
@@ -22,3 +23,18 @@ def gan_models(init_seed: int = 0):
     G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6))
     D = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     return G, D
+
+
+class PerTensorSGD(torch.optim.Optimizer):
+    """An optimizer with a step of its own (not torch.optim's): each tensor ``p`` steps by
+    ``-lr * self.direction(p, p.grad)``, which a subclass gives."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(self.direction(p, p.grad), alpha=-group["lr"])

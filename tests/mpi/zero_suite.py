@@ -21,6 +21,7 @@ import torch
 import bagua_mpi as bm
 from bagua_mpi.algorithms import UnsupportedOptionError
 from checks import run_checks
+from short_runs import PerTensorSGD
 
 GLOBAL_ROWS, STEPS = 12, 5
 BUCKET_MB = 0.0002  # ~210 bytes: several buckets of a few parameters each
@@ -410,20 +411,24 @@ class Lion(torch.optim.Optimizer):
                 m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
-class TrustRatioSGD(torch.optim.Optimizer):
+class TrustRatioSGD(PerTensorSGD):
     """Not elementwise: each tensor's step is scaled by ||p|| / ||grad|| (LAMB's and LARS's
     layer-wise trust ratio), a norm over the whole tensor."""
 
-    def __init__(self, params, lr=0.01):
-        super().__init__(params, {"lr": lr})
+    @staticmethod
+    def direction(p, grad):
+        return grad * (p.norm() / grad.norm().clamp_min(1e-12))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    ratio = p.norm() / p.grad.norm().clamp_min(1e-12)
-                    p.add_(p.grad, alpha=-group["lr"] * float(ratio))
+
+class ScaledSGD(PerTensorSGD):
+    """Elementwise, but its constructor needs an argument that its defaults do not hold."""
+
+    def __init__(self, params, scale):
+        super().__init__(params)
+        self.scale = scale
+
+    def direction(self, p, grad):
+        return grad * self.scale
 
 
 class AdamSubclass(torch.optim.Adam):
@@ -463,16 +468,20 @@ def check_optimizers_from_outside_torch(rank, size):
     step; a step from elsewhere is refused unless declared elementwise
     (``zero_elementwise=True``): a declared Lion then follows its single-process run at
     stages 1 and 2, while a layer-wise trust ratio declared so would not (shown, at more than
-    one rank, as the reason for the refusal)."""
-    for make in (Lion, TrustRatioSGD, AdamWithOwnStep):
-        name = make.__name__
-        expect_refusal(lambda: train_with(make, 1), f"zero_stage=1 with {name}",
-                       f"__main__.{name}.step", "zero_elementwise=True", "LAMB")
+    one rank, as the reason for the refusal). One whose constructor needs more than its
+    param groups and defaults cannot be built again over the slices: refused by name at the
+    first step."""
+    for make, step in ((Lion, "__main__.Lion"), (TrustRatioSGD, "short_runs.PerTensorSGD"),
+                       (AdamWithOwnStep, "__main__.AdamWithOwnStep")):
+        expect_refusal(lambda: train_with(make, 1), f"zero_stage=1 with {make.__name__}",
+                       f"'{step}.step'", "zero_elementwise=True", "LAMB")
     expect_refusal(lambda: train_with(Lion, 0, zero_elementwise=True),
                    "zero_elementwise only applies with zero_stage")
     expect_refusal(lambda: train_with(Lion, 1, zero_elementwise="yes"), "must be a bool")
     expect_refusal(lambda: train_with(lambda p: torch.optim.LBFGS(p), 1, zero_elementwise=True),
                    "LBFGS", "line search")
+    expect_refusal(lambda: train_with(lambda p: ScaledSGD(p, 2.0), 1, zero_elementwise=True),
+                   "builds a second ScaledSGD", "give the constructor's other arguments")
     expected = train_with(lambda p: torch.optim.Adam(p, lr=0.01), None)
     assert_close_models(train_with(lambda p: AdamSubclass(p, lr=0.01), 2), expected, 1e-5,
                         "a subclass of Adam at stage 2")
