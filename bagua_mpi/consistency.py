@@ -106,6 +106,12 @@ def raise_mismatch(comm: MPI.Intracomm, signature: tuple) -> None:
     raise error
 
 
+def raised_on_every_rank(error: BaseException) -> bool:
+    """Whether ``error`` came from an agreement check that failed, and so was raised on every
+    rank of the check alike (it carries the gathered signatures), not on this rank alone."""
+    return isinstance(error, MismatchError) and getattr(error, "signatures", None) is not None
+
+
 def verify_hashes(comm: MPI.Intracomm, hashes, signature: tuple) -> None:
     """For collectives that already exchanged one hash per rank (allgather/alltoall headers)."""
     hashes = np.asarray(hashes)

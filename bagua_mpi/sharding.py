@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
-from . import optimizer_hooks, runtime
+from . import consistency, optimizer_hooks, runtime
 from .algorithms.base import UnsupportedOptionError
 from .layout import memory_order, real_view
 from .transport import Transport
@@ -348,9 +348,18 @@ class ShardedOptimizer:
                     entry[key] = ("tensor", str(value.dtype))
                 else:
                     entry[key] = ("value", value.clone() if torch.is_tensor(value) else value)
+        def gather_layout():
+            if consistency.enabled():
+                # DDP's habit, state_dict() on rank 0 alone, meets the other ranks' next
+                # checked collective here: MismatchError on every rank, not a hang
+                consistency.verify(self.topo.comm, (
+                    "opt.state_dict", ("zero_stage", self.stage),
+                    ("collective", "every rank calls it, since the state is sharded "
+                                   "(bm.checkpoint.save does)")))
+            return self.topo.comm.allgather(mine)
+
         layout = {}
-        for theirs in runtime.get().worker.run(lambda: self.topo.comm.allgather(mine),
-                                               ("zero state layout",)):
+        for theirs in runtime.get().worker.run(gather_layout, ("zero state layout",)):
             for position, entry in theirs.items():
                 layout.setdefault(position, {}).update(entry)
         state = {position: {} for position in sorted(layout)}

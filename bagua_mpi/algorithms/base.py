@@ -349,13 +349,15 @@ class AlgorithmImpl:
                 raise
             differ = hyperparameters.differences(
                 comm.allgather(hyperparameters.summary(optimizer.param_groups)))
-            raise MismatchError(
+            error = MismatchError(
                 f"rank {self.ctx.topo.rank}: the wrapped optimizer's hyperparameters differ "
                 f"across the ranks at step {step} (checked as its first bucket is exchanged, "
                 f"before any rank steps with them):\n  " + "\n  ".join(differ) +
                 "\nEvery rank must step alike: a learning-rate scheduler stepped on a "
                 "per-rank metric (ReduceLROnPlateau on this rank's validation loss) parts "
-                "them; average the metric over the ranks first (bagua_mpi.allreduce)") from None
+                "them; average the metric over the ranks first (bagua_mpi.allreduce)")
+            error.signatures = exc.signatures  # raised on every rank alike
+            raise error from None
 
     def setup_buckets(self, buckets: "list[Bucket]") -> None:
         """Main thread, once: hand the buckets over, then allocate the state (state held since

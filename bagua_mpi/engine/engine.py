@@ -95,6 +95,8 @@ class Engine:
         self._launched = 0  # buckets [0, _launched) have been handed to the comm thread
         self._handles: list = []
         self._ready_buckets = 0
+        self._generation = 0  # one per iteration of bucket launches (advanced by _reset)
+        self._disagreed_in: int | None = None  # the generation whose agreement check failed
         # The step passed to reduce_bucket at launch: read from the optimizer's clock (which
         # only the optimizer advances); an engine built without one keeps its own and advances
         # it at each synchronize (completed synchronizations).
@@ -238,11 +240,22 @@ class Engine:
         # Read here, on the main thread: the comm thread may run the task after the main
         # thread has moved on, and every rank must pass the same step (warm-up, seeds).
         step = self.clock.step
+        generation = self._generation
 
         def task():
+            if self._disagreed_in == generation:
+                # an earlier bucket's agreement check failed, on every rank that met it: none
+                # of them sends the rest. A rank that met it from outside a step (rank 0 in a
+                # collective of its own) has no buckets queued, so the next collectives match
+                return
             if event is not None:  # a wait in stream order, not on the host
                 torch.cuda.current_stream(bucket.device).wait_event(event)
-            self.impl.communicate_bucket(bucket, step)
+            try:
+                self.impl.communicate_bucket(bucket, step)
+            except MismatchError as error:
+                if consistency.raised_on_every_rank(error):
+                    self._disagreed_in = generation
+                raise
 
         if self.timeline is not None:
             self.timeline.instant("launch", bucket=bucket.index)
@@ -314,6 +327,7 @@ class Engine:
         return kinds if usable else {}
 
     def _reset(self) -> None:
+        self._generation += 1  # the buckets launched from now on belong to a new iteration
         self._counts = [0] * len(self.params)
         self._remaining = [len(b.indices) for b in self.buckets]
         self._launched = 0

@@ -239,6 +239,35 @@ def check_state_dict_is_logical(rank, size):
         opt.close()
 
 
+def check_state_dict_on_one_rank(rank, size):
+    """``opt.state_dict()`` gathers the sharded state, so every rank must call it. DDP's habit,
+    ``if rank == 0: torch.save(opt.state_dict(), path)``, hung until the stall abort (rank 0
+    in the gather, the others in their next step's exchange); now every rank raises
+    ``MismatchError`` naming both calls (rank 0 from ``state_dict``, the others from their
+    backward pass), and the optimizer trains on when every rank saves."""
+    if size == 1:
+        return 0  # nothing sharded to disagree on
+    model, opt = train("adam", 1, steps=2)
+    try:
+        if rank == 0:
+            opt.state_dict()
+        else:
+            distributed_step(model, opt, 2)
+    except bm.MismatchError as error:
+        for needle in ("opt.state_dict(zero_stage=1, collective=every rank calls it",
+                       "rank 1: bucket("):
+            assert needle in str(error), (needle, str(error))
+    else:
+        raise AssertionError("no MismatchError")
+    opt.abandon_iteration()
+    opt.zero_grad()
+    state = opt.state_dict()  # on every rank: gathered
+    assert len(state["state"]) == len(list(model.parameters())), sorted(state["state"])
+    distributed_step(model, opt, 2)
+    opt.close()
+    return 1
+
+
 def check_clip_grad_norm(rank, size):
     """``opt.clip_grad_norm_`` gives torch's total norm and clipping at every stage."""
     def run(stage):
@@ -534,6 +563,7 @@ def suite_checks() -> dict:
                    "state_is_sharded": check_state_is_sharded,
                    "state_dict_is_logical": check_state_dict_is_logical,
                    "clip_grad_norm": check_clip_grad_norm,
+                   "state_dict_on_one_rank": check_state_dict_on_one_rank,
                    "users_optimizer_hooks_and_scheduler":
                        check_users_optimizer_hooks_and_scheduler,
                    "fp16_wire": check_fp16_wire,
