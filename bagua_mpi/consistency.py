@@ -83,6 +83,16 @@ def verify(comm: MPI.Intracomm, signature: tuple, join=None, cache: bool = True)
     return bool(buf[2])
 
 
+def check_called_everywhere(comm: MPI.Intracomm, call: str, why: str) -> None:
+    """The agreement check at the start of a collective that scripts tend to call on one rank
+    alone (DDP's habit: ``if rank == 0: save(...)``). There it meets the other ranks' next
+    checked collective, a bucket of their next step say, and every rank raises
+    ``MismatchError`` naming both calls, instead of a hang or an MPI error about a truncated
+    message. ``why`` says why every rank must call it. Off with the other checks."""
+    if enabled():
+        verify(comm, (call, ("collective", why)))
+
+
 def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:
     """Some rank is inside ``join()``: the lowest active rank tells it what runs now."""
     comm.bcast((signature, join if agreed else None) if comm.Get_rank() == root else None,

@@ -349,13 +349,10 @@ class ShardedOptimizer:
                 else:
                     entry[key] = ("value", value.clone() if torch.is_tensor(value) else value)
         def gather_layout():
-            if consistency.enabled():
-                # DDP's habit, state_dict() on rank 0 alone, meets the other ranks' next
-                # checked collective here: MismatchError on every rank, not a hang
-                consistency.verify(self.topo.comm, (
-                    "opt.state_dict", ("zero_stage", self.stage),
-                    ("collective", "every rank calls it, since the state is sharded "
-                                   "(bm.checkpoint.save does)")))
+            consistency.check_called_everywhere(
+                self.topo.comm, "opt.state_dict",
+                f"every rank calls it: with zero_stage={self.stage} the state is sharded "
+                f"(bm.checkpoint.save does)")
             return self.topo.comm.allgather(mine)
 
         layout = {}

@@ -47,6 +47,12 @@ def test_round_trip_of_every_kind_of_state(tmp_path, ranks):
                   f"roundtrip OK on {ranks} ranks")
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_save_or_load_on_one_rank_raises_on_every_rank(tmp_path, ranks):
+    assert_mpi_ok(run_mpi("checkpoint_suite.py", ranks, "on_one_rank", str(tmp_path)),
+                  f"on_one_rank OK on {ranks} ranks")
+
+
 def registered(algorithm: str) -> bool:
     name = algorithm.partition(":")[0]
     return name in bm.algorithms.names() or name in SUITE_ALGORITHMS

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from .. import runtime
+from .. import consistency, runtime
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointFormatError,
                      CheckpointNotFoundError, WorldSizeMismatchError)
 from .format import open_file
@@ -233,6 +233,7 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
     rt = runtime.get()
     comm, rank, size = rt.topo.comm, rt.topo.rank, rt.topo.size
     rt.worker.drain()
+    consistency.check_called_everywhere(comm, "bm.checkpoint.load", "every rank calls it")
     found = None
     if rank == 0:
         try:

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import config, runtime
+from .. import config, consistency, runtime
 from .errors import CheckpointError, CheckpointWriteError
 from .format import FORMAT_NAME, FORMAT_VERSION, LIBVER, USERBLOCK_SIZE, open_file, seal, write_json
 from .trees import Leaf, encode_tree, tree_digest, write_tree
@@ -462,6 +462,7 @@ def save(directory: str, model=None, optimizer=None, *, step: int, epoch: int | 
     rt = runtime.get()
     comm, rank, size = rt.topo.comm, rt.topo.rank, rt.topo.size
     rt.worker.drain()  # no library collective of ours may be in flight during the save
+    consistency.check_called_everywhere(comm, "bm.checkpoint.save", "every rank calls it")
     started = time.perf_counter()
 
     error, trees, algorithms, named = None, {}, {}, None

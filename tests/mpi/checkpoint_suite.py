@@ -247,6 +247,40 @@ def roundtrip(directory: str) -> None:
     print(f"roundtrip OK on {size} ranks", flush=True)
 
 
+def on_one_rank(directory: str) -> None:
+    """``save`` and ``load`` are collective. Called on rank 0 alone while the others step on
+    (DDP's ``if rank == 0: torch.save(...)`` habit), each raises ``MismatchError`` on every
+    rank naming both calls (rank 0's save or load, the others' next bucket); ``save`` had
+    failed inside MPI ("Message truncated"), under ZeRO or another algorithm it could hang.
+    Afterwards, every rank saving and loading together works as before."""
+    rank, size = bm.rank(), bm.size()
+    for call in ("save", "load"):
+        for stage in (0, 1):
+            seed_everything(rank)
+            torch.manual_seed(0)
+            model = Net()
+            opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                          named_parameters=model.named_parameters(),
+                                          zero_stage=stage)
+            sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=3, gamma=0.5)
+            train(model, opt, sched, 2)
+            path = ckpt.save(directory, model=model, optimizer=opt, step=2)
+            message = expect_error(bm.MismatchError, f"bm.checkpoint.{call}", lambda: (
+                (ckpt.save(directory, model=model, optimizer=opt, step=3) if call == "save"
+                 else ckpt.load(path, model=model, optimizer=opt))
+                if rank == 0 else train(model, opt, sched, 1)))
+            assert "rank 1: bucket(" in message, message
+            if rank != 0:
+                opt.abandon_iteration()
+            before = digest(model, opt)
+            path = ckpt.save(directory, model=model, optimizer=opt, step=3)
+            train(model, opt, sched, 1)
+            ckpt.load(path, model=model, optimizer=opt)
+            assert digest(model, opt) == before, f"{call}, zero_stage={stage}: not restored"
+            opt.close()
+    print(f"on_one_rank OK on {size} ranks", flush=True)
+
+
 def preemption_agreement() -> None:
     """SIGUSR1 reaches only the last rank, mid-loop: every rank stops at the same step."""
     rank, size = bm.rank(), bm.size()
@@ -584,6 +618,8 @@ def main() -> None:
         world(args[0], args[1])
     elif mode == "crash":
         crash(args[0], args[1])
+    elif mode == "on_one_rank":
+        on_one_rank(args[0])
     elif mode == "saveloop":
         saveloop(args[0])
     else:
