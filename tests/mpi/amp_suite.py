@@ -73,7 +73,7 @@ def combined_loss(net, size: int) -> float:
 
 
 def train(name: str, recipe: str, poison: str | None, rank: int, size: int, make=model,
-          bucket_mb: float = 0.001, **options):
+          bucket_mb: float = 0.001, clip: float | None = None, **options):
     """(model, scale after each step, loss on every rank's next batch after each step) of a
     run of ``name`` under GradScaler. ``poison``: the last rank's batch at step ``BAD`` is
     ``inf`` or ``nan``, or (``element``) one element of its first layer's gradient is inf, which
@@ -102,6 +102,11 @@ def train(name: str, recipe: str, poison: str | None, rank: int, size: int, make
         if recipe == "explicit":
             opt.synchronize()
             scaler.unscale_(opt)
+            if clip is not None:  # the averaged, unscaled gradients (at stage 2, the slices)
+                if opt.zero_stage == 2:
+                    opt.clip_grad_norm_(clip)
+                else:
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
             with opt.skip_synchronize():
                 scaler.step(opt)
         else:
@@ -113,15 +118,17 @@ def train(name: str, recipe: str, poison: str | None, rank: int, size: int, make
     return net, scales, losses
 
 
-def reference(size: int, skipped: set[int], make=model):
-    """One process, every rank's batch, plain SGD on the mean loss; the ``skipped`` steps
-    skipped (their batches drawn all the same)."""
+def reference(size: int, skipped: set[int], make=model, clip: float | None = None):
+    """One process, every rank's batch, plain SGD on the mean loss (its gradient norm clipped
+    to ``clip``); the ``skipped`` steps skipped (their batches drawn all the same)."""
     net = make()
     opt = base_optimizer("gradient_allreduce", net.parameters())
     for step in range(STEPS):
         xs, ys = zip(*(batch(step, r, size, None) for r in range(size)))
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(torch.cat(xs)), torch.cat(ys)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         if step not in skipped:
             opt.step()
     return net
@@ -164,6 +171,23 @@ def check_plain_recipe_overlapped(rank: int, size: int) -> None:
     expected = flat(reference(size, set(), wide_model))
     assert torch.allclose(flat(net), expected, rtol=1e-4, atol=1e-6), (
         f"off the single-process run by {(flat(net) - expected).abs().max().item():.3g}")
+
+
+def check_explicit_recipe_clipped(rank: int, size: int) -> None:
+    """Horovod's recipe with clipping between ``unscale_`` and the step, with an overflow at
+    step ``BAD``: at stages 0 and 1 torch's ``clip_grad_norm_`` clips the averaged, unscaled
+    gradients, at stage 2 ``opt.clip_grad_norm_`` clips the slices; every stage follows the
+    single-process replay that clips the combined batch's gradient (and skips that step)."""
+    clip = 0.5
+    expected = flat(reference(size, {BAD}, clip=clip))
+    assert not torch.allclose(expected, flat(reference(size, {BAD}))), "nothing was clipped"
+    for stage in (0, 1, 2):
+        net, scales, _ = train("gradient_allreduce", "explicit", "inf", rank, size, clip=clip,
+                               zero_stage=stage)
+        assert scales[BAD] < scales[BAD - 1], f"stage {stage}: the overflow was not seen"
+        assert torch.allclose(flat(net), expected, rtol=1e-4, atol=1e-6), (
+            f"stage {stage}: off the clipped single-process replay by "
+            f"{(flat(net) - expected).abs().max().item():.3g}")
 
 
 def onebit_adam_run(rank: int, size: int, iteration, needle: str) -> None:
@@ -281,6 +305,7 @@ def zero_checks() -> dict:
 def suite_checks() -> dict:
     return {"plain_recipe_overlapped": check_plain_recipe_overlapped, **skip_checks(),
             **zero_checks(),
+            "explicit_recipe_clipped": check_explicit_recipe_clipped,
             "onebit_adam_refuses_grad_scaler": check_onebit_adam_refuses_grad_scaler,
             "onebit_adam_refuses_clipping": check_onebit_adam_refuses_clipping,
             "onebit_adam_refuses_skipped_step": check_onebit_adam_refuses_skipped_step,
