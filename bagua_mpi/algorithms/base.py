@@ -281,11 +281,12 @@ class AlgorithmImpl:
         (algorithm, bucket, sizes): one 40-byte allreduce per bucket, which turns ranks that
         disagree into ``MismatchError`` and lets a rank inside ``bagua_mpi.join()`` take part in
         a dense exchange with zeros (any other exchange raises ``JoinedRankError`` on the ranks
-        still training instead of hanging).
+        still training instead of hanging). With ``hierarchical=True`` the check runs too, but
+        a joined rank has no way into the two-level exchange, so that is refused.
         """
         # a rank inside join() adds its zeros through MPI: no shared-memory exchange then
-        self._shared_ok = not (consistency.enabled() and not self.ctx.hierarchical
-                               and self._agree(bucket, step))
+        self._shared_ok = not (consistency.enabled() and self._agree(
+            bucket, step, joinable=not self.ctx.hierarchical))
         launches, syncs = overhead.snapshot()
         allocations = overhead.allocations()
         self._exchange_bucket(bucket, step)
@@ -319,12 +320,12 @@ class AlgorithmImpl:
             exchange()
         self.node_broadcast_(self.exchanged_tensors(bucket, step))
 
-    def _agree(self, bucket: "Bucket", step: int) -> bool:
+    def _agree(self, bucket: "Bucket", step: int, joinable: bool = True) -> bool:
         tensors = bucket.communication_tensors()
         dense_plain = ((self.in_dense_stage(step) or self.exchanges_dense_gradients())
                        and self.ctx.compression.wire_dtype is None and self.zero_stage != 2)
         join = None
-        if dense_plain:  # a joined rank adds zeros to each of the bucket's allreduces...
+        if dense_plain and joinable:  # a joined rank adds zeros to each of the allreduces...
             topo = self.ctx.topo
             route = join_route(tensors[0], topo, self.backend, comm=self.comm)
             # ...on the same wire, in the dtype it sums in (process groups add 16-bit natively)

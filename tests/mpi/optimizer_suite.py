@@ -4,6 +4,7 @@
 batch of all ranks) is computed on every rank, so each compares with it directly.
 """
 import copy
+import itertools
 import json
 import os
 import sys
@@ -367,8 +368,9 @@ def check_sparse_gradients_send_rows(rank: int, size: int) -> int:
 def check_join(rank: int, size: int) -> int:
     """Uneven data (Horovod's join): the last rank runs out after 2 of 4 steps and joins; the
     others' gradient allreduces go on with its zeros, averaged over all ranks. A compressed
-    algorithm cannot take zeros from a joined rank, nor can the first step's set-up: the
-    training ranks get JoinedRankError, never a hang."""
+    algorithm cannot take zeros from a joined rank, nor can the two-level exchange
+    (``hierarchical=True``) or the first step's set-up: the training ranks get
+    JoinedRankError, never a hang."""
     if size == 1:
         return 0
     last = size - 1
@@ -394,21 +396,22 @@ def check_join(rank: int, size: int) -> int:
         assert abs(got - expected) < 1e-5, (step, got, expected)
     opt.close()
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 8)
-    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters(), algorithm="qsgd")
-    raised = False
-    for step in range(1 if rank == last else 2):
-        opt.zero_grad()
-        try:  # backward() finishes the exchange: the error comes from there
-            model(torch.ones(2, 64)).sum().backward()
-            opt.step()
-        except bm.JoinedRankError:
-            raised = True
-    bm.join()
-    assert raised == (rank != last), (rank, raised)
-    opt.close()
+    for options in (dict(algorithm="qsgd"), dict(hierarchical=True)):  # hierarchical hung
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 8)
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(), **options)
+        raised = False
+        for step in range(1 if rank == last else 2):
+            opt.zero_grad()
+            try:  # backward() finishes the exchange: the error comes from there
+                model(torch.ones(2, 64)).sum().backward()
+                opt.step()
+            except bm.JoinedRankError:
+                raised = True
+        bm.join()
+        assert raised == (rank != last), (options, rank, raised)
+        opt.close()
 
     # a rank that joins before its first step: the others' first step builds the buckets,
     # which it cannot take part in; they get JoinedRankError saying so, not a hang
@@ -480,20 +483,24 @@ def check_hyperparameters_that_differ(rank: int, size: int) -> int:
     the last rank alone: the next step's first bucket raises MismatchError on every rank,
     naming the param group, 'lr' and each rank's value, before any rank steps with it (the
     ranks used to train apart, silently), for every registered algorithm that exchanges
-    gradients. With the metric averaged first (the recipe the message gives) they train on
-    alike."""
+    gradients, flat and with ``hierarchical=True`` (whose exchange skipped the check). With
+    the metric averaged first (the recipe the message gives) they train on alike."""
     if size == 1:
         return 0
     checks = 0
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
     others = "rank 0" if size == 2 else f"ranks 0-{size - 2}"
-    for name in bm.algorithms.names():
-        if bm.algorithms.create(name).averages_models:
+    for name, hierarchical in itertools.product(bm.algorithms.names(), (False, True)):
+        algorithm = bm.algorithms.create(name)
+        if algorithm.averages_models:
             continue  # they step on local gradients and bring the models together after
+        if hierarchical and algorithm.hierarchical_refusal is not None:
+            continue
         torch.manual_seed(0)
         model = torch.nn.Linear(6, 2)
         opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                      named_parameters=model.named_parameters(), algorithm=name)
+                                      named_parameters=model.named_parameters(), algorithm=name,
+                                      hierarchical=hierarchical)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
         for step in range(2):
             opt.zero_grad()
