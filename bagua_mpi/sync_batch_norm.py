@@ -6,6 +6,8 @@ variance, which normalise the local batch. The allreduce's backward is the allre
 gradient, so gradients match ``torch.nn.BatchNorm`` applied to the concatenation of every
 rank's batch (loss summed over ranks). Running statistics use the unbiased global variance.
 Evaluation mode, or a single rank, is plain batch norm. Ranks may have different batch sizes.
+``momentum=None`` keeps the cumulative average, as torch's. ``convert_sync_batchnorm`` swaps a
+model's batch norm layers for this class, as DDP scripts do with torch's.
 """
 from __future__ import annotations
 
@@ -35,8 +37,6 @@ class SyncBatchNorm(_BatchNorm):
         ps = self.process_set or collectives.global_process_set
         if not self.training or runtime.size() == 1:
             return super().forward(input)
-        if self.momentum is None:
-            raise ValueError("SyncBatchNorm needs a numeric momentum")
         c = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
         x = input if input.dtype == torch.float64 else input.float()
@@ -52,11 +52,14 @@ class SyncBatchNorm(_BatchNorm):
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 self.num_batches_tracked += 1
+                # momentum None: the cumulative average over the batches seen, as torch's
+                factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                          else self.momentum)
                 unbiased = var * (n / (n - 1))
-                self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean.detach()
-                                                               .to(self.running_mean.dtype))
-                self.running_var.mul_(1 - self.momentum).add_(self.momentum * unbiased.detach()
-                                                              .to(self.running_var.dtype))
+                self.running_mean.mul_(1 - factor).add_(factor * mean.detach()
+                                                        .to(self.running_mean.dtype))
+                self.running_var.mul_(1 - factor).add_(factor * unbiased.detach()
+                                                       .to(self.running_var.dtype))
         shape = [1, c] + [1] * (input.dim() - 2)
         y = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + self.eps)
         if self.affine:
@@ -64,3 +67,30 @@ class SyncBatchNorm(_BatchNorm):
         return y.to(input.dtype)
 
 
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_set=None) -> torch.nn.Module:
+        """``module`` with every batch norm layer (``BatchNorm1d/2d/3d``, and torch's own
+        ``SyncBatchNorm``, which without ``torch.distributed``'s default group normalizes each
+        rank's batch alone, silently) replaced by this class, as
+        ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does for DDP. The new layers hold
+        the same parameter tensors (an optimizer built before still trains them) and the same
+        running-statistics buffers; the mode (train or eval) carries over. Returns the
+        converted module (a new object when ``module`` itself is a batch norm layer)."""
+        converted = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_set=process_set)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.train(module.training)
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_set))
+        return converted

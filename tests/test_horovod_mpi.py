@@ -5,15 +5,16 @@ import re
 
 import pytest
 
+import horovod_suite
 from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi
 
 
-API_MODES = ["api", "grouped", "autograd", "join", "state"]
+API_MODES = [mode for mode in horovod_suite.MODES if mode not in horovod_suite.ALONE]
 
 
 @pytest.fixture(scope="module")
 def api_job(tmp_path_factory):
-    """The five API modes run in one job per world size (each starts every rank's interpreter
+    """The API modes run in one job per world size (each starts every rank's interpreter
     once, which is most of a small job's time here), each reported on its own line."""
     @functools.cache
     def run(nprocs):

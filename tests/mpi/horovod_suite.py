@@ -490,6 +490,57 @@ def mode_state(rank, size):
     return 0
 
 
+def mode_sync_batch_norm(rank, size):
+    """``SyncBatchNorm.convert_sync_batchnorm`` (DDP scripts call torch's, whose layers without
+    torch.distributed's default group normalize each rank's batch alone): a model's
+    BatchNorm1d/2d and torch SyncBatchNorm layers become ours, holding the same parameters
+    and running buffers and keeping their mode; then two training forward/backward passes at
+    1-4 ranks (uneven batches, one layer with ``momentum=None``) match the unconverted model
+    on the concatenation of every rank's batch: outputs, input gradients, summed parameter
+    gradients and running statistics."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.BatchNorm2d(3, momentum=0.3),
+            torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(48, 5),
+            torch.nn.BatchNorm1d(5, momentum=None), torch.nn.Tanh(),
+            torch.nn.Sequential(torch.nn.SyncBatchNorm(5)), torch.nn.Linear(5, 2)).double()
+    reference, net = model(), model()
+    layers = [net[1], net[5], net[7][0]]
+    params = [list(layer.parameters()) for layer in layers]
+    buffers = [layer.running_mean for layer in layers]
+    net[7][0].eval()  # the mode carries over
+    converted = hvd.SyncBatchNorm.convert_sync_batchnorm(net)
+    assert converted is net
+    for k, old in ((1, layers[0]), (5, layers[1])):
+        assert type(net[k]) is hvd.SyncBatchNorm and net[k].momentum == old.momentum
+    inner = net[7][0]
+    assert type(inner) is hvd.SyncBatchNorm and not inner.training, "the nested layer's mode"
+    for k, layer in enumerate((net[1], net[5], inner)):
+        assert all(a is b for a, b in zip(layer.parameters(), params[k], strict=True)), (
+            f"layer {k}: not the same parameters")
+        assert layer.running_mean is buffers[k], f"layer {k}: not the same running mean"
+    inner.train()
+    reference[7][0] = torch.nn.BatchNorm1d(5).double()  # one process: torch's is plain BN
+    sizes = [r + 2 for r in range(size)]
+    start = sum(sizes[:rank])
+    for step in range(2):
+        xs = [inp(f"cbn{step}", r, (sizes[r], 2, 4, 4), "float64", -2, 2) for r in range(size)]
+        x = xs[rank].clone().requires_grad_()
+        full = torch.cat(xs).requires_grad_()
+        net.zero_grad()
+        reference.zero_grad()
+        y, yf = net(x), reference(full)
+        y.pow(2).sum().backward()
+        yf.pow(2).sum().backward()
+        same(y.detach(), yf.detach()[start:start + sizes[rank]], f"step {step}: output")
+        same(x.grad, full.grad[start:start + sizes[rank]], f"step {step}: input grad")
+        for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+            same(hvd.allreduce(p.grad, op=hvd.Sum), q.grad, f"step {step}: {name} grad")
+    for name, buffer in net.named_buffers():
+        same(buffer, dict(reference.named_buffers())[name], f"buffer {name}")
+
+
 def mode_elastic(rank, size):
     """hvd.elastic.run: an error every rank sees restores the last commit and retries; with a
     checkpoint directory, a restarted job resumes from the last commit."""
@@ -540,7 +591,8 @@ def mode_elastic(rank, size):
 
 MODES = {"api": mode_api, "grouped": mode_grouped, "process_sets": mode_process_sets,
          "autograd": mode_autograd, "join": mode_join, "state": mode_state,
-         "elastic": mode_elastic}
+         "sync_batch_norm": mode_sync_batch_norm, "elastic": mode_elastic}
+ALONE = ("process_sets", "elastic")  # each needs an init of its own: one job each
 _init_sets = None
 
 
@@ -560,10 +612,10 @@ def main():
     elif modes == ["elastic"]:
         hvd.init()
     else:
-        unknown = (set(modes) - set(MODES)) | (set(modes) & {"process_sets", "elastic"})
+        unknown = (set(modes) - set(MODES)) | (set(modes) & set(ALONE))
         if unknown:
             raise SystemExit(f"modes {sorted(unknown)} cannot run here; valid: "
-                             + ", ".join(sorted(set(MODES) - {"process_sets", "elastic"})))
+                             + ", ".join(sorted(set(MODES) - set(ALONE))))
         hvd.init()
         failures = run_checks({m: MODES[m] for m in modes}, argv=[])
         hvd.barrier()
