@@ -40,11 +40,15 @@ class SyncBatchNorm(_BatchNorm):
         c = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
         x = input if input.dtype == torch.float64 else input.float()
-        count = torch.full((1,), float(input.numel() // c), dtype=x.dtype, device=input.device)
+        local = input.numel() // c
+        count = torch.full((1,), float(local), dtype=x.dtype, device=input.device)
         stats = torch.cat([count, x.sum(dims), (x * x).sum(dims)])
         total = collectives.allreduce(stats, op=Sum, process_set=ps)
         n = total[0]
-        if n.item() <= 1:
+        # the total is at least this rank's count, so only a rank with one value or none
+        # reads it (on a GPU, reading it waits for the device); when the total is 1 every
+        # rank has one value or none, so every rank reads it and raises alike
+        if local <= 1 and n.item() <= 1:
             raise ValueError(f"SyncBatchNorm needs more than one value per channel over all "
                              f"ranks, got input of size {tuple(input.shape)}")
         mean = total[1:1 + c] / n

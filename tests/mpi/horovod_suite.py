@@ -539,6 +539,10 @@ def mode_sync_batch_norm(rank, size):
             same(hvd.allreduce(p.grad, op=hvd.Sum), q.grad, f"step {step}: {name} grad")
     for name, buffer in net.named_buffers():
         same(buffer, dict(reference.named_buffers())[name], f"buffer {name}")
+    # one value per channel over all ranks (rank 0's one row; the others none): refused alike
+    layer = hvd.SyncBatchNorm(3).double()
+    expect(ValueError, lambda: layer(torch.ones(1 if rank == 0 else 0, 3, dtype=torch.float64)),
+           "value per channel")  # at one rank, torch's own message
 
 
 def mode_elastic(rank, size):
