@@ -340,20 +340,28 @@ class AlgorithmImpl:
         if bucket.index == 0 and optimizer is not None:  # once a step: ranks must step alike
             signature += ((hyperparameters.FIELD,
                            hyperparameters.digest(optimizer.param_groups)),)
+        return self.verify_naming_hyperparameters(
+            signature, step, "checked as its first bucket is exchanged, before any rank steps "
+            "with them", join, cache=bucket.index != 0)
+
+    def verify_naming_hyperparameters(self, signature: tuple, step: int, when: str, join=None,
+                                      cache: bool = True) -> bool:
+        """``consistency.verify`` of ``signature``; where it ends with the hyperparameters'
+        digest and only the digests differ, the ``MismatchError`` names each value and the
+        ranks holding it (``when``: where the check sits in the step)."""
         comm = self.ctx.topo.comm
         try:
-            return consistency.verify(comm, signature, join, cache=bucket.index != 0)
+            return consistency.verify(comm, signature, join, cache=cache)
         except MismatchError as exc:
             # decided from the gathered signatures alone, which every rank saw alike, so that
             # every rank takes part in the gather below or none does
             if not hyperparameters.digests_differ(getattr(exc, "signatures", [])):
                 raise
             differ = hyperparameters.differences(
-                comm.allgather(hyperparameters.summary(optimizer.param_groups)))
+                comm.allgather(hyperparameters.summary(self.wrapped_optimizer.param_groups)))
             error = MismatchError(
                 f"rank {self.ctx.topo.rank}: the wrapped optimizer's hyperparameters differ "
-                f"across the ranks at step {step} (checked as its first bucket is exchanged, "
-                f"before any rank steps with them):\n  " + "\n  ".join(differ) +
+                f"across the ranks at step {step} ({when}):\n  " + "\n  ".join(differ) +
                 "\nEvery rank must step alike: a learning-rate scheduler stepped on a "
                 "per-rank metric (ReduceLROnPlateau on this rank's validation loss) parts "
                 "them; average the metric over the ranks first (bagua_mpi.allreduce)")

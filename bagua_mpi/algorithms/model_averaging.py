@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import runtime
+from .. import consistency, runtime
 from ..primitives.codecs import MinMaxCodec
 from ..primitives.decentralized import (PeerEstimates, decentralized_average_,
                                         low_precision_decentralized_, peers_for)
+from . import hyperparameters
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 from .forms import float32
@@ -143,6 +144,22 @@ class LowPrecisionDecentralized(Algorithm):
 class LocalSGDImpl(ModelAveragingImpl):
     def interval(self) -> int:
         return self.algorithm.period
+
+    def after_step(self, optimizer) -> None:
+        """Before the models are averaged, the ranks compare the optimizer's hyperparameters
+        (one 40-byte allreduce per averaging, beside an allreduce of the whole model), so
+        ranks whose learning rates parted ways raise ``MismatchError`` naming them. The
+        decentralized algorithms do not: a global check would make every step wait for every
+        rank, which they exist to avoid."""
+        if (self.step + 1) % self.interval() == 0 and consistency.enabled() and (
+                self.wrapped_optimizer is not None):
+            signature = ("local_sgd average", ("buckets", len(self.buckets)),
+                         (hyperparameters.FIELD,
+                          hyperparameters.digest(self.wrapped_optimizer.param_groups)))
+            runtime.get().worker.run(lambda: self.verify_naming_hyperparameters(
+                signature, self.step, f"checked before the models are averaged; the last "
+                f"{self.interval()} local steps used them"), ("agree", "local_sgd average"))
+        super().after_step(optimizer)
 
     def average_bucket(self, bucket) -> None:
         flat = bucket.flat_param

@@ -478,13 +478,48 @@ def check_same_start(rank: int, size: int) -> int:
     return checks
 
 
+def model_averaging_with_differing_lr(name: str, rank: int, size: int, x, others: str) -> int:
+    """The last rank's learning rate halves after step 1, as in the check below. ``local_sgd``
+    (period 2) raises MismatchError on every rank as it is about to average at step 3, naming
+    the values; the decentralized algorithms and ``async`` train on (their exchanges are not
+    global, or not in step with the optimizer: no check)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    algorithm = bm.algorithms.create(name, **({"period": 2} if name == "local_sgd" else {}))
+    opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), algorithm=algorithm)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    raised = None
+    for step in range(4):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        try:
+            opt.step()
+        except bm.MismatchError as error:
+            raised = (step, str(error))
+            break
+        if step < 2:
+            scheduler.step(1.0 if rank == size - 1 else -float(step))
+    opt.close()
+    if name != "local_sgd":
+        assert raised is None, f"{name}: {raised}"
+        return 0
+    assert raised is not None and raised[0] == 3, f"{name}: raised {raised}"
+    for needle in (f"rank {rank}: the wrapped optimizer's hyperparameters differ across the "
+                   f"ranks at step 3 (checked before the models are averaged",
+                   f"param group 0 'lr': 0.01 on {others}; 0.005 on rank {size - 1}"):
+        assert needle in raised[1], (needle, raised[1])
+    return 1
+
+
 def check_hyperparameters_that_differ(rank: int, size: int) -> int:
     """A ReduceLROnPlateau stepped on each rank's own metric, which lowers the learning rate on
     the last rank alone: the next step's first bucket raises MismatchError on every rank,
     naming the param group, 'lr' and each rank's value, before any rank steps with it (the
     ranks used to train apart, silently), for every registered algorithm that exchanges
-    gradients, flat and with ``hierarchical=True`` (whose exchange skipped the check). With
-    the metric averaged first (the recipe the message gives) they train on alike."""
+    gradients, flat and with ``hierarchical=True`` (whose exchange skipped the check), and
+    ``local_sgd`` before it averages. With the metric averaged first (the recipe the message
+    gives) they train on alike."""
     if size == 1:
         return 0
     checks = 0
@@ -493,7 +528,9 @@ def check_hyperparameters_that_differ(rank: int, size: int) -> int:
     for name, hierarchical in itertools.product(bm.algorithms.names(), (False, True)):
         algorithm = bm.algorithms.create(name)
         if algorithm.averages_models:
-            continue  # they step on local gradients and bring the models together after
+            if not hierarchical:
+                checks += model_averaging_with_differing_lr(name, rank, size, x, others)
+            continue
         if hierarchical and algorithm.hierarchical_refusal is not None:
             continue
         torch.manual_seed(0)
