@@ -70,8 +70,6 @@ class SyncBatchNorm(_BatchNorm):
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
         return y.to(input.dtype)
 
-
-
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_set=None) -> torch.nn.Module:
         """``module`` with every batch norm layer (``BatchNorm1d/2d/3d``, and torch's own
@@ -86,9 +84,7 @@ class SyncBatchNorm(_BatchNorm):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, process_set=process_set)
             if module.affine:
-                with torch.no_grad():
-                    converted.weight = module.weight
-                    converted.bias = module.bias
+                converted.weight, converted.bias = module.weight, module.bias
             converted.running_mean = module.running_mean
             converted.running_var = module.running_var
             converted.num_batches_tracked = module.num_batches_tracked

@@ -158,7 +158,8 @@ class LocalSGDImpl(ModelAveragingImpl):
                           hyperparameters.digest(self.wrapped_optimizer.param_groups)))
             runtime.get().worker.run(lambda: self.verify_naming_hyperparameters(
                 signature, self.step, f"checked before the models are averaged; the last "
-                f"{self.interval()} local steps used them"), ("agree", "local_sgd average"))
+                f"{self.interval()} local steps used them", cache=False),  # a schedule's
+                ("agree", "local_sgd average"))  # learning rate makes every digest new
         super().after_step(optimizer)
 
     def average_bucket(self, bucket) -> None:
