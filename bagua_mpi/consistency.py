@@ -102,6 +102,14 @@ def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:
                             f"has joined (seen from rank {comm.Get_rank()}: "
                             f"{format_signature(signature)})")
     if join is None:
+        fields = dict(f for f in signature[1:] if isinstance(f, tuple) and len(f) == 2)
+        if signature[0] == "bucket":  # a DistributedOptimizer's exchange, not a user's call
+            raise JoinedRankError(
+                f"a DistributedOptimizer's exchange (bucket {fields.get('index')}, algorithm "
+                f"{fields.get('algorithm')}) met a rank inside bagua_mpi.join(): a joined rank "
+                f"can only add zeros to a flat, uncompressed exchange of dense gradients "
+                f"(gradient_allreduce without compression or hierarchical=True, or a dense "
+                f"warm-up), not to this one; the joined ranks stay joined")
         raise JoinedRankError(f"{signature[0]} was called while some rank has joined "
                               f"(bagua_mpi.join()); only allreduce and grouped_allreduce accept "
                               f"joined ranks, which contribute zeros; the joined ranks stay "

@@ -407,8 +407,11 @@ def check_join(rank: int, size: int) -> int:
             try:  # backward() finishes the exchange: the error comes from there
                 model(torch.ones(2, 64)).sum().backward()
                 opt.step()
-            except bm.JoinedRankError:
+            except bm.JoinedRankError as exc:
                 raised = True
+                name = options.get("algorithm", "gradient_allreduce")
+                assert (f"a DistributedOptimizer's exchange (bucket 0, algorithm {name}) met a "
+                        f"rank inside bagua_mpi.join()") in str(exc), str(exc)
         bm.join()
         assert raised == (rank != last), (options, rank, raised)
         opt.close()
