@@ -108,8 +108,9 @@ def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:
                 f"a DistributedOptimizer's exchange (bucket {fields.get('index')}, algorithm "
                 f"{fields.get('algorithm')}) met a rank inside bagua_mpi.join(): a joined rank "
                 f"can only add zeros to a flat, uncompressed exchange of dense gradients "
-                f"(gradient_allreduce without compression or hierarchical=True, or a dense "
-                f"warm-up), not to this one; the joined ranks stay joined")
+                f"(gradient_allreduce, or a dense warm-up, at zero_stage 0 or 1 without "
+                f"compression or hierarchical=True), not to this one; the joined ranks stay "
+                f"joined")
         raise JoinedRankError(f"{signature[0]} was called while some rank has joined "
                               f"(bagua_mpi.join()); only allreduce and grouped_allreduce accept "
                               f"joined ranks, which contribute zeros; the joined ranks stay "
