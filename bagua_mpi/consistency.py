@@ -102,8 +102,8 @@ def tell_joined(comm, signature, join, agreed: bool, root: int) -> None:
                             f"has joined (seen from rank {comm.Get_rank()}: "
                             f"{format_signature(signature)})")
     if join is None:
-        fields = dict(f for f in signature[1:] if isinstance(f, tuple) and len(f) == 2)
         if signature[0] == "bucket":  # a DistributedOptimizer's exchange, not a user's call
+            fields = dict(f for f in signature[1:] if isinstance(f, tuple) and len(f) == 2)
             raise JoinedRankError(
                 f"a DistributedOptimizer's exchange (bucket {fields.get('index')}, algorithm "
                 f"{fields.get('algorithm')}) met a rank inside bagua_mpi.join(): a joined rank "

@@ -3,8 +3,8 @@
 The two-level exchange used to skip the check (one 40-byte allreduce over all ranks per
 bucket); it now runs it. Both are timed in one job, interleaved round by round: the check on
 (today) and off (``bm.set_consistency_check(False)``, which is what the two-level exchange did
-before). The model is a 21M-parameter MLP (batch 16 per rank), in buckets of ``--bucket-mb``
-(the planner makes 4 of 25 MB and 6 of 1 MB here).
+before). The model is the step benchmark's MLP (``step_time.make_model("mlp")``: 21M
+parameters, batch 16 per rank), in buckets of ``--bucket-mb``.
 
     BAGUA_MPI_RANKS_PER_NODE=2 OMP_NUM_THREADS=1 mpiexec -n 4 \\
         python benchmarks/hierarchical_check.py --bucket-mb 25 1
@@ -16,21 +16,12 @@ import time
 import torch
 
 import bagua_mpi as bm
-
-
-def mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(),
-                               torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
-                               torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
-                               torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
-                               torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
-                               torch.nn.Linear(2048, 1024))
+from step_time import make_model  # the step benchmark's MLP, as the README's figure
 
 
 def timed_steps(model, opt, steps: int) -> float:
     """Seconds per step, the slowest rank's (every rank waits for it anyway)."""
-    x = torch.randn(16, 1024)
+    x = torch.randn(16, 1024)  # the MLP's input width
     bm.barrier()
     start = time.perf_counter()
     for _ in range(steps):
@@ -55,7 +46,7 @@ def main() -> None:
         print("| bucket MB | buckets | check off (ms) | check on (ms) | on / off |")
         print("|---:|---:|---:|---:|---:|")
     for bucket_mb in args.bucket_mb:
-        model = mlp()
+        model = make_model("mlp")
         opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                       named_parameters=model.named_parameters(),
                                       hierarchical=True, bucket_size_mb=bucket_mb)
