@@ -122,6 +122,32 @@ def np_decode_many(codes, mn, scale, rows):
     return out
 
 
+def np_decode_minmax4(words, params, n, rows):
+    out = np.zeros(n, np.float32)
+    mn, scale = params[0::2], params[1::2]
+    for _ in range(rows):
+        packed = words.view(np.uint8)
+        codes = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)[:n]
+        out += (codes.reshape(-1, CHUNK) * scale[:, None] + mn[:, None]).reshape(-1)
+    return out
+
+
+def np_decode_qsgd(codes, norms, rows):
+    out = np.zeros(codes.size, np.float32)
+    for _ in range(rows):
+        out += (codes.reshape(-1, CHUNK) * (norms / np.float32(127))[:, None]).reshape(-1)
+    return out
+
+
+def np_decode_onebit(signs, scales, n, rows):
+    out = np.zeros(n, np.float32)
+    for _ in range(rows):
+        negative = np.unpackbits(signs.view(np.uint8), bitorder="little")[:n].astype(bool)
+        magnitude = np.repeat(scales, ONEBIT_CHUNK)[:n]
+        out += np.where(negative, -magnitude, magnitude)
+    return out
+
+
 # ---- CPU section -----------------------------------------------------------
 
 def cpu_rows(n, repeats):
@@ -134,6 +160,9 @@ def cpu_rows(n, repeats):
     stack = np.stack([mm.buffer] * 4)
     codes, mn, scale = np_minmax(x, np.zeros_like(x), 8)
     ta, tb = nk.compress_topk(x, k), nk.compress_topk(x[::-1].copy(), k)
+    mm4, qs, ob = (nk.compress_minmax(x, 4, CHUNK), nk.compress_qsgd(x, 127, CHUNK, seed=1),
+                   nk.compress_onebit(x, ONEBIT_CHUNK))
+    stack4, qstack, obstack = (np.stack([p.buffer] * 4) for p in (mm4, qs, ob))
     return [
         ("fp16 cast + EF", lambda: nk.compress_cast(x, "fp16", residual=e1),
          lambda: np_fp16(x, e2)),
@@ -154,6 +183,12 @@ def cpu_rows(n, repeats):
         ("random-k, d=0.001", lambda: nk.compress_randk(x, k, seed=3), lambda: np_randk(x, gen, k)),
         ("decode min-max 8-bit x4 rows", lambda: nk.decompress_many(stack, mm.format),
          lambda: np_decode_many(codes, mn, scale, 4)),
+        ("decode min-max 4-bit x4 rows", lambda: nk.decompress_many(stack4, mm4.format),
+         lambda: np_decode_minmax4(mm4.views()["codes"], mm4.views()["params"], n, 4)),
+        ("decode QSGD 8-bit x4 rows", lambda: nk.decompress_many(qstack, qs.format),
+         lambda: np_decode_qsgd(qs.views()["codes"], qs.views()["norms"], 4)),
+        ("decode 1-bit x4 rows", lambda: nk.decompress_many(obstack, ob.format),
+         lambda: np_decode_onebit(ob.views()["signs"], ob.views()["scales"], n, 4)),
         ("merge two top-k (gTop-k round)", lambda: nk.merge_topk(ta, tb),
          lambda: np_merge(ta, tb, k)),
     ]

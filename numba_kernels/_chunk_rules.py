@@ -17,6 +17,7 @@ from numba import njit
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
+_TWO23 = np.float32(2.0 ** 23)
 
 
 def minmax_params_py(mn, mx, levels):
@@ -49,14 +50,24 @@ def qsgd_steps_py(norm, levels):
 
 
 def qsgd_level_py(v, r, u, levels):
-    """Signed stochastic level of v, given r = |v| * ratio and its uniform draw u.
+    """Signed stochastic level of v, given r = |v| * ratio and its uniform draw u, as float32.
 
     level = floor(r) + 1 with probability r - floor(r) (when u < r - floor(r)),
-    else floor(r); at most ``levels``; negative for negative v.
+    else floor(r); at most ``levels`` (r exceeds it by rounding, or in a chunk whose squares
+    underflow); negative for negative v.  A NaN r (in a chunk holding an inf or NaN, whose
+    norm is then inf or NaN) gives 0.
+
+    Float32 throughout: floor(r) is r rounded to an integer by adding and subtracting 2**23
+    (exact for 0 <= r < 2**23; a larger r is capped either way), less one where that rounded
+    up.  A floor through int64 kept the CPU loop from vectorising (the QSGD
+    encoder took twice as long) and is a slow conversion on the GPU.
     """
-    lo = math.floor(r)
-    level = lo + 1 if u < r - np.float32(lo) else lo
-    level = level if level < levels else levels
+    rounded = (r + _TWO23) - _TWO23
+    lo = rounded - _ONE if rounded > r else rounded
+    level = lo + _ONE if u < r - lo else lo
+    cap = np.float32(levels)
+    level = cap if level > cap else level
+    level = level if level >= _ZERO else _ZERO
     return -level if v < _ZERO else level
 
 

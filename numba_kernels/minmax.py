@@ -147,6 +147,19 @@ def encode_rows_cpu(x, e, has_res, part, chunk, bits, params, pcol, words, wcol)
                      params[k, pcol:pcol + 2 * nc], words[k, wcol:wcol + nwords])
 
 
+@njit(nogil=True, inline="always")
+def fold_word(word, bits, mask, mn, scale, group, add):
+    """group (+)= x_hat of the codes packed in ``word`` (width ``bits``, dividing 32)."""
+    if add:
+        for j in range(group.size):
+            code = (word >> np.uint32(j * bits)) & mask
+            group[j] = group[j] + fma32(np.float32(code), scale, mn)
+    else:
+        for j in range(group.size):
+            code = (word >> np.uint32(j * bits)) & mask
+            group[j] = fma32(np.float32(code), scale, mn)
+
+
 @njit(nogil=True)
 def decode_row(codes8, words, bits, mn, scale, out, add, first):
     """out (+)= x_hat for one chunk (views) of one payload row; ``first`` is the
@@ -158,6 +171,14 @@ def decode_row(codes8, words, bits, mn, scale, out, add, first):
         else:
             for i in range(out.size):
                 out[i] = fma32(np.float32(codes8[i]), scale, mn)
+    elif 32 % bits == 0:
+        # widths 1, 2, 4: a word holds 32 / bits whole codes, read a word at a time (the
+        # general read below takes a 64-bit window and a branch per element)
+        per = 32 // bits
+        mask = np.uint32((1 << bits) - 1)
+        w0 = (first * bits) >> 5  # chunks start on word boundaries
+        for w in range((out.size + per - 1) // per):
+            fold_word(words[w0 + w], bits, mask, mn, scale, out[per * w:per * (w + 1)], add)
     else:
         for i in range(out.size):
             xh = fma32(np.float32(read_code(words, first + i, bits)), scale, mn)

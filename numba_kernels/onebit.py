@@ -15,7 +15,7 @@ from numba import njit, prange
 from ._api import encode_payload, encode_rows
 from ._chunk_rules import onebit_scale
 from ._host_chunks import chunk_source
-from ._scalar import add_or_replace, chunk_sum
+from ._scalar import bits_f32, chunk_sum, f32_bits
 from .errors import KernelParameterError
 from .wire import OneBitFormat
 
@@ -70,12 +70,30 @@ def encode_rows_cpu(x, e, has_res, part, chunk, square, scales, scol, words, wco
                    scales[k, scol:scol + nc], words[k, wcol:wcol + nwords])
 
 
+@njit(nogil=True, inline="always")
+def fold_word(word, scale_bits, group, add):
+    """group (+)= +-scale for the (up to 32) elements whose sign bits are ``word``'s, LSB
+    first.  The sign is the scale's sign bit flipped by the element's bit, which is -scale
+    where the bit is set, bit for bit (NaN and zero too), with no branch: a branch per
+    element, mispredicted on half of them, made the decode five times slower, and reading
+    the word once per element twice as slow again."""
+    if add:
+        for j in range(group.size):
+            bit = (word >> np.uint32(j)) & np.uint32(1)
+            group[j] = group[j] + bits_f32(scale_bits ^ (bit << np.uint32(31)))
+    else:
+        for j in range(group.size):
+            bit = (word >> np.uint32(j)) & np.uint32(1)
+            group[j] = bits_f32(scale_bits ^ (bit << np.uint32(31)))
+
+
 @njit(nogil=True)
 def decode_row(words, scale, out, add):
-    """out (+)= +-scale for one chunk (views: words start at the chunk) of one row."""
-    for i in range(out.size):
-        bit = (words[i >> 5] >> np.uint32(i & 31)) & np.uint32(1)
-        out[i] = add_or_replace(out[i], -scale if bit else scale, add)
+    """out (+)= +-scale for one chunk (views: words start at the chunk) of one row, a sign
+    word (32 elements) at a time."""
+    scale_bits = f32_bits(scale)
+    for w in range((out.size + 31) >> 5):
+        fold_word(words[w], scale_bits, out[32 * w:32 * w + 32], add)
 
 
 @njit(nogil=True, parallel=True, cache=True)

@@ -108,3 +108,41 @@ def test_zero_chunk_encodes_zero():
     assert (p.views()["codes"] == 0).all() and (p.views()["norms"] == 0).all()
     np.testing.assert_array_equal(p.buffer, pad8(np.zeros(p.format.used_nbytes, np.uint8)))
     assert (nk.decompress(p) == 0).all()
+
+
+def level_ref(v, r, u, levels):
+    """The level rule in float64 with NumPy's floor: NaN r gives 0, r above levels gives it."""
+    with np.errstate(invalid="ignore"):
+        lo = np.floor(r.astype(np.float64))
+        level = np.where(u < r.astype(np.float64) - lo, lo + 1, lo)
+        level = np.where(np.isnan(r), 0.0, np.minimum(level, levels))
+    return np.where(v < 0, -level, level)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["njit", "python"])
+def test_level_rule_against_float64(compiled, rng):
+    """The float32 floor (add and subtract 2**23) gives the float64 floor's levels for every r
+    the encoder can meet: integers and their float32 neighbours, fractions, r past the cap, and
+    NaN. The plain-Python rule is what the CUDA simulator runs."""
+    from numba_kernels._chunk_rules import qsgd_level, qsgd_level_py
+    rule = qsgd_level if compiled else qsgd_level_py
+    whole = np.arange(0, 130, dtype=np.float32)
+    r = np.concatenate([whole, np.nextafter(whole, np.float32(-1)), np.nextafter(whole, 1e9),
+                        rng.uniform(0, 128, 2000).astype(np.float32),
+                        np.float32([2.0 ** 23 - 0.5, 2.0 ** 23, 3e9, np.inf, np.nan])])
+    r = np.abs(r).astype(np.float32)
+    u = rng.uniform(0, 1, r.size).astype(np.float32)
+    u[:whole.size] = 0.0   # an integer r must never step up, even for u = 0
+    v = np.where(rng.uniform(0, 1, r.size) < 0.5, -1.0, 1.0).astype(np.float32)
+    for levels in (1, 7, 127):
+        with np.errstate(invalid="ignore"):   # inf - inf in the plain-Python rule's NumPy math
+            got = np.array([rule(v[i], r[i], u[i], levels) for i in range(r.size)], np.float64)
+        np.testing.assert_array_equal(got, level_ref(v, r, u, levels), err_msg=f"{levels=}")
+
+
+def test_inf_and_nan_elements_give_zero_codes_for_their_chunk():
+    """A chunk holding inf or NaN has an inf or NaN norm, so every r in it is NaN: level 0
+    (the old int64 floor gave 0 there too, by way of a NaN conversion)."""
+    x = np.ones(64, np.float32)
+    x[3], x[40] = np.inf, np.nan
+    assert (nk.compress_qsgd(x, chunk=32, seed=1).views()["codes"] == 0).all()
