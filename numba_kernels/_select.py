@@ -18,6 +18,7 @@ Steps of ``select_exact``:
 import numpy as np
 from numba import njit
 
+from ._disk_cache import cached_njit
 from ._scalar import f32_bits
 from ._sparse_rules import keep_entry
 
@@ -32,7 +33,7 @@ def key_of(arr, i):
     return f32_bits(np.float32(arr[i])) & _ABS
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def kth_key(arr, m, k):
     """(T, r): the k-th largest key of arr[:m] and how many keys == T to take (1 <= k <= m)."""
     hist = np.zeros(1 << 16, np.int64)
@@ -56,7 +57,7 @@ def kth_key(arr, m, k):
     return (top << _S16) | np.uint32(lo), rem
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def compact(arr, m, thr, r, out_idx, out_val, resid, has_res, index_map, use_map):
     """Write keys > thr and the first r keys == thr, in position order.
 
@@ -79,7 +80,7 @@ def compact(arr, m, thr, r, out_idx, out_val, resid, has_res, index_map, use_map
     return pos
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def select_exact(arr, m, k, out_idx, out_val, resid, has_res, index_map, use_map):
     """Exact top-k of arr[:m] into (out_idx, out_val); see the module docstring."""
     if k == 0:

@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._api import encode_payload
+from ._disk_cache import cached_njit
 from ._half_bits import bf16_from_f32bits, half_fields, half_from_f32bits
 from ._scalar import add_or_replace, bits_f32, f32_bits
 from .errors import KernelTypeError, LayoutError
@@ -37,7 +38,7 @@ def f32_from_half(h):
     return sub if is_sub else bits_f32(bits)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def encode_cpu(x, e, has_res, bf16, half):
     """CPU twin: half[i] = cast(c_i); with has_res, e[i] = c_i - decoded."""
     for i in prange(x.size):
@@ -54,7 +55,7 @@ def encode_cpu(x, e, has_res, bf16, half):
             e[i] = c - back
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def decode_cpu_kernel(halves, col, bf16, out, accumulate):
     """out[i] (+)= sum over rows p of decode(halves[p, col + i]), rows in order."""
     for p in range(halves.shape[0]):

@@ -20,12 +20,13 @@ from numba import njit
 
 from ._api import output_buffer, payload_rows, require_same
 from ._device import flat, stream_of
+from ._disk_cache import cached_njit
 from ._select import select_exact
 from .errors import KernelParameterError, LayoutError, PayloadError
 from .wire import Payload, TopKFormat
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def union_cpu(ia, va, ib, vb, uidx, uval):
     """Merge two ascending (index, value) lists, summing equal indices; return the length."""
     a = 0
@@ -49,7 +50,7 @@ def union_cpu(ia, va, ib, vb, uidx, uval):
     return m
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def restore_cpu(resid, sidx, sval, gidx):
     """resid[i] += v for sent (i, v) whose i is absent from the ascending list gidx."""
     g = 0

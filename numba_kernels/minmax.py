@@ -18,6 +18,7 @@ from numba import njit, prange
 from ._api import encode_payload, encode_rows
 from ._bits import read_code
 from ._chunk_rules import minmax_params
+from ._disk_cache import cached_njit
 from ._host_chunks import chunk_source
 from ._scalar import fma32, greater, lesser
 from .errors import KernelParameterError
@@ -125,14 +126,14 @@ def encode_chunk(x, e, has_res, ci, chunk, size, bits, params, words):
         pack_codes(scratch, bits, words[w0:min(words.size, w0 + chunk * bits // 32)])
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def encode_cpu(x, e, has_res, chunk, bits, params, words):
     """CPU twin: one chunk per parallel iteration."""
     for ci in prange((x.size + chunk - 1) // chunk):
         encode_chunk(x, e, has_res, ci, chunk, x.size, bits, params, words)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def encode_rows_cpu(x, e, has_res, part, chunk, bits, params, pcol, words, wcol):
     """CPU twin of the row form: partition k of x (and e) into row k of the (rows, width)
     views ``params`` / ``words``, its sections at columns pcol / wcol; one (partition, chunk)
@@ -185,7 +186,7 @@ def decode_row(codes8, words, bits, mn, scale, out, add, first):
             out[i] = out[i] + xh if add else xh
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def decode_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate):
     """out[i] (+)= sum over rows p of fma(code, scale, mn), rows in order."""
     n = out.size
@@ -198,7 +199,7 @@ def decode_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out,
                        accumulate or p > 0, s)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def decode_rows_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out):
     """out[k * part + i] = fma(code, scale, mn) of element i of row k (each row on its own)."""
     nc = (part + chunk - 1) // chunk
@@ -296,7 +297,7 @@ def decode_rows_device(fmt, matrix, col, out, stream):
     kern.decode_rows(fmt, matrix, col, out, stream)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def _minmax_errors_kernel(x, chunk, bits, out):
     """out[ci, j] = sum over chunk ci of (x - x_hat)^2 at bits[j], as compress + decompress."""
     n = x.size

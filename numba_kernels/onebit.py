@@ -14,6 +14,7 @@ from numba import njit, prange
 
 from ._api import encode_payload, encode_rows
 from ._chunk_rules import onebit_scale
+from ._disk_cache import cached_njit
 from ._host_chunks import chunk_source
 from ._scalar import bits_f32, chunk_sum, f32_bits
 from .errors import KernelParameterError
@@ -49,14 +50,14 @@ def encode_one(x, e, has_res, ci, chunk, size, square, scales, words):
     encode_chunk(src, has_res, scale, words[s >> 5:(t + 31) >> 5])
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def encode_cpu(x, e, has_res, chunk, square, scales, words):
     """CPU twin: one chunk per parallel iteration."""
     for ci in prange((x.size + chunk - 1) // chunk):
         encode_one(x, e, has_res, ci, chunk, x.size, square, scales, words)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def encode_rows_cpu(x, e, has_res, part, chunk, square, scales, scol, words, wcol):
     """CPU twin of the row form: partition k of x (and e) into row k of the (rows, width)
     views ``scales`` / ``words`` (sections at columns scol / wcol); one (partition, chunk)
@@ -96,7 +97,7 @@ def decode_row(words, scale, out, add):
         fold_word(words[w], scale_bits, out[32 * w:32 * w + 32], add)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def decode_cpu_kernel(scales, scol, words, wcol, chunk, out, accumulate):
     """out[i] (+)= sum over rows p of +-scale, rows in order."""
     n = out.size
@@ -108,7 +109,7 @@ def decode_cpu_kernel(scales, scol, words, wcol, chunk, out, accumulate):
                        accumulate or p > 0)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def decode_rows_cpu_kernel(scales, scol, words, wcol, chunk, part, out):
     """out[k * part + i] = +-scale of element i of row k (each row on its own)."""
     nc = (part + chunk - 1) // chunk

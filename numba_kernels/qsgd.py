@@ -16,6 +16,7 @@ from numba import njit, prange
 
 from ._api import encode_payload, encode_rows
 from ._chunk_rules import qsgd_level, qsgd_norm, qsgd_steps
+from ._disk_cache import cached_njit
 from ._host_chunks import chunk_source
 from ._scalar import chunk_sum, mul32, rng_key, row_key, row_prefix, uniform24
 from .wire import QSGDFormat
@@ -54,14 +55,14 @@ def encode_one(x, e, has_res, ci, chunk, size, levels, key, norms, codes):
     encode_chunk(src, has_res, s, ratio, step, levels, key, codes[s:t])
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def encode_cpu(x, e, has_res, chunk, levels, key, norms, codes):
     """CPU twin: one chunk per parallel iteration."""
     for ci in prange((x.size + chunk - 1) // chunk):
         encode_one(x, e, has_res, ci, chunk, x.size, levels, key, norms, codes)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def encode_rows_cpu(x, e, has_res, part, chunk, levels, prefix, phase, norms, ncol, codes,
                     ccol):
     """CPU twin of the row form: partition k of x (and e) into row k of the (rows, width)
@@ -91,7 +92,7 @@ def decode_row(codes, step, out, add):
             out[i] = mul32(np.float32(codes[i]), step)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def decode_cpu_kernel(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
     """out[i] (+)= sum over rows p of code * (norm / levels), rows in order."""
     n = out.size
@@ -103,7 +104,7 @@ def decode_cpu_kernel(norms, ncol, codes, ccol, levels, chunk, out, accumulate):
             decode_row(codes[p, ccol + s:ccol + t], step, out[s:t], accumulate or p > 0)
 
 
-@njit(nogil=True, parallel=True, cache=True)
+@cached_njit(nogil=True, parallel=True)
 def decode_rows_cpu_kernel(norms, ncol, codes, ccol, levels, chunk, part, out):
     """out[k * part + i] = code * (norm / levels) of element i of row k (each row on its own)."""
     nc = (part + chunk - 1) // chunk

@@ -36,6 +36,7 @@ import numpy as np
 from numba import njit
 
 from ._api import prepare
+from ._disk_cache import cached_njit
 from ._scalar import hash32, rng_key
 from ._select import key_of, select_exact
 from ._sparse_rules import (REFINEMENTS, SAMPLE_SEED, keep_entry, sample_plan, stratum_position,
@@ -52,7 +53,7 @@ _ON_CANDIDATES = np.bool_(True)
 _ON_ALL = np.bool_(False)
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def select_approx(arr, n, k, m, ks, cap, skey, out_idx, out_val, resid, has_res):
     """Approximate-threshold top-k of arr (magnitudes); returns the attempts used
     (REFINEMENTS + 2 means the exact fallback ran)."""
@@ -85,13 +86,13 @@ def select_approx(arr, n, k, m, ks, cap, skey, out_idx, out_val, resid, has_res)
     return REFINEMENTS + 2
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def add_inplace(e, x):
     for i in range(x.size):
         e[i] = e[i] + x[i]
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def randk_cpu(arr, n, k, rkey, out_idx, out_val, resid, has_res):
     """Stratified random-k: one index per stratum, ascending."""
     for j in range(k):
@@ -166,7 +167,7 @@ def compress_randk(x, k, seed=0, index_dtype="int32", residual=None, out=None, s
     return _sparsify(x, k, index_dtype, residual, out, stream, seed, "random")
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def decode_cpu_kernel(idx, icol, vals, vcol, k, out, accumulate):
     """Scatter (accumulate=False: out = 0 first) then scatter-add every row in order."""
     if not accumulate:

@@ -1,0 +1,81 @@
+"""Where the CPU twins' compiled code is kept on disk: a folder per version of the sources.
+
+Numba's on-disk cache (``cache=True``) checks a compiled function against its own file only,
+but the twins inline helpers from other files of this package (``_scalar``, ``_chunk_rules``,
+``_host_chunks``, ``_bits``, ...). After an upgrade or a ``git pull`` that changed only a
+helper, the machine code compiled from the old helper would be loaded again, silently: pip
+leaves the old cache files behind when it replaces the package, and an editable install keeps
+them next to the sources. So the twins are cached in a folder named after the sources:
+
+1. ``sources_digest()``: SHA-256 of every ``.py`` file of the package (its relative path and
+   bytes, in sorted order), computed once per process;
+2. ``cache_folder()``: ``numba-<digest>`` under ``NUMBA_CACHE_DIR`` when that is set, else
+   under the package's ``__pycache__``, else under the user's cache folder
+   (``$XDG_CACHE_HOME`` or ``~/.cache``, then ``bagua_mpi``): the first that can be written;
+   None if none can (then Numba's own choice stands);
+3. ``cached_njit(**options)``: ``numba.njit(cache=True, **options)`` with Numba's cache folder
+   set to ``cache_folder()`` while the function is decorated, which is when Numba picks a
+   function's folder, and put back right after, so functions of other packages keep theirs.
+
+Folders of older sources stay until deleted; each holds a few MB.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numba
+from numba.core import config
+
+PACKAGE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def sources_digest() -> str:
+    """The first 16 hex digits of the SHA-256 of the package's sources."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(PACKAGE)).encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return False
+    return True
+
+
+@functools.cache
+def cache_folder() -> str | None:
+    """This version's cache folder (see the module docstring), or None."""
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bagua_mpi"
+    bases = ([Path(os.environ["NUMBA_CACHE_DIR"])] if os.environ.get("NUMBA_CACHE_DIR")
+             else [PACKAGE / "__pycache__", user_cache])
+    for base in bases:
+        folder = base / f"numba-{sources_digest()}"
+        if _writable(folder):
+            return str(folder)
+    return None
+
+
+def cached_njit(**options):
+    """``numba.njit(cache=True, **options)``, cached in this version's folder."""
+    def decorate(function):
+        folder = cache_folder()
+        before = config.CACHE_DIR
+        if folder is not None:
+            config.CACHE_DIR = folder
+        try:
+            return numba.njit(cache=True, **options)(function)
+        finally:
+            config.CACHE_DIR = before
+    return decorate

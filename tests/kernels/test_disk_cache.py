@@ -1,0 +1,60 @@
+"""The CPU twins' on-disk cache follows the whole package's sources, not one file's."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numba_kernels
+
+PACKAGE = Path(numba_kernels.__file__).resolve().parent
+
+# QSGD codes of a ramp, printed by a fresh interpreter that imports the package from argv[1]
+CODES = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import numba_kernels as nk
+from numba_kernels._disk_cache import cache_folder
+assert nk.__file__.startswith(sys.argv[1]), nk.__file__
+p = nk.compress_qsgd(np.linspace(-1, 1, 4096, dtype=np.float32), seed=3)
+print(int(np.abs(p.views()["codes"].astype(int)).sum()), cache_folder())
+"""
+
+
+def codes_in_fresh_process(root, env):
+    out = subprocess.run([sys.executable, "-c", CODES, str(root)], env=env, check=True,
+                         capture_output=True, text=True, timeout=600).stdout.split()
+    return int(out[0]), out[1]
+
+
+def test_a_changed_helper_is_compiled_again(tmp_path):
+    """A copy of the package compiles the QSGD encoder into its cache; then only the level
+    rule (``_chunk_rules.py``, which the encoder in ``qsgd.py`` inlines) changes to give 0.
+    The next process must run the new rule. Numba's own cache keys on ``qsgd.py`` alone and
+    loaded the old machine code (a stale cache after an upgrade or a ``git pull``)."""
+    root = tmp_path / "copy"
+    shutil.copytree(PACKAGE, root / "numba_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "user_cache")
+    first, folder = codes_in_fresh_process(root, env)
+    assert first > 0 and folder.startswith(str(root / "numba_kernels" / "__pycache__")), folder
+    assert any(Path(folder).rglob("*.nbi")), "nothing was cached"
+    rules = root / "numba_kernels" / "_chunk_rules.py"
+    source = rules.read_text()
+    marker = "    return -level if v < _ZERO else level\n"
+    assert marker in source
+    rules.write_text(source.replace(marker, "    return _ZERO * level\n"))
+    second, new_folder = codes_in_fresh_process(root, env)
+    assert second == 0, "the encoder ran the level rule compiled before the change"
+    assert new_folder != folder
+
+
+def test_the_folder_is_under_numba_cache_dir_when_set(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "shared"))
+    out = subprocess.run(
+        [sys.executable, "-c", "from numba_kernels._disk_cache import cache_folder, "
+         "sources_digest; print(cache_folder(), sources_digest())"],
+        env=env, check=True, capture_output=True, text=True, timeout=120).stdout.split()
+    assert out[0] == str(tmp_path / "shared" / f"numba-{out[1]}")
