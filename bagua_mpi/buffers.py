@@ -33,6 +33,12 @@ FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 HALF = frozenset({"float16", "bfloat16"})
 INTEGER = frozenset({"int32", "int64", "uint8", "int8", "int16"})
 
+# Elementwise host arithmetic over a bucket (an optimizer's update, a model average) runs over
+# this many elements at a time, through a temporary of that size that stays in cache: a
+# temporary of the bucket's length was mapped and faulted in afresh at every step, since the
+# allocator hands arrays this large back to the system when they are freed
+HOST_PIECE = 1 << 18
+
 
 def dtype_name(x) -> str:
     """The canonical dtype name of a tensor/array; ``TypeError`` for anything unsupported."""

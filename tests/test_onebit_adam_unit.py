@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from bagua_mpi.algorithms import onebit_adam
-from bagua_mpi.algorithms.onebit_adam import HOST_UPDATE_PIECE, _frozen_variance_update_
+from bagua_mpi.algorithms.onebit_adam import _frozen_variance_update_
+from bagua_mpi.buffers import HOST_PIECE
 
 
 def plain_update(p, m, v, lr, eps):
@@ -11,7 +12,7 @@ def plain_update(p, m, v, lr, eps):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("numel", [1000, HOST_UPDATE_PIECE, 2 * HOST_UPDATE_PIECE + 12345])
+@pytest.mark.parametrize("numel", [1000, HOST_PIECE, 2 * HOST_PIECE + 12345])
 def test_update_in_pieces_matches_the_expression(numel, dtype):
     """Below, at and above one piece (a last piece shorter than the others), with v holding
     +inf (an element frozen without gradient) and 0: equal bit for bit, and the scratch is
@@ -33,7 +34,7 @@ def test_update_in_pieces_matches_the_expression(numel, dtype):
 def test_update_of_a_channels_last_parameter(monkeypatch):
     """A parameter (and its slices of m and v) in channels_last order takes the one-piece
     path, element by element the same as the expression."""
-    monkeypatch.setattr(onebit_adam, "HOST_UPDATE_PIECE", 64)   # so that it would take pieces
+    monkeypatch.setattr(onebit_adam, "HOST_PIECE", 64)   # so that it would take pieces
     g = torch.Generator().manual_seed(1)
     shape = (8, 6, 5, 5)
 

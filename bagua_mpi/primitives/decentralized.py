@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from .. import transport
 from ..accounting import WireStats
-from ..buffers import host_view
+from ..buffers import HOST_PIECE, host_view
 from .codecs import Codec
 
 _TAG = 7301
@@ -95,10 +95,7 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
     else:
         wire = flat.detach().to(wire_dtype)
         recvs = [_decode16(r, wire_dtype) for r in _exchange(comm, host_view(wire).copy(), peers)]
-    total = x.astype(np.float64)
-    for r in recvs:
-        total += r
-    x[:] = total / (1 + len(peers))
+    _average_(x, recvs)
     if stats is not None:
         stats.add(recvs[0].size * (x.itemsize if wire_dtype is None else 2) * len(peers))
     return flat
@@ -144,12 +141,21 @@ class PeerEstimates:
             else np.zeros(length, dtype=np.float32)
         self.peers: dict = {p: (v if self.device is not None else _array(v))
                             for p, v in (peers or {}).items()}
+        self._scratch: np.ndarray | None = None
 
     def of(self, peer: int):
         if peer not in self.peers:
             self.peers[peer] = (np.zeros(self.length, dtype=np.float32) if self.device is None
                                 else torch.zeros(self.length, device=self.device))
         return self.peers[peer]
+
+    def scratch(self) -> np.ndarray:
+        """A host float32 array of the bucket's length, made once and reused by every exchange
+        (x - own, then the mix's sums): one more array per bucket between steps, where each
+        step used to allocate and fault in new ones."""
+        if self._scratch is None:
+            self._scratch = np.empty(self.length, dtype=np.float32)
+        return self._scratch
 
     def tensors(self):
         """(own, {peer: estimate}) as torch tensors sharing the memory."""
@@ -173,19 +179,54 @@ def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers:
     x = host_view(flat)
     n = x.size
     payload = np.empty(codec.format(n).nbytes, dtype=np.uint8)
-    diff = x - estimates.own
+    diff = estimates.scratch()
+    np.subtract(x, estimates.own, out=diff)
     codec.compress(diff, payload)
     codec.decompress_many(payload[None, :], n, out=estimates.own, accumulate=True)
     recvs = _exchange(comm, payload, peers)
-    mix = np.zeros(n, dtype=np.float32)
+    seen = []
     for peer, buf in zip(peers, recvs):
         h = estimates.of(peer)
         codec.decompress_many(buf[None, :], n, out=h, accumulate=True)
-        mix += h - estimates.own
-    x += np.float32(gamma / (1 + len(peers))) * mix
+        seen.append(h)
+    _mix_(x, estimates.own, seen, np.float32(gamma / (1 + len(peers))), diff)
     if stats is not None:
         stats.add(payload.nbytes * len(peers))
     return flat
+
+
+def _average_(x: np.ndarray, recvs: list) -> None:
+    """x = (float64(x) + the peers' models, in order) / (1 + peers), rounded to x's dtype, in
+    place, a piece of ``HOST_PIECE`` elements at a time (the whole-array form allocated
+    two float64 arrays of the bucket's length)."""
+    total = np.empty(min(HOST_PIECE, x.size), dtype=np.float64)
+    for start in range(0, x.size, HOST_PIECE):
+        stop = min(x.size, start + HOST_PIECE)
+        piece = total[:stop - start]
+        piece[:] = x[start:stop]
+        for r in recvs:
+            piece += r[start:stop]
+        piece /= 1 + len(recvs)
+        x[start:stop] = piece
+
+
+def _mix_(x: np.ndarray, own: np.ndarray, seen: list, weight: np.float32,
+          work: np.ndarray) -> None:
+    """x += weight x sum over the peers' estimates h of (h - own), in place (step 3), with the
+    float32 operations of that expression in its order, a piece of ``HOST_PIECE`` elements
+    at a time: ``work`` (x's length, free to overwrite) holds each piece's sum. The whole-array
+    expression allocated three arrays of the bucket's length (with the difference it
+    compressed, a quarter of a 23M-parameter MLP's step at 2 ranks in a profile)."""
+    part = np.empty(min(HOST_PIECE, x.size), dtype=np.float32)
+    for start in range(0, x.size, HOST_PIECE):
+        stop = min(x.size, start + HOST_PIECE)
+        total, term = work[start:stop], part[:stop - start]
+        total.fill(0)
+        for h in seen:
+            np.subtract(h[start:stop], own[start:stop], out=term)
+            total += term
+        total *= weight
+        x[start:stop] += total
 
 
 def _device_lowprec_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int], codec: Codec,
