@@ -65,8 +65,6 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         self._group_of: dict = {}
         self.switched = False  # this process ran the switch (_freeze)
         self._grad_versions: dict[int, tuple] = {}  # bucket -> its gradients' at the exchange
-        # the compressed stage's update of host parameters goes through this, a piece at a time
-        self._update_scratch: torch.Tensor | None = None
 
     @property
     def compressed(self) -> bool:
@@ -193,8 +191,7 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
                     p = real_view(p)  # a complex parameter steps as pairs of reals, as in Adam
                     if self.decoupled and group["weight_decay"]:
                         p.mul_(1 - lr * group["weight_decay"])
-                    self._update_scratch = _frozen_variance_update_(
-                        p, m_p, v_p, lr, eps, self._update_scratch)
+                    _frozen_variance_update_(p, m_p, v_p, lr, eps)
         return loss
 
     def on_loss_scaling(self) -> None:
@@ -264,15 +261,15 @@ class OneBitAdam(Algorithm):
         return OneBitCodec(self.chunk)
 
 
-def _frozen_variance_update_(p, m, v, lr, eps, scratch):
+def _frozen_variance_update_(p, m, v, lr, eps) -> None:
     """p -= lr * (m / (sqrt(v) + eps)), rounded exactly as that expression is, in place.
 
     A host parameter laid out row-major (as are its slices of m and v, which follow its
-    layout) is updated in pieces of ``HOST_PIECE`` elements through ``scratch`` (made on first
-    use, then reused: returned for the next call); any other, a device tensor or channels_last
-    one, in one piece through one temporary (a device's caching allocator reuses it). The
-    whole-parameter expression allocated three temporaries of the parameter's size at every
-    step: in a profile of a 23M-parameter MLP at 2 ranks, more time than the backward pass."""
+    layout) is updated in pieces of ``HOST_PIECE`` elements through one buffer of that size;
+    any other, a device tensor or a channels_last one, in one piece through one temporary (a
+    device's caching allocator reuses it). The whole-parameter expression allocated three
+    temporaries of the parameter's size at every step: in a profile of a 23M-parameter MLP at
+    2 ranks, more time than the backward pass."""
     n = p.numel()
     pieces = (not p.is_cuda and n > HOST_PIECE
               and p.is_contiguous() and m.is_contiguous() and v.is_contiguous())
@@ -281,15 +278,13 @@ def _frozen_variance_update_(p, m, v, lr, eps, scratch):
         b.add_(eps)
         torch.div(m, b, out=b)
         p.add_(b, alpha=-lr)
-        return scratch
-    if scratch is None or scratch.dtype != v.dtype:
-        scratch = torch.empty(HOST_PIECE, dtype=v.dtype)
+        return
+    buffer = torch.empty(HOST_PIECE, dtype=v.dtype)
     p, m, v = p.view(-1), m.view(-1), v.view(-1)
     for start in range(0, n, HOST_PIECE):
         stop = min(n, start + HOST_PIECE)
-        b = scratch[:stop - start]
+        b = buffer[:stop - start]
         torch.sqrt(v[start:stop], out=b)
         b.add_(eps)
         torch.div(m[start:stop], b, out=b)
         p[start:stop].add_(b, alpha=-lr)
-    return scratch
