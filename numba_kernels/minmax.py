@@ -149,16 +149,26 @@ def encode_rows_cpu(x, e, has_res, part, chunk, bits, params, pcol, words, wcol)
 
 
 @njit(nogil=True, inline="always")
-def fold_word(word, bits, mask, mn, scale, group, add):
-    """group (+)= x_hat of the codes packed in ``word`` (width ``bits``, dividing 32)."""
-    if add:
-        for j in range(group.size):
-            code = (word >> np.uint32(j * bits)) & mask
-            group[j] = group[j] + fma32(np.float32(code), scale, mn)
-    else:
-        for j in range(group.size):
-            code = (word >> np.uint32(j * bits)) & mask
-            group[j] = fma32(np.float32(code), scale, mn)
+def fold_span(words, w0, bits, mn, scale, out, add):
+    """out (+)= x_hat of the codes packed from ``words[w0]`` on (width ``bits``, dividing 32),
+    two words (64 / bits codes) at a time. Called with ``bits`` a literal, so the shifts and
+    the trip count are constants the compiler vectorises; a runtime width and one word per
+    step decoded at about half the speed (1, 2 and 4 bits alike)."""
+    per = 64 // bits
+    mask = _U64((1 << bits) - 1)
+    for w in range((out.size + per - 1) // per):
+        span = _U64(words[w0 + 2 * w])
+        if per * w + per // 2 < out.size:  # the second word holds codes of this chunk
+            span |= _U64(words[w0 + 2 * w + 1]) << _S32
+        group = out[per * w:per * (w + 1)]
+        if add:
+            for j in range(group.size):
+                code = (span >> _U64(j * bits)) & mask
+                group[j] = group[j] + fma32(np.float32(code), scale, mn)
+        else:
+            for j in range(group.size):
+                code = (span >> _U64(j * bits)) & mask
+                group[j] = fma32(np.float32(code), scale, mn)
 
 
 @njit(nogil=True)
@@ -173,13 +183,15 @@ def decode_row(codes8, words, bits, mn, scale, out, add, first):
             for i in range(out.size):
                 out[i] = fma32(np.float32(codes8[i]), scale, mn)
     elif 32 % bits == 0:
-        # widths 1, 2, 4: a word holds 32 / bits whole codes, read a word at a time (the
-        # general read below takes a 64-bit window and a branch per element)
-        per = 32 // bits
-        mask = np.uint32((1 << bits) - 1)
+        # widths 1, 2, 4: whole codes per word, read two words at a time (the general read
+        # below takes a 64-bit window and a branch per element); one call per literal width
         w0 = (first * bits) >> 5  # chunks start on word boundaries
-        for w in range((out.size + per - 1) // per):
-            fold_word(words[w0 + w], bits, mask, mn, scale, out[per * w:per * (w + 1)], add)
+        if bits == 4:
+            fold_span(words, w0, 4, mn, scale, out, add)
+        elif bits == 2:
+            fold_span(words, w0, 2, mn, scale, out, add)
+        else:
+            fold_span(words, w0, 1, mn, scale, out, add)
     else:
         for i in range(out.size):
             xh = fma32(np.float32(read_code(words, first + i, bits)), scale, mn)

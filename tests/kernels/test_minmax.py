@@ -1,4 +1,9 @@
 """Min-max quantization: CPU twin against the NumPy reference, error bounds, feedback."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -91,3 +96,34 @@ def test_minmax_errors_rejects_bad_widths_and_chunks():
     with pytest.raises(nk.KernelParameterError, match="chunk"):
         nk.minmax_errors(x, [4], chunk=100)
     assert nk.minmax_errors(np.zeros(0, np.float32), [2, 4]).tolist() == [0.0, 0.0]
+
+
+# decodes of widths 1, 2 and 4 whose codes end in the first word of a two-word span, in a
+# fresh process that compiles the CPU twins with bounds checks (into its own cache folder)
+BOUNDS_CHECKED = """
+import sys
+import numpy as np
+import numba_kernels as nk
+from kernel_refs import minmax_decode
+rng = np.random.default_rng(5)
+for bits in (1, 2, 4):
+    for n, chunk in ((32, 32), (64, 32), (96, 32), (8, 64), (72, 64), (1000, 96)):
+        x = rng.standard_normal(n).astype(np.float32)
+        p = nk.compress_minmax(x, bits=bits, chunk=chunk)
+        want = minmax_decode(p.buffer, n, bits, chunk)
+        assert np.array_equal(nk.decompress(p), want), (bits, n, chunk)
+        rows = np.stack([p.buffer] * 3)
+        assert np.array_equal(nk.decompress_rows(rows, p.format), np.tile(want, 3))
+print("ok")
+"""
+
+
+def test_packed_decode_reads_no_word_past_its_codes(tmp_path):
+    """The 1/2/4-bit decoders read two words at a time; where a chunk's codes end in the first
+    word they must not read the second, which past the last chunk of a row lies outside it."""
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", BOUNDS_CHECKED], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
