@@ -113,7 +113,8 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
             contribution = contribution * (self.scale * c)
         if self.l2:
             contribution = contribution + self.l2 * bucket.param_vector()
-        m.mul_(self.betas[0]).add_(contribution, alpha=1 - self.betas[0])
+        # one pass over m (a device launch) where mul_ then add_ made two
+        m.lerp_(contribution, 1 - self.betas[0])
         worker_error, server_error = self.momentum_errors(bucket)
         compressed_allreduce_(m, self.transport, self.codec, worker_error=worker_error,
                               server_error=server_error, scale=1.0 / c,
