@@ -14,7 +14,9 @@ class MismatchError(BaguaMPIError):
     """Ranks called the same collective with arguments that disagree.
 
     Raised on *every* rank of the communicator, with each rank's view in the message,
-    instead of letting MPI hang or reduce garbage.
+    instead of letting MPI hang or reduce garbage. (One exception: the decentralized
+    algorithms compare hyperparameters with ring neighbours only, and raise it on the ranks
+    next to a difference; uncaught, it ends the job.)
     """
 
 

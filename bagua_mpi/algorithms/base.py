@@ -362,9 +362,7 @@ class AlgorithmImpl:
             error = MismatchError(
                 f"rank {self.ctx.topo.rank}: the wrapped optimizer's hyperparameters differ "
                 f"across the ranks at step {step} ({when}):\n  " + "\n  ".join(differ) +
-                "\nEvery rank must step alike: a learning-rate scheduler stepped on a "
-                "per-rank metric (ReduceLROnPlateau on this rank's validation loss) parts "
-                "them; average the metric over the ranks first (bagua_mpi.allreduce)")
+                "\n" + hyperparameters.ADVICE)
             error.signatures = exc.signatures  # raised on every rank alike
             raise error from None
 

@@ -18,6 +18,12 @@ digest of every param group's hyperparameters, taken as the bucket is launched:
 
 A change between ``backward()`` and ``step()`` is seen at the next step's first bucket, one
 update late; a change anywhere else (a scheduler stepped between steps) before any rank uses it.
+
+The decentralized algorithms exist to spare every step a wait for every rank, so they compare
+with their ring neighbours only (``check_ring_neighbours``), before each averaging: one 8-byte
+message each way per neighbour. A ring is connected, so wherever two ranks differ some pair of
+neighbours does; both ranks of that pair raise ``MismatchError`` naming the values, and with the
+library's abort on an uncaught exception (the default) the job ends there.
 """
 from __future__ import annotations
 
@@ -25,15 +31,25 @@ import hashlib
 import math
 from array import array
 
+import numpy as np
 import torch
+from mpi4py import MPI
 
 from ..consistency import ranks_text
+from ..exceptions import MismatchError
+from ..primitives.decentralized import ring_peers
 
 FIELD = "hyperparameters"
 # the group's parameters and their names (torch.optim keeps these when built from
 # named_parameters()): the wrap-time model check compares them, once
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 _PLAIN = (bool, int, float, str, type(None))
+# point-to-point tags of the neighbours' check: no other message on the communicator uses them
+_DIGEST_TAG, _SUMMARY_TAG = 7601, 7602
+# what a MismatchError of differing hyperparameters tells the user to do
+ADVICE = ("Every rank must step alike: a learning-rate scheduler stepped on a per-rank metric "
+          "(ReduceLROnPlateau on this rank's validation loss) parts them; average the metric "
+          "over the ranks first (bagua_mpi.allreduce)")
 
 
 def digest(param_groups) -> int:
@@ -86,10 +102,10 @@ def digests_differ(signatures: list) -> bool:
                                  for f in fields) and len({f[1] for f in fields}) > 1)
 
 
-def differences(summaries: list) -> list[str]:
+def differences(summaries: list, ranks: list[int] | None = None) -> list[str]:
     """One line per hyperparameter whose value differs across the ranks' ``summary`` (one per
-    rank, in rank order)."""
-    summaries = {r: dict(s) for r, s in enumerate(summaries)}
+    rank: of ``ranks``, in increasing order, else of every rank in rank order)."""
+    summaries = {r: dict(s) for r, s in zip(ranks or range(len(summaries)), summaries)}
     lines = []
     for g in sorted({g for s in summaries.values() for g in s}):
         holders = {r: dict(s[g]) for r, s in summaries.items() if g in s}
@@ -105,3 +121,39 @@ def differences(summaries: list) -> list[str]:
                 lines.append(f"param group {g} {key!r}: " + "; ".join(
                     f"{value} on {ranks_text(ranks)}" for value, ranks in held.items()))
     return lines
+
+
+def check_ring_neighbours(comm: MPI.Intracomm, param_groups, step: int, when: str) -> None:
+    """Compare ``param_groups``' hyperparameters with this rank's ring neighbours' on ``comm``
+    (every rank calls it at the same point of the same step):
+
+    1. send ``digest(param_groups)`` to both neighbours and receive theirs (8 bytes each way,
+       non-blocking, so the ring cannot deadlock);
+    2. with every neighbour whose digest differs (which found the difference too), swap
+       ``summary(param_groups)``;
+    3. raise ``MismatchError`` naming each differing value, this rank and the neighbour.
+    """
+    rank = comm.Get_rank()
+    peers = ring_peers(rank, comm.Get_size())
+    if not peers:
+        return
+    mine = np.array([digest(param_groups)], dtype=np.int64)
+    theirs = [np.empty(1, dtype=np.int64) for _ in peers]
+    MPI.Request.Waitall([comm.Irecv(t, source=p, tag=_DIGEST_TAG) for t, p in zip(theirs, peers)]
+                        + [comm.Isend(mine, dest=p, tag=_DIGEST_TAG) for p in peers])
+    differing = [p for p, t in zip(peers, theirs) if t[0] != mine[0]]
+    if not differing:
+        return
+    own = summary(param_groups)
+    sends = [comm.isend(own, dest=p, tag=_SUMMARY_TAG) for p in differing]
+    lines = []
+    for peer in differing:
+        ranks = sorted((rank, peer))
+        pair = [own, comm.recv(source=peer, tag=_SUMMARY_TAG)]
+        lines += differences(pair if ranks[0] == rank else pair[::-1], ranks)
+    MPI.Request.waitall(sends)
+    raise MismatchError(
+        f"rank {rank}: the wrapped optimizer's hyperparameters differ from those of its ring "
+        f"neighbour{'s' if len(differing) > 1 else ''} ({ranks_text(differing)}) at step "
+        f"{step} ({when}):\n  " + "\n  ".join(lines)
+        + "\n" + ADVICE)

@@ -19,6 +19,10 @@ Modes:
   late R     rank R (a number, or "last") sleeps a minute after the last collective, outside
              the library; run with a short BAGUA_MPI_EXIT_TIMEOUT_S: the others must give up
              on it and abort, naming it
+  lr NAME    algorithm NAME (one that averages models with ring neighbours' check) whose last
+             rank's learning rate halves after step 1: that rank and its ring neighbours raise
+             MismatchError before the models are averaged at step 2, uncaught, and the job
+             must end
 """
 import os
 import signal
@@ -252,13 +256,29 @@ def mode_late(rank, size, who="last"):
         time.sleep(60)  # not in any collective: only the exit timeout can tell
 
 
+def mode_lr(rank, size, name):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), algorithm=name)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    for step in range(6):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        print(f"rank {rank} stepped {step}", flush=True)
+        if step == 1 and rank == size - 1:
+            opt.param_groups[0]["lr"] = 0.005
+    opt.close()  # not reached: the job ends at step 2
+
+
 def main():
     bm.init()
     mode = sys.argv[1]
     {"mismatch": mode_mismatch, "bad-args": mode_bad_args, "raise": mode_raise,
      "die": mode_die, "stall": mode_stall, "exit-code": mode_exit_code, "return": mode_return,
      "thread": mode_thread, "nested": mode_nested, "sync-twice": mode_sync_twice,
-     "skew": mode_skew, "late": mode_late}[mode](bm.rank(), bm.size(), *sys.argv[2:])
+     "skew": mode_skew, "late": mode_late, "lr": mode_lr}[mode](bm.rank(), bm.size(), *sys.argv[2:])
 
 
 if __name__ == "__main__":
