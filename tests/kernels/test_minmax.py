@@ -101,7 +101,6 @@ def test_minmax_errors_rejects_bad_widths_and_chunks():
 # decodes of widths 1, 2 and 4 whose codes end in the first word of a two-word span, in a
 # fresh process that compiles the CPU twins with bounds checks (into its own cache folder)
 BOUNDS_CHECKED = """
-import sys
 import numpy as np
 import numba_kernels as nk
 from kernel_refs import minmax_decode

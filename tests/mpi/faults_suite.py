@@ -278,7 +278,8 @@ def main():
     {"mismatch": mode_mismatch, "bad-args": mode_bad_args, "raise": mode_raise,
      "die": mode_die, "stall": mode_stall, "exit-code": mode_exit_code, "return": mode_return,
      "thread": mode_thread, "nested": mode_nested, "sync-twice": mode_sync_twice,
-     "skew": mode_skew, "late": mode_late, "lr": mode_lr}[mode](bm.rank(), bm.size(), *sys.argv[2:])
+     "skew": mode_skew, "late": mode_late,
+     "lr": mode_lr}[mode](bm.rank(), bm.size(), *sys.argv[2:])
 
 
 if __name__ == "__main__":
