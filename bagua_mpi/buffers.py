@@ -40,6 +40,13 @@ INTEGER = frozenset({"int32", "int64", "uint8", "int8", "int16"})
 HOST_PIECE = 1 << 18
 
 
+def host_pieces(n: int):
+    """``(start, stop)`` of each piece of ``HOST_PIECE`` elements covering ``range(n)``, in
+    order (the last may be shorter)."""
+    for start in range(0, n, HOST_PIECE):
+        yield start, min(n, start + HOST_PIECE)
+
+
 def dtype_name(x) -> str:
     """The canonical dtype name of a tensor/array; ``TypeError`` for anything unsupported."""
     if isinstance(x, torch.Tensor):

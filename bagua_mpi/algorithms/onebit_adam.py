@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..buffers import HOST_PIECE
+from ..buffers import HOST_PIECE, host_pieces
 from ..exceptions import MisuseError
 from ..layout import real_view
 from ..optimizer_hooks import step_in_place_of
@@ -282,8 +282,7 @@ def _frozen_variance_update_(p, m, v, lr, eps) -> None:
         return
     buffer = torch.empty(HOST_PIECE, dtype=v.dtype)
     p, m, v = p.view(-1), m.view(-1), v.view(-1)
-    for start in range(0, n, HOST_PIECE):
-        stop = min(n, start + HOST_PIECE)
+    for start, stop in host_pieces(n):
         b = buffer[:stop - start]
         torch.sqrt(v[start:stop], out=b)
         b.add_(eps)

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from .. import transport
 from ..accounting import WireStats
-from ..buffers import HOST_PIECE, host_view
+from ..buffers import HOST_PIECE, host_pieces, host_view
 from .codecs import Codec
 
 _TAG = 7301
@@ -200,8 +200,7 @@ def _average_(x: np.ndarray, recvs: list) -> None:
     place, a piece of ``HOST_PIECE`` elements at a time (the whole-array form allocated
     two float64 arrays of the bucket's length)."""
     total = np.empty(min(HOST_PIECE, x.size), dtype=np.float64)
-    for start in range(0, x.size, HOST_PIECE):
-        stop = min(x.size, start + HOST_PIECE)
+    for start, stop in host_pieces(x.size):
         piece = total[:stop - start]
         piece[:] = x[start:stop]
         for r in recvs:
@@ -218,8 +217,7 @@ def _mix_(x: np.ndarray, own: np.ndarray, seen: list, weight: np.float32,
     expression allocated three arrays of the bucket's length (with the difference it
     compressed, a quarter of a 23M-parameter MLP's step at 2 ranks in a profile)."""
     part = np.empty(min(HOST_PIECE, x.size), dtype=np.float32)
-    for start in range(0, x.size, HOST_PIECE):
-        stop = min(x.size, start + HOST_PIECE)
+    for start, stop in host_pieces(x.size):
         total, term = work[start:stop], part[:stop - start]
         total.fill(0)
         for h in seen:
