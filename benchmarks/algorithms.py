@@ -58,8 +58,8 @@ def inner(args) -> None:
         model = torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
         n_params = sum(p.numel() for p in model.parameters())
         algo, compression = name, "none"
-        if name == "gradient_allreduce+fp16":
-            algo, compression = "gradient_allreduce", "fp16"
+        if name.endswith("+fp16"):  # the algorithm with 16-bit words on the wire
+            algo, compression = name.removesuffix("+fp16"), "fp16"
         elif name == "onebit_adam":
             algo = OneBitAdam(warmup_steps=args.warmup)
         elif name == "local_sgd":

@@ -1,9 +1,12 @@
 """The decentralized primitives' host arithmetic on its own: the same bits as the whole-array
-expressions it replaced, which allocated arrays of the bucket's length at every step."""
+expressions it replaced, which allocated arrays of the bucket's length at every step; and the
+models the host D_FP_S refuses."""
 import numpy as np
 import pytest
+import torch
 
-from bagua_mpi.primitives.decentralized import HOST_PIECE, _average_, _mix_
+from bagua_mpi.primitives.decentralized import (HOST_PIECE, _average_, _mix_,
+                                                decentralized_average_)
 
 
 @pytest.mark.parametrize("n_peers", [1, 2])
@@ -36,3 +39,15 @@ def test_average_in_pieces_matches_the_expression(n, n_peers):
     want = (total / (1 + n_peers)).astype(np.float32)
     _average_(x, recvs)
     np.testing.assert_array_equal(x, want)
+
+
+@pytest.mark.parametrize("model", [torch.zeros(8, dtype=torch.bfloat16),
+                                   torch.zeros(8, dtype=torch.int32),
+                                   torch.zeros(8, 2)[:, 0]],
+                         ids=["bfloat16", "int32", "strided"])
+def test_host_average_refuses_what_it_cannot_send_or_average(model):
+    """The host D_FP_S sends the model itself and averages it through NumPy: a strided one
+    cannot be sent, and NumPy sees bfloat16 as integers. Refused before any exchange (no
+    communicator is needed to get the error)."""
+    with pytest.raises(ValueError, match="contiguous float16, float32 or float64"):
+        decentralized_average_(model, None, [1])

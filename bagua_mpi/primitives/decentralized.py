@@ -83,19 +83,29 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
     """D_FP_S in place: average ``flat`` with the same tensor on ``peers`` (CPU).
 
     With ``wire_dtype`` (float16/bfloat16) the models travel as 16-bit words; the average adds
-    this rank's own model at full precision and the peers' decoded ones in float64.
+    this rank's own model at full precision and the peers' words, widened a piece at a time,
+    in float64. The model itself is sent, without a copy: the exchange ends before the
+    average overwrites it.
     """
     if not peers or flat.numel() == 0:
         return flat
     if flat.is_cuda:
         return _device_average_(flat, comm, peers, stats, wire_dtype)
+    if flat.dtype not in (torch.float16, torch.float32, torch.float64) \
+            or not flat.is_contiguous():
+        # the model is sent as it is, and averaged through NumPy (which has no bfloat16)
+        raise ValueError(f"D_FP_S on the host averages a contiguous float16, float32 or float64 "
+                         f"tensor, got {flat.dtype}"
+                         f"{'' if flat.is_contiguous() else ', not contiguous'}")
     x = host_view(flat)
     if wire_dtype is None:
-        recvs = _exchange(comm, x.copy(), peers)
+        recvs = _exchange(comm, x, peers)
     else:
-        wire = flat.detach().to(wire_dtype)
-        recvs = [_decode16(r, wire_dtype) for r in _exchange(comm, host_view(wire).copy(), peers)]
-    _average_(x, recvs)
+        # NumPy has no bfloat16: its words travel as int16
+        words = np.empty(x.size, np.float16 if wire_dtype == torch.float16 else np.int16)
+        torch.from_numpy(words).view(wire_dtype).copy_(flat.detach().view(-1))
+        recvs = _exchange(comm, words, peers)
+    _average_(x, recvs, wire_dtype)
     if stats is not None:
         stats.add(recvs[0].size * (x.itemsize if wire_dtype is None else 2) * len(peers))
     return flat
@@ -120,12 +130,6 @@ def _device_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],
     return flat
 
 
-def _decode16(words: np.ndarray, wire_dtype: torch.dtype) -> np.ndarray:
-    if wire_dtype == torch.bfloat16:
-        return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).float().numpy()
-    return words.astype(np.float32)
-
-
 class PeerEstimates:
     """D_LP_S state of one bucket: this rank's public copy and its copy of each peer's.
 
@@ -141,21 +145,12 @@ class PeerEstimates:
             else np.zeros(length, dtype=np.float32)
         self.peers: dict = {p: (v if self.device is not None else _array(v))
                             for p, v in (peers or {}).items()}
-        self._scratch: np.ndarray | None = None
 
     def of(self, peer: int):
         if peer not in self.peers:
             self.peers[peer] = (np.zeros(self.length, dtype=np.float32) if self.device is None
                                 else torch.zeros(self.length, device=self.device))
         return self.peers[peer]
-
-    def scratch(self) -> np.ndarray:
-        """A host float32 array of the bucket's length, made once and reused by every exchange
-        (x - own, then the mix's sums): one more array per bucket between steps, where each
-        step used to allocate and fault in new ones."""
-        if self._scratch is None:
-            self._scratch = np.empty(self.length, dtype=np.float32)
-        return self._scratch
 
     def tensors(self):
         """(own, {peer: estimate}) as torch tensors sharing the memory."""
@@ -179,7 +174,7 @@ def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers:
     x = host_view(flat)
     n = x.size
     payload = np.empty(codec.format(n).nbytes, dtype=np.uint8)
-    diff = estimates.scratch()
+    diff = np.empty(n, dtype=np.float32)  # x - own, then the mix's sums (``_mix_``'s work)
     np.subtract(x, estimates.own, out=diff)
     codec.compress(diff, payload)
     codec.decompress_many(payload[None, :], n, out=estimates.own, accumulate=True)
@@ -195,18 +190,27 @@ def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers:
     return flat
 
 
-def _average_(x: np.ndarray, recvs: list) -> None:
+def _average_(x: np.ndarray, recvs: list, wire_dtype: torch.dtype | None = None) -> None:
     """x = (float64(x) + the peers' models, in order) / (1 + peers), rounded to x's dtype, in
     place, a piece of ``HOST_PIECE`` elements at a time (the whole-array form allocated
-    two float64 arrays of the bucket's length)."""
+    two float64 arrays of the bucket's length). The peers' models are in x's dtype, or words
+    of ``wire_dtype`` (float16, or bfloat16 as int16), widened exactly a piece at a time."""
     total = np.empty(min(HOST_PIECE, x.size), dtype=np.float64)
     for start, stop in host_pieces(x.size):
         piece = total[:stop - start]
         piece[:] = x[start:stop]
         for r in recvs:
-            piece += r[start:stop]
+            piece += _widened(r[start:stop], wire_dtype)
         piece /= 1 + len(recvs)
         x[start:stop] = piece
+
+
+def _widened(words: np.ndarray, wire_dtype: torch.dtype | None) -> np.ndarray:
+    """Received words NumPy can add to float64: bfloat16's (int16 here) through torch, the
+    others as they are."""
+    if wire_dtype == torch.bfloat16:
+        return torch.from_numpy(words).view(torch.bfloat16).float().numpy()
+    return words
 
 
 def _mix_(x: np.ndarray, own: np.ndarray, seen: list, weight: np.float32,

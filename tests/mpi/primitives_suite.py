@@ -159,23 +159,27 @@ def check_hierarchical_compressed(rank, size):
 
 
 def check_decentralized(rank, size):
+    """D_FP_S against every rank's average in float64, on the float32 wire and on the 16-bit
+    ones (the peers' models rounded to 16 bits, this rank's own exact)."""
     comm = bm.runtime.get().topo.comm
     checks = 0
-    for topology in ("ring", "random"):
-        for step in range(3):
-            xs = inputs([step, 3], size, 1001)
-            peers = [peers_for(topology, r, size, step, seed=42) for r in range(size)]
-            for r in range(size):  # i picks j iff j picks i
-                for p in peers[r]:
-                    assert r in peers[p], (topology, peers)
-            total = xs[rank].astype(np.float64)  # float64 accumulation, peers in order
-            for p in peers[rank]:
-                total += xs[p]
-            expected = total / (1 + len(peers[rank]))
-            mine = torch.from_numpy(xs[rank].copy())
-            decentralized_average_(mine, comm, peers[rank])
-            assert np.array_equal(mine.numpy(), expected.astype(np.float32)), (topology, step)
-            checks += 1
+    for wire, kind in ((None, None), (torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        for topology in ("ring", "random"):
+            for step in range(3):
+                xs = inputs([step, 3], size, 1001)
+                peers = [peers_for(topology, r, size, step, seed=42) for r in range(size)]
+                for r in range(size):  # i picks j iff j picks i
+                    for p in peers[r]:
+                        assert r in peers[p], (topology, peers)
+                total = xs[rank].astype(np.float64)  # float64 accumulation, peers in order
+                for p in peers[rank]:
+                    total += xs[p] if wire is None else round_16(xs[p], kind)
+                expected = total / (1 + len(peers[rank]))
+                mine = torch.from_numpy(xs[rank].copy())
+                decentralized_average_(mine, comm, peers[rank], wire_dtype=wire)
+                assert np.array_equal(mine.numpy(), expected.astype(np.float32)), \
+                    (topology, step, kind)
+                checks += 1
     if size % 2:  # odd world: exactly one rank sits out each random step
         assert sum(p < 0 for p in random_pairing(size, 0, 42)) == 1
     return checks
