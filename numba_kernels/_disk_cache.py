@@ -17,20 +17,31 @@ them next to the sources. So the twins are cached in a folder named after the so
    set to ``cache_folder()`` while the function is decorated, which is when Numba picks a
    function's folder, and put back right after, so functions of other packages keep theirs.
 
-Folders of older sources stay until deleted; each holds a few MB.
+Each process that picks a folder sets its modification time to now, so the time says when a
+version last ran. The folders of other versions beside it (``numba-`` and 16 hex digits)
+that no process has picked for ``STALE_AFTER_DAYS`` are deleted then (``prune_stale``): each
+holds a few MB, and an editable install gets a new one at every change of the sources. A
+version still in use keeps its folder, however old, as long as it starts a process now and
+then; one that starts none for that long compiles again when it does.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import re
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numba
 from numba.core import config
 
 PACKAGE = Path(__file__).resolve().parent
+STALE_AFTER_DAYS = 30
+_FOLDER_NAME = re.compile(r"numba-[0-9a-f]{16}")
 
 
 @functools.cache
@@ -63,8 +74,35 @@ def cache_folder() -> str | None:
     for base in bases:
         folder = base / f"numba-{sources_digest()}"
         if _writable(folder):
+            # this version ran now; where that is refused, the cost is at most a recompile
+            # after another version's process prunes the folder
+            with contextlib.suppress(OSError):
+                os.utime(folder)
+            prune_stale(base, keep=folder)
             return str(folder)
     return None
+
+
+def prune_stale(base: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Delete the version folders in ``base`` other than ``keep`` whose modification time is
+    more than ``STALE_AFTER_DAYS`` before ``now``; returns them. Another process deleting
+    the same folder at the same time, or a file that cannot be removed, is not an error: what
+    is left goes next time."""
+    cutoff = (time.time() if now is None else now) - STALE_AFTER_DAYS * 86400
+    stale = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:  # not listable: nothing to prune
+        return stale
+    for folder in entries:
+        try:
+            if (folder != keep and _FOLDER_NAME.fullmatch(folder.name) and folder.is_dir()
+                    and folder.stat().st_mtime < cutoff):
+                shutil.rmtree(folder, ignore_errors=True)
+                stale.append(folder)
+        except OSError:  # gone meanwhile
+            continue
+    return stale
 
 
 def cached_njit(**options):

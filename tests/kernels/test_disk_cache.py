@@ -58,3 +58,51 @@ def test_the_folder_is_under_numba_cache_dir_when_set(tmp_path):
          "sources_digest; print(cache_folder(), sources_digest())"],
         env=env, check=True, capture_output=True, text=True, timeout=120).stdout.split()
     assert out[0] == str(tmp_path / "shared" / f"numba-{out[1]}")
+
+
+def test_folders_of_versions_unused_for_long_are_deleted(tmp_path):
+    """Beside this version's folder: another version's folder unused for longer than the
+    limit goes; one used within it, other names and plain files stay; this version's stays
+    however old its time (it ran now)."""
+    from numba_kernels import _disk_cache
+
+    now = 2_000_000_000.0
+    limit = _disk_cache.STALE_AFTER_DAYS * 86400
+
+    def folder(name, age):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "f.nbi").write_bytes(b"x")
+        os.utime(path, (now - age, now - age))
+        return path
+
+    keep = folder("numba-" + "a" * 16, 10 * limit)
+    old = folder("numba-" + "0123456789abcdef", limit + 60)
+    recent = folder("numba-" + "b" * 16, limit - 60)
+    other = folder("numba-not-a-digest", 10 * limit)
+    plain = tmp_path / ("numba-" + "c" * 16 + "x")
+    plain.write_bytes(b"")
+    assert _disk_cache.prune_stale(tmp_path, keep=keep, now=now) == [old]
+    assert not old.exists()
+    assert keep.exists() and recent.exists() and other.exists() and plain.exists()
+
+
+def test_picking_a_folder_marks_it_used_and_prunes_beside_it(tmp_path):
+    """A fresh process under NUMBA_CACHE_DIR picks this version's folder, last used long ago:
+    the folder stays and its time is now; a stale sibling is gone."""
+    from numba_kernels._disk_cache import sources_digest
+
+    shared = tmp_path / "shared"
+    long_ago = 1_000_000_000
+    mine, stale = shared / f"numba-{sources_digest()}", shared / ("numba-" + "d" * 16)
+    for folder in (mine, stale):
+        folder.mkdir(parents=True)
+        os.utime(folder, (long_ago, long_ago))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(shared))
+    out = subprocess.run(
+        [sys.executable, "-c", "from numba_kernels._disk_cache import cache_folder; "
+         "print(cache_folder())"],
+        env=env, check=True, capture_output=True, text=True, timeout=120).stdout.split()
+    assert out[0] == str(mine)
+    assert mine.stat().st_mtime > long_ago + 86400
+    assert not stale.exists()
