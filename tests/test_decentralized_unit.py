@@ -41,13 +41,9 @@ def test_average_in_pieces_matches_the_expression(n, n_peers):
     np.testing.assert_array_equal(x, want)
 
 
-@pytest.mark.parametrize("model", [torch.zeros(8, dtype=torch.bfloat16),
-                                   torch.zeros(8, dtype=torch.int32),
-                                   torch.zeros(8, 2)[:, 0]],
-                         ids=["bfloat16", "int32", "strided"])
-def test_host_average_refuses_what_it_cannot_send_or_average(model):
-    """The host D_FP_S sends the model itself and averages it through NumPy: a strided one
-    cannot be sent, and NumPy sees bfloat16 as integers. Refused before any exchange (no
-    communicator is needed to get the error)."""
-    with pytest.raises(ValueError, match="contiguous float16, float32 or float64"):
-        decentralized_average_(model, None, [1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int32])
+def test_host_average_refuses_what_numpy_cannot_average(dtype):
+    """The host D_FP_S averages through NumPy, which sees bfloat16 as integers. Refused before
+    any exchange (no communicator is needed to get the error)."""
+    with pytest.raises(ValueError, match="float16, float32 or float64 tensor, got"):
+        decentralized_average_(torch.zeros(8, dtype=dtype), None, [1])

@@ -91,15 +91,14 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
         return flat
     if flat.is_cuda:
         return _device_average_(flat, comm, peers, stats, wire_dtype)
-    if flat.dtype not in (torch.float16, torch.float32, torch.float64) \
-            or not flat.is_contiguous():
-        # the model is sent as it is, and averaged through NumPy (which has no bfloat16)
-        raise ValueError(f"D_FP_S on the host averages a contiguous float16, float32 or float64 "
-                         f"tensor, got {flat.dtype}"
-                         f"{'' if flat.is_contiguous() else ', not contiguous'}")
+    if flat.dtype not in (torch.float16, torch.float32, torch.float64):
+        # averaged through NumPy, which has no bfloat16
+        raise ValueError(f"D_FP_S on the host averages a float16, float32 or float64 tensor, "
+                         f"got {flat.dtype}")
     x = host_view(flat)
     if wire_dtype is None:
-        recvs = _exchange(comm, x, peers)
+        # a strided model cannot be sent as it is
+        recvs = _exchange(comm, x if x.flags.c_contiguous else x.copy(), peers)
     else:
         # NumPy has no bfloat16: its words travel as int16
         words = np.empty(x.size, np.float16 if wire_dtype == torch.float16 else np.int16)

@@ -160,7 +160,8 @@ def check_hierarchical_compressed(rank, size):
 
 def check_decentralized(rank, size):
     """D_FP_S against every rank's average in float64, on the float32 wire and on the 16-bit
-    ones (the peers' models rounded to 16 bits, this rank's own exact)."""
+    ones (the peers' models rounded to 16 bits, this rank's own exact), of a contiguous model
+    and of a strided one."""
     comm = bm.runtime.get().topo.comm
     checks = 0
     for wire, kind in ((None, None), (torch.float16, "fp16"), (torch.bfloat16, "bf16")):
@@ -175,11 +176,14 @@ def check_decentralized(rank, size):
                 for p in peers[rank]:
                     total += xs[p] if wire is None else round_16(xs[p], kind)
                 expected = total / (1 + len(peers[rank]))
-                mine = torch.from_numpy(xs[rank].copy())
-                decentralized_average_(mine, comm, peers[rank], wire_dtype=wire)
-                assert np.array_equal(mine.numpy(), expected.astype(np.float32)), \
-                    (topology, step, kind)
-                checks += 1
+                contiguous = torch.from_numpy(xs[rank].copy())
+                strided = torch.zeros(xs[rank].size, 2)[:, 0]  # every other float
+                strided.copy_(contiguous)
+                for form, mine in (("contiguous", contiguous), ("strided", strided)):
+                    decentralized_average_(mine, comm, peers[rank], wire_dtype=wire)
+                    assert np.array_equal(mine.numpy(), expected.astype(np.float32)), \
+                        (topology, step, kind, form)
+                    checks += 1
     if size % 2:  # odd world: exactly one rank sits out each random step
         assert sum(p < 0 for p in random_pairing(size, 0, 42)) == 1
     return checks
