@@ -17,16 +17,16 @@ them next to the sources. So the twins are cached in a folder named after the so
    set to ``cache_folder()`` while the function is decorated, which is when Numba picks a
    function's folder, and put back right after, so functions of other packages keep theirs.
 
-Each process that picks a folder sets its modification time to now, so the time says when a
-version last ran. The folders of other versions beside it (``numba-`` and 16 hex digits)
-that no process has picked for ``STALE_AFTER_DAYS`` are deleted then (``prune_stale``): each
-holds a few MB, and an editable install gets a new one at every change of the sources. A
-version still in use keeps its folder, however old, as long as it starts a process now and
-then; one that starts none for that long compiles again when it does.
+A process that picks a folder whose modification time is over a day old sets it to now, so the
+time says (to within a day) when a version last ran, and then deletes the folders of other
+versions beside it (``numba-`` and 16 hex digits) that no process has picked for
+``STALE_AFTER_DAYS`` (``prune_stale``): each holds a few MB, and an editable install gets a
+new one at every change of the sources. A version still in use keeps its folder, however old,
+as long as it starts a process now and then; one that starts none for that long compiles
+again when it does.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -73,14 +73,34 @@ def cache_folder() -> str | None:
              else [PACKAGE / "__pycache__", user_cache])
     for base in bases:
         folder = base / f"numba-{sources_digest()}"
+        last_used = _modified(folder)  # before the probe below, whose file may change it
         if _writable(folder):
-            # this version ran now; where that is refused, the cost is at most a recompile
-            # after another version's process prunes the folder
-            with contextlib.suppress(OSError):
-                os.utime(folder)
-            prune_stale(base, keep=folder)
+            _mark_used(folder, base, last_used)
             return str(folder)
     return None
+
+
+def _modified(path: Path) -> float:
+    """The path's modification time; 0 where it does not exist (yet)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _mark_used(folder: Path, base: Path, last_used: float) -> None:
+    """Set the folder's time to now and prune beside it, where it was last used over a day ago
+    (a new folder too): the ranks of a large job all start at once on a shared file system,
+    and a metadata write and a listing from each, every start, would cost more than what they
+    keep exact."""
+    now = time.time()
+    if last_used > now - 86400:
+        return
+    try:
+        os.utime(folder)
+    except OSError:  # refused: at most a recompile after another version prunes the folder
+        return
+    prune_stale(base, keep=folder, now=now)
 
 
 def prune_stale(base: Path, keep: Path, now: float | None = None) -> list[Path]:

@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numba_kernels
@@ -12,6 +13,7 @@ PACKAGE = Path(numba_kernels.__file__).resolve().parent
 # QSGD codes of a ramp, printed by a fresh interpreter that imports the package from argv[1]
 CODES = """
 import sys
+import time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 import numba_kernels as nk
@@ -105,4 +107,48 @@ def test_picking_a_folder_marks_it_used_and_prunes_beside_it(tmp_path):
         env=env, check=True, capture_output=True, text=True, timeout=120).stdout.split()
     assert out[0] == str(mine)
     assert mine.stat().st_mtime > long_ago + 86400
+    assert not stale.exists()
+
+
+def test_a_folder_picked_within_a_day_is_left_as_it_is(tmp_path):
+    """The ranks of a job all start at once: where this version's folder was picked less than a
+    day ago, a process neither rewrites its time nor lists the folders beside it (a stale
+    sibling stays until a start a day later)."""
+    from numba_kernels import _disk_cache
+
+    shared = tmp_path / "shared"
+    mine = shared / f"numba-{_disk_cache.sources_digest()}"
+    stale = shared / ("numba-" + "e" * 16)
+    for folder in (mine, stale):
+        folder.mkdir(parents=True)
+    hour_ago = time.time() - 3600
+    os.utime(mine, (hour_ago, hour_ago))
+    os.utime(stale, (1_000_000_000, 1_000_000_000))
+    _disk_cache._mark_used(mine, shared, last_used=hour_ago)
+    assert mine.stat().st_mtime == hour_ago and stale.exists()
+    _disk_cache._mark_used(mine, shared, last_used=time.time() - 2 * 86400)  # a day later
+    assert mine.stat().st_mtime > hour_ago and not stale.exists()
+
+
+def test_the_last_use_is_read_before_the_write_probe(tmp_path, monkeypatch):
+    """Where the file system has no unnamed temporary files, the probe of whether the folder can
+    be written creates and deletes a named one, which sets the folder's time to now. The last
+    use must be read before it, or no process would ever prune."""
+    from numba_kernels import _disk_cache
+
+    def probe_with_a_named_file(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "probe").write_bytes(b"")
+        (folder / "probe").unlink()
+        return True
+
+    shared = tmp_path / "shared"
+    mine = shared / f"numba-{_disk_cache.sources_digest()}"
+    stale = shared / ("numba-" + "f" * 16)
+    for folder in (mine, stale):
+        folder.mkdir(parents=True)
+        os.utime(folder, (1_000_000_000, 1_000_000_000))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(shared))
+    monkeypatch.setattr(_disk_cache, "_writable", probe_with_a_named_file)
+    assert _disk_cache.cache_folder.__wrapped__() == str(mine)
     assert not stale.exists()
