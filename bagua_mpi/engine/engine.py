@@ -556,5 +556,6 @@ def _as_sparse(p: torch.Tensor) -> torch.Tensor:
     if p.grad is None:
         return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),
                                        torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype,
-                                                   device=p.device), tuple(p.shape))
+                                                   device=p.device), tuple(p.shape),
+                                       check_invariants=False)  # empty: nothing to check
     return p.grad if p.grad.is_sparse else p.grad.to_sparse(1)
