@@ -27,7 +27,9 @@ live and what this module decides. The choice is made per optimizer
 a GPU or without NCCL in torch, ``gloo`` without torch.distributed) raises
 ``BackendUnavailableError`` naming what is missing; only ``auto`` falls back, and it says why
 (``describe``, logged once and shown as ``DistributedOptimizer.backend``). NCCL refuses two
-ranks on one GPU, so ``auto`` picks MPI when a node has more ranks than GPUs. Every rank must
+ranks on one GPU, so ``auto`` picks MPI on a node where two ranks map to one GPU: ``init``
+gathers each local rank's GPU by its UUID (``learn_node_gpus``), so ranks that each see only
+their own GPU (numbered 0 in every process) take NCCL. Every rank must
 come to the same library (``wire``): ``DistributedOptimizer`` compares them at wrap time, turns
 ``auto`` decisions that differ between nodes into MPI everywhere and refuses explicit choices
 that differ with ``MismatchError``; an allreduce that runs on NCCL says so in its agreement
@@ -62,6 +64,8 @@ class BackendUnavailableError(BaguaMPIError):
 _default: str | None = None  # set by init(backend=); None: the environment decides
 _described: set = set()  # choices already logged (each is logged once per process)
 _node_ranks: int | None = None  # ranks on this node, told by init (None: ask the launcher)
+# per local rank of this node, the GPU it maps to (``gpu_of``) or None; gathered by init
+_node_gpus: list | None = None
 
 
 def resolve(name: str | None = None) -> str:
@@ -121,10 +125,42 @@ def set_default(name: str | None) -> None:
     _default = name
 
 
-def set_node_ranks(count: int | None) -> None:
-    """``init`` tells how many ranks share this node (NCCL needs a GPU for each)."""
-    global _node_ranks
-    _node_ranks = count
+def gpu_of(local_rank: int) -> tuple[str, str] | None:
+    """The GPU local rank ``local_rank`` maps to, as (an id of the physical device, its name);
+    None without a GPU. The mapping is visible device ``local_rank % count``: the local
+    rank's own device when every rank sees all of the node's GPUs, and device 0 when each
+    rank sees only its own (``slurm/bind_gpu.sh``, Slurm's ``--gpus-per-task=1``). The id is
+    the device's UUID, which is the same whatever number ``CUDA_VISIBLE_DEVICES`` gives the
+    device in a process, so two ranks that each see one GPU are told apart by it. Reading
+    the properties initializes torch's CUDA state but makes no CUDA context."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(local_rank % torch.cuda.device_count())
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid), props.name
+    # an older torch: the PCI address names the device as well
+    return (f"PCI {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:"
+            f"{props.pci_device_id:02x}", props.name)
+
+
+def learn_node_gpus(intra) -> None:
+    """Collective over ``intra``, this node's ranks (``init`` calls it): gather which GPU each
+    local rank maps to (``gpu_of``), so that ``auto`` takes NCCL exactly when no two of them
+    share one. A rank whose GPU cannot be read counts as having none (``auto`` then takes
+    MPI on this node) and logs why."""
+    global _node_gpus, _node_ranks
+    try:
+        mine = gpu_of(intra.Get_rank())
+    except Exception as exc:  # noqa: BLE001 - a broken driver: decide as without a GPU
+        logger.warning("bagua_mpi: the GPU of local rank %d cannot be read (%s: %s); "
+                       "backend='auto' takes MPI on this node", intra.Get_rank(),
+                       type(exc).__name__, exc)
+        mine = None
+    _node_gpus = intra.allgather(mine)
+    _node_ranks = len(_node_gpus)
 
 
 def local_ranks() -> int:
@@ -138,18 +174,48 @@ def local_ranks() -> int:
     return 1
 
 
+def shared_gpus() -> list[list[int]] | None:
+    """The groups of this node's local ranks that map to one GPU (each group in rank order;
+    empty when every rank has its own), or None where ``init`` has not gathered them."""
+    if _node_gpus is None:
+        return None
+    ranks_of: dict = {}
+    for local_rank, gpu in enumerate(_node_gpus):
+        if gpu is not None:
+            ranks_of.setdefault(gpu[0], []).append(local_rank)
+    return [ranks for ranks in ranks_of.values() if len(ranks) > 1]
+
+
 def auto_device_backend() -> tuple[str, str]:
     """What ``auto`` uses for device payloads here: (``"nccl"`` or ``"mpi"``, why)."""
     missing = nccl_missing()
     if missing is not None:
         return "mpi", f"NCCL cannot run: {missing}"
-    import torch
+    shared = shared_gpus()
+    if shared is None:  # before init: count the GPUs this process sees
+        import torch
 
-    gpus, ranks = torch.cuda.device_count(), local_ranks()
-    if ranks > gpus:
-        return "mpi", (f"{ranks} ranks share this node's {gpus} GPU(s), and NCCL refuses two "
-                       f"ranks on one GPU")
-    return "nccl", f"torch has NCCL {_nccl_version()} and each of {ranks} local rank(s) has a GPU"
+        gpus, ranks = torch.cuda.device_count(), local_ranks()
+        if ranks > gpus:
+            return "mpi", (f"{ranks} ranks share this node's {gpus} GPU(s), and NCCL refuses "
+                           f"two ranks on one GPU")
+    else:
+        ranks = len(_node_gpus)
+        without = [r for r, gpu in enumerate(_node_gpus) if gpu is None]
+        if without:
+            return "mpi", f"local rank(s) {_listed(without)} of this node have no GPU"
+        if shared:
+            first = shared[0]
+            uuid, name = _node_gpus[first[0]]
+            more = f" (and {len(shared) - 1} more GPU(s) shared)" if len(shared) > 1 else ""
+            return "mpi", (f"local ranks {_listed(first)} map to one GPU ({name}, {uuid}){more}, "
+                           f"and NCCL refuses two ranks on one GPU")
+    return "nccl", (f"torch has NCCL {_nccl_version()} and each of {ranks} local rank(s) has "
+                    f"a GPU of its own")
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:-1])) + (" and " if len(ranks) > 1 else "") + str(ranks[-1])
 
 
 def auto_backend() -> tuple[str, str]:
@@ -241,8 +307,8 @@ def _nccl_version() -> str:
 
 def reset() -> None:
     """Forget ``init``'s choice and the process groups (``shutdown``)."""
-    global _default, _node_ranks
+    global _default, _node_ranks, _node_gpus
     from . import process_groups
 
     process_groups.reset()
-    _default = _node_ranks = None
+    _default = _node_ranks = _node_gpus = None

@@ -297,7 +297,12 @@ def local_size_and_source(topo) -> tuple[int, str]:
 
 
 def gpu_checks(gpus: list[str], topo) -> list[Check]:
-    """The GPUs this process sees and the one its local rank maps to (local rank % count)."""
+    """The GPUs this process sees and the one its local rank maps to (local rank % count).
+    Under ``init`` the node's ranks compare the GPUs' ids (``backends.shared_gpus``), so ranks
+    that each see only their own GPU are not taken for ranks sharing one; alone, the
+    process can only count what it sees."""
+    from . import backends
+
     local, source = local_rank_and_source(topo)
     local_size, _ = local_size_and_source(topo)
     if not gpus:
@@ -307,7 +312,17 @@ def gpu_checks(gpus: list[str], topo) -> list[Check]:
     checks = [ok("GPUs", f"{len(gpus)} visible: {names}")]
     device = local % len(gpus)
     mapping = f"local rank {local} ({source}) -> cuda:{device} {gpus[device]}"
-    if local_size > len(gpus):
+    shared = backends.shared_gpus() if topo is not None else None
+    if shared is not None:
+        mine = next((ranks for ranks in shared if local in ranks), None)
+        if mine is None:
+            checks.append(ok("GPU mapping", f"{mapping}, a GPU no other local rank maps to"))
+        else:
+            checks.append(warn("GPU mapping", f"{mapping}, which local ranks "
+                               f"{', '.join(map(str, mine))} share: NCCL refuses that",
+                               "give each rank of a node a GPU of its own (at most one rank "
+                               "per GPU), or use BAGUA_MPI_BACKEND=mpi"))
+    elif local_size > len(gpus):
         checks.append(warn("GPU mapping", f"{mapping}; {local_size} ranks share {len(gpus)} "
                            "GPU(s), which NCCL refuses",
                            f"launch at most {len(gpus)} rank(s) per node, or use "

@@ -77,7 +77,7 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
     backends.set_default(backend)  # checked before anything is built: fails alike everywhere
     backends.check_available(backends.resolve())
     topo = topology.build(comm, ranks_per_node)
-    backends.set_node_ranks(topo.local_size)
+    backends.learn_node_gpus(topo.intra)  # collective: which GPU each local rank maps to
     worker = CommWorker(rank=topo.rank)
     warn = stall_warning_s if stall_warning_s is not None else config.stall_warning_s()
     abort = stall_abort_s if stall_abort_s is not None else config.stall_abort_s()

@@ -70,14 +70,90 @@ def test_nccl_missing_from_torch_is_named(monkeypatch):
 
 
 @pytest.mark.parametrize("gpus,ranks,expected", [(1, 2, "mpi"), (2, 2, "nccl"), (8, 4, "nccl")])
-def test_auto_picks_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, ranks, expected):
+def test_before_init_auto_counts_the_gpus_this_process_sees(monkeypatch, gpus, ranks, expected):
     monkeypatch.setattr(backends, "nccl_missing", lambda: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    backends.set_node_ranks(ranks)
+    monkeypatch.setattr(backends, "_node_ranks", ranks)
+    assert backends.shared_gpus() is None  # init has gathered nothing
     name, why = backends.auto_device_backend()
     assert name == expected, why
     if expected == "mpi":
         assert f"{ranks} ranks share this node's {gpus} GPU" in why
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("node_gpus,expected,needle", [
+    # each rank sees only its own GPU (slurm/bind_gpu.sh): one device each, all different
+    ([("GPU-a", H100), ("GPU-b", H100), ("GPU-c", H100), ("GPU-d", H100)], "nccl",
+     "each of 4 local rank(s) has a GPU of its own"),
+    ([("GPU-a", H100), ("GPU-a", H100)], "mpi",
+     f"local ranks 0 and 1 map to one GPU ({H100}, GPU-a), and NCCL refuses"),
+    ([("GPU-a", H100), ("GPU-b", H100), ("GPU-a", H100), ("GPU-b", H100), ("GPU-a", H100)],
+     "mpi", "local ranks 0, 2 and 4 map to one GPU (NVIDIA H100 80GB HBM3, GPU-a) (and 1 more"),
+    ([("GPU-a", H100), None], "mpi", "local rank(s) 1 of this node have no GPU"),
+])
+def test_auto_takes_nccl_when_no_two_local_ranks_map_to_one_gpu(monkeypatch, node_gpus,
+                                                                expected, needle):
+    """After init, ``auto`` decides from the node's gathered GPU ids, not from how many GPUs
+    this process sees: with one visible GPU a rank (which counting took for four ranks on one
+    GPU) it takes NCCL."""
+    monkeypatch.setattr(backends, "nccl_missing", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(backends, "_node_gpus", node_gpus)
+    monkeypatch.setattr(backends, "_node_ranks", len(node_gpus))
+    name, why = backends.auto_device_backend()
+    assert (name, needle in why) == (expected, True), why
+    assert backends.device_carrier("auto") == ("nccl" if expected == "nccl" else "mpi_staged")
+
+
+class OneNode:
+    """A communicator of ``size`` ranks on one node whose allgather returns what the ranks
+    would each send (``gpu_of`` of each local rank, this process playing them all)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def allgather(self, mine):
+        return [backends.gpu_of(r) if r != self.rank else mine for r in range(self.size)]
+
+
+class Props:
+    def __init__(self, index):
+        self.uuid, self.name = f"GPU-{index}", "FakeGPU"
+
+
+@pytest.mark.parametrize("visible,expected", [(4, "nccl"), (2, "mpi"), (1, "mpi")])
+def test_learn_node_gpus_maps_local_rank_to_visible_device_rank_mod_count(monkeypatch,
+                                                                          visible, expected):
+    """Four local ranks that all see ``visible`` GPUs map to device rank % visible: four
+    distinct GPUs, or two ranks on each of two, or all on one."""
+    monkeypatch.setattr(backends, "nccl_missing", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", Props)
+    backends.learn_node_gpus(OneNode(0, 4))
+    assert backends.local_ranks() == 4
+    assert [g[0] for g in backends._node_gpus] == [f"GPU-{r % visible}" for r in range(4)]
+    assert backends.auto_device_backend()[0] == expected
+
+
+def test_a_gpu_that_cannot_be_read_counts_as_none(monkeypatch, caplog):
+    """Local rank 0's GPU raises when read: it counts as no GPU, so the node takes MPI."""
+    def gpu_of(local_rank):
+        if local_rank == 0:
+            raise RuntimeError("CUDA driver error")
+        return "GPU-1", "FakeGPU"
+    monkeypatch.setattr(backends, "gpu_of", gpu_of)
+    monkeypatch.setattr(backends, "nccl_missing", lambda: None)
+    backends.learn_node_gpus(OneNode(0, 2))
+    assert backends._node_gpus == [None, ("GPU-1", "FakeGPU")]
+    assert "cannot be read" in caplog.text
+    assert backends.auto_device_backend() == ("mpi", "local rank(s) 0 of this node have no GPU")
 
 
 @pytest.mark.parametrize("gpus,ranks", [(1, 2), (2, 2)])
@@ -87,23 +163,20 @@ def test_the_wire_every_rank_must_agree_on(monkeypatch, gpus, ranks):
     local rank, else MPI), and says why."""
     monkeypatch.setattr(backends, "nccl_missing", lambda: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    backends.set_node_ranks(ranks)
-    try:
-        auto = "nccl" if gpus >= ranks else "mpi"
-        expected = {"auto": (auto, "mpi"), "mpi": ("mpi", "mpi"), "nccl": ("nccl", "mpi"),
-                    "nccl_hierarchical": ("nccl_hierarchical", "mpi"),
-                    "gloo": ("mpi (host payloads: gloo)", "gloo")}
-        assert set(expected) == set(backends.BACKENDS)
-        for name, (cuda_wire, cpu_wire) in expected.items():
-            assert backends.wire(name, "cuda") == cuda_wire, name
-            assert backends.wire(name, "cpu") == cpu_wire, name
-            if name in ("auto", "mpi", "gloo"):  # who moves device payloads agrees with it
-                on_nccl = backends.device_carrier(name) == "nccl"
-                assert on_nccl == cuda_wire.startswith("nccl"), name
-        assert backends.why_wire("auto", "cuda").startswith("backend='auto': ")
-        assert backends.why_wire("gloo", "cuda") == "backend='gloo'"
-    finally:
-        backends.set_node_ranks(None)
+    monkeypatch.setattr(backends, "_node_ranks", ranks)
+    auto = "nccl" if gpus >= ranks else "mpi"
+    expected = {"auto": (auto, "mpi"), "mpi": ("mpi", "mpi"), "nccl": ("nccl", "mpi"),
+                "nccl_hierarchical": ("nccl_hierarchical", "mpi"),
+                "gloo": ("mpi (host payloads: gloo)", "gloo")}
+    assert set(expected) == set(backends.BACKENDS)
+    for name, (cuda_wire, cpu_wire) in expected.items():
+        assert backends.wire(name, "cuda") == cuda_wire, name
+        assert backends.wire(name, "cpu") == cpu_wire, name
+        if name in ("auto", "mpi", "gloo"):  # who moves device payloads agrees with it
+            on_nccl = backends.device_carrier(name) == "nccl"
+            assert on_nccl == cuda_wire.startswith("nccl"), name
+    assert backends.why_wire("auto", "cuda").startswith("backend='auto': ")
+    assert backends.why_wire("gloo", "cuda") == "backend='gloo'"
 
 
 def test_nccl_allreduce_refuses_ops_it_cannot_reduce():
@@ -300,3 +373,16 @@ def test_per_bucket_launches_and_waits_reach_communication_stats(monkeypatch):
         opt.close()
     finally:
         bm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_gpu_of_names_the_physical_device_of_local_rank_mod_count():
+    """On a real GPU: the id is the device's (the same for local ranks count apart), and the
+    name is torch's."""
+    count = torch.cuda.device_count()
+    gpu_id, name = backends.gpu_of(0)
+    assert gpu_id and name == torch.cuda.get_device_name(0)
+    assert backends.gpu_of(count) == (gpu_id, name)
+    if count > 1:
+        assert backends.gpu_of(1)[0] != gpu_id

@@ -359,6 +359,20 @@ def test_more_ranks_than_gpus_warns():
     assert mapping.status == WARN and "2 ranks share 1 GPU(s)" in mapping.value
 
 
+def test_ranks_that_each_see_their_own_gpu_are_not_taken_for_sharing(monkeypatch):
+    """Under init the node's GPU ids decide: two ranks that each see one GPU (device 0) of
+    their own are fine, where counting 1 GPU against 2 ranks warned; two that map to one GPU
+    are warned about, naming both."""
+    from bagua_mpi import backends
+    monkeypatch.setattr(backends, "_node_gpus", [("GPU-a", "GPU A"), ("GPU-b", "GPU A")])
+    mapping = doctor.gpu_checks(["GPU A"], fake_topology(1, 2))[1]
+    assert mapping == doctor.ok("GPU mapping", "local rank 1 (topology) -> cuda:0 GPU A, a GPU "
+                                               "no other local rank maps to")
+    monkeypatch.setattr(backends, "_node_gpus", [("GPU-a", "GPU A"), ("GPU-a", "GPU A")])
+    mapping = doctor.gpu_checks(["GPU A"], fake_topology(1, 2))[1]
+    assert mapping.status == WARN and "which local ranks 0, 1 share" in mapping.value
+
+
 def test_local_rank_from_launcher_variables(monkeypatch):
     for variable in doctor.LOCAL_RANK_VARIABLES:
         monkeypatch.delenv(variable, raising=False)

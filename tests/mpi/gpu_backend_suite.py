@@ -91,8 +91,40 @@ def check_init_errors():
     assert backends._default is None, "shutdown forgets init's choice"
 
 
+def check_auto_tells_gpus_apart_by_id():
+    """``init`` gathers which GPU each local rank maps to, and ``auto`` takes NCCL exactly
+    where no two ranks of a node share one. The ranks here pretend to have GPUs: each sees
+    one (device_count 1, as under slurm/bind_gpu.sh), first a GPU of its own on every rank
+    (NCCL everywhere, where counting 1 GPU against 2 local ranks took MPI), then one GPU per
+    node that its ranks share (MPI on a node of two ranks, naming them; NCCL on a node of
+    one)."""
+    import torch
+    from mpi4py import MPI
+    saved = backends.gpu_of, backends.nccl_missing, torch.cuda.device_count
+    backends.nccl_missing = lambda: None
+    torch.cuda.device_count = lambda: 1
+    try:
+        for shared in (False, True):
+            world = MPI.COMM_WORLD.Get_rank()
+            backends.gpu_of = (lambda local_rank, world=world, shared=shared:
+                               ("GPU-node" if shared else f"GPU-rank{world}", "FakeGPU"))
+            bm.init()
+            topo = bm.runtime.get().topo
+            name, why = backends.auto_device_backend()
+            if shared and topo.local_size > 1:
+                listed = " and ".join(map(str, range(topo.local_size)))
+                assert name == "mpi" and f"local ranks {listed} map to one GPU" in why, why
+            else:
+                assert name == "nccl", why
+                assert f"each of {topo.local_size} local rank(s) has a GPU of its own" in why
+            bm.shutdown()
+    finally:
+        backends.gpu_of, backends.nccl_missing, torch.cuda.device_count = saved
+
+
 def main():
     check_init_errors()
+    check_auto_tells_gpus_apart_by_id()
     bm.init()
     topo = bm.runtime.get().topo
     check_optimizer_choice()
