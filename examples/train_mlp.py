@@ -2,12 +2,14 @@
 
     mpiexec -n 4 python examples/train_mlp.py [--steps 50] [--hidden 1024] [--batch 64]
                                               [--algorithm gradient_allreduce] [--optimizer auto]
-                                              [--plot mlp_loss.png] [--progress auto]
+                                              [--device auto] [--plot mlp_loss.png]
+                                              [--progress auto]
 
 Each rank generates its own shard of a fixed synthetic regression problem (no downloads); the
 optimizer is wrapped in ``bagua_mpi.DistributedOptimizer``, whose communication algorithm is
 chosen with ``--algorithm`` (``--list-algorithms`` shows the registered ones). The optimizer is
-SGD with momentum, or Adam for the algorithms built on Adam (onebit_adam). Rank 0 shows the
+SGD with momentum, or Adam for the algorithms built on Adam (onebit_adam). Each rank trains on
+its GPU where torch sees one (``--device``), else on the CPU. Rank 0 shows the
 progress (``bagua_mpi.progress``: a tqdm bar on a terminal, plain lines in a log) with the loss
 averaged over ranks, then a summary (throughput, time spent waiting for communication, bytes
 sent per step) and writes the loss curve to a PNG. tqdm and matplotlib (the ``examples``
@@ -51,10 +53,25 @@ def make_optimizer(kind: str, params, lr: float | None) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
+def training_device(requested: str) -> torch.device:
+    """This rank's device. ``cuda`` (and ``auto`` where torch sees a GPU) takes visible device
+    local rank % count and makes it current: the rank's own GPU whether each rank sees all of
+    the node's GPUs or only its own (``slurm/bind_gpu.sh``)."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA GPU on rank "
+                         f"{bm.rank()}; use --device cpu or auto")
+    index = bm.local_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def synthetic_batch(step: int, rank: int, batch: int, inputs: int, teacher: torch.nn.Module):
-    """A batch of this rank's data shard: inputs from a seeded RNG, targets from a teacher."""
+    """A batch of this rank's data shard: inputs from a seeded RNG (on the CPU, so every device
+    trains on the same data), targets from a teacher on the model's device."""
     gen = torch.Generator().manual_seed(1_000_003 * step + rank)
-    x = torch.randn(batch, inputs, generator=gen)
+    x = torch.randn(batch, inputs, generator=gen).to(next(teacher.parameters()).device)
     with torch.no_grad():
         y = teacher(x)
     return x, y
@@ -74,6 +91,8 @@ def main() -> None:
     parser.add_argument("--optimizer", default="auto", choices=["auto", "sgd", "adam"],
                         help="auto: Adam for onebit_adam, else SGD with momentum 0.9")
     parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: this rank's GPU where torch sees one, else the CPU")
     parser.add_argument("--list-algorithms", action="store_true")
     parser.add_argument("--plot", default="mlp_loss.png",
                         help="where rank 0 writes the loss curve PNG ('' for none)")
@@ -85,9 +104,10 @@ def main() -> None:
         return
 
     bm.init()
+    device = training_device(args.device)
     torch.manual_seed(0)  # same initial model everywhere; broadcast keeps it so regardless
-    model = make_model(args.inputs, args.hidden, args.layers, 1)
-    teacher = make_model(args.inputs, 64, 1, 1)
+    model = make_model(args.inputs, args.hidden, args.layers, 1).to(device)
+    teacher = make_model(args.inputs, 64, 1, 1).to(device)
     bm.broadcast_parameters(model.state_dict(), root_rank=0)
     bm.broadcast_parameters(teacher.state_dict(), root_rank=0)
     kind = optimizer_kind(args.algorithm, args.optimizer)
@@ -98,7 +118,9 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if bm.rank() == 0:
         print(f"{bm.size()} ranks, MLP with {n_params / 1e6:.2f}M parameters, "
-              f"{args.batch} samples per rank per step", flush=True)
+              f"{args.batch} samples per rank per step"
+              + (f", on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
+              flush=True)
 
     # every 10 steps the loss is averaged over ranks (one tiny allreduce) for the display
     with Progress(args.steps, samples_per_step=args.batch * bm.size(), optimizer=optimizer,

@@ -140,6 +140,46 @@ def test_main_job_picks_an_optimizer_every_algorithm_accepts(name, one_rank):
     optimizer.close()
 
 
+def test_main_job_device_is_the_local_ranks_gpu_or_the_cpu(one_rank, monkeypatch):
+    """``--device``: the CPU when asked or where torch sees no GPU; a clear exit when CUDA is
+    asked for without one; else visible device local rank % count, made current (local rank
+    3 of a node whose ranks each see 2 GPUs takes cuda:1)."""
+    job = _main_job_module()
+    assert job.training_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert job.training_device("auto") == torch.device("cpu")
+    with pytest.raises(SystemExit, match="--device cuda: torch .* sees no CUDA GPU on rank 0"):
+        job.training_device("cuda")
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(job.bm, "local_rank", lambda: 3)
+    for requested in ("auto", "cuda"):
+        assert job.training_device(requested) == torch.device("cuda", 1)
+    assert current == [1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_main_job_trains_on_the_gpu_by_default(one_rank):
+    """On a GPU machine the main job's model and data are on the GPU (one rank, in this
+    process: its model, batch and a step through DistributedOptimizer)."""
+    job = _main_job_module()
+    device = job.training_device("auto")
+    assert device.type == "cuda"
+    model = job.make_model(16, 32, 2, 1).to(device)
+    teacher = job.make_model(16, 8, 1, 1).to(device)
+    x, y = job.synthetic_batch(0, 0, 8, 16, teacher)
+    assert x.device == y.device == next(model.parameters()).device
+    optimizer = bm.DistributedOptimizer(job.make_optimizer("sgd", model.parameters(), None),
+                                        named_parameters=model.named_parameters())
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.backend.startswith("auto: ")
+    optimizer.close()
+
+
 def test_main_job_trains_with_onebit_adam():
     """The one registered algorithm that needs Adam, through the example (2 ranks, 120 steps:
     the 100 of Adam's warm-up, then 1-bit momenta): before the example chose the optimizer by
