@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from . import config
-from .exceptions import NotInitializedError
+from .exceptions import MisuseError, NotInitializedError
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class Topology:
 def build(comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None) -> Topology:
     """Duplicate ``comm`` (default ``COMM_WORLD``) and split it into node groups."""
     if comm is None:
+        refuse_lone_process_of_a_larger_job(MPI.COMM_WORLD.Get_size())
         comm = MPI.COMM_WORLD
     if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
         raise TypeError(f"init(comm=...) needs an mpi4py intracommunicator, got {comm!r}")
@@ -117,6 +118,23 @@ def build(comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None) 
     if comm == MPI.COMM_WORLD or comm.Get_size() == MPI.COMM_WORLD.Get_size():
         check_slurm_agreement(topo)
     return topo
+
+
+def refuse_lone_process_of_a_larger_job(world_size: int, environ: dict | None = None) -> None:
+    """Raise ``MisuseError`` when MPI sees a job of one rank while ``WORLD_SIZE`` (set by
+    ``torchrun`` and other launchers of torch.distributed jobs) says the job has more
+    processes: each process would be a world of its own and train alone, with no error. An
+    explicit ``init(comm=MPI.COMM_SELF)`` is a choice, and is not checked."""
+    env = os.environ if environ is None else environ
+    raw = env.get("WORLD_SIZE", "")
+    if world_size != 1 or not raw.isdigit() or int(raw) <= 1:
+        return
+    raise MisuseError(
+        f"bagua_mpi.init(): MPI sees a job of 1 rank, but WORLD_SIZE={raw} (torchrun or another "
+        f"torch.distributed launcher sets it; RANK={env.get('RANK', '?')}) says the job has "
+        f"{raw} processes. bagua_mpi takes its ranks from MPI, so each process would train "
+        f"alone. Launch with mpiexec -n {raw} python ... or srun --ntasks={raw} --mpi=pmi2 "
+        f"python ...; to run this process alone on purpose, call init(comm=MPI.COMM_SELF)")
 
 
 def check_slurm_agreement(topo: Topology, environ: dict | None = None) -> list[str]:

@@ -1,4 +1,5 @@
 """Single-process unit tests of the pieces under the collectives (MPI as a singleton)."""
+import os
 import threading
 import time
 
@@ -231,6 +232,40 @@ def test_slurm_cross_check_warns_on_disagreement(initialized):
     assert problems == ["SLURM_PROCID=3 but MPI world rank is 0",
                         "SLURM_NTASKS=4 but MPI world size is 1",
                         "SLURM_LOCALID='x' is not an integer"]
+
+
+@pytest.mark.parametrize("environ,refused", [
+    ({"WORLD_SIZE": "4", "RANK": "2"}, True),   # torchrun --nproc_per_node=4: four singletons
+    ({"WORLD_SIZE": "1", "RANK": "0"}, False),
+    ({}, False),
+    ({"WORLD_SIZE": "four"}, False),
+])
+def test_a_lone_mpi_process_of_a_torchrun_job_is_refused(environ, refused):
+    from bagua_mpi.exceptions import MisuseError
+    if refused:
+        with pytest.raises(MisuseError, match=r"MPI sees a job of 1 rank, but WORLD_SIZE=4 .*"
+                                              r"RANK=2.*mpiexec -n 4 python"):
+            topology.refuse_lone_process_of_a_larger_job(1, environ)
+    else:
+        topology.refuse_lone_process_of_a_larger_job(1, environ)
+    topology.refuse_lone_process_of_a_larger_job(4, environ)  # MPI's own job of 4: fine
+
+
+def test_init_under_torchrun_alone_fails_and_comm_self_is_a_choice():
+    """A process started by torchrun (WORLD_SIZE=4) is a one-rank MPI job: init raises,
+    leaving nothing initialized; init(comm=MPI.COMM_SELF) runs it alone on purpose."""
+    import subprocess
+    import sys
+    code = ("import bagua_mpi as bm\nfrom mpi4py import MPI\n"
+            "try:\n    bm.init()\nexcept bm.MisuseError as e:\n"
+            "    print('refused', bm.is_initialized(), str(e)[:40])\n"
+            "bm.init(MPI.COMM_SELF)\nprint('alone', bm.size())\n")
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["refused False bagua_mpi.init(): MPI sees a job of 1 ra",
+                                        "alone 1"], proc.stdout
 
 
 def test_cuda_awareness_override(monkeypatch):
