@@ -129,15 +129,22 @@ def gpu_of(local_rank: int) -> tuple[str, str] | None:
     """The GPU local rank ``local_rank`` maps to, as (an id of the physical device, its name);
     None without a GPU. The mapping is visible device ``local_rank % count``: the local
     rank's own device when every rank sees all of the node's GPUs, and device 0 when each
-    rank sees only its own (``slurm/bind_gpu.sh``, Slurm's ``--gpus-per-task=1``). The id is
-    the device's UUID, which is the same whatever number ``CUDA_VISIBLE_DEVICES`` gives the
-    device in a process, so two ranks that each see one GPU are told apart by it. Reading
-    the properties initializes torch's CUDA state but makes no CUDA context."""
+    rank sees only its own (``slurm/bind_gpu.sh``, Slurm's ``--gpus-per-task=1``)."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    props = torch.cuda.get_device_properties(local_rank % torch.cuda.device_count())
+    return gpu_id(local_rank % torch.cuda.device_count())
+
+
+def gpu_id(index: int) -> tuple[str, str]:
+    """(an id, the name) of visible CUDA device ``index``. The id is the device's UUID, the
+    same whatever number ``CUDA_VISIBLE_DEVICES`` gives the device in a process, so two ranks
+    that each see one GPU are told apart by it. Reading the properties initializes torch's
+    CUDA state but makes no CUDA context."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
     uuid = getattr(props, "uuid", None)
     if uuid is not None:
         return str(uuid), props.name
@@ -161,6 +168,42 @@ def learn_node_gpus(intra) -> None:
         mine = None
     _node_gpus = intra.allgather(mine)
     _node_ranks = len(_node_gpus)
+
+
+def model_gpu(param) -> tuple[str, str] | None:
+    """``gpu_id`` of the GPU a model's parameter is on; None on the CPU."""
+    return gpu_id(param.device.index) if param.is_cuda else None
+
+
+def use_model_gpus(node_gpus: list) -> None:
+    """The GPUs the node's ranks keep their models on (``DistributedOptimizer`` gathers them
+    when it wraps: ``gpu_id`` of each rank's parameters, None for a CPU model) replace
+    ``init``'s mapping, which assumed local rank % count; nothing changes where every model
+    is on the CPU. Ranks that ``init`` mapped to GPUs of their own but whose models share one
+    (a script that moved its model to ``cuda`` without ``torch.cuda.set_device``) are warned
+    about: ``auto`` then takes MPI, and an explicit NCCL is refused."""
+    global _node_gpus
+    if all(gpu is None for gpu in node_gpus):
+        return
+    mapped_apart = shared_gpus() == []
+    _node_gpus = list(node_gpus)
+    shared = shared_gpus()
+    if shared and mapped_apart:
+        logger.warning("bagua_mpi: %s; call torch.cuda.set_device(bm.local_rank() %% "
+                       "torch.cuda.device_count()) before moving the model to the GPU",
+                       sharing_text())
+
+
+def sharing_text() -> str:
+    """Which of this node's local ranks share a GPU, in words ("" where none do, or where
+    nothing was gathered)."""
+    shared = shared_gpus()
+    if not shared:
+        return ""
+    first = shared[0]
+    uuid, name = _node_gpus[first[0]]
+    more = f" (and {len(shared) - 1} more GPU(s) shared)" if len(shared) > 1 else ""
+    return f"local ranks {_listed(first)} are on one GPU ({name}, {uuid}){more}"
 
 
 def local_ranks() -> int:
@@ -205,11 +248,7 @@ def auto_device_backend() -> tuple[str, str]:
         if without:
             return "mpi", f"local rank(s) {_listed(without)} of this node have no GPU"
         if shared:
-            first = shared[0]
-            uuid, name = _node_gpus[first[0]]
-            more = f" (and {len(shared) - 1} more GPU(s) shared)" if len(shared) > 1 else ""
-            return "mpi", (f"local ranks {_listed(first)} map to one GPU ({name}, {uuid}){more}, "
-                           f"and NCCL refuses two ranks on one GPU")
+            return "mpi", f"{sharing_text()}, and NCCL refuses two ranks on one GPU"
     return "nccl", (f"torch has NCCL {_nccl_version()} and each of {ranks} local rank(s) has "
                     f"a GPU of its own")
 

@@ -174,6 +174,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wrapped = [p for g in optimizer.param_groups for p in g["params"]]
         replaced = ownership.open_over(wrapped)  # taken over below (engine/ownership.py)
         device = params[0].device.type if params else "cpu"
+        if process_set is None:  # the node's ranks compare the GPUs their models are on
+            mine = backends.model_gpu(params[0]) if params else None
+            backends.use_model_gpus(rt.worker.run(lambda: topo.intra.allgather(mine),
+                                                  ("allgather_object",)))
         chosen = backends.resolve(backend)
         wire = backends.wire(chosen, device)
         # what every rank must set alike: any of these differing makes the ranks exchange
@@ -191,10 +195,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         notes = check_models_agree(names, params, None if process_set is None else topo,
                                    settings=settings,
                                    notes={"backend": backends.why_wire(chosen, device),
-                                          "wire": wire,
+                                          "wire": wire, "gpus_shared": backends.sharing_text(),
                                           "replaces_open_optimizers": _REPLACES_NOTE})
         if chosen == "auto":
             backend = _agreed_auto(notes, backend)
+        elif device == "cuda" and chosen in backends.NCCL_BACKENDS:
+            _refuse_shared_gpus(notes, chosen)
         size = topo.size
         ctx = AlgorithmContext(
             topo=topo, average=op is Average,
@@ -651,6 +657,19 @@ def _agreed_auto(notes: list[dict], backend):
                    "over %s on rank %d (%s); every rank uses mpi", wires[0],
                    notes[0]["backend"], wires[first], first, notes[first]["backend"])
     return "mpi"
+
+
+def _refuse_shared_gpus(notes: list[dict], chosen: str) -> None:
+    """An explicit NCCL backend where ranks of a node are on one GPU: NCCL would refuse at its
+    first collective, in its own words; say so at wrap time, on every rank, naming them."""
+    shared = [(r, n["gpus_shared"]) for r, n in enumerate(notes) if n.get("gpus_shared")]
+    if shared:
+        rank, text = shared[0]
+        raise backends.BackendUnavailableError(
+            f"backend={chosen!r}: on the node of rank {rank}, {text}, and NCCL refuses two "
+            f"ranks on one GPU; give each rank a GPU of its own (torch.cuda.set_device("
+            f"bm.local_rank() % torch.cuda.device_count()) before moving the model) or use "
+            f"backend='auto' or 'mpi'")
 
 
 def check_models_agree(names: list[str], params: list, topo=None, *,

@@ -89,9 +89,9 @@ H100 = "NVIDIA H100 80GB HBM3"
     ([("GPU-a", H100), ("GPU-b", H100), ("GPU-c", H100), ("GPU-d", H100)], "nccl",
      "each of 4 local rank(s) has a GPU of its own"),
     ([("GPU-a", H100), ("GPU-a", H100)], "mpi",
-     f"local ranks 0 and 1 map to one GPU ({H100}, GPU-a), and NCCL refuses"),
+     f"local ranks 0 and 1 are on one GPU ({H100}, GPU-a), and NCCL refuses"),
     ([("GPU-a", H100), ("GPU-b", H100), ("GPU-a", H100), ("GPU-b", H100), ("GPU-a", H100)],
-     "mpi", "local ranks 0, 2 and 4 map to one GPU (NVIDIA H100 80GB HBM3, GPU-a) (and 1 more"),
+     "mpi", "local ranks 0, 2 and 4 are on one GPU (NVIDIA H100 80GB HBM3, GPU-a) (and 1 more"),
     ([("GPU-a", H100), None], "mpi", "local rank(s) 1 of this node have no GPU"),
 ])
 def test_auto_takes_nccl_when_no_two_local_ranks_map_to_one_gpu(monkeypatch, node_gpus,
@@ -386,3 +386,32 @@ def test_gpu_of_names_the_physical_device_of_local_rank_mod_count():
     assert backends.gpu_of(count) == (gpu_id, name)
     if count > 1:
         assert backends.gpu_of(1)[0] != gpu_id
+
+
+def test_the_models_gpus_replace_inits_mapping(monkeypatch, caplog):
+    """At wrap time the node's ranks compare the GPUs their models are on. Ranks init mapped
+    apart whose models share one GPU (moved to ``cuda`` without set_device) are warned about
+    and ``auto`` takes MPI; CPU models leave init's mapping as it was."""
+    monkeypatch.setattr(backends, "nccl_missing", lambda: None)
+    apart = [("GPU-0", "FakeGPU"), ("GPU-1", "FakeGPU")]
+    monkeypatch.setattr(backends, "_node_gpus", list(apart))
+    backends.use_model_gpus([None, None])
+    assert backends._node_gpus == apart and backends.auto_device_backend()[0] == "nccl"
+    backends.use_model_gpus([("GPU-0", "FakeGPU"), ("GPU-0", "FakeGPU")])
+    assert "local ranks 0 and 1 are on one GPU (FakeGPU, GPU-0)" in caplog.text
+    assert "torch.cuda.set_device(bm.local_rank() % torch.cuda.device_count())" in caplog.text
+    name, why = backends.auto_device_backend()
+    assert name == "mpi" and why.startswith("local ranks 0 and 1 are on one GPU"), why
+    caplog.clear()
+    backends.use_model_gpus([("GPU-0", "FakeGPU"), ("GPU-0", "FakeGPU")])  # shared before too
+    assert not caplog.text
+
+
+def test_explicit_nccl_with_ranks_on_one_gpu_is_refused_on_every_rank():
+    from bagua_mpi.optimizer import _refuse_shared_gpus
+    _refuse_shared_gpus([{"gpus_shared": ""}, {"gpus_shared": ""}], "nccl")
+    notes = [{"gpus_shared": ""}, {"gpus_shared": "local ranks 0 and 1 are on one GPU (G, u)"}]
+    with pytest.raises(backends.BackendUnavailableError,
+                       match=r"backend='nccl': on the node of rank 1, local ranks 0 and 1 are "
+                             r"on one GPU \(G, u\), and NCCL refuses"):
+        _refuse_shared_gpus(notes, "nccl")

@@ -113,13 +113,45 @@ def check_auto_tells_gpus_apart_by_id():
             name, why = backends.auto_device_backend()
             if shared and topo.local_size > 1:
                 listed = " and ".join(map(str, range(topo.local_size)))
-                assert name == "mpi" and f"local ranks {listed} map to one GPU" in why, why
+                assert name == "mpi" and f"local ranks {listed} are on one GPU" in why, why
             else:
                 assert name == "nccl", why
                 assert f"each of {topo.local_size} local rank(s) has a GPU of its own" in why
+            if not shared:
+                check_models_on_one_gpu(topo)
             bm.shutdown()
     finally:
         backends.gpu_of, backends.nccl_missing, torch.cuda.device_count = saved
+
+
+def check_models_on_one_gpu(topo):
+    """Ranks that init mapped to GPUs of their own put their models on one GPU per node (a
+    script without set_device): wrapping an optimizer compares the models' GPUs on each
+    node, warns, and auto takes MPI there."""
+    import logging
+
+    import torch
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("bagua_mpi.backends").addHandler(handler)
+    saved = backends.model_gpu
+    backends.model_gpu = lambda param: ("GPU-node", "FakeGPU")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                named_parameters=model.named_parameters()).close()
+    finally:
+        backends.model_gpu = saved
+        logging.getLogger("bagua_mpi.backends").removeHandler(handler)
+    name, why = backends.auto_device_backend()
+    if topo.local_size > 1:
+        listed = " and ".join(map(str, range(topo.local_size)))
+        assert name == "mpi" and why.startswith(f"local ranks {listed} are on one GPU"), why
+        assert any("set_device" in m for m in said), said
+    else:
+        assert name == "nccl" and not said, (why, said)
 
 
 def main():
