@@ -16,6 +16,13 @@ queue behind the very operation that submits it, so waiting for it there deadloc
 waiting leaves a handle no one owns). ``submit`` from inside an operation therefore raises
 ``NestedAsyncError`` at once.
 
+Devices: a thread's current CUDA device is its own, and this thread's would stay device 0. So
+an operation runs with the CUDA device that was current where it was submitted (when torch has
+initialized CUDA there): torch's allocations on ``"cuda"``, its current streams and the context
+Numba launches the compression kernels in are then the submitting rank's GPU, not device 0 of
+a node whose GPUs every rank sees. The gradient buckets name their own device
+(``engine.py``).
+
 Recording: the executor also writes each operation into this rank's flight recorder
 (``flight_recorder.py``; ``BAGUA_MPI_FLIGHT_RECORDER_SIZE``, 0 = off), the ring buffer the stall
 watchdog's hang reports and abort dumps are made of. Nested operations are part of the one
@@ -24,7 +31,9 @@ that runs them and are not recorded on their own. The communication log (``comm_
 """
 from __future__ import annotations
 
+import contextlib
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -142,7 +151,7 @@ class CommWorker:
             self._pending += 1
             # numbered and queued under one lock: sequence order is queue order
             seq = recorder.queue(describe) if recorder is not None else 0
-            self._queue.put((fn, describe, handle, seq))
+            self._queue.put((fn, describe, handle, seq, _current_cuda_device()))
         return handle
 
     def _refuse_nested(self, describe) -> None:
@@ -208,7 +217,7 @@ class CommWorker:
             item = self._queue.get()
             if item is None:
                 return
-            fn, describe, handle, seq = item
+            fn, describe, handle, seq, device = item
             with self._exec_lock:
                 started = time.monotonic()
                 self.current = (describe, started)
@@ -218,7 +227,11 @@ class CommWorker:
                     recorder.start(seq, started)
                 failed = True
                 try:
-                    result = fn()
+                    if device is None:  # no CUDA where it was submitted: nothing to set
+                        result = fn()
+                    else:
+                        with using_cuda_device(device):
+                            result = fn()
                     failed = False
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                     handle._complete(error=exc)
@@ -246,3 +259,22 @@ def _name_of(describe) -> str:
     if isinstance(describe, tuple) and describe:
         return str(describe[0])
     return str(describe)
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's current CUDA device, where torch has initialized CUDA (else None,
+    at the cost of a lookup: nothing is imported or initialized here)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+def using_cuda_device(device) -> contextlib.AbstractContextManager:
+    """``device`` (an index or a torch device) current on this thread for the enclosed work;
+    nothing for None or a host device."""
+    if device is None or getattr(device, "type", "cuda") != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)

@@ -178,6 +178,53 @@ def test_worker_runs_in_submission_order_and_sync_waits_behind():
     worker.close(5)
 
 
+def test_worker_runs_an_operation_on_the_cuda_device_current_where_it_was_submitted(
+        monkeypatch):
+    """A thread's current CUDA device is its own: the communication thread's would stay device 0
+    while a rank works on cuda:3. An operation submitted where CUDA is initialized runs with the
+    submitter's device current (a stand-in device guard records it, with the thread it ran on);
+    where CUDA is not initialized nothing is set."""
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append((self.device, threading.current_thread().name))
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    worker = CommWorker()
+    try:
+        assert worker.submit(lambda: "host", ("no cuda",)).wait(5) == "host"
+        assert entered == []
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+        assert worker.submit(lambda: "done", ("on cuda:3",)).wait(5) == "done"
+        assert entered == [(3, "bagua_mpi-comm"), "exit"]
+    finally:
+        worker.close(5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_worker_allocates_on_the_submitters_gpu():
+    """On a machine with two GPUs: after set_device(1) on this thread, an operation on the
+    communication thread allocates "cuda" memory on cuda:1, not on its own device 0."""
+    worker = CommWorker()
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(1)
+    try:
+        made = worker.submit(lambda: torch.empty(1, device="cuda").device, ("alloc",)).wait(30)
+        assert made == torch.device("cuda", 1)
+    finally:
+        torch.cuda.set_device(previous)
+        worker.close(5)
+
+
 def test_worker_errors_reach_the_waiter_as_library_errors():
     worker = CommWorker()
     h = worker.submit(lambda: 1 / 0, ("divide",))
