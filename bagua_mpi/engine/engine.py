@@ -237,7 +237,8 @@ class Engine:
         event = None
         if bucket.device.type == "cuda":  # the comm thread must see backward's kernels done
             event = torch.cuda.Event()
-            event.record()
+            # on the bucket's device's stream, whichever device this thread has current
+            event.record(torch.cuda.current_stream(bucket.device))
         # Read here, on the main thread: the comm thread may run the task after the main
         # thread has moved on, and every rank must pass the same step (warm-up, seeds).
         step = self.clock.step
