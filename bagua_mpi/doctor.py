@@ -380,6 +380,27 @@ def hdf5_checks() -> list[Check]:
                f"{how}{note}")]
 
 
+def launcher_checks() -> list[Check]:
+    """Whether MPI started this process with the job's other processes: under ``torchrun``
+    (``WORLD_SIZE`` > 1) MPI sees a job of one rank in each process, and ``init`` refuses it
+    (``topology.refuse_lone_process_of_a_larger_job``)."""
+    from . import topology
+    from .exceptions import MisuseError
+
+    size = MPI.COMM_WORLD.Get_size()
+    world_size = os.environ.get("WORLD_SIZE")
+    try:
+        topology.refuse_lone_process_of_a_larger_job(size)
+    except MisuseError:
+        return [fail("launcher", f"MPI sees a job of 1 rank, WORLD_SIZE={world_size}: started "
+                                 f"by torchrun or another torch.distributed launcher, so "
+                                 f"bagua_mpi.init() refuses it",
+                     f"launch with mpiexec -n {world_size} or srun --ntasks={world_size} "
+                     f"--mpi=pmi2")]
+    return [ok("launcher", f"MPI started {size} rank(s)"
+               + (f" (WORLD_SIZE={world_size})" if world_size else ""))]
+
+
 def slurm_checks(topo) -> list[Check]:
     """The Slurm job variables seen, and whether Slurm's ranks agree with MPI's."""
     from . import topology
@@ -429,6 +450,7 @@ def process_checks(topo) -> list[Check]:
     checks += guarded("GPU mapping", gpu_checks, gpus, topo)
     checks += guarded("/dev/shm", shm_checks, topo)
     checks += guarded("HDF5", hdf5_checks)
+    checks += guarded("launcher", launcher_checks)
     checks += guarded("Slurm", slurm_checks, topo)
     return checks
 

@@ -25,7 +25,7 @@ SINGLE_PROCESS_CHECKS = (
     "settings", "bagua_mpi version", "torch version", "mpi4py version", "numba version",
     "h5py version", "numba-cuda version", "MPI library", "MPI thread level",
     "CUDA-aware MPI (library)", "CUDA-aware MPI (used)", "NCCL", "GPUs", "GPU mapping",
-    "/dev/shm", "HDF5", "Slurm", "backend")
+    "/dev/shm", "HDF5", "launcher", "Slurm", "backend")
 
 
 @dataclass
@@ -371,6 +371,16 @@ def test_ranks_that_each_see_their_own_gpu_are_not_taken_for_sharing(monkeypatch
     monkeypatch.setattr(backends, "_node_gpus", [("GPU-a", "GPU A"), ("GPU-a", "GPU A")])
     mapping = doctor.gpu_checks(["GPU A"], fake_topology(1, 2))[1]
     assert mapping.status == WARN and "which local ranks 0, 1 share" in mapping.value
+
+
+def test_a_process_started_by_torchrun_fails_the_launcher_line():
+    """Under torchrun each process is a one-rank MPI job (WORLD_SIZE says 4): the launcher line
+    FAILs with the command to use, and the doctor exits 1; without WORLD_SIZE it is OK."""
+    assert one_rank().line("launcher") == (OK, "MPI started 1 rank(s)")
+    run = run_doctor("doctor", env=clean_env(WORLD_SIZE="4", RANK="2", LOCAL_RANK="2"))
+    status, value = run.line("launcher")
+    assert status == FAIL and "WORLD_SIZE=4: started by torchrun" in value, run.describe()
+    assert "mpiexec -n 4" in run.stdout and run.returncode == 1, run.describe()
 
 
 def test_local_rank_from_launcher_variables(monkeypatch):
