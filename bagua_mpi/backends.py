@@ -29,7 +29,8 @@ a GPU or without NCCL in torch, ``gloo`` without torch.distributed) raises
 (``describe``, logged once and shown as ``DistributedOptimizer.backend``). NCCL refuses two
 ranks on one GPU, so ``auto`` picks MPI on a node where two ranks map to one GPU: ``init``
 gathers each local rank's GPU by its UUID (``learn_node_gpus``), so ranks that each see only
-their own GPU (numbered 0 in every process) take NCCL. Every rank must
+their own GPU (numbered 0 in every process) take NCCL; wrapping an optimizer replaces that
+mapping with the GPUs its model is on (``use_model_gpus``). Every rank must
 come to the same library (``wire``): ``DistributedOptimizer`` compares them at wrap time, turns
 ``auto`` decisions that differ between nodes into MPI everywhere and refuses explicit choices
 that differ with ``MismatchError``; an allreduce that runs on NCCL says so in its agreement
@@ -64,7 +65,8 @@ class BackendUnavailableError(BaguaMPIError):
 _default: str | None = None  # set by init(backend=); None: the environment decides
 _described: set = set()  # choices already logged (each is logged once per process)
 _node_ranks: int | None = None  # ranks on this node, told by init (None: ask the launcher)
-# per local rank of this node, the GPU it maps to (``gpu_of``) or None; gathered by init
+# per local rank of this node, its GPU or None: init's mapping (``gpu_of``), then the GPUs the
+# models are on (``use_model_gpus``, at each optimizer's wrap)
 _node_gpus: list | None = None
 
 
