@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 
+from .consistency import ranks_text
 from .exceptions import BaguaMPIError
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ def sharing_text() -> str:
     first = shared[0]
     uuid, name = _node_gpus[first[0]]
     more = f" (and {len(shared) - 1} more GPU(s) shared)" if len(shared) > 1 else ""
-    return f"local ranks {_listed(first)} are on one GPU ({name}, {uuid}){more}"
+    return f"local {ranks_text(first)} on one GPU ({name}, {uuid}){more}"
 
 
 def local_ranks() -> int:
@@ -248,15 +249,11 @@ def auto_device_backend() -> tuple[str, str]:
         ranks = len(_node_gpus)
         without = [r for r, gpu in enumerate(_node_gpus) if gpu is None]
         if without:
-            return "mpi", f"local rank(s) {_listed(without)} of this node have no GPU"
+            return "mpi", f"local {ranks_text(without)} of this node without a GPU"
         if shared:
             return "mpi", f"{sharing_text()}, and NCCL refuses two ranks on one GPU"
     return "nccl", (f"torch has NCCL {_nccl_version()} and each of {ranks} local rank(s) has "
                     f"a GPU of its own")
-
-
-def _listed(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:-1])) + (" and " if len(ranks) > 1 else "") + str(ranks[-1])
 
 
 def auto_backend() -> tuple[str, str]:

@@ -302,6 +302,7 @@ def gpu_checks(gpus: list[str], topo) -> list[Check]:
     that each see only their own GPU are not taken for ranks sharing one; alone, the
     process can only count what it sees."""
     from . import backends
+    from .consistency import ranks_text
 
     local, source = local_rank_and_source(topo)
     local_size, _ = local_size_and_source(topo)
@@ -318,8 +319,8 @@ def gpu_checks(gpus: list[str], topo) -> list[Check]:
         if mine is None:
             checks.append(ok("GPU mapping", f"{mapping}, a GPU no other local rank maps to"))
         else:
-            checks.append(warn("GPU mapping", f"{mapping}, which local ranks "
-                               f"{', '.join(map(str, mine))} share: NCCL refuses that",
+            checks.append(warn("GPU mapping", f"{mapping}, which local {ranks_text(mine)} "
+                               f"share: NCCL refuses that",
                                "give each rank of a node a GPU of its own (at most one rank "
                                "per GPU), or use BAGUA_MPI_BACKEND=mpi"))
     elif local_size > len(gpus):

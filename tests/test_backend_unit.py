@@ -89,10 +89,10 @@ H100 = "NVIDIA H100 80GB HBM3"
     ([("GPU-a", H100), ("GPU-b", H100), ("GPU-c", H100), ("GPU-d", H100)], "nccl",
      "each of 4 local rank(s) has a GPU of its own"),
     ([("GPU-a", H100), ("GPU-a", H100)], "mpi",
-     f"local ranks 0 and 1 are on one GPU ({H100}, GPU-a), and NCCL refuses"),
+     f"local ranks 0-1 on one GPU ({H100}, GPU-a), and NCCL refuses"),
     ([("GPU-a", H100), ("GPU-b", H100), ("GPU-a", H100), ("GPU-b", H100), ("GPU-a", H100)],
-     "mpi", "local ranks 0, 2 and 4 are on one GPU (NVIDIA H100 80GB HBM3, GPU-a) (and 1 more"),
-    ([("GPU-a", H100), None], "mpi", "local rank(s) 1 of this node have no GPU"),
+     "mpi", "local ranks 0,2,4 on one GPU (NVIDIA H100 80GB HBM3, GPU-a) (and 1 more"),
+    ([("GPU-a", H100), None], "mpi", "local rank 1 of this node without a GPU"),
 ])
 def test_auto_takes_nccl_when_no_two_local_ranks_map_to_one_gpu(monkeypatch, node_gpus,
                                                                 expected, needle):
@@ -153,7 +153,7 @@ def test_a_gpu_that_cannot_be_read_counts_as_none(monkeypatch, caplog):
     backends.learn_node_gpus(OneNode(0, 2))
     assert backends._node_gpus == [None, ("GPU-1", "FakeGPU")]
     assert "cannot be read" in caplog.text
-    assert backends.auto_device_backend() == ("mpi", "local rank(s) 0 of this node have no GPU")
+    assert backends.auto_device_backend() == ("mpi", "local rank 0 of this node without a GPU")
 
 
 @pytest.mark.parametrize("gpus,ranks", [(1, 2), (2, 2)])
@@ -398,10 +398,10 @@ def test_the_models_gpus_replace_inits_mapping(monkeypatch, caplog):
     backends.use_model_gpus([None, None])
     assert backends._node_gpus == apart and backends.auto_device_backend()[0] == "nccl"
     backends.use_model_gpus([("GPU-0", "FakeGPU"), ("GPU-0", "FakeGPU")])
-    assert "local ranks 0 and 1 are on one GPU (FakeGPU, GPU-0)" in caplog.text
+    assert "local ranks 0-1 on one GPU (FakeGPU, GPU-0)" in caplog.text
     assert "torch.cuda.set_device(bm.local_rank() % torch.cuda.device_count())" in caplog.text
     name, why = backends.auto_device_backend()
-    assert name == "mpi" and why.startswith("local ranks 0 and 1 are on one GPU"), why
+    assert name == "mpi" and why.startswith("local ranks 0-1 on one GPU"), why
     caplog.clear()
     backends.use_model_gpus([("GPU-0", "FakeGPU"), ("GPU-0", "FakeGPU")])  # shared before too
     assert not caplog.text
@@ -410,8 +410,8 @@ def test_the_models_gpus_replace_inits_mapping(monkeypatch, caplog):
 def test_explicit_nccl_with_ranks_on_one_gpu_is_refused_on_every_rank():
     from bagua_mpi.optimizer import _refuse_shared_gpus
     _refuse_shared_gpus([{"gpus_shared": ""}, {"gpus_shared": ""}], "nccl")
-    notes = [{"gpus_shared": ""}, {"gpus_shared": "local ranks 0 and 1 are on one GPU (G, u)"}]
+    notes = [{"gpus_shared": ""}, {"gpus_shared": "local ranks 0-1 on one GPU (G, u)"}]
     with pytest.raises(backends.BackendUnavailableError,
-                       match=r"backend='nccl': on the node of rank 1, local ranks 0 and 1 are "
-                             r"on one GPU \(G, u\), and NCCL refuses"):
+                       match=r"backend='nccl': on the node of rank 1, local ranks 0-1 on one "
+                             r"GPU \(G, u\), and NCCL refuses"):
         _refuse_shared_gpus(notes, "nccl")

@@ -370,7 +370,7 @@ def test_ranks_that_each_see_their_own_gpu_are_not_taken_for_sharing(monkeypatch
                                                "no other local rank maps to")
     monkeypatch.setattr(backends, "_node_gpus", [("GPU-a", "GPU A"), ("GPU-a", "GPU A")])
     mapping = doctor.gpu_checks(["GPU A"], fake_topology(1, 2))[1]
-    assert mapping.status == WARN and "which local ranks 0, 1 share" in mapping.value
+    assert mapping.status == WARN and "which local ranks 0-1 share" in mapping.value
 
 
 def test_a_process_started_by_torchrun_fails_the_launcher_line():
