@@ -20,8 +20,8 @@ Devices: a thread's current CUDA device is its own, and this thread's would stay
 an operation runs with the CUDA device that was current where it was submitted (when torch has
 initialized CUDA there): torch's allocations on ``"cuda"``, its current streams and the context
 Numba launches the compression kernels in are then the submitting rank's GPU, not device 0 of
-a node whose GPUs every rank sees. The gradient buckets name their own device
-(``engine.py``).
+a node whose GPUs every rank sees. A gradient bucket is run with its own device
+(``engine.py`` passes it).
 
 Recording: the executor also writes each operation into this rank's flight recorder
 (``flight_recorder.py``; ``BAGUA_MPI_FLIGHT_RECORDER_SIZE``, 0 = off), the ring buffer the stall
@@ -136,22 +136,25 @@ class CommWorker:
 
     # -- submission -------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], describe, owned: tuple = (),
-               finish: Callable[[Any], Any] | None = None) -> Handle:
-        """Queue ``fn`` to run on the communication thread; return its handle at once."""
+               finish: Callable[[Any], Any] | None = None, device=None) -> Handle:
+        """Queue ``fn`` to run on the communication thread; return its handle at once. It runs
+        with CUDA ``device`` current (a torch device), by default the one current here."""
         if self._closed:
             raise BaguaMPIError("bagua_mpi has been shut down; call bagua_mpi.init() again")
         if self._active == threading.get_ident():
             self._refuse_nested(describe)
-        return self._enqueue(fn, describe, owned, finish, record=True)
+        return self._enqueue(fn, describe, owned, finish, record=True, device=device)
 
-    def _enqueue(self, fn, describe, owned, finish, record: bool) -> Handle:
+    def _enqueue(self, fn, describe, owned, finish, record: bool, device=None) -> Handle:
         handle = Handle(_name_of(describe), owned, finish)
         recorder = self.recorder if record else None
         with self._count_lock:
             self._pending += 1
             # numbered and queued under one lock: sequence order is queue order
             seq = recorder.queue(describe) if recorder is not None else 0
-            self._queue.put((fn, describe, handle, seq, _current_cuda_device()))
+            if device is None:
+                device = _current_cuda_device()
+            self._queue.put((fn, describe, handle, seq, device))
         return handle
 
     def _refuse_nested(self, describe) -> None:

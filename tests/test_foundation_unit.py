@@ -205,6 +205,9 @@ def test_worker_runs_an_operation_on_the_cuda_device_current_where_it_was_submit
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
         assert worker.submit(lambda: "done", ("on cuda:3",)).wait(5) == "done"
         assert entered == [(3, "bagua_mpi-comm"), "exit"]
+        bucket_device = torch.device("cuda", 1)  # the engine names a bucket's own device
+        assert worker.submit(lambda: "b", ("bucket",), device=bucket_device).wait(5) == "b"
+        assert entered[2:] == [(bucket_device, "bagua_mpi-comm"), "exit"]
     finally:
         worker.close(5)
 

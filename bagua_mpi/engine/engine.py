@@ -39,7 +39,6 @@ from ..exceptions import MismatchError, MisuseError
 from ..layout import real_dtype
 from ..ops import Max
 from ..timeline import Timeline
-from ..worker import using_cuda_device
 from . import ownership
 from .buckets import Bucket, plan_buckets
 from .clock import StepClock
@@ -250,21 +249,22 @@ class Engine:
                 # of them sends the rest. A rank that met it from outside a step (rank 0 in a
                 # collective of its own) has no buckets queued, so the next collectives match
                 return
-            # the bucket's GPU current on the communication thread, whatever device the
-            # training thread has current (a model put on cuda:k without set_device)
-            with using_cuda_device(bucket.device):
-                if event is not None:  # a wait in stream order, not on the host
-                    torch.cuda.current_stream(bucket.device).wait_event(event)
-                try:
-                    self.impl.communicate_bucket(bucket, step)
-                except MismatchError as error:
-                    if consistency.raised_on_every_rank(error):
-                        self._disagreed_in = generation
-                    raise
+            if event is not None:  # a wait in stream order, not on the host
+                torch.cuda.current_stream(bucket.device).wait_event(event)
+            try:
+                self.impl.communicate_bucket(bucket, step)
+            except MismatchError as error:
+                if consistency.raised_on_every_rank(error):
+                    self._disagreed_in = generation
+                raise
 
         if self.timeline is not None:
             self.timeline.instant("launch", bucket=bucket.index)
-        self._handles.append(self.worker.submit(task, ("bucket", bucket.index, bucket.nbytes)))
+        # run with the bucket's GPU current on the communication thread, whatever device this
+        # thread has current (a model put on cuda:k without set_device)
+        self._handles.append(self.worker.submit(
+            task, ("bucket", bucket.index, bucket.nbytes),
+            device=bucket.device if bucket.device.type == "cuda" else None))
 
     def _observe(self, describe, start: float, end: float) -> None:
         if isinstance(describe, tuple) and describe and describe[0] == "bucket":
