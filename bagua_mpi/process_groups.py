@@ -34,8 +34,11 @@ class ProcessGroup:
         global made
         self.library = library
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        if library == "nccl" and torch.cuda.is_available():
-            torch.cuda.set_device(torch.cuda.current_device())
+        # the thread's current GPU (torch without CUDA: a stand-in for NCCL in the tests)
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if library == "nccl" and torch.cuda.is_available() else torch.device("cpu"))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         host = _host_address(comm)  # collective: every rank takes part
         store = address = None
         if self.rank == 0:
@@ -47,11 +50,16 @@ class ProcessGroup:
         self.store = store  # kept alive: the group's rendezvous lives in it
         # a store of its own per group (rank 0 of each group serves it): no prefix clash
         prefixed = dist.PrefixStore(f"bagua_mpi/{library}/", store)
-        if library == "nccl":
-            self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size)
-        else:
-            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size)
         self.comm = comm
+        if library == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size)
+        else:
+            self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size)
+            # NCCL's communicator for the group, made now while every rank is here: a batch
+            # of point-to-point transfers between some of the ranks may then use it, where as
+            # the group's first operation it would need all of them (gTop-k's tree and
+            # odd-sized random pairings leave ranks out)
+            self.allreduce_(torch.zeros(1, device=device))
         made += 1
 
     def allreduce_(self, tensor, op: str = "sum") -> None:
@@ -98,10 +106,41 @@ class ProcessGroup:
         self.pg.reduce_scatter([recv], [list(send.chunk(self.size))], opts).wait()
 
     def send(self, tensor, dest: int, tag: int) -> None:
-        self.pg.send([tensor], dest, tag).wait()
+        self.point_to_point([(tensor, dest)], [], tag)
 
     def recv(self, tensor, source: int, tag: int) -> None:
-        self.pg.recv([tensor], source, tag).wait()
+        self.point_to_point([], [(tensor, source)], tag)
+
+    def exchange(self, send, recvs: list, peers: list[int], tag: int) -> None:
+        """``send`` to every rank in ``peers``, ``recvs[i]`` from ``peers[i]``, all at once."""
+        self.point_to_point([(send, peer) for peer in peers], list(zip(recvs, peers)), tag)
+
+    def point_to_point(self, sends: list, recvs: list, tag: int) -> None:
+        """Every ``(tensor, peer)`` of ``sends`` sent and of ``recvs`` received as one batch,
+        waited on together, so the order of the transfers cannot deadlock and none waits
+        for another.
+
+        NCCL (a backend that coalesces): one group call (``_start_coalescing`` ..
+        ``_end_coalescing``) on the group's own communicator. torch runs a lone NCCL send or
+        receive on a two-rank communicator of its own for that pair of ranks, so gTop-k's
+        tree would make about 2 log2(P) of them per rank and random peers up to P - 1, each
+        with its own set-up time and buffers. gloo (no coalescing): every transfer is posted
+        before any is waited on."""
+        if not sends and not recvs:
+            return
+        if self.pg.supports_coalescing:
+            device = (sends or recvs)[0][0].device
+            self.pg._start_coalescing(device)
+            for tensor, peer in recvs:
+                self.pg.recv([tensor], peer, tag)
+            for tensor, peer in sends:
+                self.pg.send([tensor], peer, tag)
+            self.pg._end_coalescing(device).wait()
+            return
+        works = [self.pg.recv([tensor], peer, tag) for tensor, peer in recvs]
+        works += [self.pg.send([tensor], peer, tag) for tensor, peer in sends]
+        for work in works:
+            work.wait()
 
 
 # ReduceOp member names; torch resolves them when a verb runs (import kept lazy)

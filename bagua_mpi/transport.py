@@ -402,20 +402,7 @@ class _Group:
         self.group.recv(_tensor(buf), source, tag)
 
     def exchange(self, send, recvs, peers, tag, dense):
-        """Pair by pair in the order of (lower rank, higher rank), every rank alike, the lower
-        rank sending first: no cycle of ranks waits on itself, and NCCL, which runs a pair's
-        send and receive on one stream, never finds both ranks sending first."""
-        me = self.group.rank
-        s = _tensor(send)
-        order = sorted(range(len(peers)), key=lambda i: peers[i])
-        for i in order:
-            peer, r = peers[i], _tensor(recvs[i])
-            if me < peer:
-                self.group.send(s, peer, tag)
-                self.group.recv(r, peer, tag)
-            else:
-                self.group.recv(r, peer, tag)
-                self.group.send(s, peer, tag)
+        self.group.exchange(_tensor(send), [_tensor(r) for r in recvs], peers, tag)
 
 
 # -- buffers ------------------------------------------------------------------------------------

@@ -74,10 +74,28 @@ def main():
                          "loss": [first, loss.item()]}
         print(f"NCCL backend {name!r} at world size 1: OK ({len(calls)} NCCL allreduces in "
               f"30 steps, loss {first:.4f} -> {loss.item():.4f})", flush=True)
+    results["point_to_point"] = point_to_point_on_nccl(topo.comm)
     results["algorithms"] = every_algorithm_on_nccl()
     with open(out, "w") as fh:
         json.dump(results, fh, indent=1)
     bm.shutdown()
+
+
+def point_to_point_on_nccl(comm) -> dict:
+    """The group's batched point-to-point on real NCCL: at world size 1 a rank may send to
+    itself when the receive is in the same group call, which is what ``point_to_point``
+    makes of an exchange (the coalescing branch, which gloo does not take in CI). A lone
+    send to oneself would wait for a receive that never comes, so only the exchange runs."""
+    group = process_groups.group(comm, "nccl")
+    assert group.pg.supports_coalescing, "ProcessGroupNCCL says it does not coalesce"
+    send = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    recv = torch.zeros_like(send)
+    group.exchange(send, [recv], [0], tag=3)
+    torch.cuda.synchronize()
+    assert torch.equal(recv, send), "the exchange with itself did not deliver the message"
+    print("NCCL point-to-point at world size 1: OK (one batched exchange with itself)",
+          flush=True)
+    return {"ok": True, "bytes": send.numel() * 4}
 
 
 def every_algorithm_on_nccl() -> dict:

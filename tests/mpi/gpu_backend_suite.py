@@ -12,13 +12,26 @@ from bagua_mpi import backends, process_groups
 
 
 class MeetingPoint:
+    """Stands in for ``ProcessGroupNCCL``: every rank meets in the group's store, and the
+    group's first allreduce (which makes NCCL's communicator) is recorded."""
     made = []
+    allreduced = []
 
     def __init__(self, store, rank, size):
         store.set(f"here/{rank}", str(rank))
         seen = [int(store.get(f"here/{j}").decode()) for j in range(size)]  # waits for all
         assert seen == list(range(size)), seen
+        self.rank = rank
         MeetingPoint.made.append((rank, size))
+
+    def allreduce(self, tensors, opts):
+        MeetingPoint.allreduced.append((self.rank, tuple(t.numel() for t in tensors)))
+        return Done()
+
+
+class Done:
+    def wait(self):
+        return True
 
 
 def check_optimizer_choice():
@@ -166,6 +179,10 @@ def main():
     assert (g.rank, g.size) == (topo.rank, topo.size)
     process_groups.group(topo.intra, "nccl")  # the hierarchical mode's node group: its own store
     assert MeetingPoint.made == [(topo.rank, topo.size), (topo.local_rank, topo.local_size)]
+    # each group's communicator made while every rank is there: a batch of point-to-point
+    # transfers between some ranks (gTop-k's tree) needs it to exist already
+    assert MeetingPoint.allreduced == [(topo.rank, (1,)), (topo.local_rank, (1,))], \
+        MeetingPoint.allreduced
     topo.comm.Barrier()
     if topo.rank == 0:
         print(f"NCCL bootstrap over MPI OK on {topo.size} ranks", flush=True)

@@ -141,7 +141,10 @@ def check_send_recv(rank, size):
 
 
 def check_exchange(rank, size):
-    for peers in (ring_peers(rank, size), random_peers(rank, size, step=3, seed=5)):
+    """Ring and random peers, and every other rank listed in an order of the rank's own (odd
+    ranks backwards): the ranks' orders differ, and nothing may wait on a peer's order."""
+    everyone = [p for p in range(size) if p != rank][::-1 if rank % 2 else 1]
+    for peers in (ring_peers(rank, size), random_peers(rank, size, step=3, seed=5), everyone):
         for kind, buf in forms(data(rank)):
             recvs = [next(b for k, b in forms(np.zeros_like(data(rank))) if k == kind)
                      for _ in peers]
