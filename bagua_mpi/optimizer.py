@@ -174,6 +174,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wrapped = [p for g in optimizer.param_groups for p in g["params"]]
         replaced = ownership.open_over(wrapped)  # taken over below (engine/ownership.py)
         device = params[0].device.type if params else "cpu"
+        elsewhere = backends.off_current_device({p.device.index for p in params if p.is_cuda},
+                                                torch.cuda.current_device()
+                                                if device == "cuda" else None)
+        if elsewhere:
+            logger.warning("bagua_mpi rank %d: %s", rt.topo.rank, elsewhere)
         if process_set is None:  # the node's ranks compare the GPUs their models are on
             mine = backends.model_gpu(params[0]) if params else None
             backends.use_model_gpus(rt.worker.run(lambda: topo.intra.allgather(mine),

@@ -415,3 +415,34 @@ def test_explicit_nccl_with_ranks_on_one_gpu_is_refused_on_every_rank():
                        match=r"backend='nccl': on the node of rank 1, local ranks 0-1 on one "
                              r"GPU \(G, u\), and NCCL refuses"):
         _refuse_shared_gpus(notes, "nccl")
+
+
+def test_a_model_off_the_current_device_is_named_with_the_fix():
+    assert backends.off_current_device(set(), None) == ""          # a CPU model
+    assert backends.off_current_device({0}, 0) == ""
+    assert backends.off_current_device({0, 1}, 1) == ""            # a model over two GPUs
+    text = backends.off_current_device({3}, 0)
+    assert text.startswith("the model is on cuda:3 but this thread's current CUDA device is "
+                           "cuda:0; call torch.cuda.set_device(3) before wrapping"), text
+    assert "cuda:1, cuda:2" in backends.off_current_device({2, 1}, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_wrapping_a_model_on_another_gpu_than_the_current_one_warns(caplog):
+    """On a machine with two GPUs, one rank: a model moved to cuda:1 while cuda:0 is current
+    is named at wrap time, with the set_device line."""
+    import bagua_mpi as bm
+    bm.init(abort_on_exception=False)  # and shut down after: later files expect no runtime
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(0)
+    try:
+        model = torch.nn.Linear(4, 2).to("cuda:1")
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+        opt.close()
+        assert "the model is on cuda:1 but this thread's current CUDA device is cuda:0" \
+            in caplog.text
+    finally:
+        torch.cuda.set_device(previous)
+        bm.shutdown()
