@@ -128,14 +128,13 @@ class ProcessGroup:
         before any is waited on."""
         if not sends and not recvs:
             return
-        if self.pg.supports_coalescing:
-            device = (sends or recvs)[0][0].device
-            self.pg._start_coalescing(device)
+        if self.pg.supports_coalescing:  # the backend's binding: the batch finds its device
+            self.pg._start_coalescing()
             for tensor, peer in recvs:
                 self.pg.recv([tensor], peer, tag)
             for tensor, peer in sends:
                 self.pg.send([tensor], peer, tag)
-            self.pg._end_coalescing(device).wait()
+            self.pg._end_coalescing().wait()
             return
         works = [self.pg.recv([tensor], peer, tag) for tensor, peer in recvs]
         works += [self.pg.send([tensor], peer, tag) for tensor, peer in sends]

@@ -1,11 +1,15 @@
 """The process groups' point-to-point batches, on recording stand-ins for torch's backends.
 
-NCCL's side (a backend that coalesces) cannot run on a machine without two GPUs; gloo's runs for
-real under mpiexec (``transport_suite.py``'s exchange and send/receive checks through gloo).
+NCCL's side (a backend that coalesces) runs only on a GPU: the GPU check exchanges with itself in
+one group call at world size 1, and between ranks it needs two GPUs. gloo's runs for real under
+mpiexec (``transport_suite.py``'s exchange and send/receive checks through gloo).
 Here each backend kind's sequence of calls is checked: NCCL's transfers inside one group call
 (so torch uses the group's communicator, not one per pair of ranks), gloo's all posted before
 any is waited on (so no rank waits on a transfer its peer has not reached).
 """
+import inspect
+import re
+
 import pytest
 import torch
 
@@ -26,15 +30,16 @@ class _RecordingBackend:
         self.log = []
         self.coalescing = False
 
-    def _start_coalescing(self, device):
+    # the signatures of torch's Backend binding (test below), which ProcessGroupNCCL keeps
+    def _start_coalescing(self):
         assert not self.coalescing, "nested coalescing"
         self.coalescing = True
-        self.log.append(("start", str(device)))
+        self.log.append(("start",))
 
-    def _end_coalescing(self, device):
+    def _end_coalescing(self):
         assert self.coalescing, "end without start"
         self.coalescing = False
-        self.log.append(("end", str(device)))
+        self.log.append(("end",))
         return _Work(self.log, ("batch",))
 
     def send(self, tensors, peer, tag):
@@ -64,7 +69,7 @@ def test_a_coalescing_backend_gets_the_whole_exchange_in_one_group_call():
     group = _group(coalescing=True)
     send, recvs = _exchange(group)
     log = group.pg.log
-    assert log[0] == ("start", "cpu") and log[-2:] == [("end", "cpu"), ("wait", "batch")], log
+    assert log[0] == ("start",) and log[-2:] == [("end",), ("wait", "batch")], log
     inside = log[1:-2]
     assert sorted(op[:3] for op in inside if op[0] == "recv") == [
         ("recv", 0, 9), ("recv", 3, 9), ("recv", 4, 9)], log
@@ -97,9 +102,9 @@ def test_a_lone_send_or_receive_is_a_batch_of_one(coalescing):
     group.recv(t, 3, tag=6)
     log = group.pg.log
     if coalescing:
-        assert [op[:2] for op in log] == [("start", "cpu"), ("send", 1), ("end", "cpu"),
-                                          ("wait", "batch"), ("start", "cpu"), ("recv", 3),
-                                          ("end", "cpu"), ("wait", "batch")], log
+        assert [op[:2] for op in log] == [("start",), ("send", 1), ("end",), ("wait", "batch"),
+                                          ("start",), ("recv", 3), ("end",),
+                                          ("wait", "batch")], log
     else:
         assert [op[:2] for op in log] == [("send", 1), ("wait", "send"), ("recv", 3),
                                           ("wait", "recv")], log
@@ -110,3 +115,16 @@ def test_an_exchange_without_peers_calls_nothing(coalescing):
     group = _group(coalescing)
     group.exchange(torch.zeros(2), [], [], tag=1)
     assert group.pg.log == []
+
+
+@pytest.mark.parametrize("method", ["_start_coalescing", "_end_coalescing", "send", "recv"])
+def test_the_stand_in_takes_what_torchs_backend_binding_takes(method):
+    """The stand-in's methods take the arguments torch's ``Backend`` binding takes (which
+    ``ProcessGroupNCCL`` inherits; a CPU build of torch has no NCCL class to read), so a
+    call that passes here cannot fail on NCCL for its arguments. The coalescing calls take
+    no device there, unlike ``ProcessGroup``'s."""
+    from torch._C._distributed_c10d import Backend
+    signature = getattr(Backend, method).__doc__.splitlines()[0]
+    torch_params = re.findall(r"(\w+):", signature[signature.index("("):signature.rindex(")")])
+    ours = list(inspect.signature(getattr(_RecordingBackend, method)).parameters)
+    assert len(ours) == len(torch_params), (signature, ours)
