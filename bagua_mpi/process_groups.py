@@ -12,6 +12,7 @@ group keeps its communicator alive, so the ``id`` that keys it cannot be reused 
 """
 from __future__ import annotations
 
+import datetime
 import socket
 import threading
 
@@ -20,6 +21,17 @@ LIBRARIES = ("nccl", "gloo")
 _lock = threading.Lock()
 _groups: dict = {}  # (library, id of the MPI communicator) -> ProcessGroup
 made = 0  # groups made in this process (a test reads it: one per communicator and library)
+_nccl_timeout_s = 0.0  # set_nccl_timeout
+
+
+def set_nccl_timeout(seconds: float) -> None:
+    """Seconds NCCL groups made from now on give a collective before torch's NCCL watchdog
+    ends the process (0: torch's own default, 10 minutes). ``init`` passes the stall abort
+    (``BAGUA_MPI_STALL_ABORT_S``): a NCCL collective returns to the host at once and waits on
+    the device, so the library's watchdog, which watches the host, never sees it hang, and
+    torch's is the one that must keep the job's limit."""
+    global _nccl_timeout_s
+    _nccl_timeout_s = float(seconds)
 
 
 class ProcessGroup:
@@ -54,7 +66,10 @@ class ProcessGroup:
         if library == "gloo":
             self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size)
         else:
-            self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size)
+            options = dist.ProcessGroupNCCL.Options()
+            if _nccl_timeout_s > 0:
+                options._timeout = datetime.timedelta(seconds=_nccl_timeout_s)
+            self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size, options)
             # NCCL's communicator for the group, made now while every rank is here: a batch
             # of point-to-point transfers between some of the ranks may then use it, where as
             # the group's first operation it would need all of them (gTop-k's tree and

@@ -316,7 +316,9 @@ def test_cuda_aware_probe_says_how_it_decided(monkeypatch):
 @pytest.mark.parametrize("nprocs", [1, 3])
 def test_nccl_bootstrap_over_mpi_meets_in_one_store(nprocs):
     from mpi_harness import assert_mpi_ok, run_mpi
-    assert_mpi_ok(run_mpi("gpu_backend_suite.py", nprocs, env={"BAGUA_MPI_RANKS_PER_NODE": "2"},
+    # a stall limit of its own: the default (600 s) is also torch's NCCL default
+    assert_mpi_ok(run_mpi("gpu_backend_suite.py", nprocs,
+                          env={"BAGUA_MPI_RANKS_PER_NODE": "2", "BAGUA_MPI_STALL_ABORT_S": "321"},
                           timeout=120), f"NCCL bootstrap over MPI OK on {nprocs} ranks")
 
 

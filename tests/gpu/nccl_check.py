@@ -95,7 +95,11 @@ def point_to_point_on_nccl(comm) -> dict:
     assert torch.equal(recv, send), "the exchange with itself did not deliver the message"
     print("NCCL point-to-point at world size 1: OK (one batched exchange with itself)",
           flush=True)
-    return {"ok": True, "bytes": send.numel() * 4}
+    # the group's timeout for torch's NCCL watchdog (init passes BAGUA_MPI_STALL_ABORT_S)
+    timeout = getattr(getattr(group.pg, "options", None), "_timeout", None)
+    return {"ok": True, "bytes": send.numel() * 4,
+            "nccl_timeout_s": None if timeout is None else timeout.total_seconds(),
+            "stall_abort_s": bm.runtime.get().watchdog.abort_after}
 
 
 def every_algorithm_on_nccl() -> dict:

@@ -3,6 +3,7 @@ out with mpi4py, every rank joins the same store. ``ProcessGroupNCCL`` is replac
 that checks, through the store it is given, that all ranks of the group met there (the real
 class needs a GPU per rank; ``tests/gpu/nccl_check.py`` runs it at world size 1).
 """
+import datetime
 import sys
 
 import torch.distributed as dist
@@ -13,16 +14,22 @@ from bagua_mpi import backends, process_groups
 
 class MeetingPoint:
     """Stands in for ``ProcessGroupNCCL``: every rank meets in the group's store, and the
-    group's first allreduce (which makes NCCL's communicator) is recorded."""
+    group's options and first allreduce (which makes NCCL's communicator) are recorded."""
     made = []
     allreduced = []
+    timeouts = []
 
-    def __init__(self, store, rank, size):
+    class Options:  # ProcessGroupNCCL.Options: torch's default timeout is 10 minutes
+        def __init__(self):
+            self._timeout = datetime.timedelta(minutes=10)
+
+    def __init__(self, store, rank, size, options):
         store.set(f"here/{rank}", str(rank))
         seen = [int(store.get(f"here/{j}").decode()) for j in range(size)]  # waits for all
         assert seen == list(range(size)), seen
         self.rank = rank
         MeetingPoint.made.append((rank, size))
+        MeetingPoint.timeouts.append(options._timeout)
 
     def allreduce(self, tensors, opts):
         MeetingPoint.allreduced.append((self.rank, tuple(t.numel() for t in tensors)))
@@ -183,6 +190,9 @@ def main():
     # transfers between some ranks (gTop-k's tree) needs it to exist already
     assert MeetingPoint.allreduced == [(topo.rank, (1,)), (topo.local_rank, (1,))], \
         MeetingPoint.allreduced
+    # torch's NCCL watchdog keeps the job's stall limit (the library's cannot see the device)
+    limit = datetime.timedelta(seconds=bm.runtime.get().watchdog.abort_after)
+    assert MeetingPoint.timeouts == [limit, limit], (MeetingPoint.timeouts, limit)
     topo.comm.Barrier()
     if topo.rank == 0:
         print(f"NCCL bootstrap over MPI OK on {topo.size} ranks", flush=True)
