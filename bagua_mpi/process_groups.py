@@ -9,6 +9,9 @@ that store. ``torch.distributed``'s global default group is left alone, so a use
 Groups are made once per (library, communicator), on first use: the first call is collective
 over the communicator, which holds because every use is inside a collective over it. Each
 group keeps its communicator alive, so the ``id`` that keys it cannot be reused while it lives.
+A NCCL group makes its NCCL communicator as it is built and takes the job's stall limit as
+torch's NCCL watchdog timeout; point-to-point transfers go out in batches
+(``ProcessGroup.point_to_point``).
 """
 from __future__ import annotations
 
@@ -143,7 +146,7 @@ class ProcessGroup:
         before any is waited on."""
         if not sends and not recvs:
             return
-        if self.pg.supports_coalescing:  # the backend's binding: the batch finds its device
+        if self.pg.supports_coalescing:  # (a Backend's binding takes no device: the batch's)
             self.pg._start_coalescing()
             for tensor, peer in recvs:
                 self.pg.recv([tensor], peer, tag)
