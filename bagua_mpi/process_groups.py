@@ -7,7 +7,8 @@ that store. ``torch.distributed``'s global default group is left alone, so a use
 ``init_process_group`` does not clash with the library's.
 
 Groups are made once per (library, communicator), on first use: the first call is collective
-over the communicator, which holds because every use is inside a collective over it. Each
+over the communicator, which holds because every use is inside a collective over it (a peer
+exchange counts: every rank calls it, one without peers that step too). Each
 group keeps its communicator alive, so the ``id`` that keys it cannot be reused while it lives.
 A NCCL group makes its NCCL communicator as it is built and takes the job's stall limit as
 torch's NCCL watchdog timeout; point-to-point transfers go out in batches

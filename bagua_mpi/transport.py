@@ -172,12 +172,15 @@ class Transport:
                  dense: bool = False) -> None:
         """Send ``send`` to every rank in ``peers`` and receive ``recvs[i]`` from
         ``peers[i]`` (the peers send the same number of bytes). Ranks must agree on who
-        swaps with whom: i lists j exactly when j lists i."""
+        swaps with whom: i lists j exactly when j lists i. Every rank of the communicator
+        calls it, a rank without peers this time too: the first exchange on a process group
+        makes the group, and that takes every rank."""
         if len(recvs) != len(peers):
             raise ValueError(f"exchange needs one receive buffer per peer, got {len(recvs)} "
                              f"buffers for peers {peers}")
+        mover = self._mover(send)
         if peers:
-            self._mover(send).exchange(send, recvs, peers, tag, dense)
+            mover.exchange(send, recvs, peers, tag, dense)
 
     def _check_pair(self, send, recv, verb: str, expected: int) -> None:
         if on_device(send) != on_device(recv):

@@ -77,6 +77,14 @@ def _exchange(comm, send, peers: list[int], dense: bool = False) -> list:
     return recvs
 
 
+def _without_peers(comm, flat: torch.Tensor) -> torch.Tensor:
+    """A rank left without a partner this step (random pairing at an odd world size) still
+    takes part in the exchange, with no peers: where it is the first on a process group, the
+    group is made then, with every rank."""
+    transport.of(comm).exchange(flat, [], [])
+    return flat
+
+
 def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],
                            stats: WireStats | None = None,
                            wire_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -87,8 +95,10 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
     in float64. The model itself is sent, without a copy: the exchange ends before the
     average overwrites it.
     """
-    if not peers or flat.numel() == 0:
+    if flat.numel() == 0:
         return flat
+    if not peers:
+        return _without_peers(comm, flat)
     if flat.is_cuda:
         return _device_average_(flat, comm, peers, stats, wire_dtype)
     if flat.dtype not in (torch.float16, torch.float32, torch.float64):
@@ -166,8 +176,10 @@ def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers:
                                  codec: Codec, estimates: PeerEstimates, gamma: float = 1.0,
                                  stats: WireStats | None = None) -> torch.Tensor:
     """D_LP_S in place over ``peers`` (CPU float32), see the module docstring."""
-    if not peers or flat.numel() == 0:
+    if flat.numel() == 0:
         return flat
+    if not peers:
+        return _without_peers(comm, flat)
     if flat.is_cuda:
         return _device_lowprec_(flat, comm, peers, codec, estimates, gamma, stats)
     x = host_view(flat)
