@@ -143,3 +143,14 @@ def test_decentralized_at_three_ranks_through_gloo_first_matches_mpi():
         found[backend] = dict(re.findall(r"DIGEST rank (\d) ([0-9a-f]{64})", result.output))
         assert sorted(found[backend]) == ["0", "1", "2"], result.output
     assert found["gloo"] == found["mpi"]
+
+
+def test_every_algorithm_trains_with_its_exchanges_as_the_groups_first_use():
+    """Each registered algorithm (the suite enumerates the registry) at 3 ranks through gloo,
+    on a process group made for it: in the other gloo jobs here the group is made by whatever
+    ran first, which hid the unpaired rank above."""
+    result = run_mpi("first_exchange_suite.py", 3, "every",
+                     env=gloo_env(3, BAGUA_MPI_STALL_ABORT_S="60"), timeout=600)
+    assert_mpi_ok(result)
+    assert set(re.findall(r"first use OK: (\w+)", result.output)) == library_algorithms(), \
+        result.output

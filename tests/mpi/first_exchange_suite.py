@@ -8,6 +8,8 @@ or NCCL, at 3, 5, 7... ranks).
 
     mpiexec -n 3 python first_exchange_suite.py primitive    # D_FP_S against a NumPy oracle
     mpiexec -n 3 python first_exchange_suite.py algorithm    # 3 steps; prints each rank's digest
+    mpiexec -n 3 python first_exchange_suite.py every        # each registered algorithm's first
+                                                             # steps on a group made for it
 
 Nothing before it touches the process group: ``init`` and the optimizer's wrap talk over MPI.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
+from bagua_mpi import process_groups
 from bagua_mpi.primitives.decentralized import (decentralized_average_, random_pairing,
                                                 random_peers)
 
@@ -58,9 +61,38 @@ def algorithm(rank: int, size: int) -> None:
     print(f"DIGEST rank {rank} {digest}", flush=True)
 
 
+def every(rank: int, size: int) -> None:
+    """Each registered algorithm trains with its exchanges as the first use of a process group:
+    the groups are forgotten before each (``process_groups.reset``), so the next use makes a
+    new one, as in a job that runs only that algorithm. Short warm-ups reach the compressed
+    stages in the steps run."""
+    options = {"onebit_adam": dict(warmup_steps=2), "lgreco": dict(warmup_steps=2,
+                                                                  period_steps=2),
+               "async": dict(sync_interval_ms=0, max_staleness=1)}
+    for name in bm.algorithms.names():
+        process_groups.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4))
+        inner = (torch.optim.Adam(model.parameters(), lr=1e-3) if name == "onebit_adam"
+                 else torch.optim.SGD(model.parameters(), lr=0.05))
+        opt = bm.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                      algorithm=bm.algorithms.create(name,
+                                                                     **options.get(name, {})))
+        data = torch.Generator().manual_seed(100 + rank)
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=data)).pow(2).mean().backward()
+            opt.step()
+        opt.close()
+        if rank == 0:
+            print(f"first use OK: {name}", flush=True)
+
+
 def main() -> int:
     bm.init()
-    {"primitive": primitive, "algorithm": algorithm}[sys.argv[1]](bm.rank(), bm.size())
+    {"primitive": primitive, "algorithm": algorithm, "every": every}[sys.argv[1]](
+        bm.rank(), bm.size())
     bm.shutdown()
     return 0
 
