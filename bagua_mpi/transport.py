@@ -372,7 +372,8 @@ class _StagedMPI:
 
 
 class _Group:
-    """A torch.distributed process group (NCCL on device tensors, gloo on host ones)."""
+    """A torch.distributed process group (NCCL on device tensors, gloo on host ones). The
+    verbs that only move data move bytes (``_bytes``); the reductions keep the dtype."""
 
     def __init__(self, group: process_groups.ProcessGroup):
         self.group = group
@@ -384,13 +385,13 @@ class _Group:
         self.group.reduce_(_tensor(buf), root)
 
     def broadcast_(self, buf, root, dense):
-        self.group.broadcast_(_tensor(buf), root)
+        self.group.broadcast_(_bytes(buf), root)
 
     def alltoall(self, send, recv, dense):
-        self.group.alltoall(_tensor(send).reshape(-1), _tensor(recv).reshape(-1))
+        self.group.alltoall(_bytes(send), _bytes(recv))
 
     def allgather(self, send, recv, dense):
-        s, r = _tensor(send).reshape(-1), _tensor(recv).reshape(-1)
+        s, r = _bytes(send), _bytes(recv)
         if _aliases(s, r):  # the libraries read and write separate buffers
             s = s.clone()
         self.group.allgather(s, r)
@@ -399,13 +400,20 @@ class _Group:
         self.group.reduce_scatter(_tensor(send).reshape(-1), _tensor(recv).reshape(-1))
 
     def send(self, buf, dest, tag):
-        self.group.send(_tensor(buf), dest, tag)
+        self.group.send(_bytes(buf), dest, tag)
 
     def recv(self, buf, source, tag):
-        self.group.recv(_tensor(buf), source, tag)
+        self.group.recv(_bytes(buf), source, tag)
 
     def exchange(self, send, recvs, peers, tag, dense):
-        self.group.exchange(_tensor(send), [_tensor(r) for r in recvs], peers, tag)
+        self.group.exchange(_bytes(send), [_bytes(r) for r in recvs], peers, tag)
+
+
+def _bytes(buf) -> torch.Tensor:
+    """``buf``'s memory as bytes, for a verb that only moves data. gloo and NCCL move every
+    dtype's bytes alike but refuse some dtypes outright (gloo int16, uint16 and uint32, NCCL
+    int16 and uint16), and the host paths carry 16-bit words as uint16 arrays."""
+    return _tensor(buf).reshape(-1).view(torch.uint8)
 
 
 # -- buffers ------------------------------------------------------------------------------------
