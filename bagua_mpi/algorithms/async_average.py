@@ -113,8 +113,14 @@ class AsyncAverageImpl(AlgorithmImpl):
             return
         self._raise_background_error()
         bound = self.algorithm.max_staleness
-        if self._in_flight and bound is not None and self.step - self._started_step >= bound:
-            self._done.wait()  # bounded staleness: this step may not run ahead any further
+        if self._in_flight and bound is not None and (
+                self._discard_in_flight or self.step - self._started_step >= bound):
+            # bounded staleness: this step may not run ahead any further. An exchange left
+            # from before an elastic restore is waited for too: the restored run must start
+            # its own exchange at this step, as the saved run did, and could not while the old
+            # one is on the wire (when it ended first, which a fast wire made the rule, the
+            # restore was exact; a slower one, gloo's here, skipped that step's exchange)
+            self._done.wait()
             self._raise_background_error()
         if self._in_flight and self._done.is_set():
             self._finish_in_flight()
