@@ -12,7 +12,10 @@ machine without a GPU:
   where centralized, first-step checks, and a check that no payload took MPI);
 * exact resume through gloo: a job trains and checkpoints every algorithm, a new job resumes,
   and every rank's model and state digests match the uninterrupted run's;
-* ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``).
+* ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``);
+* every algorithm with its exchanges as the first use of a group made for it (an unpaired rank
+  once left the others waiting in the group's set-up), ZeRO stages 1 and 2, elastic restores,
+  and the algorithm x option table, each through gloo.
 """
 import os
 import re
@@ -21,6 +24,7 @@ import pytest
 
 import algorithms_suite
 import elastic_suite
+import options_suite
 import zero_suite
 from mpi_harness import assert_check_passed, assert_mpi_ok, library_algorithms, run_mpi, suite_job
 from test_checkpoint_mpi import RESUME_SPECS, SUITE_ALGORITHMS
@@ -180,3 +184,14 @@ def test_elastic_restores_through_gloo(check):
     before the first commit was off here: gloo's exchange was still on the wire at the
     replayed step, which then skipped its own exchange."""
     assert_check_passed(elastic_run(3), check)
+
+
+options_run = suite_job("options_suite.py",
+                        env=lambda n: gloo_env(n, BAGUA_MPI_RANKS_PER_NODE="2"), timeout=900)
+
+
+@pytest.mark.parametrize("cell", list(options_suite.suite_checks()))
+def test_algorithm_options_through_gloo(cell):
+    """docs/training.md's algorithm x option table on the process-group plane (4 ranks posing
+    as two nodes, as ``test_options_mpi.py`` runs it on MPI)."""
+    assert_check_passed(options_run(4), cell)
