@@ -412,8 +412,13 @@ class _Group:
 def _bytes(buf) -> torch.Tensor:
     """``buf``'s memory as bytes, for a verb that only moves data. gloo and NCCL move every
     dtype's bytes alike but refuse some dtypes outright (gloo int16, uint16 and uint32, NCCL
-    int16 and uint16), and the host paths carry 16-bit words as uint16 arrays."""
-    return _tensor(buf).reshape(-1).view(torch.uint8)
+    int16 and uint16), and the host paths carry 16-bit words as uint16 arrays. A buffer must
+    be contiguous: a copy would take a receive's data away from it."""
+    t = _tensor(buf)
+    if not t.is_contiguous():
+        raise ValueError(f"the process-group verbs move contiguous buffers, got one of shape "
+                         f"{tuple(t.shape)} and strides {t.stride()}")
+    return t.reshape(-1).view(torch.uint8)
 
 
 # -- buffers ------------------------------------------------------------------------------------

@@ -128,3 +128,18 @@ def test_the_stand_in_takes_what_torchs_backend_binding_takes(method):
     torch_params = re.findall(r"(\w+):", signature[signature.index("("):signature.rindex(")")])
     ours = list(inspect.signature(getattr(_RecordingBackend, method)).parameters)
     assert len(ours) == len(torch_params), (signature, ours)
+
+
+def test_the_plane_moves_bytes_of_contiguous_buffers_and_refuses_others():
+    """The transport hands a process group the bytes of what it moves (gloo and NCCL refuse
+    some dtypes, not their bytes); a strided buffer is refused by name, since a copy would
+    keep a receive's data from it."""
+    import numpy as np
+
+    from bagua_mpi.transport import _bytes
+    words = np.arange(6, dtype=np.uint16)
+    moved = _bytes(words)
+    assert moved.dtype == torch.uint8 and moved.numel() == 12
+    assert moved.data_ptr() == torch.from_numpy(words).data_ptr(), "a view, not a copy"
+    with pytest.raises(ValueError, match=r"contiguous buffers, got one of shape \(4, 3\)"):
+        _bytes(torch.zeros(3, 4).t())
