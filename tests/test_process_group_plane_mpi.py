@@ -15,7 +15,7 @@ machine without a GPU:
 * ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``);
 * every algorithm with its exchanges as the first use of a group made for it (an unpaired rank
   once left the others waiting in the group's set-up), ZeRO stages 1 and 2, elastic restores,
-  and the algorithm x option table, each through gloo.
+  the algorithm x option table and the whole optimizer suite, each through gloo.
 """
 import os
 import re
@@ -24,6 +24,7 @@ import pytest
 
 import algorithms_suite
 import elastic_suite
+import optimizer_suite
 import options_suite
 import zero_suite
 from mpi_harness import assert_check_passed, assert_mpi_ok, library_algorithms, run_mpi, suite_job
@@ -195,3 +196,14 @@ def test_algorithm_options_through_gloo(cell):
     """docs/training.md's algorithm x option table on the process-group plane (4 ranks posing
     as two nodes, as ``test_options_mpi.py`` runs it on MPI)."""
     assert_check_passed(options_run(4), cell)
+
+
+optimizer_run = suite_job("optimizer_suite.py",
+                          env=lambda n: gloo_env(n, BAGUA_MPI_RANKS_PER_NODE="2"), timeout=600)
+
+
+@pytest.mark.parametrize("check", list(optimizer_suite.suite_checks()))
+def test_optimizer_through_gloo(check):
+    """The optimizer and engine suite on the process-group plane (4 ranks posing as two
+    nodes, as ``test_optimizer_mpi.py`` runs it on MPI)."""
+    assert_check_passed(optimizer_run(4), check)
