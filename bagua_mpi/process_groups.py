@@ -48,7 +48,6 @@ class ProcessGroup:
         import torch.distributed as dist
 
         global made
-        self.library = library
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         # the thread's current GPU (torch without CUDA: a stand-in for NCCL in the tests)
         device = (torch.device("cuda", torch.cuda.current_device())

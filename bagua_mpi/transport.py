@@ -397,7 +397,7 @@ class _Group:
         self.group.allgather(s, r)
 
     def reduce_scatter(self, send, recv, dense):
-        self.group.reduce_scatter(_tensor(send).reshape(-1), _tensor(recv).reshape(-1))
+        self.group.reduce_scatter(_flat(send), _flat(recv))
 
     def send(self, buf, dest, tag):
         self.group.send(_bytes(buf), dest, tag)
@@ -409,16 +409,21 @@ class _Group:
         self.group.exchange(_bytes(send), [_bytes(r) for r in recvs], peers, tag)
 
 
-def _bytes(buf) -> torch.Tensor:
-    """``buf``'s memory as bytes, for a verb that only moves data. gloo and NCCL move every
-    dtype's bytes alike but refuse some dtypes outright (gloo int16, uint16 and uint32, NCCL
-    int16 and uint16), and the host paths carry 16-bit words as uint16 arrays. A buffer must
-    be contiguous: a copy would take a receive's data away from it."""
+def _flat(buf) -> torch.Tensor:
+    """``buf`` as a 1-D tensor over its own memory, for a process group. It must be
+    contiguous: a flattened copy would take a receive's data away from it."""
     t = _tensor(buf)
     if not t.is_contiguous():
-        raise ValueError(f"the process-group verbs move contiguous buffers, got one of shape "
+        raise ValueError(f"the process-group verbs take contiguous buffers, got one of shape "
                          f"{tuple(t.shape)} and strides {t.stride()}")
-    return t.reshape(-1).view(torch.uint8)
+    return t.reshape(-1)
+
+
+def _bytes(buf) -> torch.Tensor:
+    """``_flat(buf)`` as bytes, for a verb that only moves data. gloo and NCCL move every
+    dtype's bytes alike but refuse some dtypes outright (gloo int16, uint16 and uint32; NCCL
+    has no 16-bit integers), and the host paths carry 16-bit words as uint16 arrays."""
+    return _flat(buf).view(torch.uint8)
 
 
 # -- buffers ------------------------------------------------------------------------------------

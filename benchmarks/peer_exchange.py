@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from mpi4py import MPI
@@ -25,6 +24,7 @@ from mpi4py import MPI
 import bagua_mpi as bm
 from bagua_mpi import backends, process_groups, transport
 from bagua_mpi.primitives.decentralized import peers_for
+from collectives import timed  # the slowest rank's time per call
 
 _TAG = 17
 
@@ -45,14 +45,6 @@ def mpi_exchange(comm, send, recvs, peers) -> None:
     reqs = [comm.Irecv(r.numpy(), source=p, tag=_TAG) for r, p in zip(recvs, peers)]
     reqs += [comm.Isend(send.numpy(), dest=p, tag=_TAG) for p in peers]
     MPI.Request.Waitall(reqs)
-
-
-def timed(fn, iters: int, comm) -> float:
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters
 
 
 def main() -> None:

@@ -136,10 +136,12 @@ def test_the_plane_moves_bytes_of_contiguous_buffers_and_refuses_others():
     keep a receive's data from it."""
     import numpy as np
 
-    from bagua_mpi.transport import _bytes
+    from bagua_mpi.transport import _bytes, _flat
     words = np.arange(6, dtype=np.uint16)
     moved = _bytes(words)
     assert moved.dtype == torch.uint8 and moved.numel() == 12
     assert moved.data_ptr() == torch.from_numpy(words).data_ptr(), "a view, not a copy"
     with pytest.raises(ValueError, match=r"contiguous buffers, got one of shape \(4, 3\)"):
         _bytes(torch.zeros(3, 4).t())
+    with pytest.raises(ValueError, match="contiguous buffers"):  # the reductions' buffers too
+        _flat(torch.zeros(3, 4).t())
