@@ -233,9 +233,28 @@ def test_sigkill_in_the_middle_of_per_rank_writes(tmp_path):
     assert ckpt.verify(ckpt.latest(d))["world_size"] == 3  # every rank's group intact
 
 
+def _wait_until_dead(pids: list[int], timeout: float = 30.0) -> None:
+    """Until no process of ``pids`` runs (gone, or a zombie its parent has not reaped)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"rank process {pid} still runs {timeout} s after SIGKILL")
+
+
 def test_sigkill_at_a_random_moment_of_repeated_saves(tmp_path):
-    """Kill the whole job (mpiexec and ranks) while it saves in a loop; every published
-    checkpoint must verify and ``latest`` must name one of them."""
+    """Kill the whole job (the ranks, then mpiexec) while it saves in a loop; every published
+    checkpoint must verify and ``latest`` must name one of them. The ranks are killed by pid
+    and the directory is read only once none runs: mpiexec's proxy starts them in sessions of
+    their own, so a signal to mpiexec's group left them saving while the test read (it once
+    saw ``latest`` name a file that its listing, a moment earlier, did not have yet)."""
     d = str(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(MPI_SUITES)]))
@@ -243,17 +262,26 @@ def test_sigkill_at_a_random_moment_of_repeated_saves(tmp_path):
                              str(MPI_SUITES / "checkpoint_suite.py"), "saveloop", d],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    lines = []
+    lines, ranks = [], []
     deadline = time.monotonic() + 120
     try:
         for line in proc.stdout:
             lines.append(line)
+            # "pid <rank> <pid>", possibly run together on one line by the two ranks
+            ranks += [int(pid) for pid in re.findall(r"pid \d+ (\d+)", line)]
             if line.startswith("saved 3") or time.monotonic() > deadline:
                 break
         time.sleep(random.uniform(0.0, 0.6))  # a save takes ~0.1-0.3 s here
     finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    assert len(ranks) == 2, "".join(lines)
+    _wait_until_dead(ranks)
     assert any(line.startswith("saved 3") for line in lines), "".join(lines)
     published = ckpt.list_checkpoints(d)
     assert published and rotation.step_of(published[0]) >= 3

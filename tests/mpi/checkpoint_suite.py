@@ -579,6 +579,9 @@ def crash(directory: str, fault: str) -> None:
 
 
 def saveloop(directory: str) -> None:
+    # the pytest side kills the ranks themselves: mpiexec's proxy runs them in sessions of
+    # their own, out of reach of a signal to mpiexec's process group
+    print(f"pid {bm.rank()} {os.getpid()}", flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
     opt = bm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
