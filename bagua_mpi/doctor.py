@@ -524,18 +524,20 @@ def topology_checks(topo) -> list[Check]:
 
 def shared_buckets_checks(rt) -> list[Check]:
     """``node_shared.usable`` itself (collective) for one default bucket per rank, and why."""
-    from . import config, node_shared
+    from . import backends, config, node_shared
 
     topo = rt.topo
     usable = rt.worker.run(lambda: node_shared.usable(topo, DEFAULT_BUCKET_BYTES),
                            ("doctor: shared buckets?",))
     sizes = set(topo.comm.allgather(topo.local_size))
     name = "node-shared buckets"
-    if usable:
+    if usable and backends.host_carrier(backends.resolve(None)) == "mpi":
         return [ok(name, "used for CPU float32/float64 gradient buckets (/dev/shm windows, "
                    "reduced in place)")]
     if not config.shared_buckets():
         return [ok(name, "not used: turned off by BAGUA_MPI_SHARED_BUCKETS=0")]
+    if backends.host_carrier(backends.resolve(None)) != "mpi":
+        return [ok(name, "not used: gloo carries host payloads (the buckets are MPI's)")]
     if sizes == {1}:
         return [ok(name, "not used: one rank per node (nothing to share)")]
     if len(sizes) > 1:

@@ -480,3 +480,12 @@ def test_a_crashing_probe_is_a_fail_not_a_crash():
 def test_render_text_puts_the_fix_under_its_line():
     text = doctor.render_text([doctor.ok("a", "fine"), doctor.fail("bbb", "bad", "do this")])
     assert text.splitlines() == ["OK    a    fine", "FAIL  bbb  bad", "           fix: do this"]
+
+
+def test_two_ranks_gloo_backend_says_buckets_stay_private():
+    run = run_doctor("doctor", "--json", nprocs=2, env=clean_env(BAGUA_MPI_BACKEND="gloo"))
+    assert run.returncode == 0, run.describe()
+    found = {item["check"]: item for item in run.json()}
+    assert found["node-shared buckets"] == {
+        "check": "node-shared buckets", "status": OK, "fix": None,
+        "value": "not used: gloo carries host payloads (the buckets are MPI's)"}

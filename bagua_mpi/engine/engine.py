@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from .. import collectives, consistency, node_shared, runtime
+from .. import backends, collectives, consistency, node_shared, runtime
 from ..primitives.sparse_grads import sparse_allgather
 from ..transport import Transport
 from ..exceptions import MismatchError, MisuseError
@@ -314,9 +314,12 @@ class Engine:
     def _shared_allocators(self, groups: list[list[int]]) -> dict:
         """(dtype, device) -> allocator of node-shared gradient buffers, for the buckets that
         can use them (``node_shared.py``): flattened CPU float buckets of an algorithm that
-        communicates gradients. Collective: every rank decides alike."""
+        communicates gradients, when MPI carries host payloads. Collective: every rank decides
+        alike."""
         if not (self.flatten and self.impl.communicates_gradients) or self.impl.zero_stage == 2:
             return {}  # (stage 2 frees each bucket's gradients after its exchange)
+        if backends.host_carrier(backends.resolve(self.impl.backend)) != "mpi":
+            return {}  # only the MPI carrier reduces in them: gloo would leave them unused
         topo = self.impl.ctx.topo
         kinds, total = {}, 0
         for idx in groups:

@@ -48,12 +48,12 @@ def oracle_grads(net, x, y):
     return np.mean(MPI.COMM_WORLD.allgather(local), axis=0)
 
 
-def train(shared: bool, compression="none", steps=STEPS):
+def train(shared: bool, compression="none", steps=STEPS, backend=None):
     os.environ["BAGUA_MPI_SHARED_BUCKETS"] = "1" if shared else "0"
     net = model()
     opt = bm.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                   named_parameters=net.named_parameters(), bucket_size_mb=0.01,
-                                  compression=compression)
+                                  compression=compression, backend=backend)
     grads, oracles = [], []
     for step in range(steps):
         x, y = batch(bm.rank(), step)
@@ -111,6 +111,19 @@ def check_same_as_mpi_path(rank, size):
     opt_mpi.close()
 
 
+def check_gloo_leaves_buckets_private(rank, size):
+    """Only the MPI carrier reduces in node-shared rows: through gloo they would be allocated
+    and never used."""
+    _, opt, grads, oracles = train(True, backend="gloo")
+    shared = [b.shared is not None for b in opt._engine.buckets]
+    if any(shared):
+        raise AssertionError(f"backend='gloo' allocated node-shared buckets: {shared}")
+    for step, (g, o) in enumerate(zip(grads, oracles)):
+        expect_close(g, o, 1e-6, f"gloo step {step}")
+        identical_everywhere(g, f"gloo step {step}")
+    opt.close()
+
+
 def check_fp16_rounds_only_across_nodes(rank, size):
     _, opt, grads, oracles = train(True, compression="fp16")
     topo = bm.runtime.get().topo
@@ -142,6 +155,7 @@ CHECKS = {
     "average_matches_oracle": check_average_matches_oracle,
     "same_as_mpi_path": check_same_as_mpi_path,
     "fp16_rounds_only_across_nodes": check_fp16_rounds_only_across_nodes,
+    "gloo_leaves_buckets_private": check_gloo_leaves_buckets_private,
     "grads_outlive_close_and_windows": check_grads_outlive_close_and_windows,
 }
 
