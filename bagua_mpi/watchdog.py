@@ -31,7 +31,7 @@ import time
 
 from . import faults
 from .flight_recorder import (STDERR_ROWS, HangBoard, describe_text, format_flight_record,
-                              name_laggards, rank_list)
+                              kind_of, name_laggards, rank_list)
 from .worker import CommWorker
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ class Watchdog:
         reason = f"rank {self.rank} aborts the job: {who}"
         msg = _indented(
             f"bagua_mpi rank {self.rank}: {who}, while rank {self.rank} still waits in "
-            f"{describe_text(describe)}, which cannot complete without it. Aborting the job.",
+            f"{describe_text(describe)}, which cannot complete without it. Aborting the job."
+            f"{_uneven_work_hint(describe, departed)}",
             [self._dump_everywhere(reason, gone=departed)])
         if logger.hasHandlers():
             logger.error(msg)
@@ -258,3 +259,21 @@ class Watchdog:
 
 def _indented(head: str, lines: list[str]) -> str:
     return "\n".join([head] + [f"  {line}" for line in lines])
+
+
+# the exchanges a rank inside join() takes part in with zeros (collectives/_join.py)
+_JOINABLE = ("bucket", "allreduce", "grouped_allreduce")
+
+
+def _uneven_work_hint(describe, departed: dict) -> str:
+    """The likeliest cause when ranks ended their programs cleanly while this one still waits
+    in a gradient exchange or an allreduce: the ranks ran different numbers of steps (uneven
+    data). Nothing for a crash or a non-zero exit, whose own message is the cause."""
+    clean = all(how in (faults.LEFT_SHUTDOWN, faults.LEFT_EXIT) and code in (0, -1)
+                for how, code in departed.values())
+    if not clean or kind_of(describe) not in _JOINABLE:
+        return ""
+    return (" If the ranks run different numbers of steps (uneven data), give them equal "
+            "numbers of batches (torch's DistributedSampler does), or call bagua_mpi.join() "
+            "on every rank after its loop: the ranks still training then exchange with its "
+            "zeros.")

@@ -85,11 +85,16 @@ def test_stall_watchdog_warns_then_aborts():
 # (mode, expected exit code or None for "non-zero", lines the output must contain). Three ranks;
 # "rank 2" is the last one. The default stall watchdog (600 s) is far beyond the time limits
 # below, so passing proves the prompt path, not the watchdog.
+JOIN_HINT = "or call bagua_mpi.join() on every rank after its loop"
 LEAVING = {
     "sys.exit(3) on one rank": ("exit-code", 3, ["rank 2 exited with code 3 (sys.exit(3))"]),
     "last rank returns": ("return last", None, ["rank 2 reached the end of its program"]),
     "rank 0 returns": ("return 0", None, ["rank 0 reached the end of its program",
-                                          "still waits in allreduce(Average, float32, (2,))"]),
+                                          "still waits in allreduce(Average, float32, (2,))",
+                                          JOIN_HINT]),
+    "uneven steps in training": ("uneven", None, [
+        "rank 0 reached the end of its program, while rank 2 still waits in bucket(0, 24)",
+        JOIN_HINT]),
     "exception in a user thread": ("thread", 1, [
         "bagua_mpi rank 2: uncaught exception in thread 'data-loader', aborting the job",
         "ValueError: deliberate failure in a worker thread of rank 2"]),
@@ -132,6 +137,15 @@ def test_misuse_that_must_not_abort(mode, basics_job):
     """A nested async call raises NestedAsyncError (no deadlock), and synchronize twice is
     safe; the library keeps working after either."""
     assert_check_passed(basics_job(3), mode)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_uneven_steps_end_cleanly_with_join(nprocs):
+    """What the hint above advises works: the same uneven loops, then join() on every rank."""
+    result = run_mpi("faults_suite.py", nprocs, "uneven-joined", timeout=120)
+    assert_mpi_ok(result)
+    for r in range(nprocs):
+        assert f"uneven-joined OK on rank {r}" in result.output, result.describe()
 
 
 def test_ranks_that_finish_seconds_apart_exit_cleanly():

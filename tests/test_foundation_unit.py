@@ -271,6 +271,25 @@ def test_watchdog_logs_a_stalled_operation(caplog):
         Watchdog(worker, 0, warn_after=0, abort_after=1)
 
 
+@pytest.mark.parametrize("describe, departed, hinted", [
+    (("bucket", 0, 24), {0: (1, -1)}, True),                   # the end of its program
+    (("allreduce", "Average", "float32", (2,)), {1: (0, 0)}, True),  # shutdown()
+    (("grouped_allreduce", "Sum", 3), {2: (1, 0)}, True),      # sys.exit(0)
+    (("bucket", 0, 24), {0: (1, 3)}, False),                   # sys.exit(3): the cause itself
+    (("bucket", 0, 24), {0: (2, -1)}, False),                  # an uncaught exception
+    (("bucket", 0, 24), {0: (1, -1), 2: (2, -1)}, False),      # one clean, one not
+    (("allgather", "float32", (2,)), {0: (1, -1)}, False),     # join() gives no zeros there
+    (("barrier",), {0: (1, -1)}, False),
+])
+def test_a_clean_departure_during_an_exchange_suggests_join(describe, departed, hinted):
+    from bagua_mpi import faults
+    from bagua_mpi.watchdog import _uneven_work_hint
+
+    assert (faults.LEFT_SHUTDOWN, faults.LEFT_EXIT, faults.LEFT_EXCEPTION) == (0, 1, 2)
+    hint = _uneven_work_hint(describe, departed)
+    assert ("bagua_mpi.join()" in hint) is hinted, hint
+
+
 def test_slurm_cross_check_warns_on_disagreement(initialized):
     topo = bm.runtime.get().topo
     agree = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}

@@ -19,6 +19,11 @@ Modes:
   late R     rank R (a number, or "last") sleeps a minute after the last collective, outside
              the library; run with a short BAGUA_MPI_EXIT_TIMEOUT_S: the others must give up
              on it and abort, naming it
+  uneven     each rank trains 2 + rank steps (uneven data) and returns: the job must end
+             promptly, naming the rank that returned and suggesting join()
+  uneven-joined  the same loops, then bm.join() on every rank: a clean exit (code 0), with
+             each rank's model equal to a NumPy replay of its own steps, whose averages take
+             zeros from the ranks already joined
   lr NAME    algorithm NAME (one that averages models with ring neighbours' check) whose last
              rank's learning rate halves after step 1: that rank and its ring neighbours raise
              MismatchError before the models are averaged at step 2, uncaught, and the job
@@ -256,6 +261,53 @@ def mode_late(rank, size, who="last"):
         time.sleep(60)  # not in any collective: only the exit timeout can tell
 
 
+UNEVEN_LR = 0.1
+
+
+def uneven_loop(rank, steps):
+    """``steps`` SGD steps of a linear model on this rank's own data; returns the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1, bias=False)
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=UNEVEN_LR),
+                                  named_parameters=model.named_parameters())
+    for step in range(steps):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * rank + step))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    print(f"rank {rank} returns at {time.time():.3f}", flush=True)
+    return model
+
+
+def mode_uneven(rank, size):
+    uneven_loop(rank, 2 + rank)  # no join(): the others wait in their third step's bucket
+
+
+def mode_uneven_joined(rank, size):
+    """The oracle replays this rank's steps in NumPy: at step s the ranks with data (2 + r > s)
+    add their gradients, the joined ones zeros, and the sum is divided by the whole world."""
+    import numpy as np
+
+    model = uneven_loop(rank, 2 + rank)
+    last = bm.join()
+    torch.manual_seed(0)
+    w = torch.nn.Linear(6, 1, bias=False).weight.detach().double().numpy().ravel()
+    for step in range(2 + rank):  # a joined rank steps no more (as in Horovod and DDP)
+        grad = np.zeros_like(w)
+        for r in range(size):
+            if step < 2 + r:
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * r + step))
+                x = x.double().numpy()
+                grad += x.T @ (2 * (x @ w) / len(x))
+        w = w - UNEVEN_LR * grad / size
+    got = model.weight.detach().double().numpy().ravel()
+    err = float(np.max(np.abs(got - w)))
+    if last != size - 1 or not err < 1e-5:
+        raise AssertionError(f"rank {rank}: join() returned {last} (want {size - 1}), "
+                             f"max error against the replay {err:.2e}")
+    print(f"uneven-joined OK on rank {rank}", flush=True)
+
+
 def mode_lr(rank, size, name):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 2)
@@ -278,7 +330,8 @@ def main():
     {"mismatch": mode_mismatch, "bad-args": mode_bad_args, "raise": mode_raise,
      "die": mode_die, "stall": mode_stall, "exit-code": mode_exit_code, "return": mode_return,
      "thread": mode_thread, "nested": mode_nested, "sync-twice": mode_sync_twice,
-     "skew": mode_skew, "late": mode_late,
+     "skew": mode_skew, "late": mode_late, "uneven": mode_uneven,
+     "uneven-joined": mode_uneven_joined,
      "lr": mode_lr}[mode](bm.rank(), bm.size(), *sys.argv[2:])
 
 
