@@ -531,12 +531,13 @@ def shared_buckets_checks(rt) -> list[Check]:
                            ("doctor: shared buckets?",))
     sizes = set(topo.comm.allgather(topo.local_size))
     name = "node-shared buckets"
-    if usable and backends.host_carrier(backends.resolve(None)) == "mpi":
+    mpi_carries = backends.host_carrier(backends.resolve(None)) == "mpi"  # else gloo
+    if usable and mpi_carries:
         return [ok(name, "used for CPU float32/float64 gradient buckets (/dev/shm windows, "
                    "reduced in place)")]
     if not config.shared_buckets():
         return [ok(name, "not used: turned off by BAGUA_MPI_SHARED_BUCKETS=0")]
-    if backends.host_carrier(backends.resolve(None)) != "mpi":
+    if not mpi_carries:
         return [ok(name, "not used: gloo carries host payloads (the buckets are MPI's)")]
     if sizes == {1}:
         return [ok(name, "not used: one rank per node (nothing to share)")]

@@ -275,5 +275,5 @@ def _uneven_work_hint(describe, departed: dict) -> str:
         return ""
     return (" If the ranks run different numbers of steps (uneven data), give them equal "
             "numbers of batches (torch's DistributedSampler does), or call bagua_mpi.join() "
-            "on every rank after its loop: the ranks still training then exchange with its "
-            "zeros.")
+            "on every rank after its loop, so that the ranks still training exchange with "
+            "zeros from those that ran out.")
