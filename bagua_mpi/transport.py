@@ -267,6 +267,10 @@ class _HostMPI:
 
     def exchange(self, send, recvs, peers, tag, dense):
         s = self._buf(send)
+        if len(peers) == 1:  # one call: MPI pairs the two transfers itself
+            self.comm.Sendrecv(s, dest=peers[0], sendtag=tag, recvbuf=self._buf(recvs[0]),
+                               source=peers[0], recvtag=tag)
+            return
         reqs = [self.comm.Irecv(self._buf(r), source=p, tag=tag) for r, p in zip(recvs, peers)]
         reqs += [self.comm.Isend(s, dest=p, tag=tag) for p in peers]
         MPI.Request.Waitall(reqs)

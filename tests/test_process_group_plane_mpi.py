@@ -15,13 +15,14 @@ machine without a GPU:
 * ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``);
 * every algorithm with its exchanges as the first use of a group made for it (an unpaired rank
   once left the others waiting in the group's set-up), ZeRO stages 1 and 2, elastic restores,
-  the algorithm x option table and the whole optimizer suite, each through gloo.
+  the algorithm x option table, the whole optimizer suite and Adasum, each through gloo.
 """
 import os
 import re
 
 import pytest
 
+import adasum_suite
 import algorithms_suite
 import elastic_suite
 import optimizer_suite
@@ -207,3 +208,15 @@ def test_optimizer_through_gloo(check):
     """The optimizer and engine suite on the process-group plane (4 ranks posing as two
     nodes, as ``test_optimizer_mpi.py`` runs it on MPI)."""
     assert_check_passed(optimizer_run(4), check)
+
+
+adasum_run = suite_job("adasum_suite.py", env=gloo_env, timeout=400)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("check", list(adasum_suite.CHECKS))
+def test_adasum_through_gloo(check, nprocs):
+    """``op=Adasum`` (collectives and the delta optimizer) on the process-group plane: its
+    halves and partial sums take the transport's exchange, so gloo carries them here
+    (``exchanges_take_the_transport`` counts the calls on each carrier)."""
+    assert_check_passed(adasum_run(nprocs), check)

@@ -1,4 +1,5 @@
-"""Adasum: Horovod's adaptive summation, as an allreduce over an mpi4py communicator.
+"""Adasum: Horovod's adaptive summation, as an allreduce over a communicator (through its
+transport's point-to-point exchange).
 
 Two vectors combine as
 
@@ -42,7 +43,7 @@ import math
 import numpy as np
 import torch
 
-from .. import consistency
+from .. import consistency, transport
 from ..buffers import FLOATING, dtype_name
 
 TAG = 0xADA  # point-to-point tags on the operation's communicator: data halves
@@ -108,15 +109,15 @@ def _add_scaled(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.concatenate([np.ldexp(x[:, :3], shift_x) + np.ldexp(y[:, :3], shift_y), e], axis=1)
 
 
-def _group_sum(comm, rank: int, level: int, table: np.ndarray) -> np.ndarray:
+def _group_sum(wire: transport.Transport, rank: int, level: int,
+               table: np.ndarray) -> np.ndarray:
     """Sum ``table`` over the 2*level ranks sharing ``rank // (2*level)`` (recursive
     doubling with partners rank^1, rank^2, ..., rank^level)."""
     other = np.empty_like(table)
     step = 1
     while step <= level:
         peer = rank ^ step
-        comm.Sendrecv(table, dest=peer, sendtag=_SUM_TAG, recvbuf=other, source=peer,
-                      recvtag=_SUM_TAG)
+        wire.exchange(table, [other], [peer], tag=_SUM_TAG)
         table = _add_scaled(table, other)
         step <<= 1
     return table
@@ -147,10 +148,13 @@ def adasum_allreduce_(buf: np.ndarray, comm, counts=None) -> np.ndarray:
     and ``counts`` on every rank), in place; returns ``buf``.
 
     ``counts``: element counts of consecutive segments, each combined with its own
-    coefficients (default: one segment). ``comm``: an mpi4py intracommunicator whose size is a
-    power of two (else ``NotImplementedError``).
+    coefficients (default: one segment). ``comm``: an mpi4py intracommunicator, or a
+    ``Transport`` over one, whose size is a power of two (else ``NotImplementedError``). The
+    halves and the partial sums travel through the transport's point-to-point exchange (MPI,
+    or gloo under that backend).
     """
-    size, rank = comm.Get_size(), comm.Get_rank()
+    wire = transport.of(comm)
+    size, rank = wire.Get_size(), wire.Get_rank()
     check_size(size)
     if buf.ndim != 1 or buf.dtype not in (np.float32, np.float64):
         raise TypeError(f"adasum_allreduce_ needs a 1-D float32/float64 array, got "
@@ -173,15 +177,14 @@ def adasum_allreduce_(buf: np.ndarray, comm, counts=None) -> np.ndarray:
         keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
         mine = buf[keep[0]:keep[1]]
         theirs = scratch[:keep[1] - keep[0]]
-        comm.Sendrecv(buf[give[0]:give[1]], dest=peer, sendtag=TAG, recvbuf=theirs,
-                      source=peer, recvtag=TAG)
+        wire.exchange(buf[give[0]:give[1]], [theirs], [peer], tag=TAG)
         # the kept range's piece of each segment, in local offsets
         starts = np.clip(bounds[:-1], keep[0], keep[1]) - keep[0]
         ends = np.clip(bounds[1:], keep[0], keep[1]) - keep[0]
         a_part, b_part = (mine, theirs) if lower else (theirs, mine)
         table = np.array([_partials(a_part[s:e], b_part[s:e]) for s, e in zip(starts, ends)],
                          dtype=np.float64).reshape(len(counts), 6)
-        table = _group_sum(comm, rank, level, table)
+        table = _group_sum(wire, rank, level, table)
         for (s, e), (dot, na, nb, ed, ea, eb) in zip(zip(starts, ends), table):
             if s == e:
                 continue
@@ -193,8 +196,7 @@ def adasum_allreduce_(buf: np.ndarray, comm, counts=None) -> np.ndarray:
         lo, hi = keep
         level <<= 1
     for start, end, peer in reversed(given):
-        comm.Sendrecv(buf[lo:hi], dest=peer, sendtag=TAG, recvbuf=buf[start:end], source=peer,
-                      recvtag=TAG)
+        wire.exchange(buf[lo:hi], [buf[start:end]], [peer], tag=TAG)
         lo, hi = min(lo, start), max(hi, end)
     return buf
 

@@ -481,6 +481,27 @@ def replaces_earlier_optimizer(rank, size):
     assert f"rank {rank}: step()" in str(e), e
 
 
+def exchanges_take_the_transport(rank, size):
+    """Adasum's halves and partial sums travel through the transport, on the backend's host
+    carrier (gloo under BAGUA_MPI_BACKEND=gloo, else MPI), and nothing else moves them."""
+    from bagua_mpi import backends, transport
+
+    m = member()
+    if m is None or m[2] < 2:
+        return
+    ps, r, n = m
+    carrier = backends.host_carrier(backends.resolve(None))
+    before = dict(transport.carried)
+    xs = [inp("carrier", q, (301,)) for q in range(n)]
+    close(hvd.allreduce(xs[r], op=hvd.Adasum, process_set=ps), xs, f"through {carrier}")
+    moved = {k: v - before.get(k, 0) for k, v in transport.carried.items()
+             if v != before.get(k, 0)}
+    # each level: one exchange of halves, one per partial-sum step; then the halves back
+    levels = n.bit_length() - 1
+    want = levels + levels * (levels + 1) // 2 + levels
+    assert moved == {carrier: want}, f"transport calls {moved}, want {{{carrier!r}: {want}}}"
+
+
 def mismatch_raises(rank, size):
     """Ranks that disagree (Adasum here, Sum there) get MismatchError, not a hang."""
     m = member()
@@ -496,7 +517,8 @@ CHECKS = {f.__name__: f for f in (
     random_vs_simulation, dtypes, orthogonal_is_sum, parallel_is_mean, magnitudes, zero_vector,
     prescale_postscale, async_variants, grouped_variants, autograd,
     optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
-    bad_arguments, unfrozen_after_wrapping_raises, replaces_earlier_optimizer, mismatch_raises)}
+    bad_arguments, unfrozen_after_wrapping_raises, replaces_earlier_optimizer, mismatch_raises,
+    exchanges_take_the_transport)}
 
 
 def main():
