@@ -16,8 +16,7 @@
 #       row again under MPS (tests/gpu/under_mps.sh), where the two ranks' processes do not
 #       take turns on the GPU; the step ratios of both rows are in the summary
 #   (d) benchmarks/kernels.py with the GPU section at 1e8 elements
-#       ((f) and (d) run right after (b): where the budget runs short, the steps cut are those
-#       whose results earlier runs already hold)
+#       (the steps run in another order than these letters: see "The order" below)
 #   (b') with Intel MPI (impi-rt, CUDA-aware on GPU nodes) when .whl/impi-slim.tar.xz was
 #       carried: every algorithm with device buffers, no payload byte through the host
 #   (c) the NCCL backend at world size 1 (NCCL refuses two ranks on one GPU, so its multi-rank
@@ -58,42 +57,23 @@ DEVICE=$(python3 -c "import torch; print(torch.cuda.get_device_name(0))") || {
 MPIVER=$(python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])")
 note "device: $DEVICE; MPI: $MPIVER; mpiexec: $(command -v mpiexec)"
 
-# two steps, each with its own timeout, so that slow primitives' tests cannot hide the kernels'
-# results (this step took 114-167 s of its former 170 before the kernels were rewritten); -v
-# names each test as it ends, so a log cut by the timeout still says how far it got
-step 150 "(a) pytest -m gpu: the kernels against their CPU twins" pytest_gpu_kernels.log 15 \
-    python3 -m pytest -m gpu -v -rs --durations=5 -p no:cacheprovider tests/kernels
-step 140 "(a) pytest -m gpu: primitives, transport and optimizer on the device" pytest_gpu.log 15 \
-    python3 -m pytest -m gpu -v -rs --durations=5 -p no:cacheprovider tests \
-    --ignore=tests/kernels
-step 130 "(b) every algorithm at 2 ranks on one GPU, payloads staged" train_staged.log 40 \
+# The order: what "done" asks a GPU for, and the code no GPU has run yet, first; each of those
+# steps took 27-78 s on the H100 of 2026-11-27, and its want below is about twice that. The
+# pytest steps, which took their whole 170 s then, come after them, and the diagnostics (the
+# cProfile and MPS rows) last: a 560 s budget cannot hold every step's want, and the steps cut
+# are then the ones that measure nothing "done" asks for.
+step 90 "(c) NCCL at world size 1" nccl.log 16 \
+    mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json"
+
+step 110 "(b) every algorithm at 2 ranks on one GPU, payloads staged" train_staged.log 40 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py \
     --mode staged --profile 30 --out "$RES/train.jsonl"
-step 60 "(b) cProfile of the communication thread, qsgd on the check model" profile.log 2 \
-    env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/profile_comm.py "$RES" qsgd
-# (f) the check model again under MPS: the ratios without the two processes' turns on the GPU
-# (a daemon that cannot start here, in a container for example, skips the row: not a failure)
-MPS_WHY=$(timeout 30 bash tests/gpu/under_mps.sh true 2>&1)
-MPS_RC=$?
-if [ "$MPS_RC" -eq 0 ]; then
-    step 100 "(f) the check model at 2 ranks under MPS, payloads staged" train_mps.log 12 \
-        bash tests/gpu/under_mps.sh env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 \
-        python3 tests/gpu/train_all.py --only gradient_allreduce qsgd bytegrad onebit_adam \
-        topk gtopk powersgd lgreco --mode staged-mps --out "$RES/train.jsonl"
-else
-    note "(f) MPS row skipped (rc $MPS_RC): ${MPS_WHY##*$'\n'}"
-fi
 
-step 150 "(d) kernel benchmark at 1e8 elements" kernels.log 30 \
+step 90 "(d) kernel benchmark at 1e8 elements" kernels.log 30 \
     python3 benchmarks/kernels.py --n 1000000 --gpu-n 100000000 --repeats 5 \
     --markdown "$RES/kernels_gpu.md"
 
-step 150 "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)" train_21m.log 12 \
-    env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py --width 4608 \
-    --timing-only --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \
-    --mode staged-21M --out "$RES/train.jsonl"
-
-T=$(allow 210)
+T=$(allow 170)
 if [ -f .whl/impi-slim.tar.xz ] && [ "$T" -ge 120 ]; then
     note "(b') Intel MPI, CUDA offload on"
     rm -rf /tmp/impi && mkdir -p /tmp/impi && tar -xJf .whl/impi-slim.tar.xz -C /tmp/impi
@@ -125,6 +105,20 @@ else
 fi
 save
 
+step 100 "(b) every algorithm at 2 ranks, 21.5M parameters, staged (timing)" train_21m.log 12 \
+    env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py --width 4608 \
+    --timing-only --only gradient_allreduce qsgd bytegrad onebit_adam topk gtopk powersgd \
+    --mode staged-21M --out "$RES/train.jsonl"
+
+# two steps, each with its own timeout, so that slow primitives' tests cannot hide the kernels'
+# results (this step took 114-167 s of its former 170 before the kernels were rewritten); -v
+# names each test as it ends, so a log cut by the timeout still says how far it got
+step 150 "(a) pytest -m gpu: the kernels against their CPU twins" pytest_gpu_kernels.log 15 \
+    python3 -m pytest -m gpu -v -rs --durations=5 -p no:cacheprovider tests/kernels
+step 140 "(a) pytest -m gpu: primitives, transport and optimizer on the device" pytest_gpu.log 15 \
+    python3 -m pytest -m gpu -v -rs --durations=5 -p no:cacheprovider tests \
+    --ignore=tests/kernels
+
 # the library's own decision (MPIX_Query_cuda_support, then the probe where the MPI does not
 # say); a probe that hangs past the timeout counts as no
 AWARE=$(timeout 40 python3 -c "from bagua_mpi import cuda; \
@@ -144,8 +138,20 @@ fi
 
 save
 
-step 120 "(c) NCCL at world size 1" nccl.log 16 \
-    mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json"
+step 60 "(b) cProfile of the communication thread, qsgd on the check model" profile.log 2 \
+    env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/profile_comm.py "$RES" qsgd
+# (f) the check model again under MPS: the ratios without the two processes' turns on the GPU
+# (a daemon that cannot start here, in a container for example, skips the row: not a failure)
+MPS_WHY=$(timeout 30 bash tests/gpu/under_mps.sh true 2>&1)
+MPS_RC=$?
+if [ "$MPS_RC" -eq 0 ]; then
+    step 100 "(f) the check model at 2 ranks under MPS, payloads staged" train_mps.log 12 \
+        bash tests/gpu/under_mps.sh env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 \
+        python3 tests/gpu/train_all.py --only gradient_allreduce qsgd bytegrad onebit_adam \
+        topk gtopk powersgd lgreco --mode staged-mps --out "$RES/train.jsonl"
+else
+    note "(f) MPS row skipped (rc $MPS_RC): ${MPS_WHY##*$'\n'}"
+fi
 
 note "(e) summary"
 python3 tests/gpu/summarize.py "$RES" "$DEVICE" "$MPIVER" "$status" > "$RES/gpu_check.md"
