@@ -15,7 +15,8 @@ machine without a GPU:
 * ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``);
 * every algorithm with its exchanges as the first use of a group made for it (an unpaired rank
   once left the others waiting in the group's set-up), ZeRO stages 1 and 2, elastic restores,
-  the algorithm x option table, the whole optimizer suite and Adasum, each through gloo.
+  the algorithm x option table, the whole optimizer suite, every algorithm with
+  ``hierarchical=True`` on two simulated nodes, and Adasum, each through gloo.
 """
 import os
 import re
@@ -69,6 +70,18 @@ gloo_run = suite_job("algorithms_suite.py", env=gloo_env, timeout=900)
 @pytest.mark.parametrize("check", list(algorithms_suite.suite_checks(hierarchical=False)))
 def test_algorithm_through_gloo(check, nprocs):
     assert_check_passed(gloo_run(nprocs), check)
+
+
+gloo_nodes_run = suite_job("algorithms_suite.py", "--hierarchical",
+                           env=lambda n: gloo_env(n, BAGUA_MPI_RANKS_PER_NODE="2"), timeout=600)
+
+
+@pytest.mark.parametrize("check", list(algorithms_suite.suite_checks(hierarchical=True)))
+def test_hierarchical_algorithm_through_gloo(check):
+    """Every algorithm with ``hierarchical=True`` at 4 ranks posing as two nodes: the node's
+    and the leaders' process groups (the groups NCCL runs inside a node and across leaders on
+    GPUs), against the same oracles as on MPI."""
+    assert_check_passed(gloo_nodes_run(4), check)
 
 
 def first_specs() -> list[str]:

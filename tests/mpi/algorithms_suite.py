@@ -265,14 +265,18 @@ def make_hierarchical_check(name):
 
     def check(rank, size):
         """The two-level form (run with BAGUA_MPI_RANKS_PER_NODE) trains like the flat one,
-        and the ranks of a centralized algorithm stay identical."""
+        the ranks of a centralized algorithm stay identical, and every payload took the plane
+        the backend chose."""
         best = optimum_loss(size)
         start = global_loss(new_model().weight.detach(), size) - best
         ref = reference_excess(size, adam)
+        carried = dict(transport.carried)
         weight = train(algo, adam=adam, identical=name in CENTRALIZED, hierarchical=True)
         excess = global_loss(weight, size) - best
         limit = 1.5 * ref + OWN_LIMIT.get(name, 0.02) * start
         assert excess <= limit, f"hierarchical {name}: excess {excess:.5f} > {limit:.5f}"
+        if size > 1:
+            check_plane(f"hierarchical {name}", carried)
     return check
 
 
