@@ -92,9 +92,9 @@ LEAVING = {
     "rank 0 returns": ("return 0", None, ["rank 0 reached the end of its program",
                                           "still waits in allreduce(Average, float32, (2,))",
                                           JOIN_HINT]),
-    "uneven steps in training": ("uneven", None, [
-        "rank 0 reached the end of its program, while rank 2 still waits in bucket(0, 24)",
-        JOIN_HINT]),
+    "uneven steps in training": ("uneven", None, [  # ranks 1 and 2 wait; either may abort first
+        "rank 0 reached the end of its program, while rank ",
+        "still waits in bucket(0, 24), which cannot complete without it", JOIN_HINT]),
     "exception in a user thread": ("thread", 1, [
         "bagua_mpi rank 2: uncaught exception in thread 'data-loader', aborting the job",
         "ValueError: deliberate failure in a worker thread of rank 2"]),
