@@ -78,9 +78,10 @@ gloo_nodes_run = suite_job("algorithms_suite.py", "--hierarchical",
 
 @pytest.mark.parametrize("check", list(algorithms_suite.suite_checks(hierarchical=True)))
 def test_hierarchical_algorithm_through_gloo(check):
-    """Every algorithm with ``hierarchical=True`` at 4 ranks posing as two nodes: the node's
-    and the leaders' process groups (the groups NCCL runs inside a node and across leaders on
-    GPUs), against the same oracles as on MPI."""
+    """Every algorithm with ``hierarchical=True`` at 4 ranks posing as two nodes: process
+    groups over the node's and the leaders' communicators, as NCCL's are on GPUs, with the
+    checks the MPI run has (the loss against gradient_allreduce's, identical ranks where
+    centralized) and no payload on MPI."""
     assert_check_passed(gloo_nodes_run(4), check)
 
 
