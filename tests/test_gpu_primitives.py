@@ -106,3 +106,16 @@ def test_topk_gtopk_powersgd_on_device_match_host(mode):
     torch.testing.assert_close(qb.cpu(), qa, rtol=1e-4, atol=1e-5)
     snap = staging.snapshot()
     assert snap["dense_d2h_bytes"] == 0 and snap["largest_d2h"] <= 512 * 4 * 4, snap
+
+
+@needs_gpu
+@pytest.mark.parametrize("aware", ["0", "1"], ids=["staged", "cuda-aware"])
+def test_adasum_combines_cuda_tensors_on_the_device(aware):
+    """``op=Adasum`` on CUDA tensors at 2 ranks sharing the GPU: the halves go by the device
+    carrier, the result is a CUDA tensor (``tests/mpi/adasum_suite.py --cuda``)."""
+    from mpi_harness import assert_check_passed, run_mpi
+    if aware == "1":
+        skip_unless_mpi_cuda_aware()
+    result = run_mpi("adasum_suite.py", 2, "--cuda", "--check", "cuda_tensors_stay_on_device",
+                     env={"BAGUA_MPI_CUDA_AWARE": aware, "BAGUA_MPI_BACKEND": "mpi"})
+    assert_check_passed(result, "cuda_tensors_stay_on_device")

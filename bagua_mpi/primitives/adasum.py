@@ -33,8 +33,15 @@ Only power-of-two rank counts: other counts raise ``NotImplementedError``, as Ho
 (``horovod/torch/mpi_ops.py``: "Running Adasum with non-power of 2 ranks is not supported
 yet."; its C++ core, ``horovod/common/ops/adasum/adasum.h``, refuses them as well).
 
-Host (NumPy) buffers only: ``allreduce_run`` stages CUDA tensors to host memory and back (a
-copy each way), as Horovod's MPI Adasum does for GPU tensors without NCCL.
+The vectors stay where they live, and the halves travel through the transport. A host buffer
+is combined in NumPy (the fastest on a CPU: torch's per-call cost made small and grouped calls
+1.5x slower). A CUDA tensor is combined with torch's arithmetic on its device, and its halves go
+over NCCL or a CUDA-aware MPI where the backend has them (staged through pinned host memory
+otherwise); what goes to the host is one small table per level, each segment's dot product and
+squared norms (one wait for the device per level), for the bookkeeping of their exponents and
+the coefficients. There a segment whose squared norm is zero, subnormal-small or not finite
+takes the host's exact sums (``_partials``), the rare case that needs the rescaling. The torch
+form runs on CPU tensors too (``adasum_allreduce_`` with a tensor), which is how CI checks it.
 """
 from __future__ import annotations
 
@@ -123,11 +130,14 @@ def _group_sum(wire: transport.Transport, rank: int, level: int,
     return table
 
 
-def _scale_by_coefficient(x: np.ndarray, dot: float, dot_exp: float, normsq: float,
+def _scale_by_coefficient(x, dot: float, dot_exp: float, normsq: float,
                           norm_exp: float) -> None:
     """``x *= 1 - a.b / (2 |x|^2)`` from scaled sums (nothing for a zero vector, whose
-    coefficient is 1). A coefficient too large for ``x``'s dtype (the two vectors' norms
-    hundreds of orders of magnitude apart) is applied as mantissa, then power of two."""
+    coefficient is 1), in ``x``'s dtype (NumPy array or tensor; the coefficient is rounded to
+    that dtype first by either). A coefficient too large for that dtype (the two vectors' norms
+    hundreds of orders of magnitude apart) is applied as mantissa, then as powers of two small
+    enough for it: exact steps, where one factor of ``2**exp`` would be inf and turn zeros into
+    NaN."""
     if normsq == 0.0:
         return
     mantissa, exp = math.frexp(0.5 * dot / normsq)  # the ratio is mantissa * 2^exp
@@ -138,14 +148,40 @@ def _scale_by_coefficient(x: np.ndarray, dot: float, dot_exp: float, normsq: flo
         x *= 1.0 - math.ldexp(mantissa, exp)
         return
     x *= -mantissa  # |1 - ratio| == |ratio| to the last bit here
-    np.ldexp(x, exp, out=x)
+    while exp > 0:
+        step = min(exp, 64)
+        x *= 2.0 ** step
+        exp -= step
+
+
+def _partials_table(a, b, starts, ends) -> np.ndarray:
+    """``_partials`` of the segments ``[starts[i], ends[i])`` of ``a`` and ``b``, as an (n, 6)
+    float64 host table. NumPy arrays: ``_partials`` itself. Tensors: float64 dot products on
+    their device, brought over in one copy; a segment whose squared norm is zero, below
+    ``_TINY`` or not finite is redone on the host by ``_partials`` (its exact rescaling)."""
+    if isinstance(a, np.ndarray):
+        return np.array([_partials(a[s:e], b[s:e]) for s, e in zip(starts, ends)],
+                        dtype=np.float64).reshape(len(starts), 6)
+    sums = []
+    for s, e in zip(starts, ends):
+        a_seg, b_seg = a[s:e].double(), b[s:e].double()
+        sums.append(torch.stack([torch.dot(a_seg, b_seg), torch.dot(a_seg, a_seg),
+                                 torch.dot(b_seg, b_seg)]))
+    table = np.zeros((len(starts), 6), dtype=np.float64)
+    table[:, :3] = torch.stack(sums).cpu().numpy() if sums else 0.0
+    for row, s, e in zip(table, starts, ends):
+        norms = row[1:3]
+        if not (np.isfinite(norms).all() and (norms >= _TINY).all()):
+            row[:] = _partials(a[s:e].double().cpu().numpy(), b[s:e].double().cpu().numpy())
+    return table
 
 
 # -- the allreduce ---------------------------------------------------------------------------
 
-def adasum_allreduce_(buf: np.ndarray, comm, counts=None) -> np.ndarray:
-    """Adasum of every rank's ``buf`` (1-D contiguous float32/float64 NumPy array, same size
-    and ``counts`` on every rank), in place; returns ``buf``.
+def adasum_allreduce_(buf, comm, counts=None):
+    """Adasum of every rank's ``buf`` (a 1-D contiguous float32/float64 NumPy array, combined
+    in NumPy, or torch tensor, combined by torch on its device; same size and ``counts`` on
+    every rank), in place; returns ``buf``.
 
     ``counts``: element counts of consecutive segments, each combined with its own
     coefficients (default: one segment). ``comm``: an mpi4py intracommunicator, or a
@@ -156,17 +192,26 @@ def adasum_allreduce_(buf: np.ndarray, comm, counts=None) -> np.ndarray:
     wire = transport.of(comm)
     size, rank = wire.Get_size(), wire.Get_rank()
     check_size(size)
-    if buf.ndim != 1 or buf.dtype not in (np.float32, np.float64):
-        raise TypeError(f"adasum_allreduce_ needs a 1-D float32/float64 array, got "
-                        f"{buf.dtype} with shape {buf.shape}")
-    n = buf.size
+    view = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+    if view.dim() != 1 or view.dtype not in (torch.float32, torch.float64) \
+            or not view.is_contiguous():
+        raise TypeError(f"adasum_allreduce_ needs a 1-D contiguous float32/float64 array, got "
+                        f"{view.dtype} with shape {tuple(view.shape)}")
+    _combine(buf, wire, rank, size, counts)
+    return buf
+
+
+def _combine(buf, wire: transport.Transport, rank: int, size: int, counts) -> None:
+    """``adasum_allreduce_`` on a checked buffer (see the module docstring for the steps)."""
+    n = len(buf)
     counts = [n] if counts is None else [int(c) for c in counts]
     if sum(counts) != n:
         raise ValueError(f"segment counts {counts} do not add up to the buffer's {n} elements")
     if size == 1:
-        return buf
+        return
     bounds = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    scratch = np.empty((n + 1) // 2, dtype=buf.dtype)
+    scratch = (np.empty((n + 1) // 2, dtype=buf.dtype) if isinstance(buf, np.ndarray)
+               else torch.empty((n + 1) // 2, dtype=buf.dtype, device=buf.device))
     lo, hi = 0, n
     given = []  # (start, end, partner) of the half given away at each level
     level = 1
@@ -182,57 +227,59 @@ def adasum_allreduce_(buf: np.ndarray, comm, counts=None) -> np.ndarray:
         starts = np.clip(bounds[:-1], keep[0], keep[1]) - keep[0]
         ends = np.clip(bounds[1:], keep[0], keep[1]) - keep[0]
         a_part, b_part = (mine, theirs) if lower else (theirs, mine)
-        table = np.array([_partials(a_part[s:e], b_part[s:e]) for s, e in zip(starts, ends)],
-                         dtype=np.float64).reshape(len(counts), 6)
+        table = _partials_table(a_part, b_part, starts, ends)
         table = _group_sum(wire, rank, level, table)
         for (s, e), (dot, na, nb, ed, ea, eb) in zip(zip(starts, ends), table):
             if s == e:
                 continue
-            a_seg, b_seg = (mine[s:e], theirs[s:e]) if lower else (theirs[s:e], mine[s:e])
-            _scale_by_coefficient(a_seg, dot, ed, na, ea)
-            _scale_by_coefficient(b_seg, dot, ed, nb, eb)
-            mine[s:e] += theirs[s:e]
+            _scale_by_coefficient(a_part[s:e], dot, ed, na, ea)
+            _scale_by_coefficient(b_part[s:e], dot, ed, nb, eb)
+        mine += theirs
         given.append((give[0], give[1], peer))
         lo, hi = keep
         level <<= 1
     for start, end, peer in reversed(given):
         wire.exchange(buf[lo:hi], [buf[start:end]], [peer], tag=TAG)
         lo, hi = min(lo, start), max(hi, end)
-    return buf
 
 
 # -- the collectives' entry point -------------------------------------------------------------
 
-def _wire(dt: str):
-    return np.float64 if dt == "float64" else np.float32
+_HOST = torch.device("cpu")
 
 
-_TORCH_WIRE = {np.float32: torch.float32, np.float64: torch.float64}
+def _wire(dt: str) -> torch.dtype:
+    """The dtype Adasum computes ``dt`` in: float64 stays, the rest in float32."""
+    return torch.float64 if dt == "float64" else torch.float32
 
 
-def _flat_view(x, wire) -> np.ndarray | None:
-    """A 1-D NumPy view of ``x``'s memory when it is a contiguous host array of dtype ``wire``."""
-    if isinstance(x, np.ndarray):
-        return x.reshape(-1) if x.dtype == wire and x.flags.c_contiguous else None
-    if x.device.type != "cpu" or x.dtype != _TORCH_WIRE[wire] or not x.is_contiguous():
-        return None
-    return x.detach().reshape(-1).numpy()
+def _as_tensor(x) -> torch.Tensor:
+    """``x`` as a tensor over its own memory (a NumPy array through ``from_numpy``)."""
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x.detach()
 
 
-def _load(work: np.ndarray, x) -> None:
-    """work[:] = x (cast to work's dtype; a CUDA tensor is copied to the host)."""
-    if isinstance(x, np.ndarray):
-        work[...] = x.reshape(-1)
-    else:
-        torch.from_numpy(work).copy_(x.detach().reshape(-1))
+def _flat_view(x, wire: torch.dtype) -> torch.Tensor | None:
+    """A 1-D view of ``x``'s memory when it is contiguous and of dtype ``wire``."""
+    t = _as_tensor(x)
+    return t.reshape(-1) if t.dtype == wire and t.is_contiguous() else None
 
 
-def _store(out, work: np.ndarray) -> None:
-    """out[...] = work, cast to out's dtype (and copied to out's device)."""
-    if isinstance(out, np.ndarray):
-        out[...] = work.reshape(out.shape)
-    else:
-        out.detach().copy_(torch.from_numpy(work).reshape(out.shape))
+def _device_of(tensors) -> torch.device:
+    """Where a fused buffer of ``tensors`` is combined: their device when they share one, else
+    the host. (The grouping is by dtype alone, so every rank fuses the same segments wherever
+    its own tensors live.)"""
+    found = {x.device if isinstance(x, torch.Tensor) else _HOST for x in tensors}
+    return found.pop() if len(found) == 1 else _HOST
+
+
+def _load(work: torch.Tensor, x) -> None:
+    """work[:] = x, cast to work's dtype on work's device (the tensor's own)."""
+    work.copy_(_as_tensor(x).reshape(-1))
+
+
+def _store(out, work: torch.Tensor) -> None:
+    """out[...] = work, cast to out's dtype."""
+    _as_tensor(out).copy_(work.reshape(_as_tensor(out).shape))
 
 
 def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=None,
@@ -277,16 +324,18 @@ def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=
                 if outs[idx[0]] is not tensors[idx[0]]:
                     _load(work, tensors[idx[0]])
             else:
-                work = np.empty(total, dtype=wire)
+                work = torch.empty(total, dtype=wire, device=_device_of(tensors[i] for i in idx))
                 offset = 0
                 for i in idx:
                     _load(work[offset:offset + sizes[i]], tensors[i])
                     offset += sizes[i]
             if prescale != 1.0:
-                work *= prescale
-            adasum_allreduce_(work, comm, [sizes[i] for i in idx])
+                work.mul_(prescale)
+            # NumPy's arithmetic on the host (see the module docstring), torch's on a device
+            adasum_allreduce_(work.numpy() if work.device.type == "cpu" else work, comm,
+                              [sizes[i] for i in idx])
             if postscale != 1.0:
-                work *= postscale
+                work.mul_(postscale)
             if work is not view:
                 offset = 0
                 for i in idx:

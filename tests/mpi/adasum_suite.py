@@ -502,6 +502,61 @@ def exchanges_take_the_transport(rank, size):
     assert moved == {carrier: want}, f"transport calls {moved}, want {{{carrier!r}: {want}}}"
 
 
+def torch_form_matches_simulation(rank, size):
+    """The torch form of the combination (what CUDA tensors take; ``adasum_allreduce_`` with a
+    tensor runs it on a CPU tensor here) against the simulation and the NumPy form, segment by
+    segment: ordinary values, an all-zero segment, an empty one, and norms beyond float64's
+    range (1e+-300: the host's rescaled sums) and float32's squares."""
+    from bagua_mpi.primitives import adasum
+
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    for dtype, scale in (("float32", 1.0), ("float32", 1e30), ("float64", 1.0),
+                         ("float64", 1e300), ("float64", 1e-300)):
+        counts = [1000, 0, 377, 64, 2049]
+        segments = [inp(f"torch{dtype}{k}", q, (c,), dtype, scale=scale if k != 3 else 1.0)
+                    for k, c in enumerate(counts) for q in range(n)]
+        per_rank = [[segments[k * n + q] for k in range(len(counts))] for q in range(n)]
+        per_rank = [[s * 0 if k == 3 else s for k, s in enumerate(row)] for row in per_rank]
+        mine = torch.cat(per_rank[r])
+        by_torch = adasum.adasum_allreduce_(mine.clone(), ps.comm, counts)
+        by_numpy = adasum.adasum_allreduce_(mine.clone().numpy(), ps.comm, counts)
+        start = 0
+        for k, c in enumerate(counts):
+            inputs = [per_rank[q][k] for q in range(n)]
+            for got, form in ((by_torch, "torch"), (torch.from_numpy(by_numpy), "numpy")):
+                close(got[start:start + c], inputs, f"{form} {dtype} x{scale:g} segment {k}")
+            start += c
+
+
+def cuda_tensors_stay_on_device(rank, size):
+    """(``--cuda`` only: needs a GPU.) A CUDA tensor is combined on its device: the result is
+    a CUDA tensor close to the simulation, and the halves went by the backend's device carrier
+    (staged MPI, a CUDA-aware MPI or NCCL), where they once were copied to the host and went by
+    MPI on host memory; only the small tables of sums take the host carrier."""
+    from bagua_mpi import backends, transport
+
+    m = member()
+    if m is None or m[2] < 2:
+        return
+    ps, r, n = m
+    backend = backends.resolve(None)
+    device, host = backends.device_carrier(backend), backends.host_carrier(backend)
+    for dtype in FLOATS:
+        xs = [inp("cuda" + dtype, q, (100_003,), dtype) for q in range(n)]
+        before = dict(transport.carried)
+        got = hvd.allreduce(xs[r].cuda(), op=hvd.Adasum, process_set=ps)
+        moved = {k: v - before.get(k, 0) for k, v in transport.carried.items()
+                 if v != before.get(k, 0)}
+        assert got.is_cuda, f"{dtype}: the result came back on {got.device}"
+        close(got.cpu(), xs, f"{dtype} on the device")
+        levels = n.bit_length() - 1
+        want = {device: 2 * levels, host: levels * (levels + 1) // 2}
+        assert moved == want, f"{dtype}: transport calls {moved}, want {want}"
+
+
 def mismatch_raises(rank, size):
     """Ranks that disagree (Adasum here, Sum there) get MismatchError, not a hang."""
     m = member()
@@ -518,7 +573,11 @@ CHECKS = {f.__name__: f for f in (
     prescale_postscale, async_variants, grouped_variants, autograd,
     optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
     bad_arguments, unfrozen_after_wrapping_raises, replaces_earlier_optimizer, mismatch_raises,
-    exchanges_take_the_transport)}
+    exchanges_take_the_transport, torch_form_matches_simulation)}
+
+
+# run only with --cuda (on a GPU: tests/test_gpu_primitives.py)
+CUDA_CHECKS = {f.__name__: f for f in (cuda_tensors_stay_on_device,)}
 
 
 def main():
@@ -530,7 +589,8 @@ def main():
         SETS["math"] = hvd.global_process_set
     if size >= 4:
         SETS["odd"] = hvd.add_process_set([0, 1, 2])
-    failures = run_checks(CHECKS)
+    argv = [a for a in sys.argv if a != "--cuda"]
+    failures = run_checks(dict(CHECKS, **CUDA_CHECKS) if "--cuda" in sys.argv else CHECKS, argv)
     if hvd.rank() == 0 and not failures:
         print(f"adasum suite OK on {size} ranks", flush=True)
     hvd.shutdown()
