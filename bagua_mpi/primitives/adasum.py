@@ -186,8 +186,8 @@ def adasum_allreduce_(buf, comm, counts=None):
     ``counts``: element counts of consecutive segments, each combined with its own
     coefficients (default: one segment). ``comm``: an mpi4py intracommunicator, or a
     ``Transport`` over one, whose size is a power of two (else ``NotImplementedError``). The
-    halves and the partial sums travel through the transport's point-to-point exchange (MPI,
-    or gloo under that backend).
+    halves and the partial sums travel through the transport's point-to-point exchange, on the
+    carrier the backend gives their memory (the sums' tables are host arrays).
     """
     wire = transport.of(comm)
     size, rank = wire.Get_size(), wire.Get_rank()
