@@ -84,6 +84,16 @@ def host_view(x) -> np.ndarray:
     return t.numpy()
 
 
+def as_tensor(x) -> torch.Tensor:
+    """A torch tensor over ``x``'s own memory, no copy: a NumPy array through ``from_numpy``, a
+    Numba device array through its CUDA array interface, a tensor detached."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    return torch.as_tensor(x, device="cuda")
+
+
 _NUMPY_ALLOC_BYTES = 1 << 20
 
 

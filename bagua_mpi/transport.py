@@ -52,7 +52,7 @@ from mpi4py import MPI
 
 from . import backends, process_groups
 from .accounting import overhead, staging
-from .buffers import host_view
+from .buffers import as_tensor, host_view
 from .cuda import mpi_is_cuda_aware
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -156,7 +156,7 @@ class Transport:
             raise ValueError(f"reduce_scatter over {self.size} ranks: the send buffer must hold "
                              f"{self.size} blocks of {_numel(recv)} elements, got {_numel(send)}")
         if self.size == 1:
-            _as_torch(recv).copy_(_as_torch(send).view_as(_as_torch(recv)))
+            as_tensor(recv).copy_(as_tensor(send).view_as(as_tensor(recv)))
             return
         mover = self._mover(send)
         with _summable(send, mover) as work_send, _summable(recv, mover) as work_recv:
@@ -383,10 +383,10 @@ class _Group:
         self.group = group
 
     def allreduce_(self, buf, op, dense):
-        self.group.allreduce_(_tensor(buf), op)
+        self.group.allreduce_(as_tensor(buf), op)
 
     def reduce_(self, buf, root, dense):
-        self.group.reduce_(_tensor(buf), root)
+        self.group.reduce_(as_tensor(buf), root)
 
     def broadcast_(self, buf, root, dense):
         self.group.broadcast_(_bytes(buf), root)
@@ -416,7 +416,7 @@ class _Group:
 def _flat(buf) -> torch.Tensor:
     """``buf`` as a 1-D tensor over its own memory, for a process group. It must be
     contiguous: a flattened copy would take a receive's data away from it."""
-    t = _tensor(buf)
+    t = as_tensor(buf)
     if not t.is_contiguous():
         raise ValueError(f"the process-group verbs take contiguous buffers, got one of shape "
                          f"{tuple(t.shape)} and strides {t.stride()}")
@@ -442,15 +442,6 @@ def _summable(buf, mover):
         buf.copy_(work)
     else:
         yield buf
-
-
-def _tensor(buf) -> torch.Tensor:
-    """``buf`` as a torch tensor sharing its memory (what a process group takes)."""
-    if isinstance(buf, torch.Tensor):
-        return buf
-    if isinstance(buf, np.ndarray):
-        return torch.from_numpy(buf)
-    return torch.as_tensor(buf, device="cuda")  # a Numba device array: zero copy
 
 
 def _numel(buf) -> int:
@@ -487,19 +478,11 @@ def _extent(buf) -> tuple[int, int] | None:
 def _copy(dst, src) -> None:
     """dst <- src between a device buffer and its pinned host twin (same dtype and size)."""
     if isinstance(src, torch.Tensor) or isinstance(dst, torch.Tensor):
-        _as_torch(dst).copy_(_as_torch(src).view_as(_as_torch(dst)))
+        as_tensor(dst).copy_(as_tensor(src).view_as(as_tensor(dst)))
     elif isinstance(dst, np.ndarray):
         src.copy_to_host(dst)  # a Numba device array
     else:
         dst.copy_to_device(src)
-
-
-def _as_torch(buf) -> torch.Tensor:
-    if isinstance(buf, torch.Tensor):
-        return buf
-    if isinstance(buf, np.ndarray):
-        return torch.from_numpy(buf)
-    return torch.as_tensor(buf, device="cuda")
 
 
 class PinnedPool:

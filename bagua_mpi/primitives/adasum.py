@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from .. import consistency, transport
-from ..buffers import FLOATING, dtype_name
+from ..buffers import FLOATING, as_tensor, dtype_name, empty_like
 
 TAG = 0xADA  # point-to-point tags on the operation's communicator: data halves
 _SUM_TAG = TAG + 1  # partial sums of the dot products and norms
@@ -192,7 +192,7 @@ def adasum_allreduce_(buf, comm, counts=None):
     wire = transport.of(comm)
     size, rank = wire.Get_size(), wire.Get_rank()
     check_size(size)
-    view = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+    view = as_tensor(buf)
     if view.dim() != 1 or view.dtype not in (torch.float32, torch.float64) \
             or not view.is_contiguous():
         raise TypeError(f"adasum_allreduce_ needs a 1-D contiguous float32/float64 array, got "
@@ -210,8 +210,7 @@ def _combine(buf, wire: transport.Transport, rank: int, size: int, counts) -> No
     if size == 1:
         return
     bounds = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    scratch = (np.empty((n + 1) // 2, dtype=buf.dtype) if isinstance(buf, np.ndarray)
-               else torch.empty((n + 1) // 2, dtype=buf.dtype, device=buf.device))
+    scratch = empty_like(buf, shape=((n + 1) // 2,))
     lo, hi = 0, n
     given = []  # (start, end, partner) of the half given away at each level
     level = 1
@@ -253,14 +252,9 @@ def _wire(dt: str) -> torch.dtype:
     return torch.float64 if dt == "float64" else torch.float32
 
 
-def _as_tensor(x) -> torch.Tensor:
-    """``x`` as a tensor over its own memory (a NumPy array through ``from_numpy``)."""
-    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x.detach()
-
-
 def _flat_view(x, wire: torch.dtype) -> torch.Tensor | None:
     """A 1-D view of ``x``'s memory when it is contiguous and of dtype ``wire``."""
-    t = _as_tensor(x)
+    t = as_tensor(x)
     return t.reshape(-1) if t.dtype == wire and t.is_contiguous() else None
 
 
@@ -274,12 +268,12 @@ def _device_of(tensors) -> torch.device:
 
 def _load(work: torch.Tensor, x) -> None:
     """work[:] = x, cast to work's dtype on work's device (the tensor's own)."""
-    work.copy_(_as_tensor(x).reshape(-1))
+    work.copy_(as_tensor(x).reshape(-1))
 
 
 def _store(out, work: torch.Tensor) -> None:
     """out[...] = work, cast to out's dtype."""
-    _as_tensor(out).copy_(work.reshape(_as_tensor(out).shape))
+    as_tensor(out).copy_(work.reshape(as_tensor(out).shape))
 
 
 def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=None,
@@ -324,7 +318,11 @@ def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=
                 if outs[idx[0]] is not tensors[idx[0]]:
                     _load(work, tensors[idx[0]])
             else:
-                work = torch.empty(total, dtype=wire, device=_device_of(tensors[i] for i in idx))
+                # (a prototype of the buffer's dtype and device: empty_like allocates a large
+                # host buffer through NumPy, for its huge pages)
+                work = empty_like(torch.empty(0, dtype=wire,
+                                              device=_device_of(tensors[i] for i in idx)),
+                                  shape=(total,))
                 offset = 0
                 for i in idx:
                     _load(work[offset:offset + sizes[i]], tensors[i])
