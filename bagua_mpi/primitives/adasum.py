@@ -39,9 +39,13 @@ is combined in NumPy (the fastest on a CPU: torch's per-call cost made small and
 over NCCL or a CUDA-aware MPI where the backend has them (staged through pinned host memory
 otherwise); what goes to the host is one small table per level, each segment's dot product and
 squared norms (one wait for the device per level), for the bookkeeping of their exponents and
-the coefficients. There a segment whose squared norm is zero, subnormal-small or not finite
-takes the host's exact sums (``_partials``), the rare case that needs the rescaling. The torch
-form runs on CPU tensors too (``adasum_allreduce_`` with a tensor), which is how CI checks it.
+the coefficients. Its launches per level do not grow with the number of segments: the sums of
+every segment come from a few segmented sums over batches of the buffer (``_device_sums``), and
+the coefficients are applied to every segment in one ``torch._foreach_mul_``. A segment whose
+squared norm is subnormal-small, not finite, or zero in float64 data (where that may be
+underflow) takes the host's exact sums (``_partials``), the rare case that needs the rescaling.
+The torch form runs on CPU tensors too (``adasum_allreduce_`` with a tensor), which is how CI
+checks it.
 """
 from __future__ import annotations
 
@@ -130,50 +134,165 @@ def _group_sum(wire: transport.Transport, rank: int, level: int,
     return table
 
 
-def _scale_by_coefficient(x, dot: float, dot_exp: float, normsq: float,
-                          norm_exp: float) -> None:
-    """``x *= 1 - a.b / (2 |x|^2)`` from scaled sums (nothing for a zero vector, whose
-    coefficient is 1), in ``x``'s dtype (NumPy array or tensor; the coefficient is rounded to
-    that dtype first by either). A coefficient too large for that dtype (the two vectors' norms
-    hundreds of orders of magnitude apart) is applied as mantissa, then as powers of two small
-    enough for it: exact steps, where one factor of ``2**exp`` would be inf and turn zeros into
-    NaN."""
+def _coefficient_factors(dot: float, dot_exp: float, normsq: float,
+                         norm_exp: float) -> list[float]:
+    """The factors that make ``x *= 1 - a.b / (2 |x|^2)`` from scaled sums, applied in order
+    in ``x``'s dtype (each rounded to it first, by NumPy or torch alike): none for a zero
+    vector (coefficient 1) or a negligible ratio, one in the usual case. A coefficient too
+    large for the dtype (the two vectors' norms hundreds of orders of magnitude apart) is the
+    mantissa, then powers of two small enough for it: exact steps, where one factor of
+    ``2**exp`` would be inf and turn zeros into NaN."""
     if normsq == 0.0:
-        return
+        return []
     mantissa, exp = math.frexp(0.5 * dot / normsq)  # the ratio is mantissa * 2^exp
     exp += int(max(min(dot_exp - norm_exp, 1e4), -1e4))
     if mantissa == 0.0 or exp < -54:
-        return  # coefficient 1 to the last bit (orthogonal, or a negligible ratio)
+        return []  # coefficient 1 to the last bit (orthogonal, or a negligible ratio)
     if exp <= 64:
-        x *= 1.0 - math.ldexp(mantissa, exp)
-        return
-    x *= -mantissa  # |1 - ratio| == |ratio| to the last bit here
+        return [1.0 - math.ldexp(mantissa, exp)]
+    factors = [-mantissa]  # |1 - ratio| == |ratio| to the last bit here
     while exp > 0:
-        step = min(exp, 64)
-        x *= 2.0 ** step
-        exp -= step
+        factors.append(2.0 ** min(exp, 64))
+        exp -= 64
+    return factors
+
+
+def _scale_segments(x, starts, ends, factors) -> None:
+    """``x[starts[i]:ends[i]] *= f`` for each ``f`` of ``factors[i]`` in order. A tensor's
+    segments take their first factors in one ``torch._foreach_mul_`` (a few launches on a GPU,
+    however many segments), the rare further steps one by one."""
+    if isinstance(x, np.ndarray):
+        for s, e, fs in zip(starts, ends, factors):
+            for f in fs:
+                x[s:e] *= f
+        return
+    firsts = [(x[s:e], fs[0]) for s, e, fs in zip(starts, ends, factors) if fs and s < e]
+    if firsts:
+        torch._foreach_mul_([seg for seg, _ in firsts], [f for _, f in firsts])
+    for s, e, fs in zip(starts, ends, factors):
+        for f in fs[1:]:
+            x[s:e] *= f
 
 
 def _partials_table(a, b, starts, ends) -> np.ndarray:
-    """``_partials`` of the segments ``[starts[i], ends[i])`` of ``a`` and ``b``, as an (n, 6)
-    float64 host table. NumPy arrays: ``_partials`` itself. Tensors: float64 dot products on
-    their device, brought over in one copy; a segment whose squared norm is zero, below
-    ``_TINY`` or not finite is redone on the host by ``_partials`` (its exact rescaling)."""
+    """``_partials`` of the segments ``[starts[i], ends[i])`` of ``a`` and ``b`` (consecutive:
+    ``ends[i] == starts[i + 1]``), as an (n, 6) float64 host table. NumPy arrays: ``_partials``
+    itself. Tensors: ``_device_sums``, then the exponents from what the sums say of each vector
+    (``_exponents``); a segment whose sums cannot say is redone on the host by ``_partials``
+    (its exact rescaling), the rare case."""
     if isinstance(a, np.ndarray):
         return np.array([_partials(a[s:e], b[s:e]) for s, e in zip(starts, ends)],
                         dtype=np.float64).reshape(len(starts), 6)
-    sums = []
-    for s, e in zip(starts, ends):
-        a_seg, b_seg = a[s:e].double(), b[s:e].double()
-        sums.append(torch.stack([torch.dot(a_seg, b_seg), torch.dot(a_seg, a_seg),
-                                 torch.dot(b_seg, b_seg)]))
     table = np.zeros((len(starts), 6), dtype=np.float64)
-    table[:, :3] = torch.stack(sums).cpu().numpy() if sums else 0.0
-    for row, s, e in zip(table, starts, ends):
-        norms = row[1:3]
-        if not (np.isfinite(norms).all() and (norms >= _TINY).all()):
-            row[:] = _partials(a[s:e].double().cpu().numpy(), b[s:e].double().cpu().numpy())
+    table[:, :3] = _device_sums(a, b, starts, ends)
+    # where a squared norm of 0 means zeros (see _exponents): empty segments, and float32 data
+    exact_zeros = (np.asarray(ends) == np.asarray(starts)) | (a.dtype != torch.float64)
+    for i in np.flatnonzero(~_exponents(table, exact_zeros)):
+        s, e = starts[i], ends[i]
+        table[i] = _partials(a[s:e].double().cpu().numpy(), b[s:e].double().cpu().numpy())
     return table
+
+
+# A segment of _LARGE elements or more takes three dot products of its own (their launches
+# are small beside its memory traffic, and they keep no buffer of products), as does a small one
+# with no small neighbour to share launches with. The other small ones are cut into pieces of
+# at most _PIECE elements (one thread block each in the device's segmented sum: enough blocks
+# to fill a GPU), summed in batches of about _BATCH elements (the float64 copies and products
+# of a batch take 40 bytes an element on the device).
+_LARGE = 1 << 20
+_PIECE = 1 << 15
+_BATCH = 1 << 22
+
+
+def _device_sums(a: torch.Tensor, b: torch.Tensor, starts, ends) -> np.ndarray:
+    """Each segment's ``[a.b, |a|^2, |b|^2]`` (an (n, 3) host array), in float64 on the tensors'
+    device, with launches that do not grow with the number of small segments:
+
+    1. a segment of ``_LARGE`` elements or more, or a small one between large ones (or alone):
+       three dot products of its float64 copies;
+    2. the other small ones: cut into pieces of at most ``_PIECE`` elements, and per batch of
+       consecutive pieces the float64 products side by side in one buffer, summed into three
+       sums per piece by one segmented sum (``torch.segment_reduce``, deterministic);
+    3. one copy of all these rows to the host (the one wait for the device), where each segment
+       adds up its own rows in order.
+    """
+    lengths = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+    rows, owners = [], []  # device tensors of (k, 3) sums, and the segment of each row
+    for first, last in _runs(lengths >= _LARGE):
+        if lengths[first] >= _LARGE or last - first == 1:
+            for seg in range(first, last):
+                lo, hi = int(starts[seg]), int(ends[seg])
+                a64, b64 = a[lo:hi].double(), b[lo:hi].double()
+                rows.append(torch.stack([torch.dot(a64, b64), torch.dot(a64, a64),
+                                         torch.dot(b64, b64)]).reshape(1, 3))
+                owners.append([seg])
+            continue
+        pieces_of = -(-lengths[first:last] // _PIECE)  # per segment; none for an empty one
+        first_piece = np.concatenate([[0], np.cumsum(pieces_of)[:-1]]).astype(np.int64)
+        owner = np.repeat(np.arange(first, last), pieces_of)
+        index_in_segment = np.arange(len(owner)) - first_piece[owner - first]
+        piece_lengths = np.minimum(_PIECE, lengths[owner] - index_in_segment * _PIECE)
+        piece_starts = int(starts[first]) + np.concatenate(
+            [[0], np.cumsum(piece_lengths)]).astype(np.int64)
+        for p0, p1 in _runs((piece_starts[:-1] - piece_starts[0]) // _BATCH):
+            lo, hi = int(piece_starts[p0]), int(piece_starts[p1])
+            a64, b64 = a[lo:hi].double(), b[lo:hi].double()
+            products = torch.empty((3, hi - lo), dtype=torch.float64, device=a.device)
+            torch.mul(a64, b64, out=products[0])
+            torch.mul(a64, a64, out=products[1])
+            torch.mul(b64, b64, out=products[2])
+            rows.append(torch.segment_reduce(
+                products.reshape(-1), "sum", unsafe=True,
+                lengths=_on(a.device, np.tile(piece_lengths[p0:p1], 3))
+            ).reshape(3, p1 - p0).t())
+            owners.append(owner[p0:p1])
+    sums = np.zeros((len(lengths), 3), dtype=np.float64)
+    if rows:
+        owner = np.concatenate(owners).astype(np.int64)  # nondecreasing: rows in buffer order
+        segs, first_row = np.unique(owner, return_index=True)
+        sums[segs] = np.add.reduceat(torch.cat(rows).cpu().numpy(), first_row, axis=0)
+    return sums
+
+
+def _runs(keys: np.ndarray):
+    """``(first, last)`` of each run of equal consecutive ``keys``."""
+    edges = np.flatnonzero(np.diff(keys)) + 1
+    bounds = np.concatenate([[0], edges, [len(keys)]]).astype(np.int64)
+    return [(int(f), int(l)) for f, l in zip(bounds[:-1], bounds[1:]) if l > f]
+
+
+def _on(device: torch.device, values: np.ndarray) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, without waiting for the device: a CUDA copy goes
+    from pinned memory. (``segment_reduce``'s own check of the lengths would wait twice, so its
+    callers pass ``unsafe=True``: the lengths are right by construction.)"""
+    tensor = torch.from_numpy(values)
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def _exponents(table: np.ndarray, exact_zeros: np.ndarray) -> np.ndarray:
+    """Fill the exponent columns of ``table`` (rows ``[a.b, |a|^2, |b|^2, ...]`` of unscaled
+    float64 sums) as ``_partials`` would, where the sums suffice; returns the rows that do.
+
+    A vector whose squared norm is finite and at least ``_TINY`` needs no rescaling (exponent
+    0). One whose squared norm is 0 is an exact zero vector where ``exact_zeros`` says so for
+    its row (an empty segment, or float32 data: the float64 square of its smallest nonzero
+    value is far above 0), and takes ``_ZERO_EXP``, as its dot product does. Anything else (a
+    float64 norm that may have underflowed, or a non-finite one) needs ``_partials`` on the
+    host."""
+    norms = table[:, 1:3]
+    with np.errstate(invalid="ignore"):
+        normal = np.isfinite(norms) & (norms >= _TINY)
+    zero = (norms == 0.0) & np.asarray(exact_zeros)[:, None]
+    ok = (normal | zero).all(axis=1)
+    table[:, 4:6] = np.where(zero, _ZERO_EXP, 0.0)
+    either_zero = zero.any(axis=1)
+    table[:, 3] = np.where(either_zero, _ZERO_EXP, 0.0)
+    table[either_zero, 0] = 0.0
+    return ok
 
 
 # -- the allreduce ---------------------------------------------------------------------------
@@ -228,11 +347,10 @@ def _combine(buf, wire: transport.Transport, rank: int, size: int, counts) -> No
         a_part, b_part = (mine, theirs) if lower else (theirs, mine)
         table = _partials_table(a_part, b_part, starts, ends)
         table = _group_sum(wire, rank, level, table)
-        for (s, e), (dot, na, nb, ed, ea, eb) in zip(zip(starts, ends), table):
-            if s == e:
-                continue
-            _scale_by_coefficient(a_part[s:e], dot, ed, na, ea)
-            _scale_by_coefficient(b_part[s:e], dot, ed, nb, eb)
+        _scale_segments(a_part, starts, ends,
+                        [_coefficient_factors(dot, ed, na, ea) for dot, na, _, ed, ea, _ in table])
+        _scale_segments(b_part, starts, ends,
+                        [_coefficient_factors(dot, ed, nb, eb) for dot, _, nb, ed, _, eb in table])
         mine += theirs
         given.append((give[0], give[1], peer))
         lo, hi = keep

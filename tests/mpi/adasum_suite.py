@@ -505,37 +505,86 @@ def exchanges_take_the_transport(rank, size):
 def torch_form_matches_simulation(rank, size):
     """The torch form of the combination (what CUDA tensors take; ``adasum_allreduce_`` with a
     tensor runs it on a CPU tensor here) against the simulation and the NumPy form, segment by
-    segment: ordinary values, an all-zero segment, an empty one, and norms beyond float64's
-    range (1e+-300: the host's rescaled sums) and float32's squares."""
+    segment: ordinary values, an all-zero segment, an empty one, norms beyond float64's range
+    (1e+-300: the host's rescaled sums) and float32's squares, and norms hundreds of orders of
+    magnitude apart across ranks (a coefficient applied in power-of-two steps). Once as it
+    runs (every segment small: segmented sums), once with pieces of 100, batches of 700 and
+    segments of 1,500 elements or more "large" (dot products of their own), so that segments
+    span pieces and batches and both kinds meet in one buffer."""
     from bagua_mpi.primitives import adasum
 
     m = member()
     if m is None:
         return
     ps, r, n = m
-    for dtype, scale in (("float32", 1.0), ("float32", 1e30), ("float64", 1.0),
-                         ("float64", 1e300), ("float64", 1e-300)):
-        counts = [1000, 0, 377, 64, 2049]
-        segments = [inp(f"torch{dtype}{k}", q, (c,), dtype, scale=scale if k != 3 else 1.0)
-                    for k, c in enumerate(counts) for q in range(n)]
-        per_rank = [[segments[k * n + q] for k in range(len(counts))] for q in range(n)]
-        per_rank = [[s * 0 if k == 3 else s for k, s in enumerate(row)] for row in per_rank]
-        mine = torch.cat(per_rank[r])
-        by_torch = adasum.adasum_allreduce_(mine.clone(), ps.comm, counts)
-        by_numpy = adasum.adasum_allreduce_(mine.clone().numpy(), ps.comm, counts)
-        start = 0
-        for k, c in enumerate(counts):
-            inputs = [per_rank[q][k] for q in range(n)]
-            for got, form in ((by_torch, "torch"), (torch.from_numpy(by_numpy), "numpy")):
-                close(got[start:start + c], inputs, f"{form} {dtype} x{scale:g} segment {k}")
-            start += c
+    spread = [10.0 ** (300 - 600 * q / max(n - 1, 1)) for q in range(n)]
+    cases = [("float32", [1.0] * n), ("float32", [1e30] * n), ("float64", [1.0] * n),
+             ("float64", [1e300] * n), ("float64", [1e-300] * n), ("float64", spread)]
+    counts = [1000, 0, 377, 64, 2049]
+    sizes = {"as it runs": (adasum._PIECE, adasum._BATCH, adasum._LARGE),
+             "in small pieces": (100, 700, 1500)}
+    for label, (piece, batch, large) in sizes.items():
+        saved = adasum._PIECE, adasum._BATCH, adasum._LARGE
+        adasum._PIECE, adasum._BATCH, adasum._LARGE = piece, batch, large
+        try:
+            for dtype, scales in cases:
+                what = f"{label}, {dtype} x{scales[0]:g}..{scales[-1]:g}"
+                per_rank = [[inp(f"torch{dtype}{k}{scales[0]}", q, (c,), dtype,
+                                 scale=scales[q]) for k, c in enumerate(counts)]
+                            for q in range(n)]
+                for row in per_rank:
+                    row[3] = row[3] * 0
+                mine = torch.cat(per_rank[r])
+                by_torch = adasum.adasum_allreduce_(mine.clone(), ps.comm, counts)
+                by_numpy = adasum.adasum_allreduce_(mine.clone().numpy(), ps.comm, counts)
+                start = 0
+                for k, c in enumerate(counts):
+                    inputs = [per_rank[q][k] for q in range(n)]
+                    for got, form in ((by_torch, "torch"), (torch.from_numpy(by_numpy), "numpy")):
+                        close(got[start:start + c], inputs, f"{form}, {what}, segment {k}")
+                    start += c
+        finally:
+            adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
+
+
+def device_form_launches_do_not_grow(rank, size):
+    """The torch form dispatches as many operations that compute or copy (each a kernel launch
+    or more on a GPU) for a buffer of 256 segments as for one of 16 with the same elements:
+    each level sums all segments at once and scales them in one foreach call. (Counted by a
+    dispatch mode; views launch nothing and are left out.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bagua_mpi.primitives import adasum
+
+    class CountOps(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                CountOps.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    elements = 1 << 14
+    counted = {}
+    for segments in (16, 256):
+        data = inp(f"launches{segments}", r, (elements,))
+        CountOps.ops = 0
+        with CountOps():
+            adasum.adasum_allreduce_(data, ps.comm, [elements // segments] * segments)
+        counted[segments] = CountOps.ops
+    assert counted[256] == counted[16], f"operations per call by segments: {counted}"
 
 
 def cuda_tensors_stay_on_device(rank, size):
     """(``--cuda`` only: needs a GPU.) A CUDA tensor is combined on its device: the result is
     a CUDA tensor close to the simulation, and the halves went by the backend's device carrier
     (staged MPI, a CUDA-aware MPI or NCCL), where they once were copied to the host and went by
-    MPI on host memory; only the small tables of sums take the host carrier."""
+    MPI on host memory; only the small tables of sums take the host carrier. A grouped call of
+    45 tensors is combined on the device too."""
     from bagua_mpi import backends, transport
 
     m = member()
@@ -555,6 +604,28 @@ def cuda_tensors_stay_on_device(rank, size):
         levels = n.bit_length() - 1
         want = {device: 2 * levels, host: levels * (levels + 1) // 2}
         assert moved == want, f"{dtype}: transport calls {moved}, want {want}"
+    # a grouped call of many tensors (the segmented sums, the dot products of a large one and
+    # the foreach multiply on the device), one of them zero on rank 0; then again in small
+    # pieces and batches
+    from bagua_mpi.primitives import adasum
+
+    sizes = [7, 40_000, 0, 1, 300_001] + [1000 + 37 * i for i in range(40)]
+    per_rank = [[inp(f"cudagroup{i}", q, (c,), "float32") for i, c in enumerate(sizes)]
+                for q in range(n)]
+    per_rank[0][1] = torch.zeros_like(per_rank[0][1])
+    for piece, batch, large in ((adasum._PIECE, adasum._BATCH, adasum._LARGE),
+                                (1000, 50_000, 100_000)):
+        saved = adasum._PIECE, adasum._BATCH, adasum._LARGE
+        adasum._PIECE, adasum._BATCH, adasum._LARGE = piece, batch, large
+        try:
+            outs = hvd.grouped_allreduce([t.cuda() for t in per_rank[r]], op=hvd.Adasum,
+                                         process_set=ps)
+        finally:
+            adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
+        for i, out in enumerate(outs):
+            assert out.is_cuda, f"grouped tensor {i} came back on {out.device}"
+            close(out.cpu(), [per_rank[q][i] for q in range(n)],
+                  f"grouped on the device, pieces of {piece}, tensor {i}")
 
 
 def mismatch_raises(rank, size):
@@ -573,7 +644,8 @@ CHECKS = {f.__name__: f for f in (
     prescale_postscale, async_variants, grouped_variants, autograd,
     optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
     bad_arguments, unfrozen_after_wrapping_raises, replaces_earlier_optimizer, mismatch_raises,
-    exchanges_take_the_transport, torch_form_matches_simulation)}
+    exchanges_take_the_transport, torch_form_matches_simulation,
+    device_form_launches_do_not_grow)}
 
 
 # run only with --cuda (on a GPU: tests/test_gpu_primitives.py)
