@@ -547,6 +547,43 @@ def torch_form_matches_simulation(rank, size):
             adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
 
 
+def torch_form_random_layouts(rank, size):
+    """The torch form on 24 random layouts of segments (the same on every rank: empty ones,
+    ones of a single element, runs of "large" ones between small ones, sizes on and off the
+    boundaries of pieces and batches), with small pieces, batches and large sizes, against the
+    simulation segment by segment. One all-zero segment per layout on one rank."""
+    from bagua_mpi.primitives import adasum
+
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    rng = np.random.default_rng([SEED, 7])
+    saved = adasum._PIECE, adasum._BATCH, adasum._LARGE
+    try:
+        for layout in range(24):
+            piece = int(rng.choice([1, 7, 64, 100]))
+            adasum._PIECE = piece
+            adasum._BATCH = int(piece * rng.choice([1, 3, 8]))
+            adasum._LARGE = int(rng.choice([2, 300, 1500]))
+            counts = [int(c) for c in rng.choice([0, 1, piece, piece + 1, 2 * piece - 1, 299,
+                                                  300, 1499, 1500, 2049],
+                                                 size=int(rng.integers(1, 12)))]
+            zero_at = (int(rng.integers(len(counts))), int(rng.integers(n)))
+            per_rank = [[inp(f"layout{layout}.{k}", q, (c,)) for k, c in enumerate(counts)]
+                        for q in range(n)]
+            per_rank[zero_at[1]][zero_at[0]] = per_rank[zero_at[1]][zero_at[0]] * 0
+            got = adasum.adasum_allreduce_(torch.cat(per_rank[r]), ps.comm, counts)
+            start = 0
+            for k, c in enumerate(counts):
+                close(got[start:start + c], [per_rank[q][k] for q in range(n)],
+                      f"layout {layout} (counts {counts}, pieces of {adasum._PIECE}, batches of "
+                      f"{adasum._BATCH}, large from {adasum._LARGE}), segment {k}")
+                start += c
+    finally:
+        adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
+
+
 def device_form_launches_do_not_grow(rank, size):
     """The torch form dispatches as many operations that compute or copy (each a kernel launch
     or more on a GPU) for a buffer of 256 segments as for one of 16 with the same elements:
@@ -644,7 +681,7 @@ CHECKS = {f.__name__: f for f in (
     prescale_postscale, async_variants, grouped_variants, autograd,
     optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
     bad_arguments, unfrozen_after_wrapping_raises, replaces_earlier_optimizer, mismatch_raises,
-    exchanges_take_the_transport, torch_form_matches_simulation,
+    exchanges_take_the_transport, torch_form_matches_simulation, torch_form_random_layouts,
     device_form_launches_do_not_grow)}
 
 
