@@ -140,6 +140,50 @@ def copy_into(dst, src) -> None:
         dst.copy_(src if isinstance(src, torch.Tensor) else torch.from_numpy(src))
 
 
+def flatten(tensors, dt: str):
+    """``tensors`` (or NumPy arrays) end to end in one new flat buffer of dtype ``dt``. Tensors
+    take one cat in their common dtype and at most one cast: on a GPU a few launches however
+    many tensors, where a cast or copy each made a grouped operation's launches grow with its
+    tensors. (The common dtype holds every value exactly, as ``dt`` does.)"""
+    if isinstance(tensors[0], np.ndarray):
+        return np.concatenate([t.reshape(-1) for t in tensors]).astype(dt, copy=False)
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).to(getattr(torch, dt))
+
+
+def flatten_into(work: torch.Tensor, tensors) -> None:
+    """``flatten`` into the existing ``work`` (tensors or arrays, brought to its device)."""
+    views = [as_tensor(t).detach().reshape(-1).to(work.device) for t in tensors]
+    if all(v.dtype == work.dtype for v in views):
+        torch.cat(views, out=work)
+    else:
+        work.copy_(torch.cat(views))
+
+
+def copy_split(fused, dsts) -> None:
+    """Consecutive slices of the flat ``fused`` into ``dsts``, as ``copy_into`` each (dtype
+    converted, bfloat16/float16 rounded to nearest even). Tensors take one cast of ``fused``
+    per dtype among them that it is not, and one ``torch._foreach_copy_`` per dtype: on a GPU a
+    few launches however many tensors, where a copy each made a grouped operation's launches
+    grow with its tensors."""
+    slices, offset = [], 0
+    for d in dsts:
+        n = math.prod(d.shape)
+        slices.append((offset, n))
+        offset += n
+    if not (dsts and isinstance(fused, torch.Tensor)
+            and all(isinstance(d, torch.Tensor) for d in dsts)):
+        for d, (lo, n) in zip(dsts, slices):
+            copy_into(d, fused[lo:lo + n].reshape(d.shape))
+        return
+    by_dtype: dict = {}
+    for d, where in zip(dsts, slices):
+        by_dtype.setdefault(d.dtype, []).append((d, where))
+    for dtype, members in by_dtype.items():
+        src = fused if fused.dtype == dtype else fused.to(dtype)
+        torch._foreach_copy_([d for d, _ in members],
+                             [src[lo:lo + n].reshape(d.shape) for d, (lo, n) in members])
+
+
 def scale_(x, factor: float) -> None:
     """x *= factor in place.
 

@@ -116,3 +116,33 @@ def test_backward_under_create_graph_stays_differentiable(initialized):
         second, = torch.autograd.grad(grad.sum(), x)
         torch.testing.assert_close(grad.detach(), 4 * x.detach() ** 3)
         torch.testing.assert_close(second, 12 * x.detach() ** 2)
+
+
+GROUPS = {  # dtypes of a grouped call's tensors, cycled: one wire dtype, or several mixed
+    "float32": ["float32"],
+    "float16": ["float16"],
+    "mixed": ["float32", "float16", "bfloat16", "int64"],
+}
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average", "Adasum"])
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_grouped_allreduce_launches_do_not_grow_with_its_tensors(initialized, op, group):
+    """A grouped allreduce dispatches as many operations that compute or copy (each a kernel
+    launch or more on a GPU) for 64 tensors as for 4 of each dtype: one cat and at most one cast
+    per wire dtype to fuse them, one cast and one foreach copy per dtype to hand back the
+    results. (Counted at world size 1, where the reduction itself moves nothing: what is
+    counted is the fusing around it. Adasum takes floating tensors only.)"""
+    from dispatch_count import DispatchCount
+
+    dtypes = [d for d in GROUPS[group] if op != "Adasum" or d != "int64"]
+    counted = {}
+    for per_dtype in (4, 64):
+        tensors = [torch.arange(i, i + 2048 // per_dtype).to(getattr(torch, dt))
+                   for i in range(per_dtype) for dt in dtypes]
+        with DispatchCount() as count:
+            got = bm.grouped_allreduce(tensors, op=getattr(bm, op))
+        counted[per_dtype] = count.launches
+        for t, g in zip(tensors, got):
+            assert g.dtype == t.dtype and torch.equal(g, t), f"{op} of one rank changed {t}"
+    assert counted[64] == counted[4], f"operations by tensors per dtype: {counted}"

@@ -16,8 +16,8 @@ import torch
 from mpi4py import MPI
 
 from .. import consistency, runtime, timeline
-from ..buffers import (HALF, INTEGER, copy_into, dtype_name, empty_like, reduce_dtype, scale_,
-                       scaled_copy, to_dtype)
+from ..buffers import (HALF, INTEGER, copy_into, copy_split, dtype_name, empty_like,
+                       flatten, reduce_dtype, scale_, scaled_copy, to_dtype)
 from ..ops import Average, ReduceOp, mpi_op
 from ..primitives import adasum
 from ..worker import Handle
@@ -267,28 +267,14 @@ def _grouped_run(rt, topo, tensors, outs, op, prescale_factor, postscale_factor,
         for wire_dt, idx, mop, post, numel in plan:
             if numel == 0:
                 continue
-            fused = _flatten([tensors[i] for i in idx], wire_dt)  # one message per wire dtype
+            fused = flatten([tensors[i] for i in idx], wire_dt)  # one message per wire dtype
             scale_(fused, pre)
             reduce_(topo, fused, mop, hier)
             scale_(fused, post)
-            _unflatten(fused, [outs[i] for i in idx])
+            copy_split(fused, [outs[i] for i in idx])
         return outs
 
     return run, ("grouped_allreduce", op.name, len(tensors))
-
-
-def _flatten(tensors, dt: str):
-    if isinstance(tensors[0], np.ndarray):
-        return np.concatenate([t.reshape(-1) for t in tensors]).astype(dt, copy=False)
-    return torch.cat([t.detach().reshape(-1).to(getattr(torch, dt)) for t in tensors])
-
-
-def _unflatten(fused, outs) -> None:
-    offset = 0
-    for o in outs:
-        n = math.prod(o.shape)
-        copy_into(o, fused[offset:offset + n].reshape(o.shape))
-        offset += n
 
 
 def plain_grouped_allreduce(tensors: Sequence, op, name=None, prescale_factor=1.0,

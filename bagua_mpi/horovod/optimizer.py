@@ -340,16 +340,21 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
         rank = runtime.get().topo.rank
         self._groups.check_unchanged(rank)
         self._frozen.check_untrained(rank)
+        # foreach operations: on a GPU a few launches each however many parameters, where an
+        # operation per parameter made the step's launches grow with the model's tensors
+        params = [p.detach() for p in self._params]
         with torch.no_grad():
-            starts = [p.detach().clone() for p in self._params]
+            starts = [torch.empty_like(p) for p in params]
+            if params:
+                torch._foreach_copy_(starts, params)
             self.optimizer.step()
-            deltas = [p.detach() - s for p, s in zip(self._params, starts)]
+            deltas = torch._foreach_sub(params, starts) if params else []
         if deltas:
             deltas = collectives.grouped_allreduce(deltas, None, None, self.compression, Adasum,
                                                    process_set=self.process_set)
             with torch.no_grad():
-                for p, start, delta in zip(self._params, starts, deltas):
-                    p.copy_(start.add_(delta.to(start.dtype)))
+                torch._foreach_add_(starts, [d.to(s.dtype) for d, s in zip(deltas, starts)])
+                torch._foreach_copy_(params, starts)
         self.steps += 1
         return loss
 

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from .. import consistency, transport
-from ..buffers import FLOATING, as_tensor, dtype_name, empty_like
+from ..buffers import FLOATING, as_tensor, copy_split, dtype_name, empty_like, flatten_into
 
 TAG = 0xADA  # point-to-point tags on the operation's communicator: data halves
 _SUM_TAG = TAG + 1  # partial sums of the dot products and norms
@@ -384,16 +384,6 @@ def _device_of(tensors) -> torch.device:
     return found.pop() if len(found) == 1 else _HOST
 
 
-def _load(work: torch.Tensor, x) -> None:
-    """work[:] = x, cast to work's dtype on work's device (the tensor's own)."""
-    work.copy_(as_tensor(x).reshape(-1))
-
-
-def _store(out, work: torch.Tensor) -> None:
-    """out[...] = work, cast to out's dtype."""
-    as_tensor(out).copy_(work.reshape(as_tensor(out).shape))
-
-
 def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=None,
                   grouped: bool = False):
     """``(run, describe)`` of an Adasum allreduce of ``tensors`` into ``outs`` (the same objects
@@ -434,17 +424,14 @@ def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=
             if len(idx) == 1 and (view := _flat_view(outs[idx[0]], wire)) is not None:
                 work = view  # reduce in the output's own memory
                 if outs[idx[0]] is not tensors[idx[0]]:
-                    _load(work, tensors[idx[0]])
+                    work.copy_(as_tensor(tensors[idx[0]]).reshape(-1))
             else:
                 # (a prototype of the buffer's dtype and device: empty_like allocates a large
                 # host buffer through NumPy, for its huge pages)
                 work = empty_like(torch.empty(0, dtype=wire,
                                               device=_device_of(tensors[i] for i in idx)),
                                   shape=(total,))
-                offset = 0
-                for i in idx:
-                    _load(work[offset:offset + sizes[i]], tensors[i])
-                    offset += sizes[i]
+                flatten_into(work, [tensors[i] for i in idx])
             if prescale != 1.0:
                 work.mul_(prescale)
             # NumPy's arithmetic on the host (see the module docstring), torch's on a device
@@ -453,10 +440,7 @@ def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=
             if postscale != 1.0:
                 work.mul_(postscale)
             if work is not view:
-                offset = 0
-                for i in idx:
-                    _store(outs[i], work[offset:offset + sizes[i]])
-                    offset += sizes[i]
+                copy_split(work, [as_tensor(outs[i]) for i in idx])
         return outs if grouped else outs[0]
 
     return run, describe

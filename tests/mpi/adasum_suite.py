@@ -17,6 +17,7 @@ import torch
 import bagua_mpi as hvd
 from bagua_mpi.exceptions import MisuseError
 from checks import run_checks
+from dispatch_count import DispatchCount
 from simulate import TORCH_DTYPES, adasum_all, as_f64, reduce_all
 
 SEED = 20261124
@@ -587,19 +588,8 @@ def torch_form_random_layouts(rank, size):
 def device_form_launches_do_not_grow(rank, size):
     """The torch form dispatches as many operations that compute or copy (each a kernel launch
     or more on a GPU) for a buffer of 256 segments as for one of 16 with the same elements:
-    each level sums all segments at once and scales them in one foreach call. (Counted by a
-    dispatch mode; views launch nothing and are left out.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    each level sums all segments at once and scales them in one foreach call."""
     from bagua_mpi.primitives import adasum
-
-    class CountOps(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                CountOps.ops += 1
-            return func(*args, **(kwargs or {}))
 
     m = member()
     if m is None:
@@ -609,11 +599,38 @@ def device_form_launches_do_not_grow(rank, size):
     counted = {}
     for segments in (16, 256):
         data = inp(f"launches{segments}", r, (elements,))
-        CountOps.ops = 0
-        with CountOps():
+        with DispatchCount() as count:
             adasum.adasum_allreduce_(data, ps.comm, [elements // segments] * segments)
-        counted[segments] = CountOps.ops
+        counted[segments] = count.launches
     assert counted[256] == counted[16], f"operations per call by segments: {counted}"
+
+
+def optimizer_launches_do_not_grow(rank, size):
+    """A step of the Adasum delta optimizer (foreach SGD inside) dispatches as many operations
+    that compute or copy for 64 parameter tensors as for 4 of the same elements: the snapshot,
+    the deltas, the fused buffer, the results and the update are a few foreach operations or
+    cats, not one per parameter."""
+    m = member()
+    if m is None:
+        return
+    ps, r, n = m
+    counted = {}
+    for tensors in (4, 64):
+        params = [torch.nn.Parameter(inp(f"optlaunch{tensors}.{i}", 0, (1024 // tensors,)))
+                  for i in range(tensors)]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, foreach=True),
+                                       named_parameters=[(f"p{i}", p)
+                                                         for i, p in enumerate(params)],
+                                       op=hvd.Adasum, process_set=ps)
+        for i, p in enumerate(params):
+            p.grad = inp(f"optlaunchgrad{tensors}.{i}", r, p.shape)
+        opt.step()  # the first step checks more than the steady state
+        with DispatchCount() as count:
+            opt.step()
+        counted[tensors] = (count.launches, count.names)
+    assert counted[64][0] == counted[4][0], (
+        f"operations per step: {counted[4][0]} for 4 tensors, {counted[64][0]} for 64 "
+        f"({counted[64][1]})")
 
 
 def cuda_tensors_stay_on_device(rank, size):
@@ -682,7 +699,7 @@ CHECKS = {f.__name__: f for f in (
     optimizer_matches_simulation, reducescatter_raises, other_ops_unchanged, non_power_of_two,
     bad_arguments, unfrozen_after_wrapping_raises, replaces_earlier_optimizer, mismatch_raises,
     exchanges_take_the_transport, torch_form_matches_simulation, torch_form_random_layouts,
-    device_form_launches_do_not_grow)}
+    device_form_launches_do_not_grow, optimizer_launches_do_not_grow)}
 
 
 # run only with --cuda (on a GPU: tests/test_gpu_primitives.py)

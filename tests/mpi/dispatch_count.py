@@ -1,0 +1,33 @@
+"""Counting the torch operations a piece of code dispatches: the launch count a CPU can see.
+
+On a GPU every operation that computes or copies is at least one kernel launch, a few
+microseconds of host time each; allocations and views launch nothing. ``DispatchCount`` counts
+the operations dispatched from Python (the top level: what a composite operation does inside
+is not seen), by kind, for tests that a count does not grow with the number of tensors.
+"""
+from __future__ import annotations
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+class DispatchCount(TorchDispatchMode):
+    """``with DispatchCount() as c: ...``; then ``c.launches`` (operations that compute or copy),
+    ``c.allocations`` and ``c.views``, and ``c.names`` (each launching operation's name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = self.allocations = self.views = 0
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.is_view:
+            self.views += 1
+        elif name in ALLOCATIONS:
+            self.allocations += 1
+        else:
+            self.launches += 1
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
