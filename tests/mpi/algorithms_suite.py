@@ -13,6 +13,7 @@ so the global optimum is none of the local ones. Then
 """
 import functools
 import hashlib
+import math
 import sys
 
 import torch
@@ -240,6 +241,50 @@ def check_onebit_stage_and_bytes(rank, size):
         assert 25 <= warm / compressed <= 33, (warm, compressed)  # ~32x less than float32
 
 
+def check_onebit_decoupled_decay(rank, size):
+    """1-bit Adam with AdamW's decoupled weight decay, in both stages, against an oracle made
+    from a twin run without decay. The loss is linear in the parameters (a gradient that
+    differs per rank and step, not per parameter value), so the moments and their exchange
+    are the same in both runs, and so is each step's update ``d_t = q_t - q_(t+1)`` of the twin:
+    the decayed run must follow ``p_(t+1) = p_t (1 - lr wd) - d_t``. Two param groups with
+    their own lr and weight_decay (AdamW allows several), several tensors each."""
+    shapes = [[(64,), (3, 5)], [(100,)]]
+    settings = [(1e-2, 0.1), (5e-3, 0.02)]  # (lr, weight_decay) per group
+    steps, warmup = 10, 4
+
+    def run(decay: bool) -> list:
+        """Every parameter (flattened, concatenated) after each step, from step 0."""
+        torch.manual_seed(0)
+        params = [[torch.nn.Parameter(torch.randn(s)) for s in group] for group in shapes]
+        flat = [p for group in params for p in group]
+        groups = [{"params": group, "lr": lr, "weight_decay": wd if decay else 0.0}
+                  for group, (lr, wd) in zip(params, settings)]
+        opt = bm.DistributedOptimizer(
+            torch.optim.AdamW(groups), named_parameters=[(f"p{i}", p) for i, p in enumerate(flat)],
+            algorithm=OneBitAdam(warmup_steps=warmup, chunk=64))
+        seen = [torch.cat([p.detach().reshape(-1) for p in flat]).double()]
+        for step in range(steps):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            opt.zero_grad()
+            sum((torch.randn(p.shape, generator=g) * p).sum() for p in flat).backward()
+            opt.step()
+            seen.append(torch.cat([p.detach().reshape(-1) for p in flat]).double())
+        assert opt.impl.stage == "compressed", opt.impl.stage
+        opt.close()
+        return seen
+
+    twin, decayed = run(decay=False), run(decay=True)
+    factor = torch.cat([torch.full((sum(math.prod(s) for s in group),), 1 - lr * wd,
+                                   dtype=torch.float64)
+                        for group, (lr, wd) in zip(shapes, settings)])
+    want = twin[0].clone()
+    for step in range(steps):
+        want = want * factor - (twin[step] - twin[step + 1])
+        err = float((decayed[step + 1] - want).abs().max() / want.abs().max())
+        assert err < 1e-5, (f"step {step} ({'warm-up' if step < warmup else 'compressed'}): "
+                            f"relative error {err:.3g} against the decay of the twin run")
+
+
 def check_bytes_8bit(rank, size):
     if size == 1:
         return
@@ -289,7 +334,8 @@ def suite_checks(hierarchical: bool) -> dict:
     checks = {f"train_{n}": make_train_check(n) for n in CONFIGS}
     checks.update({f"first_step_{n}": make_first_step_check(n) for n in CENTRALIZED})
     checks.update({"consensus": check_consensus, "onebit_stage_and_bytes":
-                   check_onebit_stage_and_bytes, "bytes_8bit": check_bytes_8bit})
+                   check_onebit_stage_and_bytes, "onebit_decoupled_decay":
+                   check_onebit_decoupled_decay, "bytes_8bit": check_bytes_8bit})
     return checks
 
 

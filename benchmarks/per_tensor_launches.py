@@ -1,12 +1,13 @@
-"""What a grouped allreduce and Adasum's delta optimizer dispatch around the reduction, and
-how long they take, for 4 to 256 tensors of the same total size.
+"""What a grouped allreduce, Adasum's delta optimizer and 1-bit Adam's compressed-stage
+``step()`` dispatch, and how long they take, for 4 to 256 tensors of the same total size.
 
 On a GPU each dispatched operation that computes or copies is at least one kernel launch (a
 few microseconds of host time each), so the count is the launch cost a CPU can measure; the
-times are CPU tensors' (what a CPU user gets). Run it with two trees (two venvs, each with one
+times are CPU tensors' (what a CPU user gets). 1-bit Adam updates host parameters one at a time
+(in cache) and device ones in foreach lists: its count is taken on the device route. Run it with two trees (two venvs, each with one
 editable install) and compare the lines.
 
-    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/grouped_fusion.py
+    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/per_tensor_launches.py
 """
 import argparse
 import statistics
@@ -16,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagua_mpi as bm
+from bagua_mpi.algorithms import onebit_adam
 
 
 class Launches(TorchDispatchMode):
@@ -75,11 +77,45 @@ def main():
                 p.grad = x
             opt.step()
 
+        adam_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        adam = bm.DistributedOptimizer(
+            torch.optim.AdamW(adam_params, lr=1e-4, weight_decay=0.01),
+            named_parameters=[(f"p{i}", p) for i, p in enumerate(adam_params)],
+            algorithm=bm.algorithms.OneBitAdam(warmup_steps=1))
+
+        def adam_backward():
+            adam.zero_grad()
+            sum((p * x).sum() for p, x in zip(adam_params, xs)).backward()
+
+        def adam_step():
+            adam_backward()
+            adam.step()
+
+        def adam_step_counted():
+            """The operations of step() alone, on the route device tensors take (host tensors
+            are updated one at a time, in cache; a tree without the route counts its own)."""
+            adam_backward()
+            host_route = getattr(onebit_adam, "_together", None)
+            onebit_adam._together = lambda p: True
+            try:
+                with Launches() as mode:
+                    adam.step()
+            finally:
+                if host_route is not None:
+                    onebit_adam._together = host_route
+            return mode.count
+
         cases = {"grouped Sum float32": lambda: bm.grouped_allreduce(xs, op=bm.Sum),
                  "grouped Sum float16": lambda: bm.grouped_allreduce(halves, op=bm.Sum),
                  "Adasum optimizer step": step}
         for name, fn in cases.items():
             rows.append((n, name, launches(fn), timed(fn)))
+        for _ in range(3):  # 1-bit Adam's warm-up step, then its compressed stage
+            adam_step()
+        rows.append((n, "1-bit Adam step (compressed stage; device route counted)",
+                     adam_step_counted(), timed(adam_step)))
+        adam.close()
+        opt.close()
     if bm.rank() == 0:
         for n, name, count, ms in rows:
             print(f"{args.label} | {n} tensors | {name} | {count} operations | {ms:.2f} ms")
