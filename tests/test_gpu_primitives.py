@@ -112,10 +112,43 @@ def test_topk_gtopk_powersgd_on_device_match_host(mode):
 @pytest.mark.parametrize("aware", ["0", "1"], ids=["staged", "cuda-aware"])
 def test_adasum_combines_cuda_tensors_on_the_device(aware):
     """``op=Adasum`` on CUDA tensors at 2 ranks sharing the GPU: the halves go by the device
-    carrier, the result is a CUDA tensor (``tests/mpi/adasum_suite.py --cuda``)."""
+    carrier, the result is a CUDA tensor, and a grouped call's kernels do not grow with its
+    tensors (``tests/mpi/adasum_suite.py --cuda``)."""
     from mpi_harness import assert_check_passed, run_mpi
     if aware == "1":
         skip_unless_mpi_cuda_aware()
-    result = run_mpi("adasum_suite.py", 2, "--cuda", "--check", "cuda_tensors_stay_on_device",
+    checks = ["cuda_tensors_stay_on_device", "grouped_cuda_launches_do_not_grow"]
+    result = run_mpi("adasum_suite.py", 2, "--cuda",
+                     *(arg for check in checks for arg in ("--check", check)),
                      env={"BAGUA_MPI_CUDA_AWARE": aware, "BAGUA_MPI_BACKEND": "mpi"})
-    assert_check_passed(result, "cuda_tensors_stay_on_device")
+    for check in checks:
+        assert_check_passed(result, check)
+
+
+@needs_gpu
+def test_onebit_adam_update_launches_do_not_grow_on_the_device():
+    """1-bit Adam's compressed-stage update of CUDA parameters (foreach lists): close to the
+    expression a parameter at a time (the foreach kernels may contract differently), and for
+    256 tensors at most one kernel per 8 tensors more than for 16 of the same elements, where a
+    parameter at a time launched four per tensor (torch's profiler's count)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from bagua_mpi.algorithms.onebit_adam import _frozen_variance_updates_
+
+    kernels = {}
+    for tensors in (16, 256):
+        g = torch.Generator().manual_seed(tensors)
+        slices = [tuple(t.cuda() for t in (torch.randn(4096 // tensors, generator=g),
+                                             torch.randn(4096 // tensors, generator=g),
+                                             torch.rand(4096 // tensors, generator=g)))
+                  for _ in range(tensors)]
+        want = [p.add(m / (v.sqrt() + 1e-8), alpha=-1e-3) for p, m, v in slices]
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _frozen_variance_updates_(slices, 1e-3, 1e-8)
+            torch.cuda.synchronize()
+        kernels[tensors] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+        for (p, _, _), w in zip(slices, want):
+            torch.testing.assert_close(p, w, rtol=1e-6, atol=1e-7)
+    assert kernels[256] - kernels[16] <= (256 - 16) // 8, f"CUDA kernels by tensors {kernels}"

@@ -116,7 +116,7 @@ def test_compressed_stage_launches_do_not_grow_with_the_parameters(one_rank, mon
             torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
             named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
             algorithm=bm.algorithms.OneBitAdam(warmup_steps=1))
-        for step in range(4):  # the warm-up step, then the compressed stage
+        for _ in range(4):  # the warm-up step, then the compressed stage
             opt.zero_grad()
             sum((p * p).sum() for p in params).backward()
             with DispatchCount() as count:

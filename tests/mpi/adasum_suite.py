@@ -682,6 +682,40 @@ def cuda_tensors_stay_on_device(rank, size):
                   f"grouped on the device, pieces of {piece}, tensor {i}")
 
 
+def cuda_kernels(fn) -> int:
+    """CUDA kernels ``fn()`` launched, from torch's profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def grouped_cuda_launches_do_not_grow(rank, size):
+    """(``--cuda`` only: needs a GPU.) A grouped allreduce of CUDA tensors, Adasum and Sum,
+    launches for 256 tensors at most one kernel per 8 tensors more than for 16 of the same
+    elements (foreach operations split long lists; a copy each way per tensor, and Adasum's
+    sums and scaling per tensor and level, made it grow by two or more per tensor). The kernels
+    are torch's profiler's count, on this GPU."""
+    m = member()
+    if m is None or m[2] < 2:
+        return
+    ps, r, n = m
+    for op in (hvd.Adasum, hvd.Sum):
+        kernels = {}
+        for tensors in (16, 256):
+            xs = [inp(f"cudalaunch{tensors}.{i}", r, (4096 // tensors,)).cuda()
+                  for i in range(tensors)]
+            hvd.grouped_allreduce(xs, op=op, process_set=ps)  # the first call allocates
+            kernels[tensors] = cuda_kernels(
+                lambda: hvd.grouped_allreduce(xs, op=op, process_set=ps))
+        assert kernels[256] - kernels[16] <= (256 - 16) // 8, (
+            f"{op}: CUDA kernels by tensors {kernels}")
+
+
 def mismatch_raises(rank, size):
     """Ranks that disagree (Adasum here, Sum there) get MismatchError, not a hang."""
     m = member()
@@ -703,7 +737,8 @@ CHECKS = {f.__name__: f for f in (
 
 
 # run only with --cuda (on a GPU: tests/test_gpu_primitives.py)
-CUDA_CHECKS = {f.__name__: f for f in (cuda_tensors_stay_on_device,)}
+CUDA_CHECKS = {f.__name__: f for f in (cuda_tensors_stay_on_device,
+                                          grouped_cuda_launches_do_not_grow)}
 
 
 def main():
