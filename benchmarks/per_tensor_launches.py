@@ -1,5 +1,6 @@
-"""What a grouped allreduce, Adasum's delta optimizer and 1-bit Adam's compressed-stage
-``step()`` dispatch, and how long they take, for 4 to 256 tensors of the same total size.
+"""What a grouped allreduce, Adasum's delta optimizer, 1-bit Adam's compressed-stage ``step()``
+and PowerSGD's orthonormalization dispatch, and how long they take, for 4 to 256 tensors
+(layers) of the same total size.
 
 On a GPU each dispatched operation that computes or copies is at least one kernel launch (a
 few microseconds of host time each), so the count is the launch cost a CPU can measure; the
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagua_mpi as bm
 from bagua_mpi.algorithms import onebit_adam
+from bagua_mpi.primitives import lowrank
 
 
 class Launches(TorchDispatchMode):
@@ -110,12 +112,30 @@ def main():
                  "Adasum optimizer step": step}
         for name, fn in cases.items():
             rows.append((n, name, launches(fn), timed(fn)))
+        # PowerSGD's orthonormalization of every layer's P (n x 4, the rows summing to the
+        # elements), as CUDA tensors take it: every P at once, or (a tree without that) one at
+        # a time
+        p_rows = max(4, args.elements // (64 * n))
+        packed = torch.randn(n * p_rows * 4, generator=gen)
+        shapes = tuple((p_rows, 4) for _ in range(n))
+
+        def orthonormalize():
+            if hasattr(lowrank, "orthonormalize_packed_"):
+                lowrank.orthonormalize_packed_(packed, shapes)
+                return
+            for k in range(n):
+                view = packed[k * p_rows * 4:(k + 1) * p_rows * 4].view(p_rows, 4)
+                view.copy_(lowrank.orthonormalize_device(view))
+
+        powersgd_row = (n, "PowerSGD orthonormalization (device route)",
+                        launches(orthonormalize), timed(orthonormalize))
         for _ in range(3):  # 1-bit Adam's warm-up step, then its compressed stage
             adam_step()
         rows.append((n, "1-bit Adam step (compressed stage; device route counted)",
                      adam_step_counted(), timed(adam_step)))
         adam.close()
         opt.close()
+        rows.append(powersgd_row)
     if bm.rank() == 0:
         for n, name, count, ms in rows:
             print(f"{args.label} | {n} tensors | {name} | {count} operations | {ms:.2f} ms")

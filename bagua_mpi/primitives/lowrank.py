@@ -28,11 +28,12 @@ Every rank must pass the same segment list (shapes, ranks, order): it decides th
 buffers and so the collectives. An empty list makes no MPI call, which is consistent only when
 it is empty on every rank. Float32 tensors, all on the host or all on one CUDA device (with
 their Q and errors there): on a device every product runs there, the float64 Gram-Schmidt
-too (``orthonormalize_device``), and only the packed P and Q move (through the transport: NCCL
-or a CUDA-aware MPI on the device, else reused pinned host buffers).
+too (``orthonormalize_packed_``: many P's at once), and only the packed P and Q move (through
+the transport: NCCL or a CUDA-aware MPI on the device, else reused pinned host buffers).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,23 +74,70 @@ def initial_q(cols: int, max_rank: int, seed: int) -> torch.Tensor:
     return torch.randn(cols, max_rank, generator=gen, dtype=torch.float32)
 
 
-def orthonormalize_device(p: torch.Tensor) -> torch.Tensor:
-    """``orthonormalize`` in torch float64 where ``p`` lives (a GPU), as a new tensor: the same
-    steps, with the dependent-column test a select instead of a branch, so the host never
-    waits for the device. Every rank holds the same summed P and runs the same kernels, so
-    every rank gets the same P^."""
-    out = p.to(torch.float64).clone()
-    for j in range(out.shape[1]):
-        col = out[:, j]
-        norm0 = torch.linalg.vector_norm(col)
-        if j:
-            done = out[:, :j]
-            for _ in range(2):
-                col -= done @ (done.T @ col)
-        norm = torch.linalg.vector_norm(col)
-        keep = (norm > 0.0) & (norm > _DEPENDENT * norm0)
-        col.copy_(torch.where(keep, col / torch.where(keep, norm, 1.0), 0.0))
-    return out
+def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> list[torch.Tensor]:
+    """``orthonormalize`` of every P in ``packed`` (P_k: a row-major ``shapes[k]`` = (n_k, r_k)
+    block, one after another) in torch float64 where they live (a GPU), in place, many at
+    once; returns each P^'s mask of nonzero columns.
+
+    P's whose row counts have the same bit length form a batch (so padding at most doubles a
+    P), and per batch:
+
+    1. scatter its P's into a zero (B, n_max, r_max) float64 tensor (zero rows change no norm
+       or dot product, and a zero column comes out zero, so padding changes no real entry);
+    2. ``orthonormalize``'s steps, a column at a time for all of them, with the
+       dependent-column test a select instead of a branch, so the host never waits for the
+       device;
+    3. gather the real entries back into ``packed``.
+
+    Its launches grow with the batches and r_max, not with the number of P's, where a P at a
+    time made about fifteen per column of every P. Every rank holds the same summed P's and
+    runs the same batches, so every rank gets the same P^s."""
+    wide = packed.to(torch.float64)
+    lives: list = [None] * len(shapes)
+    for members, src, dst, batch_shape in _batches(shapes, str(packed.device)):
+        out = torch.zeros(batch_shape, dtype=torch.float64, device=packed.device)
+        out.view(-1).index_copy_(0, dst, wide.index_select(0, src))
+        for j in range(batch_shape[2]):
+            col = out[:, :, j]  # (B, n_max), a view
+            norm0 = torch.linalg.vector_norm(col, dim=1)
+            if j:
+                done = out[:, :, :j]
+                for _ in range(2):
+                    col -= torch.bmm(done, torch.bmm(done.transpose(1, 2),
+                                                     col.unsqueeze(2))).squeeze(2)
+            norm = torch.linalg.vector_norm(col, dim=1)
+            keep = ((norm > 0.0) & (norm > _DEPENDENT * norm0)).unsqueeze(1)
+            col.copy_(torch.where(keep, col / torch.where(keep, norm.unsqueeze(1), 1.0), 0.0))
+        packed.index_copy_(0, src, out.view(-1).index_select(0, dst).to(packed.dtype))
+        live = out.abs().amax(dim=1) > 0
+        for row, k in enumerate(members):
+            lives[k] = live[row, :shapes[k][1]]
+    return lives
+
+
+@functools.lru_cache(maxsize=32)
+def _batches(shapes: tuple, device: str) -> list[tuple]:
+    """``orthonormalize_packed_``'s batches: (the P's in it, where their elements are in the
+    packed buffer, where they go in the zero-padded (B, n_max, r_max) batch, its shape), the
+    positions as tensors on ``device`` (made once per layout: it is the same every step)."""
+    starts = np.concatenate([[0], np.cumsum([n * r for n, r in shapes])]).astype(np.int64)
+    by_length: dict = {}
+    for k, (n, _) in enumerate(shapes):
+        by_length.setdefault(int(n).bit_length(), []).append(k)
+    batches = []
+    for members in by_length.values():
+        n_max = max(shapes[k][0] for k in members)
+        r_max = max(shapes[k][1] for k in members)
+        src, dst = [], []
+        for row, k in enumerate(members):
+            n, r = shapes[k]
+            src.append(np.arange(starts[k], starts[k + 1]))
+            dst.append((row * n_max * r_max + np.arange(n)[:, None] * r_max
+                        + np.arange(r)[None, :]).reshape(-1))
+        batches.append((members, torch.from_numpy(np.concatenate(src)).to(device),
+                        torch.from_numpy(np.concatenate(dst)).to(device),
+                        (len(members), n_max, r_max)))
+    return batches
 
 
 def orthonormalize(p: np.ndarray) -> np.ndarray:
@@ -178,15 +226,15 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
                                                                                   seg.rank))
     _allreduce_sum(p_buf, comm, stats)
 
-    p_hats = []
-    for k, seg in enumerate(segments):
-        p_hat = p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank)
-        if p_buf.is_cuda:  # float64 Gram-Schmidt where P is: no host round trip, no wait
-            p_hat.copy_(orthonormalize_device(p_hat))
-        else:
+    p_hats = [p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank)
+              for k, seg in enumerate(segments)]
+    if _on_device(p_buf):  # float64 Gram-Schmidt where P is, many P's at once: no wait
+        lives = orthonormalize_packed_(p_buf, tuple((seg.rows, seg.rank) for seg in segments))
+    else:
+        for p_hat in p_hats:
             view = host_view(p_hat)
             view[:] = orthonormalize(view)  # float64 Gram-Schmidt, cast back to float32
-        p_hats.append(p_hat)
+        lives = [p_hat.abs().amax(dim=0) > 0 for p_hat in p_hats]
 
     for k, (seg, mat, p_hat) in enumerate(zip(segments, mats, p_hats)):
         q_mine = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
@@ -197,12 +245,19 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
     if scale != 1.0:
         q_buf.mul_(scale)
 
-    for k, (seg, p_hat) in enumerate(zip(segments, p_hats)):
+    for k, (seg, p_hat, live) in enumerate(zip(segments, p_hats, lives)):
         q_avg = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
         torch.mm(p_hat, q_avg.t(), out=seg.flat.view(seg.rows, cols[k]))
-        live = p_hat.abs().amax(dim=0) > 0  # zero P^ columns (same on all ranks) keep their Q
+        # zero P^ columns (the same on all ranks) keep their Q: a select, not a branch (no
+        # wait on the device)
         q = seg.q[:, :seg.rank]
-        q.copy_(torch.where(live, q_avg, q))  # a select, not a branch: no wait on the device
+        q.copy_(torch.where(live, q_avg, q))
+
+
+def _on_device(buf: torch.Tensor) -> bool:
+    """Whether the P's are orthonormalized by torch where they are (``orthonormalize_packed_``):
+    on a device. Host P's take NumPy, a P at a time (the fastest on a CPU)."""
+    return buf.device.type != "cpu"
 
 
 def _allreduce_sum(buf: torch.Tensor, comm, stats: WireStats | None) -> None:

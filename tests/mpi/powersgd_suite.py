@@ -12,8 +12,9 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.algorithms import PowerSGD
-from bagua_mpi.primitives import LowRankSegment, initial_q, powersgd_allreduce_
-from bagua_mpi.primitives.lowrank import orthonormalize, orthonormalize_device
+from bagua_mpi.primitives import LowRankSegment, initial_q, lowrank, powersgd_allreduce_
+from bagua_mpi.primitives.lowrank import orthonormalize, orthonormalize_packed_
+from dispatch_count import DispatchCount
 
 # (rows, cols, rank, error feedback, r_max): r < min, r = min with rows < cols and with
 # cols < rows, a 1-row matrix, and a segment without error feedback whose Q state is wider
@@ -182,13 +183,40 @@ def check_exact_cases(rank, size):
     expected[:, 3] = np.array([0.64, -0.48, 2.0]) / np.linalg.norm([0.64, -0.48, 2.0])
     np.testing.assert_allclose(got, expected, atol=1e-15)
     assert np.array_equal(p[:, 1], [6.0, 8.0, 0.0])  # the input is not modified
-    # the device form (torch float64, selects instead of branches) gives the same columns
-    device_form = orthonormalize_device(torch.from_numpy(p)).numpy()
-    np.testing.assert_allclose(device_form, expected, atol=1e-15)
+    # the device form (torch float64, selects instead of branches, every P at once) gives the
+    # same columns, alone or packed with others of other shapes
+    def device_form(*ps):
+        packed = torch.cat([torch.from_numpy(x).reshape(-1) for x in ps])
+        live = orthonormalize_packed_(packed, tuple(x.shape for x in ps))
+        out, start = [], 0
+        for k, x in enumerate(ps):
+            out.append(packed[start:start + x.size].reshape(x.shape).numpy())
+            assert np.array_equal(live[k].numpy(), np.abs(out[-1]).max(axis=0) > 0)
+            start += x.size
+        return out
+    np.testing.assert_allclose(device_form(p)[0], expected, atol=1e-15)
     ill = np.random.default_rng(rank).standard_normal((40, 3))
     ill[:, 2] = ill[:, 0] - 1e-9 * ill[:, 1]  # nearly dependent: re-orthogonalization matters
-    np.testing.assert_allclose(orthonormalize_device(torch.from_numpy(ill)).numpy(),
-                               orthonormalize(ill), atol=1e-12)
+    np.testing.assert_allclose(device_form(ill)[0], orthonormalize(ill), atol=1e-12)
+    near = ill.copy()  # independent by 1e-6 only: one pass of Gram-Schmidt is not enough
+    near[:, 2] = near[:, 0] + 1e-6 * np.random.default_rng([rank, 9]).standard_normal(40)
+    got = device_form(near)[0]
+    np.testing.assert_allclose(got.T @ got, np.eye(3), atol=1e-12)
+    np.testing.assert_allclose(got, orthonormalize(near), atol=1e-12)
+    others = [np.random.default_rng([rank, k]).standard_normal(shape)  # 3 batches with ill's
+              for k, shape in enumerate([(7, 2), (1, 1), (25, 4), (63, 3), (33, 2)])]
+    for got, x in zip(device_form(ill, p, *others), [ill, p, *others]):
+        np.testing.assert_allclose(got, orthonormalize(x), atol=1e-12)
+    # many P's at once: as many operations that compute or copy (each a kernel launch or more
+    # on a GPU) for 64 P's as for 8 (two batches by row count, of rank 4 at most, either way)
+    counted = {}
+    for how_many in (8, 64):
+        shapes = tuple((5 + k % 7, 1 + k % 4) for k in range(how_many))
+        packed = torch.randn(sum(n * r for n, r in shapes), dtype=torch.float32)
+        with DispatchCount() as count:
+            orthonormalize_packed_(packed, shapes)
+        counted[how_many] = count.launches
+    assert counted[64] == counted[8], f"operations by P's: {counted}"
     # an empty list is a no-op on every rank
     powersgd_allreduce_([], comm)
     return checks + 3
@@ -404,11 +432,26 @@ def check_state_round_trip(rank, size):
         o.close()
 
 
+def on_the_device_route(check):
+    """``check`` with the P's orthonormalized as CUDA tensors' are (``orthonormalize_packed_``,
+    every layer's at once), here on host tensors."""
+    def run(rank, size):
+        saved = lowrank._on_device
+        lowrank._on_device = lambda buf: True
+        try:
+            return check(rank, size)
+        finally:
+            lowrank._on_device = saved
+    return run
+
+
 def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
     checks = check_against_simulation(rank, size)
     checks += check_exact_cases(rank, size)
+    checks += on_the_device_route(check_against_simulation)(rank, size)
+    checks += on_the_device_route(check_exact_cases)(rank, size)
     check_bad_input(rank, size)
     check_first_step(rank, size)
     losses = check_training(rank, size)
