@@ -183,8 +183,8 @@ def check_exact_cases(rank, size):
     expected[:, 3] = np.array([0.64, -0.48, 2.0]) / np.linalg.norm([0.64, -0.48, 2.0])
     np.testing.assert_allclose(got, expected, atol=1e-15)
     assert np.array_equal(p[:, 1], [6.0, 8.0, 0.0])  # the input is not modified
-    # the device form (torch float64, selects instead of branches, every P at once) gives the
-    # same columns, alone or packed with others of other shapes
+    # the device form (torch float64, selects instead of branches, many P's at once) gives
+    # the same columns, alone or packed with others of other shapes
     def device_form(*ps):
         packed = torch.cat([torch.from_numpy(x).reshape(-1) for x in ps])
         live = orthonormalize_packed_(packed, tuple(x.shape for x in ps))
@@ -203,7 +203,7 @@ def check_exact_cases(rank, size):
     got = device_form(near)[0]
     np.testing.assert_allclose(got.T @ got, np.eye(3), atol=1e-12)
     np.testing.assert_allclose(got, orthonormalize(near), atol=1e-12)
-    others = [np.random.default_rng([rank, k]).standard_normal(shape)  # 3 batches with ill's
+    others = [np.random.default_rng([rank, k]).standard_normal(shape)  # 63, 33: ill's batch
               for k, shape in enumerate([(7, 2), (1, 1), (25, 4), (63, 3), (33, 2)])]
     for got, x in zip(device_form(ill, p, *others), [ill, p, *others]):
         np.testing.assert_allclose(got, orthonormalize(x), atol=1e-12)
@@ -434,7 +434,7 @@ def check_state_round_trip(rank, size):
 
 def on_the_device_route(check):
     """``check`` with the P's orthonormalized as CUDA tensors' are (``orthonormalize_packed_``,
-    every layer's at once), here on host tensors."""
+    many layers' at once), here on host tensors."""
     def run(rank, size):
         saved = lowrank._on_device
         lowrank._on_device = lambda buf: True
