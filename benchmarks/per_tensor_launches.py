@@ -5,8 +5,9 @@ and PowerSGD's orthonormalization dispatch, and how long they take, for 4 to 256
 On a GPU each dispatched operation that computes or copies is at least one kernel launch (a
 few microseconds of host time each), so the count is the launch cost a CPU can measure; the
 times are CPU tensors' (what a CPU user gets). 1-bit Adam updates host parameters one at a time
-(in cache) and device ones in foreach lists: its count is taken on the device route. Run it with two trees (two venvs, each with one
-editable install) and compare the lines.
+(in cache) and device ones in foreach lists, and PowerSGD orthonormalizes host P's in NumPy:
+both are counted on the route device tensors take. Run it with two trees (two venvs, each with
+one editable install) and compare the lines.
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/per_tensor_launches.py
 """
