@@ -151,8 +151,8 @@ def flatten(tensors, dt: str):
 
 
 def flatten_into(work: torch.Tensor, tensors) -> None:
-    """``flatten`` into the existing ``work`` (tensors or arrays, brought to its device)."""
-    views = [as_tensor(t).detach().reshape(-1).to(work.device) for t in tensors]
+    """``flatten`` into the existing ``work`` (tensors or arrays on its device)."""
+    views = [as_tensor(t).reshape(-1) for t in tensors]
     if all(v.dtype == work.dtype for v in views):
         torch.cat(views, out=work)
     else:

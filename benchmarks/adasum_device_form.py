@@ -14,31 +14,19 @@ it interleaved with this one, call by call.
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from mpi4py import MPI
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagua_mpi as bm
 from bagua_mpi.primitives import adasum
 
-
-class CountOps(TorchDispatchMode):
-    """Counts the torch operations dispatched from Python (the top level only)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0  # that compute or copy (a kernel launch or more on a GPU)
-        self.views = 0  # that only make a view (no launch)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.is_view:
-            self.views += 1
-        else:
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "mpi"))
+from dispatch_count import DispatchCount  # noqa: E402  (the tests' counter)
 
 
 def load_baseline(path):
@@ -66,8 +54,7 @@ def timed_interleaved(fns, repeats=11):
 
 
 def count_ops(module, data, comm, counts):
-    mode = CountOps()
-    with mode:
+    with DispatchCount() as mode:
         module.adasum_allreduce_(data.clone(), comm, counts)
     return mode
 
@@ -104,7 +91,7 @@ def main():
               + (" this / baseline |" if len(names) == 2 else ""))
         print("|---:" * (2 * len(names) + 2 + (len(names) == 2)) + "|")
         for segments, ops, times in rows:
-            cells = [f"{ops[n].ops} (+{ops[n].views})" for n in names]
+            cells = [f"{ops[n].launches} (+{ops[n].views})" for n in names]
             cells += [f"{t:.2f} ms" for t in times]
             if len(names) == 2:
                 cells.append(f"{times[1] / times[0]:.2f}x")

@@ -13,28 +13,18 @@ one editable install) and compare the lines.
 """
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bagua_mpi as bm
 from bagua_mpi.algorithms import onebit_adam
 from bagua_mpi.primitives import lowrank
 
-
-class Launches(TorchDispatchMode):
-    """Operations dispatched from Python that compute or copy (not views or allocations)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not func.is_view and not name.startswith(("empty", "new_empty")):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "mpi"))
+from dispatch_count import DispatchCount  # noqa: E402  (the tests' counter)
 
 
 def timed(fn, repeats=15):
@@ -50,9 +40,9 @@ def timed(fn, repeats=15):
 
 
 def launches(fn):
-    with Launches() as mode:
+    with DispatchCount() as mode:
         fn()
-    return mode.count
+    return mode.launches
 
 
 def main():
@@ -101,12 +91,12 @@ def main():
             host_route = getattr(onebit_adam, "_together", None)
             onebit_adam._together = lambda p: True
             try:
-                with Launches() as mode:
+                with DispatchCount() as mode:
                     adam.step()
             finally:
                 if host_route is not None:
                     onebit_adam._together = host_route
-            return mode.count
+            return mode.launches
 
         cases = {"grouped Sum float32": lambda: bm.grouped_allreduce(xs, op=bm.Sum),
                  "grouped Sum float16": lambda: bm.grouped_allreduce(halves, op=bm.Sum),

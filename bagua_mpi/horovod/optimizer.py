@@ -353,7 +353,7 @@ class AdasumDistributedOptimizer(_UnbucketedOptimizer):
             deltas = collectives.grouped_allreduce(deltas, None, None, self.compression, Adasum,
                                                    process_set=self.process_set)
             with torch.no_grad():
-                torch._foreach_add_(starts, [d.to(s.dtype) for d, s in zip(deltas, starts)])
+                torch._foreach_add_(starts, deltas)  # deltas keep their parameters' dtypes
                 torch._foreach_copy_(params, starts)
         self.steps += 1
         return loss

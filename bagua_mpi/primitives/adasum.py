@@ -362,9 +362,6 @@ def _combine(buf, wire: transport.Transport, rank: int, size: int, counts) -> No
 
 # -- the collectives' entry point -------------------------------------------------------------
 
-_HOST = torch.device("cpu")
-
-
 def _wire(dt: str) -> torch.dtype:
     """The dtype Adasum computes ``dt`` in: float64 stays, the rest in float32."""
     return torch.float64 if dt == "float64" else torch.float32
@@ -374,14 +371,6 @@ def _flat_view(x, wire: torch.dtype) -> torch.Tensor | None:
     """A 1-D view of ``x``'s memory when it is contiguous and of dtype ``wire``."""
     t = as_tensor(x)
     return t.reshape(-1) if t.dtype == wire and t.is_contiguous() else None
-
-
-def _device_of(tensors) -> torch.device:
-    """Where a fused buffer of ``tensors`` is combined: their device when they share one, else
-    the host. (The grouping is by dtype alone, so every rank fuses the same segments wherever
-    its own tensors live.)"""
-    found = {x.device if isinstance(x, torch.Tensor) else _HOST for x in tensors}
-    return found.pop() if len(found) == 1 else _HOST
 
 
 def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=None,
@@ -426,11 +415,11 @@ def allreduce_run(comm, tensors, outs, prescale: float, postscale: float, check=
                 if outs[idx[0]] is not tensors[idx[0]]:
                     work.copy_(as_tensor(tensors[idx[0]]).reshape(-1))
             else:
-                # (a prototype of the buffer's dtype and device: empty_like allocates a large
-                # host buffer through NumPy, for its huge pages)
-                work = empty_like(torch.empty(0, dtype=wire,
-                                              device=_device_of(tensors[i] for i in idx)),
-                                  shape=(total,))
+                # on the tensors' one device (the caller's rule); a prototype of the buffer's
+                # dtype there, since empty_like allocates a large host buffer through NumPy,
+                # for its huge pages
+                device = as_tensor(tensors[idx[0]]).device
+                work = empty_like(torch.empty(0, dtype=wire, device=device), shape=(total,))
                 flatten_into(work, [tensors[i] for i in idx])
             if prescale != 1.0:
                 work.mul_(prescale)

@@ -9,6 +9,7 @@ Adasum needs a power-of-two number of ranks (Horovod's rule). With 2^k ranks the
 the global set; with any other count they run on a process set of the first 2^k ranks (the
 others skip them), and ``non_power_of_two`` checks that the global set refuses.
 """
+import contextlib
 import sys
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 import bagua_mpi as hvd
 from bagua_mpi.exceptions import MisuseError
 from checks import run_checks
-from dispatch_count import DispatchCount
+from dispatch_count import DispatchCount, cuda_kernels
 from simulate import TORCH_DTYPES, adasum_all, as_f64, reduce_all
 
 SEED = 20261124
@@ -503,6 +504,20 @@ def exchanges_take_the_transport(rank, size):
     assert moved == {carrier: want}, f"transport calls {moved}, want {{{carrier!r}: {want}}}"
 
 
+@contextlib.contextmanager
+def device_sum_sizes(piece=None, batch=None, large=None):
+    """The torch form's piece, batch and "large" sizes set for the block (None keeps one)."""
+    from bagua_mpi.primitives import adasum
+
+    saved = adasum._PIECE, adasum._BATCH, adasum._LARGE
+    adasum._PIECE, adasum._BATCH, adasum._LARGE = (
+        v if v is not None else old for v, old in zip((piece, batch, large), saved))
+    try:
+        yield
+    finally:
+        adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
+
+
 def torch_form_matches_simulation(rank, size):
     """The torch form of the combination (what CUDA tensors take; ``adasum_allreduce_`` with a
     tensor runs it on a CPU tensor here) against the simulation and the NumPy form, segment by
@@ -522,12 +537,9 @@ def torch_form_matches_simulation(rank, size):
     cases = [("float32", [1.0] * n), ("float32", [1e30] * n), ("float64", [1.0] * n),
              ("float64", [1e300] * n), ("float64", [1e-300] * n), ("float64", spread)]
     counts = [1000, 0, 377, 64, 2049]
-    sizes = {"as it runs": (adasum._PIECE, adasum._BATCH, adasum._LARGE),
-             "in small pieces": (100, 700, 1500)}
+    sizes = {"as it runs": (None, None, None), "in small pieces": (100, 700, 1500)}
     for label, (piece, batch, large) in sizes.items():
-        saved = adasum._PIECE, adasum._BATCH, adasum._LARGE
-        adasum._PIECE, adasum._BATCH, adasum._LARGE = piece, batch, large
-        try:
+        with device_sum_sizes(piece, batch, large):
             for dtype, scales in cases:
                 what = f"{label}, {dtype} x{scales[0]:g}..{scales[-1]:g}"
                 per_rank = [[inp(f"torch{dtype}{k}{scales[0]}", q, (c,), dtype,
@@ -544,8 +556,6 @@ def torch_form_matches_simulation(rank, size):
                     for got, form in ((by_torch, "torch"), (torch.from_numpy(by_numpy), "numpy")):
                         close(got[start:start + c], inputs, f"{form}, {what}, segment {k}")
                     start += c
-        finally:
-            adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
 
 
 def torch_form_random_layouts(rank, size):
@@ -560,29 +570,24 @@ def torch_form_random_layouts(rank, size):
         return
     ps, r, n = m
     rng = np.random.default_rng([SEED, 7])
-    saved = adasum._PIECE, adasum._BATCH, adasum._LARGE
-    try:
-        for layout in range(24):
-            piece = int(rng.choice([1, 7, 64, 100]))
-            adasum._PIECE = piece
-            adasum._BATCH = int(piece * rng.choice([1, 3, 8]))
-            adasum._LARGE = int(rng.choice([2, 300, 1500]))
-            counts = [int(c) for c in rng.choice([0, 1, piece, piece + 1, 2 * piece - 1, 299,
-                                                  300, 1499, 1500, 2049],
-                                                 size=int(rng.integers(1, 12)))]
-            zero_at = (int(rng.integers(len(counts))), int(rng.integers(n)))
-            per_rank = [[inp(f"layout{layout}.{k}", q, (c,)) for k, c in enumerate(counts)]
-                        for q in range(n)]
-            per_rank[zero_at[1]][zero_at[0]] = per_rank[zero_at[1]][zero_at[0]] * 0
+    for layout in range(24):
+        piece = int(rng.choice([1, 7, 64, 100]))
+        batch = int(piece * rng.choice([1, 3, 8]))
+        large = int(rng.choice([2, 300, 1500]))
+        counts = [int(c) for c in rng.choice([0, 1, piece, piece + 1, 2 * piece - 1, 299, 300,
+                                              1499, 1500, 2049], size=int(rng.integers(1, 12)))]
+        zero_at = (int(rng.integers(len(counts))), int(rng.integers(n)))
+        per_rank = [[inp(f"layout{layout}.{k}", q, (c,)) for k, c in enumerate(counts)]
+                    for q in range(n)]
+        per_rank[zero_at[1]][zero_at[0]] = per_rank[zero_at[1]][zero_at[0]] * 0
+        with device_sum_sizes(piece, batch, large):
             got = adasum.adasum_allreduce_(torch.cat(per_rank[r]), ps.comm, counts)
-            start = 0
-            for k, c in enumerate(counts):
-                close(got[start:start + c], [per_rank[q][k] for q in range(n)],
-                      f"layout {layout} (counts {counts}, pieces of {adasum._PIECE}, batches of "
-                      f"{adasum._BATCH}, large from {adasum._LARGE}), segment {k}")
-                start += c
-    finally:
-        adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
+        start = 0
+        for k, c in enumerate(counts):
+            close(got[start:start + c], [per_rank[q][k] for q in range(n)],
+                  f"layout {layout} (counts {counts}, pieces of {piece}, batches of {batch}, "
+                  f"large from {large}), segment {k}")
+            start += c
 
 
 def device_form_launches_do_not_grow(rank, size):
@@ -661,37 +666,18 @@ def cuda_tensors_stay_on_device(rank, size):
     # a grouped call of many tensors (the segmented sums, the dot products of a large one and
     # the foreach multiply on the device), one of them zero on rank 0; then again in small
     # pieces and batches
-    from bagua_mpi.primitives import adasum
-
     sizes = [7, 40_000, 0, 1, 300_001] + [1000 + 37 * i for i in range(40)]
     per_rank = [[inp(f"cudagroup{i}", q, (c,), "float32") for i, c in enumerate(sizes)]
                 for q in range(n)]
     per_rank[0][1] = torch.zeros_like(per_rank[0][1])
-    for piece, batch, large in ((adasum._PIECE, adasum._BATCH, adasum._LARGE),
-                                (1000, 50_000, 100_000)):
-        saved = adasum._PIECE, adasum._BATCH, adasum._LARGE
-        adasum._PIECE, adasum._BATCH, adasum._LARGE = piece, batch, large
-        try:
+    for piece, batch, large in ((None, None, None), (1000, 50_000, 100_000)):
+        with device_sum_sizes(piece, batch, large):
             outs = hvd.grouped_allreduce([t.cuda() for t in per_rank[r]], op=hvd.Adasum,
                                          process_set=ps)
-        finally:
-            adasum._PIECE, adasum._BATCH, adasum._LARGE = saved
         for i, out in enumerate(outs):
             assert out.is_cuda, f"grouped tensor {i} came back on {out.device}"
             close(out.cpu(), [per_rank[q][i] for q in range(n)],
-                  f"grouped on the device, pieces of {piece}, tensor {i}")
-
-
-def cuda_kernels(fn) -> int:
-    """CUDA kernels ``fn()`` launched, from torch's profiler."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+                  f"grouped on the device, pieces of {piece or 'the default'}, tensor {i}")
 
 
 def grouped_cuda_launches_do_not_grow(rank, size):

@@ -3,10 +3,13 @@
 On a GPU every operation that computes or copies is at least one kernel launch, a few
 microseconds of host time each; allocations and views launch nothing. ``DispatchCount`` counts
 the operations dispatched from Python (the top level: what a composite operation does inside
-is not seen), by kind, for tests that a count does not grow with the number of tensors.
+is not seen) on the calling thread, by kind, for tests and benchmarks that a count does not
+grow with the number of tensors. ``cuda_kernels`` counts what a GPU really launched (all
+threads), from torch's profiler.
 """
 from __future__ import annotations
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
@@ -31,3 +34,15 @@ class DispatchCount(TorchDispatchMode):
             self.launches += 1
             self.names.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def cuda_kernels(fn) -> int:
+    """CUDA kernels launched while ``fn()`` runs (needs a GPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
