@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from .. import collectives, node_shared, runtime, transport
 from ..accounting import WireStats
-from ..buffers import scale_
+from ..buffers import copy_split, scale_
 from ..ops import Sum
 from ..primitives.centralized import (cast_allreduce_, cast_reduce_scatter_,
                                       wire_bytes_cast_allreduce)
@@ -105,8 +105,5 @@ def fused_allreduce_(tensors: list[torch.Tensor], comm, **kwargs) -> None:
         return
     fused = torch.cat([t.detach().reshape(-1) for t in tensors])
     allreduce_(fused, comm, **kwargs)
-    offset = 0
     with torch.no_grad():
-        for t in tensors:
-            t.copy_(fused[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        copy_split(fused, tensors)  # one copy back for all of them

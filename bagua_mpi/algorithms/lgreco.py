@@ -97,8 +97,8 @@ class LGreCoImpl(AlgorithmImpl):
         transport = self.transport
         with float32_all(bucket.grad_views()) as grads:  # where the gradients are
             layers = list(zip(bucket.names, grads))
-            for name, g in layers:
-                self.accumulator(name).add_(g)
+            # one operation for the whole bucket (one launch per layer on a GPU otherwise)
+            torch._foreach_add_([self.accumulator(name) for name in bucket.names], grads)
             before, started = self.wire.bytes_sent, time.perf_counter()
             self.family.exchange_(self, layers, transport, step)
             self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
@@ -118,8 +118,9 @@ class LGreCoImpl(AlgorithmImpl):
         started = time.perf_counter()
         proposal = self.decide() if self.ctx.topo.rank == 0 else None
         self.assignment = dict(collectives.broadcast_object(proposal, root_rank=0))
-        for acc in self.state.tensors.get("accumulator", {}).values():
-            acc.zero_()
+        accumulators = list(self.state.tensors.get("accumulator", {}).values())
+        if accumulators:
+            torch._foreach_zero_(accumulators)
         self.decisions += 1
         self.decision_seconds += time.perf_counter() - started
 

@@ -74,10 +74,11 @@ def initial_q(cols: int, max_rank: int, seed: int) -> torch.Tensor:
     return torch.randn(cols, max_rank, generator=gen, dtype=torch.float32)
 
 
-def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> list[torch.Tensor]:
+def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> torch.Tensor:
     """``orthonormalize`` of every P in ``packed`` (P_k: a row-major ``shapes[k]`` = (n_k, r_k)
     block, one after another) in torch float64 where they live (a GPU), in place, many at
-    once; returns each P^'s mask of nonzero columns.
+    once; returns which columns of the P^'s are nonzero, as one bool vector of sum_k r_k
+    entries (P_0's columns, then P_1's...).
 
     P's whose row counts have the same bit length form a batch (so padding at most doubles a
     P), and per batch:
@@ -87,14 +88,15 @@ def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> list[torch.Te
     2. ``orthonormalize``'s steps, a column at a time for all of them, with the
        dependent-column test a select instead of a branch, so the host never waits for the
        device;
-    3. gather the real entries back into ``packed``.
+    3. gather the real entries back into ``packed``, and each P's live columns into the
+       returned vector.
 
     Its launches grow with the batches and r_max, not with the number of P's, where a P at a
     time made about fifteen per column of every P. Every rank holds the same summed P's and
     runs the same batches, so every rank gets the same P^s."""
     wide = packed.to(torch.float64)
-    lives: list = [None] * len(shapes)
-    for members, src, dst, batch_shape in _batches(shapes, str(packed.device)):
+    lives = torch.empty(sum(r for _, r in shapes), dtype=torch.bool, device=packed.device)
+    for src, dst, col_src, col_dst, batch_shape in _batches(shapes, str(packed.device)):
         out = torch.zeros(batch_shape, dtype=torch.float64, device=packed.device)
         out.view(-1).index_copy_(0, dst, wide.index_select(0, src))
         for j in range(batch_shape[2]):
@@ -109,18 +111,20 @@ def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> list[torch.Te
             keep = ((norm > 0.0) & (norm > _DEPENDENT * norm0)).unsqueeze(1)
             col.copy_(torch.where(keep, col / torch.where(keep, norm.unsqueeze(1), 1.0), 0.0))
         packed.index_copy_(0, src, out.view(-1).index_select(0, dst).to(packed.dtype))
-        live = out.abs().amax(dim=1) > 0
-        for row, k in enumerate(members):
-            lives[k] = live[row, :shapes[k][1]]
+        live = out.abs().amax(dim=1) > 0  # (B, r_max)
+        lives.index_copy_(0, col_dst, live.view(-1).index_select(0, col_src))
     return lives
 
 
 @functools.lru_cache(maxsize=32)
 def _batches(shapes: tuple, device: str) -> list[tuple]:
-    """``orthonormalize_packed_``'s batches: (the P's in it, where their elements are in the
-    packed buffer, where they go in the zero-padded (B, n_max, r_max) batch, its shape), the
-    positions as tensors on ``device`` (made once per layout: it is the same every step)."""
+    """``orthonormalize_packed_``'s batches: (where their P's elements are in the packed
+    buffer, where they go in the zero-padded (B, n_max, r_max) batch, where their P's columns
+    are in the batch's (B, r_max) rows, where they go in the vector of live columns, the
+    batch's shape), the positions as tensors on ``device`` (made once per layout: it is the
+    same every step)."""
     starts = np.concatenate([[0], np.cumsum([n * r for n, r in shapes])]).astype(np.int64)
+    col_starts = np.concatenate([[0], np.cumsum([r for _, r in shapes])]).astype(np.int64)
     by_length: dict = {}
     for k, (n, _) in enumerate(shapes):
         by_length.setdefault(int(n).bit_length(), []).append(k)
@@ -128,14 +132,16 @@ def _batches(shapes: tuple, device: str) -> list[tuple]:
     for members in by_length.values():
         n_max = max(shapes[k][0] for k in members)
         r_max = max(shapes[k][1] for k in members)
-        src, dst = [], []
+        src, dst, col_src, col_dst = [], [], [], []
         for row, k in enumerate(members):
             n, r = shapes[k]
             src.append(np.arange(starts[k], starts[k + 1]))
             dst.append((row * n_max * r_max + np.arange(n)[:, None] * r_max
                         + np.arange(r)[None, :]).reshape(-1))
-        batches.append((members, torch.from_numpy(np.concatenate(src)).to(device),
-                        torch.from_numpy(np.concatenate(dst)).to(device),
+            col_src.append(row * r_max + np.arange(r))
+            col_dst.append(np.arange(col_starts[k], col_starts[k + 1]))
+        batches.append((*(torch.from_numpy(np.concatenate(x)).to(device)
+                          for x in (src, dst, col_src, col_dst)),
                         (len(members), n_max, r_max)))
     return batches
 
@@ -214,14 +220,14 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
     p_buf = torch.empty(p_off[-1], dtype=torch.float32, device=device)
     q_buf = torch.empty(q_off[-1], dtype=torch.float32, device=device)
 
-    mats = []  # M_i per segment: a view of the error memory (holding g + e) or of flat
-    for k, (seg, m) in enumerate(zip(segments, cols)):
-        if seg.error is not None:
-            seg.error.add_(seg.flat)  # M_i in the error's memory: e <- M_i - P^ Q_i^T below
-            mat = seg.error.view(seg.rows, m)
-        else:
-            mat = seg.flat.view(seg.rows, m)
-        mats.append(mat)
+    # M_i per segment: a view of the error memory (holding g + e, added for all segments in
+    # one operation) or of flat
+    with_error = [seg for seg in segments if seg.error is not None]
+    if with_error:
+        torch._foreach_add_([seg.error for seg in with_error], [seg.flat for seg in with_error])
+    mats = [(seg.flat if seg.error is None else seg.error).view(seg.rows, m)
+            for seg, m in zip(segments, cols)]
+    for k, (seg, mat) in enumerate(zip(segments, mats)):
         torch.mm(mat, seg.q[:, :seg.rank], out=p_buf[p_off[k]:p_off[k + 1]].view(seg.rows,
                                                                                   seg.rank))
     _allreduce_sum(p_buf, comm, stats)
@@ -229,12 +235,16 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
     p_hats = [p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank)
               for k, seg in enumerate(segments)]
     if _on_device(p_buf):  # float64 Gram-Schmidt where P is, many P's at once: no wait
-        lives = orthonormalize_packed_(p_buf, tuple((seg.rows, seg.rank) for seg in segments))
+        live_columns = orthonormalize_packed_(p_buf, tuple((seg.rows, seg.rank)
+                                                           for seg in segments))
     else:
+        lives = []
         for p_hat in p_hats:
             view = host_view(p_hat)
-            view[:] = orthonormalize(view)  # float64 Gram-Schmidt, cast back to float32
-        lives = [p_hat.abs().amax(dim=0) > 0 for p_hat in p_hats]
+            p_orth = orthonormalize(view)  # float64 Gram-Schmidt
+            view[:] = p_orth  # cast back to float32: a nonzero column has norm 1, stays nonzero
+            lives.append(p_orth.any(axis=0))
+        live_columns = torch.from_numpy(np.concatenate(lives))
 
     for k, (seg, mat, p_hat) in enumerate(zip(segments, mats, p_hats)):
         q_mine = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
@@ -245,13 +255,49 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
     if scale != 1.0:
         q_buf.mul_(scale)
 
-    for k, (seg, p_hat, live) in enumerate(zip(segments, p_hats, lives)):
+    for k, (seg, p_hat) in enumerate(zip(segments, p_hats)):
         q_avg = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
         torch.mm(p_hat, q_avg.t(), out=seg.flat.view(seg.rows, cols[k]))
-        # zero P^ columns (the same on all ranks) keep their Q: a select, not a branch (no
-        # wait on the device)
-        q = seg.q[:, :seg.rank]
-        q.copy_(torch.where(live, q_avg, q))
+    _warm_start_(segments, cols, q_buf, live_columns)
+
+
+def _warm_start_(segments: list[LowRankSegment], cols: list[int], q_buf: torch.Tensor,
+                 live_columns: torch.Tensor) -> None:
+    """Each segment's Q <- its Q_avg (in ``q_buf``, packed), except the columns whose P^
+    column is zero (``live_columns`` False: the same on all ranks), which keep their Q, for
+    all segments in a few operations whatever their number:
+
+    1. every whole Q (r_max columns) end to end in one buffer;
+    2. the first ``rank`` columns of each picked out of it, and one select between them and
+       Q_avg (a select, not a branch: the host never waits for the device);
+    3. the result put back in the buffer, and the buffer copied into the Q's at once (whole
+       Q's, so the copy is the same fast one whether a Q is wider than its rank or not)."""
+    layout = tuple((m, seg.rank, seg.q.shape[1]) for m, seg in zip(cols, segments))
+    positions, column_of = _warm_start_maps(layout, str(q_buf.device))
+    whole = torch.cat([seg.q.reshape(-1) for seg in segments])
+    live = live_columns.to(q_buf.device).index_select(0, column_of)
+    whole.index_copy_(0, positions, torch.where(live, q_buf, whole.index_select(0, positions)))
+    torch._foreach_copy_([seg.q for seg in segments],
+                         [part.view(seg.q.shape) for part, seg in
+                          zip(whole.split([seg.q.numel() for seg in segments]), segments)])
+
+
+@functools.lru_cache(maxsize=32)
+def _warm_start_maps(layout: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the packed Q_avg's (Q_k: a row-major (m_k, r_k) block, ``layout[k]`` = (m_k, r_k,
+    r_max_k)), each element's position among the whole Q's end to end (row-major (m_k,
+    r_max_k) blocks), and its column's index among all Q_avg's columns (Q_0's, then Q_1's...),
+    on ``device``: made once per layout."""
+    positions, columns = [], []
+    whole_start = column_start = 0
+    for m, r, width in layout:
+        positions.append(whole_start + (np.arange(m)[:, None] * width
+                                        + np.arange(r)[None, :]).reshape(-1))
+        columns.append(column_start + np.tile(np.arange(r), m))
+        whole_start += m * width
+        column_start += r
+    return tuple(torch.from_numpy(np.concatenate(x).astype(np.int64)).to(device)
+                 for x in (positions, columns))
 
 
 def _on_device(buf: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ so the global optimum is none of the local ones. Then
 * a centralized algorithm whose ranks drift apart is caught after the step where it happens
   (``train_<name>``: every rank holds the same model after every step).
 """
+import dataclasses
 import functools
 import hashlib
 import math
@@ -20,11 +21,14 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi import backends, transport
+from bagua_mpi.algorithms import onebit_adam
 from bagua_mpi.algorithms import (AsyncModelAverage, ByteGrad, Decentralized, GTopK, LocalSGD,
                                   LowPrecisionDecentralized, OneBitAdam, PowerSGD, QSGD, TopK)
 from bagua_mpi.lgreco import LGreCo
-from bagua_mpi.primitives import initial_q
+from bagua_mpi.lgreco.families import FAMILIES
+from bagua_mpi.primitives import initial_q, lowrank
 from checks import run_checks
+from dispatch_count import DispatchCount
 
 D, OUT, ROWS, STEPS = 16, 4, 48, 100
 LR_SGD, LR_ADAM = 0.2, 0.05
@@ -325,6 +329,87 @@ def make_hierarchical_check(name):
     return check
 
 
+# Operations an algorithm's step may add per matrix layer (a Linear's weight and bias): the
+# low-rank products of PowerSGD (and of L-GreCo's PowerSGD levels), P_i = M_i Q, Q_i = M_i^T
+# P^, the error's update and P^ Q^T, one matrix product each. Every other operation of a step
+# is for all the layers at once.
+PER_LAYER_OPERATIONS = {"powersgd": 4, "lgreco_powersgd": 4}
+
+
+def operations_of_a_step(algorithm, adam: bool, layers: int) -> tuple[int, int]:
+    """(operations that compute or copy, buckets) of one steady-state step: ``step()`` on this
+    thread, the buckets' exchanges on the communication thread. The wrapped optimizer is a
+    foreach one, which takes a few operations for all parameters."""
+    torch.manual_seed(0)  # the same model on every rank
+    model = torch.nn.Sequential(*[torch.nn.Linear(12, 12) for _ in range(layers)])
+    base = (torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True) if adam
+            else torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True))
+    opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                  algorithm=algorithm, bucket_size_mb=64)
+    exchanged = []
+    communicate = opt.impl.communicate_bucket
+
+    def counted(bucket, step):
+        with DispatchCount() as count:
+            communicate(bucket, step)
+        exchanged.append(count.launches)
+
+    opt.impl.communicate_bucket = counted
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(bm.rank()))
+    for _ in range(4):  # past every warm-up, then the step counted
+        exchanged.clear()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        with DispatchCount() as stepped:
+            opt.step()
+    opt.close()
+    return stepped.launches + sum(exchanged), len(opt.buckets)
+
+
+def steady(algorithm):
+    """``algorithm`` past its warm-up (a dense stage) after one step, averaging models at every
+    step; L-GreCo at its family's default levels throughout (its warm-up is compressed: a
+    decision, the host's dynamic program once a period, would give the two models other
+    levels, and so other work)."""
+    algorithm = bm.algorithms.create(algorithm)
+    if isinstance(algorithm, LGreCo):
+        return dataclasses.replace(algorithm, warmup_steps=10_000)
+    fields = {f.name for f in dataclasses.fields(algorithm)}
+    return dataclasses.replace(algorithm, **{k: v for k, v in (("warmup_steps", 1), ("period", 1))
+                                             if k in fields})
+
+
+def operations_checks() -> dict:
+    """``operations_<name>`` for every configured algorithm, and for each of L-GreCo's
+    families (``operations_lgreco_<family>``)."""
+    cases = {n: (algo, adam) for n, (algo, _, adam) in CONFIGS.items()}
+    cases.update({f"lgreco_{family}": (LGreCo(family=family), False) for family in FAMILIES})
+    return {f"operations_{n}": make_operations_check(n, algo, adam)
+            for n, (algo, adam) in cases.items()}
+
+
+def make_operations_check(name, algo, adam: bool):
+    """The operations of a step (each at least one kernel launch on a GPU) do not grow with the
+    layers, beyond ``PER_LAYER_OPERATIONS``: 4 against 32 Linear layers in one bucket. The
+    code a GPU runs where a CPU can run it too (PowerSGD's batched orthonormalization, 1-bit
+    Adam's foreach update); the rest on its host route (the codecs' kernels are counted apart,
+    in ``communication_stats()``)."""
+    def check(rank, size):
+        saved = lowrank._on_device, onebit_adam._together
+        lowrank._on_device = lambda buf: True
+        onebit_adam._together = lambda p: True
+        try:
+            (few, few_buckets), (many, many_buckets) = (
+                operations_of_a_step(steady(algo), adam, layers) for layers in (4, 32))
+        finally:
+            lowrank._on_device, onebit_adam._together = saved
+        assert few_buckets == many_buckets == 1, (few_buckets, many_buckets)
+        allowed = PER_LAYER_OPERATIONS.get(name, 0) * (32 - 4)
+        assert many - few <= allowed, (f"{name}: {few} operations a step with 4 layers, {many} "
+                                       f"with 32 (at most {few + allowed})")
+    return check
+
+
 def suite_checks(hierarchical: bool) -> dict:
     hierarchy_refused = {n for n, (a, _, _) in CONFIGS.items()
                          if bm.algorithms.create(a).hierarchical_refusal is not None}
@@ -333,6 +418,7 @@ def suite_checks(hierarchical: bool) -> dict:
                 if n not in hierarchy_refused}
     checks = {f"train_{n}": make_train_check(n) for n in CONFIGS}
     checks.update({f"first_step_{n}": make_first_step_check(n) for n in CENTRALIZED})
+    checks.update(operations_checks())
     checks.update({"consensus": check_consensus, "onebit_stage_and_bytes":
                    check_onebit_stage_and_bytes, "onebit_decoupled_decay":
                    check_onebit_decoupled_decay, "bytes_8bit": check_bytes_8bit})

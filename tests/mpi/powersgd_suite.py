@@ -175,6 +175,39 @@ def check_exact_cases(rank, size):
     close(mine.numpy().reshape(4, 6), np.outer(p1, p1 @ mean), "zero P column: result")
     close(q[:, 0].numpy(), mean.T @ p1, "zero P column: live column of Q")
     assert torch.equal(q[:, 1], torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0])), q
+    # zero P columns in several segments of one exchange, at other positions, beside
+    # segments without any (one with a Q wider than its rank): each keeps exactly its own
+    # dead columns' Q, and takes Q_avg (against NumPy's Gram-Schmidt) in all its others
+    layout = [(6, 8, 3, 3, 0), (5, 5, 2, 4, None), (7, 6, 3, 3, 2), (4, 9, 1, 1, 0),
+              (3, 4, 2, 2, None)]  # rows, cols, rank, Q's width, the dead column
+    segs, olds, expected = [], [], []
+    for j, (rows, cols, r, width, dead) in enumerate(layout):
+        gs = grads(6, 20 + j, size, rows, cols)
+        q = initial_q(cols, width, 30 + j)
+        if dead is not None:  # Q's dead column sees only matrix columns zero on every rank
+            for g in gs:
+                g[:, :2] = 0.0
+            q[:, dead] = 0.0
+            q[:2, dead] = torch.tensor([1.0, -2.0])
+        old = q.clone()
+        ms = [g.astype(np.float64) for g in gs]
+        p_hat = orthonormalize(sum(m @ old[:, :r].double().numpy() for m in ms))
+        q_avg = sum(m.T @ p_hat for m in ms) / size
+        live = np.abs(p_hat).max(axis=0) > 0
+        assert live.sum() == r - (dead is not None), (j, live)
+        want = old.double().numpy().copy()
+        want[:, :r] = np.where(live, q_avg, want[:, :r])
+        segs.append(LowRankSegment(torch.from_numpy(gs[rank].reshape(-1).copy()), rows, r, q,
+                                   torch.zeros(rows * cols) if j % 2 == 0 else None))
+        olds.append(old)
+        expected.append(want)
+    powersgd_allreduce_(segs, comm, scale=1.0 / size)
+    for j, (seg, old, want, (_, _, r, _, dead)) in enumerate(zip(segs, olds, expected, layout)):
+        close(seg.q.numpy(), want, f"packed zero P columns: segment {j}'s Q")
+        if dead is not None:
+            assert torch.equal(seg.q[:, dead], old[:, dead]), (j, seg.q[:, dead], old[:, dead])
+        assert torch.equal(seg.q[:, r:], old[:, r:]), j
+        checks += 1
     # Gram-Schmidt: orthonormal columns in order; exactly dependent and zero columns -> 0
     p = np.array([[3.0, 6.0, 0.0, 1.0], [4.0, 8.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
     got = orthonormalize(p)
@@ -188,11 +221,14 @@ def check_exact_cases(rank, size):
     def device_form(*ps):
         packed = torch.cat([torch.from_numpy(x).reshape(-1) for x in ps])
         live = orthonormalize_packed_(packed, tuple(x.shape for x in ps))
-        out, start = [], 0
+        assert live.dtype == torch.bool and live.shape == (sum(x.shape[1] for x in ps),)
+        out, start, column = [], 0, 0
         for k, x in enumerate(ps):
             out.append(packed[start:start + x.size].reshape(x.shape).numpy())
-            assert np.array_equal(live[k].numpy(), np.abs(out[-1]).max(axis=0) > 0)
+            assert np.array_equal(live[column:column + x.shape[1]].numpy(),
+                                  np.abs(out[-1]).max(axis=0) > 0), (k, live)
             start += x.size
+            column += x.shape[1]
         return out
     np.testing.assert_allclose(device_form(p)[0], expected, atol=1e-15)
     ill = np.random.default_rng(rank).standard_normal((40, 3))
@@ -220,6 +256,25 @@ def check_exact_cases(rank, size):
     # an empty list is a no-op on every rank
     powersgd_allreduce_([], comm)
     return checks + 3
+
+
+def check_operations_per_layer(rank, size):
+    """One exchange of 8 and of 64 layers: the layers add at most four operations each (the
+    products P_i = M_i Q, Q_i = M_i^T P^, the error's update and the result P^ Q^T); the error
+    sums, the orthonormalization on the device and the warm start take a few for all of them
+    (each operation a kernel launch or more on a GPU)."""
+    comm = bm.runtime.get().topo.comm
+    counted = {}
+    for layers in (8, 64):
+        segs = []
+        for j in range(layers):
+            rows, cols, r = 4 + j % 5, 6 + j % 3, 1 + j % 2
+            segs.append(LowRankSegment(torch.randn(rows * cols), rows, r, initial_q(cols, 2, j),
+                                       torch.zeros(rows * cols) if j % 2 else None))
+        with DispatchCount() as count:
+            powersgd_allreduce_(segs, comm, scale=1.0 / size)
+        counted[layers] = count.launches
+    assert counted[64] - counted[8] <= 4 * 56, f"operations by layers: {counted}"
 
 
 def check_bad_input(rank, size):
@@ -452,6 +507,8 @@ def main():
     checks += check_exact_cases(rank, size)
     checks += on_the_device_route(check_against_simulation)(rank, size)
     checks += on_the_device_route(check_exact_cases)(rank, size)
+    check_operations_per_layer(rank, size)
+    on_the_device_route(check_operations_per_layer)(rank, size)
     check_bad_input(rank, size)
     check_first_step(rank, size)
     losses = check_training(rank, size)
