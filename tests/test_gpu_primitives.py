@@ -146,3 +146,31 @@ def test_onebit_adam_update_launches_do_not_grow_on_the_device():
         for (p, _, _), w in zip(slices, want):
             torch.testing.assert_close(p, w, rtol=1e-6, atol=1e-7)
     assert kernels[256] - kernels[16] <= (256 - 16) // 8, f"CUDA kernels by tensors {kernels}"
+
+
+@needs_gpu
+def test_powersgd_exchange_kernels_grow_only_by_the_layers_products(mode):
+    """``powersgd_allreduce_`` of CUDA layers (error feedback on): 64 layers launch at most
+    the kernels of 56 layers' four matrix products (counted alone, on the same shapes) more
+    than 8 do, where each layer took three more operations besides before (its error sum,
+    and the warm start's select and copy). Torch's profiler counts every thread's kernels."""
+    from bagua_mpi.primitives import LowRankSegment, initial_q, powersgd_allreduce_
+    from dispatch_count import cuda_kernels
+
+    rows, cols, rank = 96, 80, 4
+    m = torch.randn(rows, cols, device="cuda")
+    q = torch.randn(cols, rank, device="cuda")
+    p = torch.randn(rows, rank, device="cuda")
+    products = cuda_kernels(lambda: (torch.mm(m, q), torch.mm(m.t(), p),
+                                     m.addmm_(p, q.t(), alpha=-1.0), torch.mm(p, q.t())))
+    kernels = {}
+    for layers in (8, 64):
+        g = torch.Generator().manual_seed(layers)
+        segments = [LowRankSegment(torch.randn(rows * cols, generator=g).cuda(), rows, rank,
+                                   initial_q(cols, rank, j).cuda(),
+                                   torch.zeros(rows * cols, device="cuda"))
+                    for j in range(layers)]
+        powersgd_allreduce_(segments, _comm())  # the layout's index maps made, memory cached
+        kernels[layers] = cuda_kernels(lambda: powersgd_allreduce_(segments, _comm()))
+    assert kernels[64] - kernels[8] <= products * 56, (
+        f"CUDA kernels by layers {kernels}; one layer's products alone: {products}")
