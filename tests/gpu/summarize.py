@@ -43,12 +43,12 @@ def main():
     out += ["## Every algorithm, 2 ranks sharing the GPU", "",
             "| mode | algorithm | ok | loss first -> last | identical | step ms (median) | "
             "first step ms | d2h bytes/run | dense d2h | "
-            "launches, host waits, allocations per bucket | problems |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "launches, host waits, allocations per bucket | CUDA kernels a step | problems |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['mode']} | (all) | skipped | | | | | | | | {r['skipped']} |")
+            out.append(f"| {r['mode']} | (all) | skipped | | | | | | | | | {r['skipped']} |")
             continue
         st = r.get("staging", {})
         if r["algorithm"] == "gradient_allreduce" and "step_ms_median" in r:
@@ -60,6 +60,7 @@ def main():
                    f"{r.get('step_ms_median', float('nan')):.2f} | "
                    f"{r.get('first_step_ms', float('nan')):.0f} | {st.get('d2h_bytes', '')} | "
                    f"{st.get('dense_d2h_bytes', '')} | {per_bucket(r)} | "
+                   f"{r.get('cuda_kernels_per_step') or ''} | "
                    f"{'; '.join(r.get('problems', []))} |")
     out += ["", "Compressed step time / gradient_allreduce's (same run; target <= 1):", ""]
     for r in rows:

@@ -14,7 +14,8 @@ device buffers handed to MPI where the MPI is CUDA-aware. Per algorithm it check
   dense allreduce: staged, it may copy those bytes and not one more;
 
 and records the step time, so a compressed algorithm's step can be set against
-``gradient_allreduce``'s on the same run. Rank 0 appends one JSON line per algorithm to
+``gradient_allreduce``'s on the same run, and the CUDA kernels of one more step (torch's
+profiler: every thread's, the library's own and Numba's and NCCL's included). Rank 0 appends one JSON line per algorithm to
 ``--out`` and prints a table. Exit status 1 if any check failed (all algorithms still run).
 """
 import argparse
@@ -25,10 +26,15 @@ import time
 import traceback
 import warnings
 
+from pathlib import Path
+
 import torch
 
 import bagua_mpi as bm
 from bagua_mpi.accounting import staging
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / "mpi"))
+from dispatch_count import cuda_kernels  # noqa: E402  (the tests' kernel counter)
 
 OVERRIDES = {
     "onebit_adam": dict(warmup_steps=10, chunk=1024),
@@ -106,10 +112,13 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
     stats = opt.communication_stats()
     with torch.no_grad():   # the loss check covers the STEPS steps, not the profiled ones after
         last = loss_fn(model(x), y).item()
+    # one more step under torch's profiler: every kernel it launched, on every thread (the
+    # bucket exchanges', Numba's and NCCL's included), after the timed steps it would slow
+    kernels = cuda_kernels(lambda: one_step(STEPS)) if device.type == "cuda" else None
     profile = None
     if profile_steps:   # after the timed steps, which the sampler would slow down
         from stack_sampler import measure
-        steps = iter(range(STEPS, STEPS + profile_steps))
+        steps = iter(range(STEPS + 1, STEPS + 1 + profile_steps))
         profile = measure(lambda: one_step(next(steps)), profile_steps)
     backend = opt.backend
     opt.close()
@@ -149,6 +158,7 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
             "launches_per_bucket": stats["launches_per_bucket"],
             "syncs_per_bucket": stats["syncs_per_bucket"],
             "allocations_per_bucket": stats["allocations_per_bucket"],
+            "cuda_kernels_per_step": kernels,
             "profile": profile, "ok": not problems, "problems": problems}
 
 

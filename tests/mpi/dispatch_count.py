@@ -37,7 +37,8 @@ class DispatchCount(TorchDispatchMode):
 
 
 def cuda_kernels(fn) -> int:
-    """CUDA kernels launched while ``fn()`` runs (needs a GPU)."""
+    """CUDA kernels launched while ``fn()`` runs, on every thread (needs a GPU): the device
+    activities torch's profiler records, so the copies and fills the host starts count too."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
