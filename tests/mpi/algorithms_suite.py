@@ -9,7 +9,10 @@ so the global optimum is none of the local ones. Then
 * an algorithm that sums instead of averaging makes a first step n times too long
   (``first_step_<name>``: the first update against a single-process step on all shards);
 * a centralized algorithm whose ranks drift apart is caught after the step where it happens
-  (``train_<name>``: every rank holds the same model after every step).
+  (``train_<name>``: every rank holds the same model after every step);
+* a step whose torch operations (each a kernel launch or more on a GPU) grow with the layers,
+  beyond PowerSGD's matrix products, is caught (``operations_<name>``, and one per L-GreCo
+  family: 4 against 32 layers).
 """
 import dataclasses
 import functools
@@ -21,9 +24,9 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi import backends, transport
-from bagua_mpi.algorithms import onebit_adam
 from bagua_mpi.algorithms import (AsyncModelAverage, ByteGrad, Decentralized, GTopK, LocalSGD,
-                                  LowPrecisionDecentralized, OneBitAdam, PowerSGD, QSGD, TopK)
+                                  LowPrecisionDecentralized, OneBitAdam, PowerSGD, QSGD, TopK,
+                                  onebit_adam)
 from bagua_mpi.lgreco import LGreCo
 from bagua_mpi.lgreco.families import FAMILIES
 from bagua_mpi.primitives import initial_q, lowrank
@@ -338,8 +341,9 @@ PER_LAYER_OPERATIONS = {"powersgd": 4, "lgreco_powersgd": 4}
 
 def operations_of_a_step(algorithm, adam: bool, layers: int) -> tuple[int, int]:
     """(operations that compute or copy, buckets) of one steady-state step: ``step()`` on this
-    thread, the buckets' exchanges on the communication thread. The wrapped optimizer is a
-    foreach one, which takes a few operations for all parameters."""
+    thread, the buckets' exchanges on the communication thread (``async``'s own thread, which
+    averages one flat copy of the model, is not counted). The wrapped optimizer is a foreach
+    one, which takes a few operations for all parameters."""
     torch.manual_seed(0)  # the same model on every rank
     model = torch.nn.Sequential(*[torch.nn.Linear(12, 12) for _ in range(layers)])
     base = (torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True) if adam
