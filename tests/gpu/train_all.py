@@ -15,8 +15,9 @@ device buffers handed to MPI where the MPI is CUDA-aware. Per algorithm it check
 
 and records the step time, so a compressed algorithm's step can be set against
 ``gradient_allreduce``'s on the same run, and the CUDA kernels of one more step (torch's
-profiler: every thread's, the library's own and Numba's and NCCL's included). Rank 0 appends one JSON line per algorithm to
-``--out`` and prints a table. Exit status 1 if any check failed (all algorithms still run).
+profiler: every thread's, the library's own and Numba's and NCCL's included). Rank 0 appends
+one JSON line per algorithm to ``--out`` and prints a table. Exit status 1 if any check failed
+(all algorithms still run).
 """
 import argparse
 import json
@@ -25,7 +26,6 @@ import sys
 import time
 import traceback
 import warnings
-
 from pathlib import Path
 
 import torch
