@@ -12,7 +12,6 @@ it interleaved with this one, call by call.
         [--baseline /tmp/old/bagua_mpi/primitives/adasum.py]
 """
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -27,15 +26,7 @@ from bagua_mpi.primitives import adasum
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "mpi"))
 from dispatch_count import DispatchCount  # noqa: E402  (the tests' counter)
-
-
-def load_baseline(path):
-    """Another version of the adasum module, loaded inside the package (its relative imports
-    resolve to this tree's modules)."""
-    spec = importlib.util.spec_from_file_location("bagua_mpi.primitives._adasum_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from other_version import load_other_version  # noqa: E402
 
 
 def timed_interleaved(fns, repeats=11):
@@ -70,7 +61,7 @@ def main():
     comm = MPI.COMM_WORLD
     forms = {"this": adasum}
     if args.baseline:
-        forms = {"baseline": load_baseline(args.baseline), "this": adasum}
+        forms = {"baseline": load_other_version(args.baseline), "this": adasum}
     rng = np.random.default_rng(bm.rank())
     rows = []
     for segments in map(int, args.segments.split(",")):

@@ -14,7 +14,6 @@ bits in every result, Q and error memory.
         [--baseline /tmp/old/bagua_mpi/primitives/lowrank.py]
 """
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -27,22 +26,12 @@ from bagua_mpi.primitives import LowRankSegment, initial_q, lowrank
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "mpi"))
 from dispatch_count import DispatchCount  # noqa: E402  (the tests' counter)
+from other_version import load_other_version  # noqa: E402
 
 # (layers, rows, cols, rank): 2^20 weights in 4 to 256 square layers, 16 rectangular ones at
 # rank 8, and 24 layers of a transformer's attention shape and of its MLP shape
 CASES = [(4, 512, 512, 4), (64, 128, 128, 4), (256, 64, 64, 4), (16, 1024, 256, 8),
          (24, 768, 768, 4), (24, 3072, 768, 4)]
-
-
-def load_baseline(path):
-    """Another version of the lowrank module, loaded inside the package (its relative imports
-    resolve to this tree's modules)."""
-    name = "bagua_mpi.primitives._lowrank_baseline"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def segments(layers, rows, cols, rank):
@@ -61,7 +50,7 @@ def main():
     comm = bm.runtime.get().topo.comm
     modules = {"this tree": lowrank}
     if args.baseline:
-        modules = {"baseline": load_baseline(args.baseline), **modules}
+        modules = {"baseline": load_other_version(args.baseline), **modules}
     host_routes = {name: m._on_device for name, m in modules.items()}
     lines = []
     for device_route in (True, False):
