@@ -1,4 +1,4 @@
-"""Load another version of one of the package's modules, to run it beside this tree's.
+"""Load another version of one of this tree's modules, to run it beside this tree's.
 
 A benchmark that compares a change with what came before takes the old file from a clone of an
 older commit (``git clone -q . /tmp/old && git -C /tmp/old checkout REV``) and loads it with
@@ -9,21 +9,23 @@ import importlib.util
 import sys
 from pathlib import Path
 
-PACKAGE = "bagua_mpi"
-
 
 def load_other_version(path):
-    """The module in ``path`` (``.../bagua_mpi/primitives/lowrank.py``), loaded beside this
-    tree's as ``bagua_mpi.primitives._lowrank_baseline``.
+    """The module in ``path`` (``/tmp/old/bagua_mpi/primitives/lowrank.py``), loaded beside
+    this tree's as ``bagua_mpi.primitives.lowrank_baseline``: its package is the run of
+    directories above it that hold an ``__init__.py``.
 
     It is registered in ``sys.modules`` before it runs, since a dataclass defined in it looks
     its module up there."""
     path = Path(path).resolve()
-    parts = path.parent.parts
-    if PACKAGE not in parts:
-        raise ValueError(f"{path} is not inside a {PACKAGE} package directory")
-    inside = parts[len(parts) - parts[::-1].index(PACKAGE) - 1:]
-    name = ".".join(inside + (f"_{path.stem}_baseline",))
+    package = []
+    folder = path.parent
+    while (folder / "__init__.py").exists():
+        package.insert(0, folder.name)
+        folder = folder.parent
+    if not package:
+        raise ValueError(f"{path} is not inside a package (no __init__.py beside it)")
+    name = ".".join([*package, f"{path.stem}_baseline"])
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

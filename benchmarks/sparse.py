@@ -201,7 +201,7 @@ def lgreco_run(args) -> None:
         decided = world.allreduce(getattr(opt.impl, "decision_seconds", 0.0), op=MPI.MAX)
         startup = world.allreduce(getattr(opt.impl, "startup_seconds", 0.0), op=MPI.MAX)
         assignment = dict(getattr(opt.impl, "assignment", {}))
-        layers = {i: (name, p.numel()) for i, (name, p) in enumerate(model.named_parameters())}
+        layers = {name: p.numel() for name, p in model.named_parameters()}  # model order
         opt.close()
         return dict(loss=world.bcast(loss), bytes=world.allreduce(stats["bytes_per_step"],
                                                                   op=MPI.MAX),
@@ -233,7 +233,7 @@ def lgreco_run(args) -> None:
 def lgreco_table(args, results, best, target) -> str:
     import os as _os
     dense = results[0][3]
-    n_params = sum(n for _, n in dense["layers"].values())
+    n_params = sum(dense["layers"].values())
     optimizer = "Adam" if args.optimizer == "adam" else "SGD momentum 0.9"
     lines = [f"Command: `OMP_NUM_THREADS=1 mpiexec -n {args.np_hint} python benchmarks/sparse.py "
              f"{' '.join(sys.argv[1:])}` (load average {_os.getloadavg()[0]:.1f})", "",
@@ -283,8 +283,9 @@ def lgreco_table(args, results, best, target) -> str:
             lines.append(f"- {label} (loss {r['loss']:.4f}): no uniform setting tried was as good.")
     for label, kind, _, r in results:
         if kind == "lgreco":
-            chosen = ", ".join(f"{r['layers'][k][0]} ({r['layers'][k][1]}): {v:g}"
-                               for k, v in sorted(r["assignment"].items()))
+            # the assignment is keyed by parameter name, as L-GreCo keeps it
+            chosen = ", ".join(f"{name} ({numel}): {r['assignment'][name]:g}"
+                               for name, numel in r["layers"].items() if name in r["assignment"])
             lines.append(f"\n{label}, last assignment (tensor (elements): level): {chosen}")
     return "\n".join(lines)
 
