@@ -8,10 +8,13 @@ them by ascending position.  So ties at the k-th magnitude go to the lower
 index, and every implementation returns the same set in the same order.
 
 Steps of ``select_exact``:
-  1. radix select: histogram the top 16 key bits, walk down from the top bin
-     to the one holding the k-th key; repeat on the low 16 bits among keys
-     with that prefix.  This gives T (the k-th largest key) and r, the number
-     of keys equal to T that are taken;
+  1. T (the k-th largest key) and r, the number of keys equal to T that are
+     taken.  Radix select: histogram the top 16 key bits, walk down from the
+     top bin to the one holding the k-th key; repeat on the low 16 bits among
+     keys with that prefix.  Up to ``PARTITION_MAX`` keys, a partition of a
+     copy of the keys instead: the radix histogram (2^16 counts, cleared
+     twice) costs some 60 us whatever the length, 20-60 times a partition of
+     1024 keys (``benchmarks/results/select_small.md``);
   2. compaction: one pass keeps keys > T and the first r keys == T, writing
      (index, float32 value) in position order.
 """
@@ -25,6 +28,9 @@ from ._sparse_rules import keep_entry
 _ABS = np.uint32(0x7FFFFFFF)
 _LOW16 = np.uint32(0xFFFF)
 _S16 = np.uint32(16)
+# Up to this many keys, kth_key partitions them (see the module docstring); measured crossover
+# with the radix passes: 32K-64K keys
+PARTITION_MAX = 1 << 15
 
 
 @njit(nogil=True, inline="always")
@@ -33,9 +39,24 @@ def key_of(arr, i):
     return f32_bits(np.float32(arr[i])) & _ABS
 
 
+@njit(nogil=True)
+def _kth_key_partitioned(arr, m, k):
+    """``kth_key`` by a partition of a copy of the keys (O(m), no fixed cost)."""
+    keys = np.empty(m, np.uint32)
+    for i in range(m):
+        keys[i] = key_of(arr, i)
+    t = np.partition(keys, m - k)[m - k]
+    above = 0
+    for i in range(m):
+        above += keys[i] > t
+    return t, k - above
+
+
 @cached_njit(nogil=True)
 def kth_key(arr, m, k):
     """(T, r): the k-th largest key of arr[:m] and how many keys == T to take (1 <= k <= m)."""
+    if m <= PARTITION_MAX:
+        return _kth_key_partitioned(arr, m, k)
     hist = np.zeros(1 << 16, np.int64)
     for i in range(m):
         hist[key_of(arr, i) >> _S16] += 1

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import numba_kernels as nk
-from numba_kernels import topk
+from numba_kernels import _select, topk
 from conftest import data
 from kernel_refs import DTYPES, SIZES, randk_indices, topk_indices
 
@@ -42,6 +42,33 @@ def test_ties_go_to_lower_index():
     # all equal: the first k indices
     assert nk.compress_topk(np.full(50, -2.0, np.float32), 5).views()["indices"].tolist() == \
         [0, 1, 2, 3, 4]
+
+
+def kth_key_oracle(x, k):
+    """(T, r) by sorting: the k-th largest float32 magnitude's bits, and how many of the keys
+    equal to it the top k take."""
+    keys = np.abs(x.astype(np.float32)).view(np.uint32)
+    t = np.sort(keys)[keys.size - k]
+    return int(t), int(k - (keys > t).sum())
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "constant", "specials"])
+@pytest.mark.parametrize("m", [1, 2, 1000, _select.PARTITION_MAX, _select.PARTITION_MAX + 1,
+                               3 * _select.PARTITION_MAX])
+def test_kth_key_both_methods(m, kind, rng):
+    """Both ways of finding the k-th key (a partition up to PARTITION_MAX keys, radix select
+    above) against a sort, every k class: first, a tie run, a middle one, last."""
+    x = {"normal": lambda: data(rng, m, np.float32),
+         "ties": lambda: rng.integers(-4, 5, m).astype(np.float32),
+         "constant": lambda: np.full(m, -0.5, np.float32),
+         "specials": lambda: rng.choice(np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-45,
+                                                  2.0], np.float32), m)}[kind]()
+    for k in sorted({1, max(1, m // 7), max(1, m // 2), m}):
+        t, r = _select.kth_key(x, m, k)
+        assert (int(t), int(r)) == kth_key_oracle(x, k), (m, kind, k)
+    k = max(1, m // 7)
+    p = nk.compress_topk(x, k, method="exact")
+    np.testing.assert_array_equal(p.views()["indices"], topk_indices(x, k))
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "sparse", "constant"])
