@@ -15,7 +15,10 @@ row form for scatter-reduces: ``compress_*_rows`` encodes the n partitions
 of a tensor (zero-padded to n equal ones by reading past its end as zeros, not
 by a copy) into the n rows of a payload matrix and ``decompress_rows`` decodes
 each row into its partition, one launch each instead of n, byte for byte the
-per-partition calls.
+per-partition calls.  Min-max has a segmented form of both and of the stack decoder
+(``compress_minmax_rows_segments``, ``decompress_minmax_segments``,
+``decompress_minmax_rows_segments``): many tensors, each at its own width, side by side in
+base arrays, in one launch for all of them, byte for byte the per-tensor calls.
 
 Every CUDA kernel launch is counted: ``launch_count()`` and
 ``scratch_allocations()`` (kernel scratch arrays are cached per thread and
@@ -49,6 +52,10 @@ _HOMES = {
     "merge_topk": ".merge", "restore_unselected": ".merge", "scale_topk_stack": ".merge",
     "scale_topk_values": ".merge",
     "compress_minmax": ".minmax", "compress_minmax_rows": ".minmax", "minmax_errors": ".minmax",
+    "MinMaxSegment": ".minmax_segments",
+    "compress_minmax_rows_segments": ".minmax_segments",
+    "decompress_minmax_rows_segments": ".minmax_segments",
+    "decompress_minmax_segments": ".minmax_segments",
     "compress_onebit": ".onebit", "compress_onebit_rows": ".onebit",
     "compress_qsgd": ".qsgd", "compress_qsgd_rows": ".qsgd",
     "compress_randk": ".topk", "compress_topk": ".topk",

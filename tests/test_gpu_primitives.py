@@ -78,6 +78,40 @@ def test_clps_on_device_matches_host(codec_name, mode):
 
 
 @needs_gpu
+def test_minmax_layers_in_common_memory_take_four_launches(mode):
+    """L-GreCo's min-max exchange on CUDA tensors: layers at their own widths, their gradients
+    views of one bucket and their error memories end to end, run in 4 launches for all of them
+    (``lowprec._Together``), where each layer takes 4 of its own; the host path's bytes."""
+    import numba_kernels as nk
+    from bagua_mpi.primitives import MinMaxCodec
+    from bagua_mpi.primitives.lowprec import (Segment, packed_compressed_allreduce_,
+                                              padded_length, partition_length)
+    sizes, widths = [300_001, 4096, 77, 1, 20_000], [4, 8, 3, 2, 6]
+    offsets = [sum(sizes[:j]) + 8 * j for j in range(len(sizes))]   # gaps between the layers
+    g = torch.Generator().manual_seed(3)
+    bucket = torch.randn(offsets[-1] + sizes[-1], generator=g)
+    worker = torch.zeros(sum(padded_length(n, 1) for n in sizes))
+    server = torch.zeros(sum(partition_length(n, 1) for n in sizes))
+
+    def layers(flat, w, s):
+        wat = [sum(padded_length(n, 1) for n in sizes[:j]) for j in range(len(sizes))]
+        sat = [sum(partition_length(n, 1) for n in sizes[:j]) for j in range(len(sizes))]
+        return [Segment(flat[o:o + n], MinMaxCodec(b, 1024), w[wa:wa + padded_length(n, 1)],
+                        s[sa:sa + partition_length(n, 1)])
+                for o, n, b, wa, sa in zip(offsets, sizes, widths, wat, sat)]
+    host = (bucket.clone(), worker.clone(), server.clone())
+    dev = tuple(t.cuda() for t in host)
+    for step in range(3):
+        packed_compressed_allreduce_(layers(*host), _comm(), scale=0.5)
+        before = nk.launch_count()
+        packed_compressed_allreduce_(layers(*dev), _comm(), scale=0.5)
+        assert nk.launch_count() - before == 4, nk.launch_count() - before
+        torch.cuda.synchronize()
+        for a, b in zip(host, dev):
+            assert torch.equal(a, b.cpu()), step
+
+
+@needs_gpu
 def test_topk_gtopk_powersgd_on_device_match_host(mode):
     from bagua_mpi.accounting import staging
     from bagua_mpi.primitives import (LowRankSegment, gtopk_allreduce_, initial_q,

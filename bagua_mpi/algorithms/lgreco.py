@@ -56,6 +56,7 @@ class LGreCoImpl(AlgorithmImpl):
         self.layers: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (index, parameter)
         self.observations: dict[int, deque] = {}  # bucket -> recent (bytes, seconds)
         self.layer_bucket: dict[str, int] = {}
+        self.bucket_names: dict[int, list[str]] = {}   # bucket -> its layers, in order
         self.decisions = 0
         self.decision_seconds = 0.0
         self.startup_seconds = 0.0  # rank 0's one-time load of the compiled DP, at wrap time
@@ -77,6 +78,7 @@ class LGreCoImpl(AlgorithmImpl):
             solve(np.zeros((1, 1)), np.ones((1, 1)), 1.0)
             self.startup_seconds = time.perf_counter() - started
         for bucket in buckets:
+            self.bucket_names[bucket.index] = list(bucket.names)
             for index, name, p in zip(bucket.indices, bucket.names, bucket.real_params()):
                 self.layers[name] = (index, p)
                 self.layer_bucket[name] = bucket.index

@@ -30,6 +30,7 @@ In memory a vector is keyed by ``names_key(segments)``, the names of the paramet
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -107,6 +108,8 @@ class AlgorithmState:
         self.vectors: dict[tuple, StateVector] = {}  # (kind, key) -> vector
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}  # kind -> name -> tensor
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded, not yet allocated
+        # (kind, group) -> (memory, {name: start}, {name: length}): see tensor_in_group
+        self.groups: dict[tuple, tuple] = {}
 
     # -- allocation ---------------------------------------------------------------------------
     def vector(self, kind: str, key, segments: list[tuple[str, int]], length: int | None = None,
@@ -141,6 +144,26 @@ class AlgorithmState:
             by_name[name] = t
         return by_name[name]
 
+    def tensor_in_group(self, kind: str, name: str, group, lengths: Callable[[], dict],
+                        device) -> torch.Tensor:
+        """The float32 tensor of ``kind`` owned by ``name``, as ``tensor`` makes it (zeros, or
+        the held checkpoint values), but a slice of one memory that the tensors of a group of
+        parameters share end to end (``group``: a key; ``lengths()``: {name: elements} of its
+        members, in order; a key names one set of lengths), so that an exchange can take the
+        whole group as one array."""
+        found = self.tensors.get(kind, {}).get(name)
+        if found is not None:
+            return found
+        memory = self.groups.get((kind, group))
+        if memory is None:
+            sizes = lengths()
+            starts = dict(zip(sizes, itertools.accumulate(sizes.values(), initial=0)))
+            memory = self.groups[(kind, group)] = (
+                torch.zeros(sum(sizes.values()), device=device), starts, sizes)
+        whole, starts, sizes = memory
+        return self.tensor(kind, name,
+                           lambda: whole[starts[name]:starts[name] + sizes[name]].zero_())
+
     def forget_skipped_step(self, zeroed_kinds, restarted_kinds=()) -> list[str]:
         """After a step was skipped because its gradients held inf or NaN (as
         ``torch.amp.GradScaler`` skips them), drop what those gradients already left in the
@@ -167,16 +190,18 @@ class AlgorithmState:
     def clear(self) -> None:
         """Back to a fresh run's state: every vector zeroed in place (whoever holds it keeps
         it), per-parameter tensors and held checkpoint values dropped (``tensor`` makes them
-        afresh at their next use, as the first step did)."""
+        afresh at their next use, as the first step did, a group's in a new memory)."""
         for vec in self.vectors.values():
             vec.data.zero_()
         self.tensors = {}
         self.pending = {}
+        self.groups = {}
 
     def drop(self, kind: str) -> None:
         """Forget every allocation of ``kind`` (a stage change that restarts that state)."""
         self.vectors = {k: v for k, v in self.vectors.items() if k[0] != kind}
         self.tensors.pop(kind, None)
+        self.groups = {k: v for k, v in self.groups.items() if k[0] != kind}
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

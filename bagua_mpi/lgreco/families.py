@@ -73,16 +73,21 @@ class MinMaxBits:
     # -- the exchange ---------------------------------------------------------------------------
     def layer_errors(self, impl, name: str):
         """(worker error, server error) of layer ``name``, or (None, None) without error
-        feedback. Their sizes depend only on the layer's, so they carry over level changes."""
+        feedback. Their sizes depend only on the layer's, so they carry over level changes.
+        A bucket's layers keep each kind end to end in one memory, so that its exchange runs
+        each step of all of them in one launch on a GPU (``lowprec._Together``)."""
         if not impl.algorithm.error_feedback:
             return None, None
         p, n = impl.layers[name][1], impl.comm.Get_size()
-        numel = p.numel()
-        return (impl.state.tensor("worker_error", name,
-                                  lambda: torch.zeros(padded_length(numel, n), device=p.device)),
-                impl.state.tensor("server_error", name,
-                                  lambda: torch.zeros(partition_length(numel, n),
-                                                      device=p.device)))
+        bucket = impl.layer_bucket[name]
+
+        def lengths(length_of):   # the bucket's layers' lengths, asked once per memory
+            return lambda: {member: length_of(impl.layers[member][1].numel(), n)
+                            for member in impl.bucket_names[bucket]}
+        return (impl.state.tensor_in_group("worker_error", name, (bucket, n),
+                                           lengths(padded_length), p.device),
+                impl.state.tensor_in_group("server_error", name, (bucket, n),
+                                           lengths(partition_length), p.device))
 
     def init_layer(self, impl, name: str) -> None:
         self.layer_errors(impl, name)

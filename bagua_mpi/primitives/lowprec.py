@@ -15,6 +15,9 @@ past L as zeros, so an uneven length is padded without a copy):
 On a device each segment costs 4 kernel launches whatever n: steps 1 and 5 encode / decode
 the n partitions at once (the codecs' row forms), step 3 decodes, sums and scales the n
 payloads in one pass, step 4 is one encode; an encode of chunks longer than 4096 takes 3.
+Min-max segments (each at its own width, L-GreCo's) whose tensors lie in one memory (a
+bucket's gradients; their error memories end to end, as L-GreCo keeps them) take 4 launches
+for all of them: each step runs every segment in one grid (``numba_kernels.minmax_segments``).
 
 ``worker_error``/``server_error`` = None switch error feedback off (BAGUA's own
 implementation has none; QSGD and ByteGrad run without it). Errors live with the bucket in the
@@ -30,12 +33,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+import numba_kernels as nk
+
 from .. import transport
 from ..buffers import host_view
 from .centralized import partition_length
 from ..accounting import WireStats
 from . import device_arrays
-from .codecs import Codec, call_seed
+from .codecs import Codec, MinMaxCodec, call_seed
 
 
 def padded_length(length: int, n: int) -> int:
@@ -117,7 +122,55 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
         wes.append(we)
         ses.append(se)
     _clps_arrays(xs, wes, ses, [seg.codec for seg in segments], [seg.seed for seg in segments],
-                 comm, scale, stats, device)
+                 comm, scale, stats, device, _shared_bases(segments) if device else None)
+
+
+@dataclass
+class SharedBases:
+    """Where the segments of one exchange lie in common memory, for the segmented kernels:
+    base arrays (Numba device arrays) and each segment's first element in them. ``worker`` and
+    ``server`` are None without error feedback."""
+
+    x: object
+    x_offsets: list
+    worker: object = None
+    worker_offsets: list | None = None
+    server: object = None
+    server_offsets: list | None = None
+
+
+def _shared_bases(segments: list[Segment]) -> SharedBases | None:
+    """The segments' common memory, when the segmented kernels can take them: two or more
+    min-max segments of one chunk, their tensors of each kind in one storage (the bucket's
+    gradients; the error memories L-GreCo lays end to end), error feedback on all or none.
+    None otherwise: each segment then runs on its own."""
+    if len(segments) < 2 or not all(isinstance(seg.codec, MinMaxCodec) for seg in segments):
+        return None
+    if len({seg.codec.chunk for seg in segments}) != 1:
+        return None
+    x = _storage_base([seg.flat for seg in segments])
+    if x is None:
+        return None
+    with_errors = [seg.worker_error is not None for seg in segments]
+    if not any(with_errors):
+        return SharedBases(*x)
+    if not all(with_errors) or any(seg.server_error is None for seg in segments):
+        return None
+    worker = _storage_base([seg.worker_error for seg in segments])
+    server = _storage_base([seg.server_error for seg in segments])
+    if worker is None or server is None:
+        return None
+    return SharedBases(*x, *worker, *server)
+
+
+def _storage_base(tensors: list[torch.Tensor]):
+    """(the whole storage the float32 ``tensors`` share, as a device array; each one's first
+    element in it), or None when they do not share one."""
+    storage = tensors[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
+        return None
+    whole = tensors[0].detach().as_strided((storage.nbytes() // 4,), (1,), 0)
+    return _array(whole), [t.storage_offset() for t in tensors]
 
 
 def _array(t: torch.Tensor):
@@ -128,29 +181,78 @@ def _array(t: torch.Tensor):
 
 
 def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
-                 stats: WireStats | None, device: bool) -> None:
+                 stats: WireStats | None, device: bool, bases: SharedBases | None = None) -> None:
     """C_LP_S on 1-D float32 arrays, all NumPy (host) or all Numba device arrays (device; under
     ``NUMBA_ENABLE_CUDASIM=1`` this path runs on the CPU in the tests). Both give the same
     bytes: the kernels are the CPU twins' equals and every sum runs in the same order. The
     kernels run in stream order with torch's; ``transport`` waits for them only where an MPI
-    must read device memory."""
+    must read device memory. With ``bases`` (the arrays' common memory, ``_shared_bases``),
+    the device runs each step for every segment in one launch."""
     wire = transport.of(comm)
     n, rank = wire.size, wire.rank
     plans, row = _plans(xs, wes, ses, codecs, seeds, n)
     if not plans:
         return
-    send, recv = _scatter_payloads(plans, row, wire, device)
+    together = _Together(plans, bases) if device and bases is not None else None
+    send, recv = _scatter_payloads(plans, row, wire, device, together)
     mine = _empty(row, np.uint8, device)
-    for plan in plans:  # server: sum, scale, phase 2
-        merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, device))
-        plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
-                            seed=call_seed(plan.seed, rank, rank, 2))
+    if together is not None:  # server: sum, scale, phase 2
+        together.serve(recv, mine, scale)
+    else:
+        for plan in plans:
+            merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, device))
+            plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
+                                seed=call_seed(plan.seed, rank, rank, 2))
     gathered = send  # phase-1 payloads are no longer needed
     wire.allgather(mine, gathered)
-    for plan in plans:  # every partition decoded into its place (the padding cut off): one
-        plan.codec.decompress_rows(gathered, plan.cols, plan.part, out=plan.x)  # launch each
+    if together is not None:  # every partition decoded into its place (the padding cut off)
+        together.decompress_rows(gathered)
+    else:
+        for plan in plans:  # one launch each
+            plan.codec.decompress_rows(gathered, plan.cols, plan.part, out=plan.x)
     if stats is not None:
         stats.add(2 * (n - 1) * row)
+
+
+class _Together:
+    """The device steps of a C_LP_S whose segments are all min-max (each at its own width, one
+    chunk) in common memory (``bases``): one launch a step for all of them, each segment's
+    bytes those of its own kernels. The server's merged partitions lie end to end in one
+    scratch array."""
+
+    def __init__(self, plans: list[_Plan], bases: SharedBases):
+        self.bases = bases
+        self.chunk = plans[0].codec.chunk
+        worker, server = bases.worker_offsets, bases.server_offsets
+        self.tensors, self.sums, self.partitions = [], [], []
+        merged = 0
+        for plan in plans:
+            bits, col = plan.codec.bits, plan.cols.start
+            self.tensors.append(nk.MinMaxSegment(bases.x_offsets[plan.index], plan.x.size, bits,
+                                                 col, worker[plan.index] if worker else 0))
+            self.sums.append(nk.MinMaxSegment(merged, plan.part, bits, col))
+            self.partitions.append(nk.MinMaxSegment(merged, plan.part, bits, col,
+                                                    server[plan.index] if server else 0))
+            merged += plan.part
+        self.merged = merged
+
+    def compress_rows(self, send) -> None:
+        """Phase 1: partition k of every segment (+ its worker error) into row k of send."""
+        nk.compress_minmax_rows_segments(self.bases.x, self.tensors, send, chunk=self.chunk,
+                                         residual=self.bases.worker)
+
+    def serve(self, recv, mine, scale: float) -> None:
+        """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
+        partition (+ its server error) encoded into this rank's row."""
+        merged = _empty(self.merged, np.float32, True)
+        nk.decompress_minmax_segments(recv, self.sums, merged, chunk=self.chunk, factor=scale)
+        nk.compress_minmax_rows_segments(merged, self.partitions, mine.reshape(1, mine.size),
+                                         chunk=self.chunk, residual=self.bases.server)
+
+    def decompress_rows(self, gathered) -> None:
+        """Step 5: row k of every segment's payloads into partition k of its place."""
+        nk.decompress_minmax_rows_segments(gathered, self.tensors, self.bases.x,
+                                           chunk=self.chunk)
 
 
 def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torch.Tensor, *,
@@ -195,6 +297,7 @@ class _Plan:
 
     codec: Codec
     seed: int
+    index: int  # its place in the exchange's segment list (empty segments have no plan)
     x: object  # the segment (1-D float32 array; its last partitions may end short)
     part: int  # partition length
     cols: slice  # its bytes in each rank's message
@@ -205,27 +308,31 @@ class _Plan:
 def _plans(xs, wes, ses, codecs, seeds, n: int) -> tuple[list[_Plan], int]:
     """The non-empty segments' plans, and the bytes of one rank's message to one server."""
     plans, row = [], 0
-    for x, we, se, codec, seed in zip(xs, wes, ses, codecs, seeds):
+    for index, (x, we, se, codec, seed) in enumerate(zip(xs, wes, ses, codecs, seeds)):
         length = x.size
         if length == 0:
             continue
         part = partition_length(length, n)
         nbytes = codec.format(part).nbytes
-        plans.append(_Plan(codec, seed, x, part, slice(row, row + nbytes), we, se))
+        plans.append(_Plan(codec, seed, index, x, part, slice(row, row + nbytes), we, se))
         row += nbytes
     return plans, row
 
 
-def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool):
+def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool,
+                      together: _Together | None = None):
     """Phase 1 and the alltoall: compress partition k of every segment (worker error fused,
     seed ``call_seed(seed, rank, k, 1)``) into row k of the message matrix, for server k (one
-    launch per segment); return (send, recv), recv's row j holding rank j's payload for this
-    rank."""
+    launch per segment, or one for all with ``together``); return (send, recv), recv's row j
+    holding rank j's payload for this rank."""
     n, rank = wire.size, wire.rank
     send = _empty((n, row), np.uint8, device)
-    for plan in plans:
-        plan.codec.compress_rows(plan.x, send, plan.cols, residual=plan.worker_error,
-                                 seed=plan.seed, rank=rank, phase=1)
+    if together is not None:
+        together.compress_rows(send)
+    else:
+        for plan in plans:
+            plan.codec.compress_rows(plan.x, send, plan.cols, residual=plan.worker_error,
+                                     seed=plan.seed, rank=rank, phase=1)
     recv = _empty((n, row), np.uint8, device)
     wire.alltoall(send, recv)
     return send, recv

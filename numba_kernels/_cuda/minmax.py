@@ -12,12 +12,13 @@ import math
 import numpy as np
 from numba import cuda
 
+from .. import _segment_table as T
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import SEGMENT
 from .common import (at, block_range, fma32, greater, lane_group_or, lesser, load_c, segment,
                      specialized, team_range, team_sync, tree_range, zero_tail)
 from .geometry import TEAM, TEAMS, THREADS
-from .launch import ChunkedEncoder, RowEncoder, decode_stack, row_sections
+from .launch import ChunkedEncoder, RowEncoder, decode_stack, launch, row_sections
 from .launch import decode_rows as decode_rows_launch
 from .word_decode import PER_BLOCK, PER_THREAD, word_decoders
 
@@ -227,6 +228,32 @@ _fused_bytes, _fused_rows_bytes, _seg_encode_bytes, _seg_encode_rows_bytes = \
 _fused, _fused_rows, _seg_encode, _seg_encode_rows = _encoding_kernels(False, "")
 
 
+@cuda.jit
+def _fused_rows_segments(x, e, has_res, table, chunk, params, words, mat):
+    """Team j of block (b, k, s): chunk b * TEAMS + j of partition k of segment s (row s of
+    ``table``, columns in ``numba_kernels._segment_table``) into row k of ``mat``, the bytes
+    of ``_fused_rows`` on that segment alone. x and e are base arrays that every segment's
+    values and error memory lie in; ``params`` and ``words`` are ``mat`` as float32 and uint32.
+    The code width comes from the table, so 8-bit segments take this (packed) set's byte
+    branch."""
+    s = cuda.blockIdx.z
+    k = cuda.blockIdx.y
+    part = table[s, T.PART]
+    bits = table[s, T.BITS]
+    start = table[s, T.X_OFF] + lesser(k * part, table[s, T.X_LEN])
+    stop = table[s, T.X_OFF] + lesser((k + 1) * part, table[s, T.X_LEN])
+    err = table[s, T.E_OFF] + k * part
+    col = table[s, T.COL]
+    nbytes = table[s, T.NBYTES]
+    buf = mat[k, col:col + nbytes]
+    zero_tail(buf, table[s, T.USED], nbytes)
+    pcol = table[s, T.PCOL]
+    wcol = table[s, T.WCOL]
+    _team_chunk(x[start:stop], e[err:err + part], has_res, part, chunk, bits,
+                params[k, pcol:pcol + 2 * ((part + chunk - 1) // chunk)],
+                words[k, wcol:wcol + (part * bits + 31) // 32], table[s, T.BOFF], buf)
+
+
 @cuda.jit(device=True)
 def _chunk_params_of(params, pcol, p, ci, unused):
     """(mn, scale) of chunk ci of row p."""
@@ -238,7 +265,8 @@ def _code_value(q, mn, scale):
     return fma32(np.float32(q), scale, mn)
 
 
-_decode, _decode_rows = word_decoders(_chunk_params_of, _code_value, __name__)
+_decode, _decode_rows, _decode_segments, _decode_rows_segments = word_decoders(
+    _chunk_params_of, _code_value, __name__, segmented=True)
 
 
 # by whether the codes are bytes
@@ -280,3 +308,24 @@ def decode_rows(fmt, mat, col, out, stream):
     """1 launch: row k of ``mat`` (payload at ``col``) into partition k of out, every k."""
     decode_rows_launch(_decode_rows, fmt, row_sections(fmt.views2d(mat, col), ("params", "codes")),
                        (fmt.bits, fmt.chunk, 0), mat.shape[0], out, stream, per_block=PER_BLOCK)
+
+
+def encode_segments(x, e, table, blocks, chunk, mat, stream):
+    """1 launch: partition k of every segment of ``table`` (x, e: their base arrays) into row
+    k of ``mat``, every k; ``blocks``: the most team blocks a segment's partition needs."""
+    ee, has_res = (x, False) if e is None else (e, True)
+    launch(_fused_rows_segments, (blocks, mat.shape[0], table.shape[0]), THREADS, stream, x, ee,
+           has_res, table, chunk, mat.view(np.float32), mat.view(np.uint32), mat)
+
+
+def decode_segments(stack, table, blocks, chunk, out, factor, stream):
+    """1 launch: every segment's payloads in the rows of ``stack`` decoded and summed into its
+    place in out, times ``factor``."""
+    launch(_decode_segments, (blocks, 1, table.shape[0]), THREADS, stream, stack.view(np.float32),
+           stack.view(np.uint32), table, chunk, 0, out, np.float32(factor))
+
+
+def decode_rows_segments(mat, table, blocks, chunk, out, stream):
+    """1 launch: row k of every segment's payloads into partition k of its place in out."""
+    launch(_decode_rows_segments, (blocks, mat.shape[0], table.shape[0]), THREADS, stream,
+           mat.view(np.float32), mat.view(np.uint32), table, chunk, 0, out)

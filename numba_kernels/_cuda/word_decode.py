@@ -15,6 +15,7 @@ find a kernel by module and name).
 import numpy as np
 from numba import cuda
 
+from .. import _segment_table as T
 from .._bits import extract_py
 from .common import (add_or_replace, at, group_load, group_store, group_store_times,
                      ilp_chunks, lesser, specialized)
@@ -43,14 +44,21 @@ def group_code(field, j, bits, mask):
     return np.uint32((field >> np.uint32(j * bits)) & mask)
 
 
-def word_decoders(chunk_params, code_value, module, suffix=""):
+def word_decoders(chunk_params, code_value, module, suffix="", segmented=False):
     """(stack decoder, row decoder) of a format (see the module docstring), as kernels named
     ``_decode`` and ``_decode_rows`` (+ ``suffix``) of ``module``.  Launch them with ``launch.decode_stack``
-    (``per_thread=PER_THREAD``) and ``launch.decode_rows`` (``per_block=PER_BLOCK``)."""
+    (``per_thread=PER_THREAD``) and ``launch.decode_rows`` (``per_block=PER_BLOCK``).
 
-    @specialized(f"_decode{suffix}", module)
-    def decode(params, pcol, words, wcol, bits, chunk, arg, out, accumulate, factor):
-        """Every row decoded and summed into out in row order, times ``factor``."""
+    With ``segmented``, also their segmented forms ``_decode_segments`` and
+    ``_decode_rows_segments``: one grid for many payloads side by side in each row, block
+    (b, k, s) working on segment s (row s of a ``numba_kernels._segment_table`` table, which
+    gives its columns, code width, length and place in out), each segment's bytes those of the
+    plain kernel on that segment alone."""
+
+    @cuda.jit(device=True)
+    def sum_rows(params, pcol, words, wcol, bits, chunk, arg, out, accumulate, factor):
+        """The block strides over out: every row decoded and summed in row order, times
+        ``factor``."""
         n = out.size
         groups = (n + GROUP - 1) // GROUP
         last = words.shape[1] - 1
@@ -75,8 +83,8 @@ def word_decoders(chunk_params, code_value, module, suffix=""):
             group_store_times(out, acc, base, n, factor)
             base += cuda.gridDim.x * GROUP_SPAN
 
-    @specialized(f"_decode_rows{suffix}", module)
-    def decode_rows(params, pcol, words, wcol, bits, chunk, arg, part, out):
+    @cuda.jit(device=True)
+    def row_into_partition(params, pcol, words, wcol, bits, chunk, arg, part, out):
         """Block (b, k) strides over partition k: out[k * part + i] = x_hat of row k's element
         i (up to out's end)."""
         k = cuda.blockIdx.y
@@ -100,7 +108,36 @@ def word_decoders(chunk_params, code_value, module, suffix=""):
             group_store(mine, vals, base, stop)
             base += cuda.gridDim.x * GROUP_SPAN
 
-    return decode, decode_rows
+    @specialized(f"_decode{suffix}", module)
+    def decode(params, pcol, words, wcol, bits, chunk, arg, out, accumulate, factor):
+        """Every row decoded and summed into out in row order, times ``factor``."""
+        sum_rows(params, pcol, words, wcol, bits, chunk, arg, out, accumulate, factor)
+
+    @specialized(f"_decode_rows{suffix}", module)
+    def decode_rows(params, pcol, words, wcol, bits, chunk, arg, part, out):
+        """Row k of the matrix into partition k of out, every k."""
+        row_into_partition(params, pcol, words, wcol, bits, chunk, arg, part, out)
+
+    if not segmented:
+        return decode, decode_rows
+
+    @specialized(f"_decode_segments{suffix}", module)
+    def decode_segments(params, words, table, chunk, arg, out, factor):
+        """Segment s's payloads in every row, summed into its place in out, times factor."""
+        s = cuda.blockIdx.z
+        start = table[s, T.X_OFF]
+        sum_rows(params, table[s, T.PCOL], words, table[s, T.WCOL], table[s, T.BITS], chunk,
+                 arg, out[start:start + table[s, T.X_LEN]], False, factor)
+
+    @specialized(f"_decode_rows_segments{suffix}", module)
+    def decode_rows_segments(params, words, table, chunk, arg, out):
+        """Row k of segment s's payloads into partition k of its place in out."""
+        s = cuda.blockIdx.z
+        start = table[s, T.X_OFF]
+        row_into_partition(params, table[s, T.PCOL], words, table[s, T.WCOL], table[s, T.BITS],
+                           chunk, arg, table[s, T.PART], out[start:start + table[s, T.X_LEN]])
+
+    return decode, decode_rows, decode_segments, decode_rows_segments
 
 
 PER_THREAD = GROUP_ILP              # elements a thread covers per pass

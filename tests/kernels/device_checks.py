@@ -303,3 +303,75 @@ def check_rows(cases, dtype=np.float32):
             row = cuda.to_device(np.ascontiguousarray(hl[k:k + 1, COL:COL + fmt.nbytes]))
             _same(decoded[k * part:(k + 1) * part], nk.decompress_many(row, fmt),
                   f"device decompress_many: {what}")
+
+
+def _segment_layout(specs, rows, gap=3):
+    """Segments of (length, bits) with ``gap`` elements between them in the base arrays and
+    8 bytes between their payloads (the first at column 8); return (segments, x size, error
+    size, row width, each segment's partition length)."""
+    segments, parts = [], []
+    offset = err = gap
+    col = 8
+    for length, bits, chunk in specs:
+        part = -(-length // rows)
+        segments.append(nk.MinMaxSegment(offset, length, bits, col, err))
+        parts.append(part)
+        offset += length + gap
+        err += rows * part + gap
+        col += nk.MinMaxFormat(part, bits, chunk).nbytes + 8
+    return segments, offset, err, col, parts
+
+
+def check_minmax_segments(specs, rows, residual, chunk):
+    """``numba_kernels.minmax_segments`` against the per-tensor calls on the host, byte for
+    byte: the encoder's payloads (and nothing written between them) and error memories, the
+    server's decode-sum of each segment's payloads in every row, and the decode of each
+    segment's rows into its place (the gaps between places untouched); on the device, one
+    launch each (chunks up to 4096); the host form too. ``specs``: (length, bits, chunk) of
+    each segment, chunk the call's (the third item only sizes the layout)."""
+    what = f"segments {specs} rows={rows} residual={residual} chunk={chunk}"
+    specs = [(length, bits, chunk) for length, bits, _ in specs]
+    segments, size, err_size, width, parts = _segment_layout(specs, rows)
+    x = _data(size + rows, size, np.float32) * np.float32(3)
+    e = _data(err_size, err_size, np.float32) * np.float32(0.1) if residual else None
+    sentinel = np.full((rows, width), 0xAB, np.uint8)
+    # the reference: compress_minmax_rows of each segment on its own slices
+    ref_e, ref = (None if e is None else e.copy()), sentinel.copy()
+    for s, part in zip(segments, parts):
+        nk.compress_minmax_rows(x[s.offset:s.offset + s.length], ref, s.col, bits=s.bits,
+                                chunk=chunk, residual=None if ref_e is None else
+                                ref_e[s.error_offset:s.error_offset + rows * part])
+    # the server's sum of each segment's payloads, and each segment's rows decoded
+    sums = [nk.MinMaxSegment(sum(parts[:j]), part, s.bits, s.col)
+            for j, (s, part) in enumerate(zip(segments, parts))]
+    ref_sum = np.zeros(sum(parts), np.float32)
+    for s in sums:
+        nk.decompress_many(ref, nk.MinMaxFormat(s.length, s.bits, chunk), col=s.col,
+                           out=ref_sum[s.offset:s.offset + s.length], factor=0.5)
+    ref_out = np.full(size, np.nan, np.float32)
+    for s, part in zip(segments, parts):
+        nk.decompress_rows(ref, nk.MinMaxFormat(part, s.bits, chunk), col=s.col,
+                           out=ref_out[s.offset:s.offset + s.length])
+    copy = (lambda a: None if a is None else a.copy())                      # noqa: E731
+    copy_to_device = (lambda a: None if a is None else cuda.to_device(a))   # noqa: E731
+    for place, put in (("host", copy), ("device", copy_to_device)):
+        got_e, got = put(e), put(sentinel)
+        before = nk.launch_count()
+        nk.compress_minmax_rows_segments(put(x), segments, got, chunk=chunk, residual=got_e)
+        encode_launches = nk.launch_count() - before
+        _same(ref, got, f"{place} payloads: {what}")
+        if residual:
+            _same(ref_e, got_e, f"{place} error memories: {what}")
+        got_sum = put(np.full(sum(parts), np.nan, np.float32))
+        before = nk.launch_count()
+        nk.decompress_minmax_segments(put(ref), sums, got_sum, chunk=chunk, factor=0.5)
+        sum_launches = nk.launch_count() - before
+        _same(ref_sum, got_sum, f"{place} decode-sum: {what}")
+        got_out = put(np.full(size, np.nan, np.float32))
+        before = nk.launch_count()
+        nk.decompress_minmax_rows_segments(put(ref), segments, got_out, chunk=chunk)
+        rows_launches = nk.launch_count() - before
+        _same(ref_out, got_out, f"{place} decode of the rows: {what}")
+        if place == "device" and chunk <= 4096:
+            assert (encode_launches, sum_launches, rows_launches) == (1, 1, 1), \
+                f"launches {encode_launches}, {sum_launches}, {rows_launches}: {what}"

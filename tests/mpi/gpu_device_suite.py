@@ -18,7 +18,7 @@ from bagua_mpi import cuda as bcuda
 from bagua_mpi import transport
 from bagua_mpi.accounting import WireStats, overhead, staging
 from bagua_mpi.primitives.codecs import MinMaxCodec, OneBitCodec, QSGDCodec
-from bagua_mpi.primitives.lowprec import _clps_arrays, partition_length
+from bagua_mpi.primitives.lowprec import SharedBases, _clps_arrays, partition_length
 from checks import run_suite
 
 
@@ -91,6 +91,67 @@ def check_clps(comm, aware: bool):
         everyone = comm.allgather([h.tobytes() for h in host])
         assert all(e == everyone[0] for e in everyone), "ranks disagree"
     say(comm, f"C_LP_S device == host ({'CUDA-aware' if aware else 'staged'}) on {n} ranks")
+
+
+def check_clps_together(comm, aware: bool):
+    """L-GreCo's min-max exchange: layers at their own widths (one chunk), their gradients in
+    one memory with gaps between them and their error memories end to end, take 4 launches for
+    all of them (``_Together``), where each layer took 4 of its own; the same bytes as the
+    host's layer-by-layer exchange, with and without error feedback, an empty layer among
+    them."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    bcuda.set_cuda_aware(aware)
+    chunk = 32
+    layers = [(300, 8), (37, 3), (0, 4), (256, 1), (90, 6), (5, 2)]
+    for feedback in (True, False):
+        offsets, size = [], 7
+        for length, _ in layers:
+            offsets.append(size)
+            size += length + 5    # gaps, which no kernel may write
+        parts = [partition_length(length, n) for length, _ in layers]
+        worker_at = np.cumsum([0] + [p * n for p in parts])
+        server_at = np.cumsum([0] + parts)
+        worker = np.zeros(worker_at[-1], np.float32)
+        server = np.zeros(server_at[-1], np.float32)
+        dev_worker, dev_server = cuda.to_device(worker), cuda.to_device(server)
+        codecs = [MinMaxCodec(bits, chunk) for _, bits in layers]
+        for step in range(2):
+            rng = np.random.default_rng([step, rank, 13])
+            base = (rng.standard_normal(size) * (1 + rank)).astype(np.float32)
+            host = [base[o:o + length].copy() for o, (length, _) in zip(offsets, layers)]
+            dev_base = cuda.to_device(base)
+            dev = [dev_base[o:o + length] for o, (length, _) in zip(offsets, layers)]
+
+            def errors(w, s, j):
+                if not feedback:
+                    return None, None
+                return w[worker_at[j]:worker_at[j + 1]], s[server_at[j]:server_at[j + 1]]
+            hw, hs = zip(*[errors(worker, server, j) for j in range(len(layers))])
+            dw, ds = zip(*[errors(dev_worker, dev_server, j) for j in range(len(layers))])
+            seeds = [0] * len(layers)
+            hstats, dstats = WireStats(), WireStats()
+            _clps_arrays(host, list(hw), list(hs), codecs, seeds, comm, 1.0 / n, hstats, False)
+            bases = SharedBases(dev_base, offsets, *((dev_worker, list(worker_at[:-1]),
+                                                      dev_server, list(server_at[:-1]))
+                                                     if feedback else ()))
+            launches, _ = overhead.snapshot()
+            _clps_arrays(dev, list(dw), list(ds), codecs, seeds, comm, 1.0 / n, dstats, True,
+                         bases)
+            launched = overhead.snapshot()[0] - launches
+            assert launched == 4, f"{launched} kernel launches for {len(layers)} layers"
+            got = dev_base.copy_to_host()
+            for j, (o, (length, _)) in enumerate(zip(offsets, layers)):
+                assert np.array_equal(got[o:o + length], host[j]), f"layer {j} step {step}"
+            gaps = np.ones(size, bool)
+            for o, (length, _) in zip(offsets, layers):
+                gaps[o:o + length] = False
+            assert np.array_equal(got[gaps], base[gaps]), "a kernel wrote between the layers"
+            if feedback:
+                assert np.array_equal(dev_worker.copy_to_host(), worker), "worker errors"
+                assert np.array_equal(dev_server.copy_to_host(), server), "server errors"
+            assert dstats.bytes_sent == hstats.bytes_sent
+    say(comm, f"C_LP_S of min-max layers together == host ({'aware' if aware else 'staged'}) "
+              f"on {n} ranks")
 
 
 def check_topk(comm, aware: bool):
@@ -225,6 +286,7 @@ def both_ways(check):
 
 CHECKS = {"gtopk": lambda rank, size: check_gtopk_staged(bm.runtime.get().topo.comm),
           "clps": both_ways(check_clps),
+          "clps_together": both_ways(check_clps_together),
           "topk": both_ways(check_topk),
           "decentralized": both_ways(check_decentralized)}
 

@@ -1,11 +1,14 @@
 """L-GreCo under mpiexec: decisions identical on every rank, reacting to layer statistics,
 training within tolerance of uniform compression, and a state round-trip."""
+import itertools
 import sys
 
 import torch
 
 import bagua_mpi as bm
 from bagua_mpi.lgreco import LGreCo
+from bagua_mpi.primitives import lowprec
+from bagua_mpi.primitives.lowprec import Segment
 
 
 class Hetero(torch.nn.Module):
@@ -83,11 +86,41 @@ def check_bfloat16_gradients(rank, size):
     opt.close()
 
 
+def check_error_memories_end_to_end(opt):
+    """The min-max family keeps a bucket's error memories end to end, one memory per kind, so
+    its exchange can run all the layers in one launch a step on a GPU (``lowprec._Together``
+    takes them when ``_shared_bases`` finds the common memory); so they stay after a state
+    round-trip (a checkpoint load), with their values."""
+    impl = opt.impl
+    for bucket in opt.buckets:
+        grads = bucket.grad_views()
+        layers = [Segment(g.reshape(-1), impl.family.codec(4), *impl.family.layer_errors(
+            impl, name)) for name, g in zip(bucket.names, grads)]
+        before = [(seg.worker_error.clone(), seg.server_error.clone()) for seg in layers]
+        assert any(w.abs().sum() > 0 for w, _ in before), "error feedback left nothing"
+        bases = lowprec._shared_bases(layers)
+        assert bases is not None, f"bucket {bucket.index}: no common memory for its layers"
+        n = impl.comm.Get_size()
+        numels = [g.numel() for g in grads]
+        assert bases.worker_offsets == list(itertools.accumulate(
+            [lowprec.padded_length(k, n) for k in numels[:-1]], initial=0)), bases
+        assert bases.server_offsets == list(itertools.accumulate(
+            [lowprec.partition_length(k, n) for k in numels[:-1]], initial=0)), bases
+        opt.load_algorithm_state_dict(opt.algorithm_state_dict())
+        again = [Segment(seg.flat, seg.codec, *impl.family.layer_errors(impl, name))
+                 for seg, name in zip(layers, bucket.names)]
+        after = lowprec._shared_bases(again)
+        assert after is not None and after.worker_offsets == bases.worker_offsets
+        for seg, (w, s) in zip(again, before):
+            assert torch.equal(seg.worker_error, w) and torch.equal(seg.server_error, s)
+
+
 def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
     algo = LGreCo(family="minmax", default=4, warmup_steps=10, period_steps=10)
     loss, history, opt = train(algo, 60, rank)
+    check_error_memories_end_to_end(opt)
     # every decision is the same on every rank
     assert bm.allgather_object(history) == [history] * size
     assert opt.impl.decisions == 6, opt.impl.decisions
