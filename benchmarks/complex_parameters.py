@@ -12,11 +12,11 @@ time of each, and their ratio, per algorithm.
 """
 import argparse
 import statistics
-import time
 
 import torch
 
 import bagua_mpi as bm
+from timed_steps import step_times
 
 WIDTH, MODES, POINTS, BLOCKS, BATCH = 64, 16, 128, 4, 16
 
@@ -45,18 +45,10 @@ def build(as_real: bool, algorithm: str):
     return model, opt
 
 
-def step_times(model, opt, steps: int) -> list[float]:
+def step_times_of(model, opt, steps: int) -> list[float]:
     g = torch.Generator().manual_seed(bm.rank())
     x = torch.randn(BATCH, WIDTH, POINTS, generator=g)
-    times = []
-    for _ in range(steps + 2):  # two warm-up steps: bucket profiling, first allocations
-        bm.barrier()
-        start = time.perf_counter()
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return times[2:]
+    return step_times(model, opt, x, steps, warmup=2)  # bucket profiling, first allocations
 
 
 def main() -> None:
@@ -71,7 +63,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for label, as_real in (("complex", False), ("real twin", True)):
                 model, opt = build(as_real, algorithm)
-                medians[label].append(statistics.median(step_times(model, opt, args.steps)))
+                medians[label].append(statistics.median(step_times_of(model, opt, args.steps)))
                 opt.close()
         if bm.rank() == 0:
             c, r = (statistics.median(medians[k]) for k in ("complex", "real twin"))

@@ -133,19 +133,24 @@ def encode_cpu(x, e, has_res, chunk, bits, params, words):
         encode_chunk(x, e, has_res, ci, chunk, x.size, bits, params, words)
 
 
+@njit(nogil=True, inline="always")
+def encode_rows_item(x, e, has_res, part, chunk, bits, params, pcol, words, wcol, j):
+    """Item j of the row form: chunk j % nc of partition j // nc (nc chunks a partition)."""
+    nc = (part + chunk - 1) // chunk
+    k = j // nc
+    lo = k * part
+    encode_chunk(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, part, bits,
+                 params[k, pcol:pcol + 2 * nc], words[k, wcol:wcol + (part * bits + 31) // 32])
+
+
 @cached_njit(nogil=True, parallel=True)
 def encode_rows_cpu(x, e, has_res, part, chunk, bits, params, pcol, words, wcol):
     """CPU twin of the row form: partition k of x (and e) into row k of the (rows, width)
     views ``params`` / ``words``, its sections at columns pcol / wcol; one (partition, chunk)
     pair per parallel iteration, each exactly ``encode_cpu``'s chunk (x may end short of the
     last partitions: zeros there)."""
-    nc = (part + chunk - 1) // chunk
-    nwords = (part * bits + 31) // 32
-    for j in prange(params.shape[0] * nc):
-        k = j // nc
-        lo = k * part
-        encode_chunk(x[lo:lo + part], e[lo:lo + part], has_res, j - k * nc, chunk, part, bits,
-                     params[k, pcol:pcol + 2 * nc], words[k, wcol:wcol + nwords])
+    for j in prange(params.shape[0] * ((part + chunk - 1) // chunk)):
+        encode_rows_item(x, e, has_res, part, chunk, bits, params, pcol, words, wcol, j)
 
 
 @njit(nogil=True, inline="always")
@@ -198,30 +203,42 @@ def decode_row(codes8, words, bits, mn, scale, out, add, first):
             out[i] = out[i] + xh if add else xh
 
 
+@njit(nogil=True, inline="always")
+def decode_sum_item(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate, ci):
+    """Chunk ci of the stack decoder: out (+)= the sum of its decodes, rows in order."""
+    s = ci * chunk
+    t = min(out.size, s + chunk)
+    for p in range(params.shape[0]):
+        decode_row(bytes8[p, bcol + s:bcol + t], words[p, wcol:], bits,
+                   params[p, pcol + 2 * ci], params[p, pcol + 2 * ci + 1], out[s:t],
+                   accumulate or p > 0, s)
+
+
 @cached_njit(nogil=True, parallel=True)
 def decode_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate):
     """out[i] (+)= sum over rows p of fma(code, scale, mn), rows in order."""
-    n = out.size
-    for ci in prange((n + chunk - 1) // chunk):
-        s = ci * chunk
-        t = min(n, s + chunk)
-        for p in range(params.shape[0]):
-            decode_row(bytes8[p, bcol + s:bcol + t], words[p, wcol:], bits,
-                       params[p, pcol + 2 * ci], params[p, pcol + 2 * ci + 1], out[s:t],
-                       accumulate or p > 0, s)
+    for ci in prange((out.size + chunk - 1) // chunk):
+        decode_sum_item(params, pcol, words, wcol, bytes8, bcol, bits, chunk, out, accumulate,
+                        ci)
+
+
+@njit(nogil=True, inline="always")
+def decode_rows_item(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out, j):
+    """Item j of the row decoder: chunk j % nc of row j // nc into its partition of out."""
+    nc = (part + chunk - 1) // chunk
+    k = j // nc
+    s = (j - k * nc) * chunk
+    t = min(part, s + chunk)
+    decode_row(bytes8[k, bcol + s:bcol + t], words[k, wcol:], bits,
+               params[k, pcol + 2 * (j - k * nc)], params[k, pcol + 2 * (j - k * nc) + 1],
+               out[k * part + s:k * part + t], False, s)
 
 
 @cached_njit(nogil=True, parallel=True)
 def decode_rows_cpu_kernel(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out):
     """out[k * part + i] = fma(code, scale, mn) of element i of row k (each row on its own)."""
-    nc = (part + chunk - 1) // chunk
-    for j in prange(params.shape[0] * nc):
-        k = j // nc
-        s = (j - k * nc) * chunk
-        t = min(part, s + chunk)
-        decode_row(bytes8[k, bcol + s:bcol + t], words[k, wcol:], bits,
-                   params[k, pcol + 2 * (j - k * nc)], params[k, pcol + 2 * (j - k * nc) + 1],
-                   out[k * part + s:k * part + t], False, s)
+    for j in prange(params.shape[0] * ((part + chunk - 1) // chunk)):
+        decode_rows_item(params, pcol, words, wcol, bytes8, bcol, bits, chunk, part, out, j)
 
 
 def compress_minmax(x, bits=8, chunk=1024, residual=None, out=None, stream=None):

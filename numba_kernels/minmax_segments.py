@@ -8,7 +8,8 @@ bucket's gradients, their error memories laid end to end, a server's merged part
 payload matrix's rows. Each function does for every segment what its per-tensor function does
 for one, in one launch on a device (the grid's z axis is the segment; a table of the segments'
 places, made once per layout and kept on the device, tells each block where to work); the
-host runs the per-tensor functions segment by segment, so both write the same bytes.
+host runs the per-tensor kernels' work items, every segment's in one parallel loop, so both
+write the same bytes.
 
 * ``compress_minmax_rows_segments``: ``compress_minmax_rows`` of each segment;
 * ``decompress_minmax_segments``: ``decompress_many`` of each segment's payloads in a stack's
@@ -23,13 +24,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from numba import njit, prange
+
 from . import _segment_table as T
 from ._api import payload_matrix
 from ._device import flat, same_place, stream_of
+from ._disk_cache import cached_njit
 from ._scalar import SEGMENT
 from .dispatch import decompress_many, decompress_rows
 from .errors import KernelParameterError, LayoutError
-from .minmax import compress_minmax_rows
+from .minmax import (compress_minmax_rows, decode_rows_item, decode_sum_item,
+                     encode_rows_item)
 from .wire import ALIGN, MinMaxFormat
 
 
@@ -64,10 +69,16 @@ def compress_minmax_rows_segments(x, segments, out, chunk=1024, residual=None, s
     rows = mat.shape[0]
     layout = _layout(segments, rows, chunk, mat.shape[1], "encode", xa.size,
                      None if ea is None else ea.size)
-    if dev and chunk <= SEGMENT and xa.dtype == np.float32:
-        if layout.rows:
+    if xa.dtype == np.float32 and (chunk <= SEGMENT or not dev):
+        if not layout.rows:
+            return
+        if dev:
             from ._cuda import minmax as kern
             kern.encode_segments(xa, ea, *layout.on_device(), chunk, mat, stream_of(stream))
+        else:
+            _encode_rows_segments_cpu(xa, xa if ea is None else ea, ea is not None,
+                                      layout.table, layout.starts, chunk,
+                                      mat.view(np.float32), mat.view(np.uint32), mat)
         return
     for s in segments:
         part = -(-s.length // rows)
@@ -87,10 +98,15 @@ def decompress_minmax_segments(stack, segments, out, chunk=1024, factor=1.0, str
     oa, odev = flat(out, "out")
     same_place(dev, out=(oa, odev))
     layout = _layout(segments, 1, chunk, mat.shape[1], "sum", oa.size, None)
-    if dev and oa.dtype == np.float32:
-        if layout.rows:
+    if oa.dtype == np.float32:
+        if not layout.rows:
+            return
+        if dev:
             from ._cuda import minmax as kern
             kern.decode_segments(mat, *layout.on_device(), chunk, oa, factor, stream_of(stream))
+        else:
+            _decode_segments_cpu(mat.view(np.float32), mat.view(np.uint32), mat, layout.table,
+                                 layout.starts, chunk, oa, np.float32(factor))
         return
     for s in segments:
         decompress_many(mat, MinMaxFormat(s.length, s.bits, chunk), stream=stream,
@@ -107,10 +123,15 @@ def decompress_minmax_rows_segments(matrix, segments, out, chunk=1024, stream=No
     same_place(dev, out=(oa, odev))
     rows = mat.shape[0]
     layout = _layout(segments, rows, chunk, mat.shape[1], "decode", oa.size, None)
-    if dev and oa.dtype == np.float32:
-        if layout.rows:
+    if oa.dtype == np.float32:
+        if not layout.rows:
+            return
+        if dev:
             from ._cuda import minmax as kern
             kern.decode_rows_segments(mat, *layout.on_device(), chunk, oa, stream_of(stream))
+        else:
+            _decode_rows_segments_cpu(mat.view(np.float32), mat.view(np.uint32), mat,
+                                      layout.table, layout.starts, chunk, oa)
         return
     for s in segments:
         decompress_rows(mat, MinMaxFormat(-(-s.length // rows), s.bits, chunk), stream=stream,
@@ -125,6 +146,11 @@ class _Layout:
     def __init__(self, kind, payload_rows, chunk, table):
         self.kind, self.payload_rows, self.chunk, self.table = kind, payload_rows, chunk, table
         self._on = {}   # device id -> (table there, blocks)
+        # the CPU twins' work items: chunks (of every row but for a sum) of each segment, the
+        # first of segment s at starts[s], their number at starts[-1]
+        if table is not None:
+            chunks = -(-table[:, T.PART] // chunk) * (1 if kind == "sum" else payload_rows)
+            self.starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
 
     @property
     def rows(self):
@@ -218,3 +244,56 @@ def _check_disjoint(table, rows, kind, residual):
         if (starts[order][1:] < ends[:-1]).any():
             raise LayoutError(f"segments overlap in their {what}: each would write the "
                               "other's")
+
+
+# The CPU twins: one parallel loop over every segment's work items (a chunk, of one row but for
+# the sum), each the per-tensor kernel's item on that segment, so the bytes are its bytes.
+
+@njit(nogil=True, inline="always")
+def _segment_of(starts, j):
+    """The segment whose work items hold item j."""
+    return np.searchsorted(starts, j, side="right") - 1
+
+
+@cached_njit(nogil=True, parallel=True)
+def _encode_rows_segments_cpu(x, e, has_res, table, starts, chunk, params, words, mat):
+    """``encode_rows_cpu`` of every segment, then each payload's padding zeroed."""
+    rows = mat.shape[0]
+    for j in prange(starts[-1]):
+        s = _segment_of(starts, j)
+        start, part = table[s, T.X_OFF], table[s, T.PART]
+        err = table[s, T.E_OFF] if has_res else start
+        encode_rows_item(x[start:start + table[s, T.X_LEN]], e[err:err + rows * part], has_res,
+                         part, chunk, table[s, T.BITS], params, table[s, T.PCOL], words,
+                         table[s, T.WCOL], j - starts[s])
+    for s in range(table.shape[0]):
+        col = table[s, T.COL]
+        mat[:, col + table[s, T.USED]:col + table[s, T.NBYTES]] = 0
+
+
+@cached_njit(nogil=True, parallel=True)
+def _decode_segments_cpu(params, words, mat, table, starts, chunk, out, factor):
+    """``decode_cpu_kernel`` of every segment into its place, then times ``factor`` (the
+    float32 product ``decompress_many`` takes on the host)."""
+    for j in prange(starts[-1]):
+        s = _segment_of(starts, j)
+        ci = j - starts[s]
+        start, n = table[s, T.X_OFF], table[s, T.X_LEN]
+        mine = out[start:start + n]
+        decode_sum_item(params, table[s, T.PCOL], words, table[s, T.WCOL], mat,
+                        table[s, T.COL] + table[s, T.BOFF], table[s, T.BITS], chunk, mine,
+                        False, ci)
+        if factor != 1:
+            for i in range(ci * chunk, min(n, (ci + 1) * chunk)):
+                mine[i] *= factor
+
+
+@cached_njit(nogil=True, parallel=True)
+def _decode_rows_segments_cpu(params, words, mat, table, starts, chunk, out):
+    """``decode_rows_cpu_kernel`` of every segment into its place."""
+    for j in prange(starts[-1]):
+        s = _segment_of(starts, j)
+        start = table[s, T.X_OFF]
+        decode_rows_item(params, table[s, T.PCOL], words, table[s, T.WCOL], mat,
+                         table[s, T.COL] + table[s, T.BOFF], table[s, T.BITS], chunk,
+                         table[s, T.PART], out[start:start + table[s, T.X_LEN]], j - starts[s])

@@ -17,7 +17,8 @@ the n partitions at once (the codecs' row forms), step 3 decodes, sums and scale
 payloads in one pass, step 4 is one encode; an encode of chunks longer than 4096 takes 3.
 Min-max segments (each at its own width, L-GreCo's) whose tensors lie in one memory (a
 bucket's gradients; their error memories end to end, as L-GreCo keeps them) take 4 launches
-for all of them: each step runs every segment in one grid (``numba_kernels.minmax_segments``).
+for all of them: each step runs every segment in one grid (``numba_kernels.minmax_segments``;
+on the host, in one parallel loop of the CPU twins).
 
 ``worker_error``/``server_error`` = None switch error feedback off (BAGUA's own
 implementation has none; QSGD and ByteGrad run without it). Errors live with the bucket in the
@@ -40,7 +41,7 @@ from ..buffers import host_view
 from .centralized import partition_length
 from ..accounting import WireStats
 from . import device_arrays
-from .codecs import Codec, MinMaxCodec, call_seed
+from .codecs import Codec, MinMaxCodec, call_seed, fit_kernel_threads
 
 
 def padded_length(length: int, n: int) -> int:
@@ -122,14 +123,14 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
         wes.append(we)
         ses.append(se)
     _clps_arrays(xs, wes, ses, [seg.codec for seg in segments], [seg.seed for seg in segments],
-                 comm, scale, stats, device, _shared_bases(segments) if device else None)
+                 comm, scale, stats, device, _shared_bases(segments))
 
 
 @dataclass
 class SharedBases:
     """Where the segments of one exchange lie in common memory, for the segmented kernels:
-    base arrays (Numba device arrays) and each segment's first element in them. ``worker`` and
-    ``server`` are None without error feedback."""
+    base arrays (NumPy arrays, or Numba device arrays) and each segment's first element in them.
+    ``worker`` and ``server`` are None without error feedback."""
 
     x: object
     x_offsets: list
@@ -164,8 +165,8 @@ def _shared_bases(segments: list[Segment]) -> SharedBases | None:
 
 
 def _storage_base(tensors: list[torch.Tensor]):
-    """(the whole storage the float32 ``tensors`` share, as a device array; each one's first
-    element in it), or None when they do not share one."""
+    """(the whole storage the float32 ``tensors`` share, as an array where they live; each
+    one's first element in it), or None when they do not share one."""
     storage = tensors[0].untyped_storage()
     if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
         return None
@@ -187,13 +188,14 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
     bytes: the kernels are the CPU twins' equals and every sum runs in the same order. The
     kernels run in stream order with torch's; ``transport`` waits for them only where an MPI
     must read device memory. With ``bases`` (the arrays' common memory, ``_shared_bases``),
-    the device runs each step for every segment in one launch."""
+    each step runs for every segment at once: one launch on the device, one parallel loop on
+    the host."""
     wire = transport.of(comm)
     n, rank = wire.size, wire.rank
     plans, row = _plans(xs, wes, ses, codecs, seeds, n)
     if not plans:
         return
-    together = _Together(plans, bases) if device and bases is not None else None
+    together = _Together(plans, bases, device) if bases is not None else None
     send, recv = _scatter_payloads(plans, row, wire, device, together)
     mine = _empty(row, np.uint8, device)
     if together is not None:  # server: sum, scale, phase 2
@@ -215,13 +217,13 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
 
 
 class _Together:
-    """The device steps of a C_LP_S whose segments are all min-max (each at its own width, one
-    chunk) in common memory (``bases``): one launch a step for all of them, each segment's
-    bytes those of its own kernels. The server's merged partitions lie end to end in one
-    scratch array."""
+    """The steps of a C_LP_S whose segments are all min-max (each at its own width, one chunk)
+    in common memory (``bases``): each step for all of them at once (one launch on a device,
+    one parallel loop of the CPU twins on the host), each segment's bytes those of its own
+    kernels. The server's merged partitions lie end to end in one scratch array."""
 
-    def __init__(self, plans: list[_Plan], bases: SharedBases):
-        self.bases = bases
+    def __init__(self, plans: list[_Plan], bases: SharedBases, device: bool):
+        self.bases, self.device = bases, device
         self.chunk = plans[0].codec.chunk
         worker, server = bases.worker_offsets, bases.server_offsets
         self.tensors, self.sums, self.partitions = [], [], []
@@ -238,13 +240,14 @@ class _Together:
 
     def compress_rows(self, send) -> None:
         """Phase 1: partition k of every segment (+ its worker error) into row k of send."""
+        fit_kernel_threads()
         nk.compress_minmax_rows_segments(self.bases.x, self.tensors, send, chunk=self.chunk,
                                          residual=self.bases.worker)
 
     def serve(self, recv, mine, scale: float) -> None:
         """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
         partition (+ its server error) encoded into this rank's row."""
-        merged = _empty(self.merged, np.float32, True)
+        merged = _empty(self.merged, np.float32, self.device)
         nk.decompress_minmax_segments(recv, self.sums, merged, chunk=self.chunk, factor=scale)
         nk.compress_minmax_rows_segments(merged, self.partitions, mine.reshape(1, mine.size),
                                          chunk=self.chunk, residual=self.bases.server)

@@ -115,12 +115,36 @@ def check_error_memories_end_to_end(opt):
             assert torch.equal(seg.worker_error, w) and torch.equal(seg.server_error, s)
 
 
+def check_layers_together_as_one_by_one(rank):
+    """Training with the bucket's layers compressed together (``lowprec._Together``, one
+    parallel loop a step on the host) gives the losses and decisions of compressing them one by
+    one, exactly; and the together route did run."""
+    algo = LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4)
+    runs = []
+
+    class Counted(lowprec._Together):
+        def __init__(self, *args):
+            super().__init__(*args)
+            runs.append(len(self.tensors))
+    original, together = lowprec._Together, lowprec._shared_bases
+    try:
+        lowprec._Together = Counted
+        loss, history, _ = train(algo, 12, rank)
+        assert len(runs) == 12 and min(runs) > 1, runs
+        lowprec._shared_bases = lambda segments: None
+        assert (loss, history) == train(algo, 12, rank)[:2]
+        assert len(runs) == 12, "the one-by-one run took the together route"
+    finally:
+        lowprec._Together, lowprec._shared_bases = original, together
+
+
 def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
     algo = LGreCo(family="minmax", default=4, warmup_steps=10, period_steps=10)
     loss, history, opt = train(algo, 60, rank)
     check_error_memories_end_to_end(opt)
+    check_layers_together_as_one_by_one(rank)
     # every decision is the same on every rank
     assert bm.allgather_object(history) == [history] * size
     assert opt.impl.decisions == 6, opt.impl.decisions
