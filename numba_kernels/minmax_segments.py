@@ -19,7 +19,7 @@ write the same bytes.
 The encoder's chunks longer than 4096 elements take three kernels per tensor, and float64
 arrays have no segmented kernels: such segments run one by one, on the device too.
 """
-from collections import OrderedDict
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +67,7 @@ def compress_minmax_rows_segments(x, segments, out, chunk=1024, residual=None, s
         if ea.dtype != xa.dtype:
             raise LayoutError(f"residual must be {xa.dtype} as x is, got {ea.dtype}")
     rows = mat.shape[0]
-    layout = _layout(segments, rows, chunk, mat.shape[1], "encode", xa.size,
+    layout = _layout(tuple(segments), rows, chunk, mat.shape[1], "encode", xa.size,
                      None if ea is None else ea.size)
     if xa.dtype == np.float32 and (chunk <= SEGMENT or not dev):
         if not layout.rows:
@@ -97,7 +97,7 @@ def decompress_minmax_segments(stack, segments, out, chunk=1024, factor=1.0, str
     mat, dev = payload_matrix(stack, "stack")
     oa, odev = flat(out, "out")
     same_place(dev, out=(oa, odev))
-    layout = _layout(segments, 1, chunk, mat.shape[1], "sum", oa.size, None)
+    layout = _layout(tuple(segments), 1, chunk, mat.shape[1], "sum", oa.size, None)
     if oa.dtype == np.float32:
         if not layout.rows:
             return
@@ -122,7 +122,7 @@ def decompress_minmax_rows_segments(matrix, segments, out, chunk=1024, stream=No
     oa, odev = flat(out, "out")
     same_place(dev, out=(oa, odev))
     rows = mat.shape[0]
-    layout = _layout(segments, rows, chunk, mat.shape[1], "decode", oa.size, None)
+    layout = _layout(tuple(segments), rows, chunk, mat.shape[1], "decode", oa.size, None)
     if oa.dtype == np.float32:
         if not layout.rows:
             return
@@ -179,23 +179,14 @@ class _Layout:
         return max(1, min(blocks, GRID_LIMIT // (len(part) * self.payload_rows)))
 
 
-_LAYOUTS: OrderedDict = OrderedDict()   # an exchange's layout recurs every step: checked once
-_LAYOUTS_KEPT = 64
-
-
+@functools.lru_cache(maxsize=64)   # an exchange's layout recurs every step: checked once
 def _layout(segments, rows, chunk, width, kind, size, error_size):
-    """The ``_Layout`` of ``segments`` for a call of ``kind``: "encode" and "decode" (a tensor
-    of ``length`` cut into ``rows`` partitions), or "sum" (a payload of ``length`` elements in
-    every row). Checks that every segment lies inside the base array (of ``size`` elements),
-    its payload inside the rows (of ``width`` bytes) at an aligned column, its error memory
-    inside the residual (of ``error_size``, or None), and that no two segments write the same
-    place. Kept per layout."""
-    segments = tuple(segments)
-    key = (segments, rows, chunk, width, kind, size, error_size)
-    layout = _LAYOUTS.get(key)
-    if layout is not None:
-        _LAYOUTS.move_to_end(key)
-        return layout
+    """The ``_Layout`` of ``segments`` (a tuple) for a call of ``kind``: "encode" and "decode"
+    (a tensor of ``length`` cut into ``rows`` partitions), or "sum" (a payload of ``length``
+    elements in every row). Checks that every segment lies inside the base array (of ``size``
+    elements), its payload inside the rows (of ``width`` bytes) at an aligned column, its
+    error memory inside the residual (of ``error_size``, or None), and that no two segments
+    write the same place."""
     table = []
     for s in segments:
         if not isinstance(s, MinMaxSegment):
@@ -222,11 +213,7 @@ def _layout(segments, rows, chunk, width, kind, size, error_size):
     table = np.asarray(table, dtype=np.int64).reshape(-1, T.COLUMNS) if table else None
     if table is not None:
         _check_disjoint(table, rows, kind, error_size is not None)
-    layout = _Layout(kind, rows, chunk, table)
-    _LAYOUTS[key] = layout
-    if len(_LAYOUTS) > _LAYOUTS_KEPT:
-        _LAYOUTS.popitem(last=False)
-    return layout
+    return _Layout(kind, rows, chunk, table)
 
 
 def _check_disjoint(table, rows, kind, residual):

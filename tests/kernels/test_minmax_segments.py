@@ -1,0 +1,78 @@
+"""Min-max over many tensors side by side (``numba_kernels.minmax_segments``) on the host: the
+per-tensor calls' bytes, and the errors for segments that do not fit. (The device kernels
+against the same calls: ``sim_kernels.py``, ``test_minmax_segments_equal_the_per_tensor_calls``.)
+"""
+import numpy as np
+import pytest
+
+import numba_kernels as nk
+from numba_kernels.errors import KernelParameterError, LayoutError
+
+
+def layout(specs, rows, chunk, gap=3):
+    segments, offset, err, col = [], gap, gap, 8
+    for length, bits in specs:
+        part = -(-length // rows)
+        segments.append(nk.MinMaxSegment(offset, length, bits, col, err))
+        offset += length + gap
+        err += rows * part + gap
+        col += nk.MinMaxFormat(part, bits, chunk).nbytes + 8
+    return segments, offset, err, col
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("residual", [True, False])
+def test_segments_write_the_per_tensor_bytes(rows, residual):
+    chunk = 64
+    specs = [(300, 3), (1, 8), (0, 2), (129, 1), (64, 5), (1000, 4)]
+    segments, size, err_size, width = layout(specs, rows, chunk)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal(size).astype(np.float32)
+    e = (rng.standard_normal(err_size) * 0.1).astype(np.float32) if residual else None
+    ref_e, ref = (None if e is None else e.copy()), np.full((rows, width), 0xAB, np.uint8)
+    for s in segments:
+        part = -(-s.length // rows)
+        nk.compress_minmax_rows(x[s.offset:s.offset + s.length], ref, s.col, bits=s.bits,
+                                chunk=chunk, residual=None if ref_e is None else
+                                ref_e[s.error_offset:s.error_offset + rows * part])
+    got_e, got = (None if e is None else e.copy()), np.full((rows, width), 0xAB, np.uint8)
+    nk.compress_minmax_rows_segments(x, segments, got, chunk=chunk, residual=got_e)
+    np.testing.assert_array_equal(got, ref)
+    if residual:
+        np.testing.assert_array_equal(got_e, ref_e)
+    out_ref, out = np.full(size, np.nan, np.float32), np.full(size, np.nan, np.float32)
+    for s in segments:
+        nk.decompress_rows(ref, nk.MinMaxFormat(-(-s.length // rows), s.bits, chunk), col=s.col,
+                           out=out_ref[s.offset:s.offset + s.length])
+    nk.decompress_minmax_rows_segments(ref, segments, out, chunk=chunk)
+    np.testing.assert_array_equal(out, out_ref)     # the gaps stay NaN in both
+    sums = [nk.MinMaxSegment(j * 1100, -(-s.length // rows), s.bits, s.col)
+            for j, s in enumerate(segments)]
+    sum_ref, summed = (np.zeros(1100 * len(sums), np.float32) for _ in range(2))
+    for s in sums:
+        nk.decompress_many(ref, nk.MinMaxFormat(s.length, s.bits, chunk), col=s.col, factor=0.25,
+                           out=sum_ref[s.offset:s.offset + s.length])
+    nk.decompress_minmax_segments(ref, sums, summed, chunk=chunk, factor=0.25)
+    np.testing.assert_array_equal(summed, sum_ref)
+
+
+def test_segments_that_do_not_fit_are_refused():
+    x = np.zeros(100, np.float32)
+    mat = np.zeros((2, 256), np.uint8)
+    one = nk.MinMaxSegment(0, 50, 4, 8)
+    cases = {"outside x": [nk.MinMaxSegment(60, 50, 4, 8)],
+             "payload past the row": [nk.MinMaxSegment(0, 50, 8, 240)],
+             "unaligned column": [nk.MinMaxSegment(0, 50, 4, 12)],
+             "payloads overlap": [one, nk.MinMaxSegment(50, 50, 4, 16)]}
+    for what, segments in cases.items():
+        with pytest.raises(LayoutError):
+            nk.compress_minmax_rows_segments(x, segments, mat, chunk=32)
+        assert not mat.any(), f"{what}: something was written before the refusal"
+    with pytest.raises(LayoutError, match="error memory"):
+        nk.compress_minmax_rows_segments(x, [one, nk.MinMaxSegment(50, 50, 4, 64, 20)], mat,
+                                         chunk=32, residual=np.zeros(100, np.float32))
+    with pytest.raises(LayoutError, match="places in out"):
+        nk.decompress_minmax_rows_segments(mat, [one, nk.MinMaxSegment(40, 50, 4, 64)], x,
+                                           chunk=32)
+    with pytest.raises(KernelParameterError):
+        nk.compress_minmax_rows_segments(x, [nk.MinMaxSegment(0, 50, 9, 8)], mat, chunk=32)
