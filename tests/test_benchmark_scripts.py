@@ -49,9 +49,10 @@ def test_benchmark_script_imports(script, import_errors):
 def test_lgreco_comparison_prints_its_assignment(tmp_path):
     """A few steps of ``sparse.py --lgreco topk`` at 2 ranks, to the end of its report."""
     table = tmp_path / "lgreco.md"
-    result = run_mpi("../../benchmarks/sparse.py", 2, "--lgreco", "topk", "--levels", "0.1", "--lgreco-default", "0.1",
-                     "--steps", "6", "--lgreco-warmup", "2", "--lgreco-period", "2",
-                     "--vocab", "64", "--markdown", str(table), timeout=240)
+    result = run_mpi("../../benchmarks/sparse.py", 2, "--lgreco", "topk", "--levels", "0.1",
+                     "--lgreco-default", "0.1", "--steps", "6", "--lgreco-warmup", "2",
+                     "--lgreco-period", "2", "--vocab", "64", "--markdown", str(table),
+                     timeout=240)
     assert_mpi_ok(result)
     text = table.read_text()
     assert "| L-GreCo (default" in text, text

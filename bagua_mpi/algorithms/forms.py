@@ -51,3 +51,19 @@ def float32_all(tensors: list[torch.Tensor]):
     """``float32`` for several tensors at once: yields the list of their float32 forms."""
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(float32(t)) for t in tensors]
+
+
+@contextlib.contextmanager
+def float32_layers(bucket):
+    """A bucket's gradients as flat float32 tensors where they live, one a parameter in its
+    memory order: slices of one float32 form of the bucket's flat buffer (the buffer itself
+    when it is float32; else one copy, written back on a clean exit, where a copy a tensor cost
+    one launch each way a tensor), so an exchange can also take them as one array. Without a
+    flat buffer (``flatten=False``), each gradient's own ``float32`` form."""
+    if bucket.flat_grad is None:
+        with float32_all(bucket.grad_views()) as grads:
+            yield grads
+        return
+    with float32(bucket.flat_grad) as work:
+        yield [work[start:start + numel]
+               for start, numel in zip(bucket.offsets, bucket.real_numels)]

@@ -39,7 +39,7 @@ from .. import collectives
 from ..lgreco.dp import solve  # the solver and the compressor families live in bagua_mpi.lgreco;
 from ..lgreco.families import FAMILIES  # only the algorithm is here, with the others
 from .base import Algorithm, AlgorithmImpl
-from .forms import float32_all
+from .forms import float32_layers
 from .registry import register
 from .validation import (boolean, chosen_by, fraction, non_negative_int, one_of, optional,
                          positive_int, whole_number)
@@ -97,7 +97,7 @@ class LGreCoImpl(AlgorithmImpl):
         whole bucket, each layer at its own level (bytes and seconds observed for the
         time-aware DP)."""
         transport = self.transport
-        with float32_all(bucket.grad_views()) as grads:  # where the gradients are
+        with float32_layers(bucket) as grads:  # where the gradients are
             layers = list(zip(bucket.names, grads))
             # one operation for the whole bucket (one launch per layer on a GPU otherwise)
             torch._foreach_add_([self.accumulator(name) for name in bucket.names], grads)

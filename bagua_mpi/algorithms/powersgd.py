@@ -28,7 +28,7 @@ import torch
 from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
-from .forms import float32_all
+from .forms import float32_layers
 from .validation import boolean, non_negative_int, positive_int, random_seed, real_at_least
 
 
@@ -62,8 +62,7 @@ class PowerSGDImpl(AlgorithmImpl):
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
-        grads = bucket.grad_views()
-        with float32_all(grads) as flats:  # where the gradients are
+        with float32_layers(bucket) as flats:  # where the gradients are
             segments, dense = [], []
             for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.real_params(),
                                          flats):

@@ -1,5 +1,6 @@
 """L-GreCo under mpiexec: decisions identical on every rank, reacting to layer statistics,
 training within tolerance of uniform compression, and a state round-trip."""
+import contextlib
 import itertools
 import sys
 
@@ -62,28 +63,40 @@ def train(algorithm, steps, rank, boost_after=None, lr=0.05, **options):
 
 
 def check_bfloat16_gradients(rank, size):
-    """bfloat16 gradients go through host float32 staging and come back reduced: the ranks'
-    different gradients end up identical (the average), and each layer agrees."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5)).bfloat16()
-    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                  named_parameters=model.named_parameters(),
-                                  algorithm=LGreCo(family="minmax", default=8, warmup_steps=1,
-                                                   period_steps=1))
-    for _ in range(3):
-        opt.zero_grad()
-        x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank)).bfloat16()
-        model(x).float().square().sum().backward()
-        local = [p.grad.float().clone() for p in model.parameters()]
-        opt.step()
-        for p, mine in zip(model.parameters(), local):
-            assert p.grad.dtype == torch.bfloat16
-            everyone = bm.allgather_object(p.grad.float())
-            assert all(torch.equal(everyone[0], g) for g in everyone), "ranks differ"
-            mean = torch.stack(bm.allgather_object(mine)).mean(0)
-            # 8-bit min-max of a bfloat16 gradient: within a few quantization steps
-            assert torch.allclose(p.grad.float(), mean, atol=0.05 * mean.abs().max() + 1e-3)
-    opt.close()
+    """bfloat16 gradients go through one float32 copy of the bucket and come back reduced: the
+    ranks' different gradients end up identical (the average), and each layer agrees. The
+    copy's slices are compressed together, with the bytes of compressing them one by one."""
+    results = []
+    for apart in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5)).bfloat16()
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                      named_parameters=model.named_parameters(),
+                                      algorithm=LGreCo(family="minmax", default=8,
+                                                       warmup_steps=1, period_steps=1))
+        grads = []
+        with together_runs(apart) as runs:
+            for _ in range(3):
+                opt.zero_grad()
+                x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank)).bfloat16()
+                model(x).float().square().sum().backward()
+                local = [p.grad.float().clone() for p in model.parameters()]
+                opt.step()
+                grads.append([p.grad.clone() for p in model.parameters()])
+                for p, mine in zip(model.parameters(), local):
+                    assert p.grad.dtype == torch.bfloat16
+                    everyone = bm.allgather_object(p.grad.float())
+                    assert all(torch.equal(everyone[0], g) for g in everyone), "ranks differ"
+                    mean = torch.stack(bm.allgather_object(mine)).mean(0)
+                    # 8-bit min-max of a bfloat16 gradient: within a few quantization steps
+                    assert torch.allclose(p.grad.float(), mean,
+                                          atol=0.05 * mean.abs().max() + 1e-3)
+        assert runs == ([] if apart else [4, 4, 4]), (apart, runs)
+        results.append(grads)
+        opt.close()
+    together, apart = results
+    assert all(torch.equal(a, b) for step_a, step_b in zip(together, apart)
+               for a, b in zip(step_a, step_b)), "together and one by one differ"
 
 
 def check_error_memories_end_to_end(opt):
@@ -115,27 +128,37 @@ def check_error_memories_end_to_end(opt):
             assert torch.equal(seg.worker_error, w) and torch.equal(seg.server_error, s)
 
 
-def check_layers_together_as_one_by_one(rank):
-    """Training with the bucket's layers compressed together (``lowprec._Together``, one
-    parallel loop a step on the host) gives the losses and decisions of compressing them one by
-    one, exactly; and the together route did run."""
-    algo = LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4)
+@contextlib.contextmanager
+def together_runs(apart=False):
+    """Yields a list that gets, for every exchange that compresses its layers together
+    (``lowprec._Together``), their number; with ``apart``, no exchange may."""
     runs = []
 
     class Counted(lowprec._Together):
         def __init__(self, *args):
             super().__init__(*args)
             runs.append(len(self.tensors))
-    original, together = lowprec._Together, lowprec._shared_bases
-    try:
-        lowprec._Together = Counted
-        loss, history, _ = train(algo, 12, rank)
-        assert len(runs) == 12 and min(runs) > 1, runs
+    original, bases = lowprec._Together, lowprec._shared_bases
+    lowprec._Together = Counted
+    if apart:
         lowprec._shared_bases = lambda segments: None
-        assert (loss, history) == train(algo, 12, rank)[:2]
-        assert len(runs) == 12, "the one-by-one run took the together route"
+    try:
+        yield runs
     finally:
-        lowprec._Together, lowprec._shared_bases = original, together
+        lowprec._Together, lowprec._shared_bases = original, bases
+
+
+def check_layers_together_as_one_by_one(rank):
+    """Training with the bucket's layers compressed together (``lowprec._Together``, one
+    parallel loop a step on the host) gives the losses and decisions of compressing them one by
+    one, exactly; and the together route did run."""
+    algo = LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4)
+    with together_runs() as runs:
+        loss, history, _ = train(algo, 12, rank)
+    assert len(runs) == 12 and min(runs) > 1, runs
+    with together_runs(apart=True) as runs:
+        assert (loss, history) == train(algo, 12, rank)[:2]
+    assert not runs, "the one-by-one run took the together route"
 
 
 def main():
