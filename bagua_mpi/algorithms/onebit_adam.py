@@ -108,7 +108,9 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         Adam's warm-up had it, flat or hierarchical."""
         m, _ = self.moments(bucket)
         c = self.comm.Get_size()
-        contribution = bucket.grad_vector()
+        # in m's dtype (float32): lerp_ takes one dtype, and a bfloat16 or float16 gradient is
+        # scaled in float32 rather than in its own precision
+        contribution = bucket.grad_vector().to(m.dtype)
         if self.scale * c != 1.0:
             contribution = contribution * (self.scale * c)
         if self.l2:

@@ -339,13 +339,14 @@ def make_hierarchical_check(name):
 PER_LAYER_OPERATIONS = {"powersgd": 4, "lgreco_powersgd": 4}
 
 
-def operations_of_a_step(algorithm, adam: bool, layers: int) -> tuple[int, int]:
+def operations_of_a_step(algorithm, adam: bool, layers: int,
+                         dtype=torch.float32) -> tuple[int, int]:
     """(operations that compute or copy, buckets) of one steady-state step: ``step()`` on this
     thread, the buckets' exchanges on the communication thread (``async``'s own thread, which
     averages one flat copy of the model, is not counted). The wrapped optimizer is a foreach
-    one, which takes a few operations for all parameters."""
+    one, which takes a few operations for all parameters. The model is in ``dtype``."""
     torch.manual_seed(0)  # the same model on every rank
-    model = torch.nn.Sequential(*[torch.nn.Linear(12, 12) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(12, 12) for _ in range(layers)]).to(dtype)
     base = (torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True) if adam
             else torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True))
     opt = bm.DistributedOptimizer(base, named_parameters=model.named_parameters(),
@@ -359,11 +360,11 @@ def operations_of_a_step(algorithm, adam: bool, layers: int) -> tuple[int, int]:
         exchanged.append(count.launches)
 
     opt.impl.communicate_bucket = counted
-    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(bm.rank()))
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(bm.rank())).to(dtype)
     for _ in range(4):  # past every warm-up, then the step counted
         exchanged.clear()
         opt.zero_grad()
-        model(x).square().mean().backward()
+        model(x).float().square().mean().backward()
         with DispatchCount() as stepped:
             opt.step()
     opt.close()
@@ -385,26 +386,30 @@ def steady(algorithm):
 
 def operations_checks() -> dict:
     """``operations_<name>`` for every configured algorithm, and for each of L-GreCo's
-    families (``operations_lgreco_<family>``)."""
+    families (``operations_lgreco_<family>``); ``operations_bfloat16_<name>`` for each of them
+    on a bfloat16 model, whose buckets are worked on in float32."""
     cases = {n: (algo, adam) for n, (algo, _, adam) in CONFIGS.items()}
     cases.update({f"lgreco_{family}": (LGreCo(family=family), False) for family in FAMILIES})
-    return {f"operations_{n}": make_operations_check(n, algo, adam)
-            for n, (algo, adam) in cases.items()}
+    checks = {}
+    for dtype, prefix in ((torch.float32, "operations_"), (torch.bfloat16, "operations_bfloat16_")):
+        checks.update({f"{prefix}{n}": make_operations_check(n, algo, adam, dtype)
+                       for n, (algo, adam) in cases.items()})
+    return checks
 
 
-def make_operations_check(name, algo, adam: bool):
+def make_operations_check(name, algo, adam: bool, dtype=torch.float32):
     """The operations of a step (each at least one kernel launch on a GPU) do not grow with the
-    layers, beyond ``PER_LAYER_OPERATIONS``: 4 against 32 Linear layers in one bucket. The
-    code a GPU runs where a CPU can run it too (PowerSGD's batched orthonormalization, 1-bit
-    Adam's foreach update); the rest on its host route (the codecs' kernels are counted apart,
-    in ``communication_stats()``)."""
+    layers, beyond ``PER_LAYER_OPERATIONS``: 4 against 32 Linear layers in one bucket, of
+    ``dtype``. The code a GPU runs where a CPU can run it too (PowerSGD's batched
+    orthonormalization, 1-bit Adam's foreach update); the rest on its host route (the codecs'
+    kernels are counted apart, in ``communication_stats()``)."""
     def check(rank, size):
         saved = lowrank._on_device, onebit_adam._together
         lowrank._on_device = lambda buf: True
         onebit_adam._together = lambda p: True
         try:
             (few, few_buckets), (many, many_buckets) = (
-                operations_of_a_step(steady(algo), adam, layers) for layers in (4, 32))
+                operations_of_a_step(steady(algo), adam, layers, dtype) for layers in (4, 32))
         finally:
             lowrank._on_device, onebit_adam._together = saved
         assert few_buckets == many_buckets == 1, (few_buckets, many_buckets)
