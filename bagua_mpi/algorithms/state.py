@@ -159,7 +159,8 @@ class AlgorithmState:
             sizes = lengths()
             starts = dict(zip(sizes, itertools.accumulate(sizes.values(), initial=0)))
             memory = self.groups[(kind, group)] = (
-                torch.zeros(sum(sizes.values()), device=device), starts, sizes)
+                torch.zeros(sum(sizes.values()), dtype=torch.float32, device=device), starts,
+                sizes)
         whole, starts, sizes = memory
         return self.tensor(kind, name,
                            lambda: whole[starts[name]:starts[name] + sizes[name]].zero_())
