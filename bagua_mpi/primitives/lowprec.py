@@ -187,33 +187,54 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
     ``NUMBA_ENABLE_CUDASIM=1`` this path runs on the CPU in the tests). Both give the same
     bytes: the kernels are the CPU twins' equals and every sum runs in the same order. The
     kernels run in stream order with torch's; ``transport`` waits for them only where an MPI
-    must read device memory. With ``bases`` (the arrays' common memory, ``_shared_bases``),
-    each step runs for every segment at once: one launch on the device, one parallel loop on
-    the host."""
+    must read device memory. The steps run segment by segment (``_OneByOne``), or with
+    ``bases`` (the arrays' common memory, ``_shared_bases``) for every segment at once
+    (``_Together``: one launch on the device, one parallel loop on the host)."""
     wire = transport.of(comm)
     n, rank = wire.size, wire.rank
     plans, row = _plans(xs, wes, ses, codecs, seeds, n)
     if not plans:
         return
-    together = _Together(plans, bases, device) if bases is not None else None
-    send, recv = _scatter_payloads(plans, row, wire, device, together)
-    mine = _empty(row, np.uint8, device)
-    if together is not None:  # server: sum, scale, phase 2
-        together.serve(recv, mine, scale)
+    if bases is not None:
+        steps = _Together(plans, bases, device)
     else:
-        for plan in plans:
-            merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, device))
-            plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
-                                seed=call_seed(plan.seed, rank, rank, 2))
+        steps = _OneByOne(plans, device, rank)
+    send, recv = _scatter_payloads(row, wire, device, steps)
+    mine = _empty(row, np.uint8, device)
+    steps.serve(recv, mine, scale)  # server: sum, scale, phase 2
     gathered = send  # phase-1 payloads are no longer needed
     wire.allgather(mine, gathered)
-    if together is not None:  # every partition decoded into its place (the padding cut off)
-        together.decompress_rows(gathered)
-    else:
-        for plan in plans:  # one launch each
-            plan.codec.decompress_rows(gathered, plan.cols, plan.part, out=plan.x)
+    steps.decompress_rows(gathered)  # every partition into its place (the padding cut off)
     if stats is not None:
         stats.add(2 * (n - 1) * row)
+
+
+class _OneByOne:
+    """The steps of a C_LP_S segment by segment, each with its own codec: one launch a segment
+    and step on a device (an encode of chunks longer than 4096 takes 3)."""
+
+    def __init__(self, plans: list[_Plan], device: bool, rank: int):
+        self.plans, self.device, self.rank = plans, device, rank
+
+    def compress_rows(self, send) -> None:
+        """Phase 1: partition k of every segment (worker error fused, seed ``call_seed(seed,
+        rank, k, 1)``) into row k of send."""
+        for plan in self.plans:
+            plan.codec.compress_rows(plan.x, send, plan.cols, residual=plan.worker_error,
+                                     seed=plan.seed, rank=self.rank, phase=1)
+
+    def serve(self, recv, mine, scale: float) -> None:
+        """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
+        partition (+ its server error) encoded into this rank's row."""
+        for plan in self.plans:
+            merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, self.device))
+            plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
+                                seed=call_seed(plan.seed, self.rank, self.rank, 2))
+
+    def decompress_rows(self, gathered) -> None:
+        """Step 5: row k of every segment's payload into partition k of its place."""
+        for plan in self.plans:
+            plan.codec.decompress_rows(gathered, plan.cols, plan.part, out=plan.x)
 
 
 class _Together:
@@ -287,7 +308,7 @@ def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torc
     if not plans:
         out.zero_()
         return out
-    _, recv = _scatter_payloads(plans, row, wire, device)
+    _, recv = _scatter_payloads(row, wire, device, _OneByOne(plans, device, rank))
     _server_sum(plans[0], recv, scale, _array(out))
     if stats is not None:
         stats.add((n - 1) * row)
@@ -322,20 +343,13 @@ def _plans(xs, wes, ses, codecs, seeds, n: int) -> tuple[list[_Plan], int]:
     return plans, row
 
 
-def _scatter_payloads(plans: list[_Plan], row: int, wire, device: bool,
-                      together: _Together | None = None):
-    """Phase 1 and the alltoall: compress partition k of every segment (worker error fused,
-    seed ``call_seed(seed, rank, k, 1)``) into row k of the message matrix, for server k (one
-    launch per segment, or one for all with ``together``); return (send, recv), recv's row j
-    holding rank j's payload for this rank."""
-    n, rank = wire.size, wire.rank
+def _scatter_payloads(row: int, wire, device: bool, steps):
+    """Phase 1 and the alltoall: ``steps`` (``_OneByOne`` or ``_Together``) compress partition
+    k of every segment into row k of the message matrix, for server k; return (send, recv),
+    recv's row j holding rank j's payload for this rank."""
+    n = wire.size
     send = _empty((n, row), np.uint8, device)
-    if together is not None:
-        together.compress_rows(send)
-    else:
-        for plan in plans:
-            plan.codec.compress_rows(plan.x, send, plan.cols, residual=plan.worker_error,
-                                     seed=plan.seed, rank=rank, phase=1)
+    steps.compress_rows(send)
     recv = _empty((n, row), np.uint8, device)
     wire.alltoall(send, recv)
     return send, recv
