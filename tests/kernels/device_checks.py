@@ -12,7 +12,7 @@ import numba_kernels as nk
 from numba_kernels import _sparse_rules
 from numba_kernels.wire import Payload
 from row_refs import (COL, at_column, loop_decode, partition_loop, payload_stack, row_form,
-                      row_format, row_matrix)
+                      row_format, row_matrix, segment_layout)
 
 
 def _data(seed, n, dtype, kind="normal"):
@@ -305,33 +305,15 @@ def check_rows(cases, dtype=np.float32):
                   f"device decompress_many: {what}")
 
 
-def _segment_layout(specs, rows, gap=3):
-    """Segments of (length, bits) with ``gap`` elements between them in the base arrays and
-    8 bytes between their payloads (the first at column 8); return (segments, x size, error
-    size, row width, each segment's partition length)."""
-    segments, parts = [], []
-    offset = err = gap
-    col = 8
-    for length, bits, chunk in specs:
-        part = -(-length // rows)
-        segments.append(nk.MinMaxSegment(offset, length, bits, col, err))
-        parts.append(part)
-        offset += length + gap
-        err += rows * part + gap
-        col += nk.MinMaxFormat(part, bits, chunk).nbytes + 8
-    return segments, offset, err, col, parts
-
-
 def check_minmax_segments(specs, rows, residual, chunk):
     """``numba_kernels.minmax_segments`` against the per-tensor calls on the host, byte for
     byte: the encoder's payloads (and nothing written between them) and error memories, the
     server's decode-sum of each segment's payloads in every row, and the decode of each
     segment's rows into its place (the gaps between places untouched); on the device, one
-    launch each (chunks up to 4096); the host form too. ``specs``: (length, bits, chunk) of
-    each segment, chunk the call's (the third item only sizes the layout)."""
+    launch each (chunks up to 4096); the host form too. ``specs``: (length, bits) of each
+    segment."""
     what = f"segments {specs} rows={rows} residual={residual} chunk={chunk}"
-    specs = [(length, bits, chunk) for length, bits, _ in specs]
-    segments, size, err_size, width, parts = _segment_layout(specs, rows)
+    segments, size, err_size, width, parts = segment_layout(specs, rows, chunk)
     x = _data(size + rows, size, np.float32) * np.float32(3)
     e = _data(err_size, err_size, np.float32) * np.float32(0.1) if residual else None
     sentinel = np.full((rows, width), 0xAB, np.uint8)

@@ -1,8 +1,9 @@
 """The per-partition calls that the row forms replace, and the row forms themselves, for the
 row-form checks on the host (``test_rows.py``) and on the device (``device_checks.check_rows``);
-and the payloads of every registry format at a byte column of wider rows, for
-``decompress_many(..., col=)`` (``test_dispatch.py``, ``device_checks.check_decode_at_column``).
-No numba.cuda here: the host tests import it in the main pytest process."""
+the payloads of every registry format at a byte column of wider rows, for
+``decompress_many(..., col=)`` (``test_dispatch.py``, ``device_checks.check_decode_at_column``);
+and the layout of min-max segments side by side (``test_minmax_segments.py``,
+``device_checks.check_minmax_segments``). No numba.cuda here: the host tests import it in the main pytest process."""
 import inspect
 import itertools
 
@@ -100,3 +101,20 @@ def at_column(stack, col, seed, extra=16):
     mat = rng.integers(0, 256, (stack.shape[0], col + stack.shape[1] + extra), dtype=np.uint8)
     mat[:, col:col + stack.shape[1]] = stack
     return mat
+
+
+def segment_layout(specs, rows, chunk, gap=3):
+    """``MinMaxSegment``s of (length, bits) specs with ``gap`` elements between them in the
+    base arrays and 8 bytes between their payloads (the first at column 8); return (segments,
+    base size, error memory size, row width, each segment's partition length)."""
+    segments, parts = [], []
+    offset = err = gap
+    col = 8
+    for length, bits in specs:
+        part = -(-length // rows)
+        segments.append(nk.MinMaxSegment(offset, length, bits, col, err))
+        parts.append(part)
+        offset += length + gap
+        err += rows * part + gap
+        col += nk.MinMaxFormat(part, bits, chunk).nbytes + 8
+    return segments, offset, err, col, parts

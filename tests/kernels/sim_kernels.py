@@ -133,15 +133,14 @@ def test_minmax_segments_equal_the_per_tensor_calls():
     exchange): every width, lengths the rows do not divide, an empty tensor and a one-element
     one, with and without error feedback. Runs in the GPU's shapes too (the warp code of the
     team encoder)."""
-    dc.check_minmax_segments([(45, 3, 0), (1, 8, 0), (0, 4, 0), (200, 1, 0), (31, 5, 0),
-                              (64, 2, 0)], 2, True, 32)
-    dc.check_minmax_segments([(45, 7, 0), (97, 6, 0), (300, 4, 0)], 3, False, 96)
-    dc.check_minmax_segments([(70, 8, 0), (5, 3, 0)], 1, True, 64)
+    dc.check_minmax_segments([(45, 3), (1, 8), (0, 4), (200, 1), (31, 5), (64, 2)], 2, True, 32)
+    dc.check_minmax_segments([(45, 7), (97, 6), (300, 4)], 3, False, 96)
+    dc.check_minmax_segments([(70, 8), (5, 3)], 1, True, 64)
 
 
 def test_row_forms_long_chunks_of_minmax_segments():
     """Chunks longer than a segment: the segments run one by one, the same bytes."""
-    dc.check_minmax_segments([(4130, 4, 0), (9, 2, 0)], 1, True, 4128)
+    dc.check_minmax_segments([(4130, 4), (9, 2)], 1, True, 4128)
 
 
 def test_row_forms_of_a_tensor_the_rows_do_not_divide():

@@ -7,17 +7,7 @@ import pytest
 
 import numba_kernels as nk
 from numba_kernels.errors import KernelParameterError, LayoutError
-
-
-def layout(specs, rows, chunk, gap=3):
-    segments, offset, err, col = [], gap, gap, 8
-    for length, bits in specs:
-        part = -(-length // rows)
-        segments.append(nk.MinMaxSegment(offset, length, bits, col, err))
-        offset += length + gap
-        err += rows * part + gap
-        col += nk.MinMaxFormat(part, bits, chunk).nbytes + 8
-    return segments, offset, err, col
+from row_refs import segment_layout
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
@@ -25,7 +15,7 @@ def layout(specs, rows, chunk, gap=3):
 def test_segments_write_the_per_tensor_bytes(rows, residual):
     chunk = 64
     specs = [(300, 3), (1, 8), (0, 2), (129, 1), (64, 5), (1000, 4)]
-    segments, size, err_size, width = layout(specs, rows, chunk)
+    segments, size, err_size, width, _ = segment_layout(specs, rows, chunk)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal(size).astype(np.float32)
     e = (rng.standard_normal(err_size) * 0.1).astype(np.float32) if residual else None
