@@ -18,7 +18,10 @@ each row into its partition, one launch each instead of n, byte for byte the
 per-partition calls.  Min-max has a segmented form of both and of the stack decoder
 (``compress_minmax_rows_segments``, ``decompress_minmax_segments``,
 ``decompress_minmax_rows_segments``): many tensors, each at its own width, side by side in
-base arrays, in one launch for all of them, byte for byte the per-tensor calls.
+base arrays, in one launch for all of them, byte for byte the per-tensor calls. So has top-k,
+with gTop-k's merge and decode (``compress_topk_segments``, ``merge_topk_segments``,
+``decompress_topk_segments``): many tensors, each with its own k, their payloads side by side
+in one message.
 
 Every CUDA kernel launch is counted: ``launch_count()`` and
 ``scratch_allocations()`` (kernel scratch arrays are cached per thread and
@@ -59,6 +62,8 @@ _HOMES = {
     "compress_onebit": ".onebit", "compress_onebit_rows": ".onebit",
     "compress_qsgd": ".qsgd", "compress_qsgd_rows": ".qsgd",
     "compress_randk": ".topk", "compress_topk": ".topk",
+    "TopKSegment": ".topk_segments", "compress_topk_segments": ".topk_segments",
+    "decompress_topk_segments": ".topk_segments", "merge_topk_segments": ".topk_segments",
     "ALIGN": ".wire", "CastFormat": ".wire", "MinMaxFormat": ".wire", "OneBitFormat": ".wire",
     "Payload": ".wire", "QSGDFormat": ".wire", "TopKFormat": ".wire",
 }

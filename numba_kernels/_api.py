@@ -181,3 +181,14 @@ def payload_rows(buffers, fmt, col):
         return stack, 0, dev
     mat, dev = payload_matrix(buffers, "buffers")
     return mat, check_column(col, fmt, mat.shape[1], "buffers"), dev
+
+
+def refuse_overlaps(regions):
+    """Raise LayoutError if two segments of a segmented call would write one place:
+    ``regions`` is [(what, starts, lengths)], arrays with an entry per segment."""
+    for what, starts, lengths in regions:
+        order = np.argsort(starts, kind="stable")
+        ends = (starts + lengths)[order]
+        if (starts[order][1:] < ends[:-1]).any():
+            raise LayoutError(f"segments overlap in their {what}: each would write the "
+                              "other's")

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _segment_table as T
-from ._api import payload_matrix
+from ._api import payload_matrix, refuse_overlaps
 from ._device import flat, same_place, stream_of
 from ._disk_cache import cached_njit
 from ._scalar import SEGMENT
@@ -225,12 +225,7 @@ def _check_disjoint(table, rows, kind, residual):
             regions.append(("error memory", table[:, T.E_OFF], rows * table[:, T.PART]))
     else:
         regions = [("places in out", table[:, T.X_OFF], table[:, T.X_LEN])]
-    for what, starts, lengths in regions:
-        order = np.argsort(starts, kind="stable")
-        ends = (starts + lengths)[order]
-        if (starts[order][1:] < ends[:-1]).any():
-            raise LayoutError(f"segments overlap in their {what}: each would write the "
-                              "other's")
+    refuse_overlaps(regions)
 
 
 # The CPU twins: one parallel loop over every segment's work items (a chunk, of one row but for

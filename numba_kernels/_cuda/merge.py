@@ -8,11 +8,11 @@ from .geometry import THREADS
 from .launch import launch, launch_over
 from .scratch import scratch
 
-_PAST_EVERY_INDEX = np.iinfo(np.int64).max
+PAST_EVERY_INDEX = np.iinfo(np.int64).max
 
 
 @cuda.jit(device=True)
-def _lower_bound(arr, value):
+def lower_bound(arr, value):
     """First position in ascending arr whose entry is >= value."""
     lo = 0
     hi = arr.size
@@ -26,12 +26,12 @@ def _lower_bound(arr, value):
 
 
 @cuda.jit(device=True)
-def _union_entry(ia, va, ib, vb, uidx, uval, j):
+def union_entry(ia, va, ib, vb, uidx, uval, j):
     """Place entry j of the concatenation a, b at its position in the union."""
     ka = ia.size
     if j < ka:
         i = ia[j]
-        at = _lower_bound(ib, i)
+        at = lower_bound(ib, i)
         v = va[j]
         if at < ib.size and ib[at] == i:
             v = v + vb[at]
@@ -40,7 +40,7 @@ def _union_entry(ia, va, ib, vb, uidx, uval, j):
     elif j < ka + ib.size:
         jb = j - ka
         i = ib[jb]
-        at = _lower_bound(ia, i)
+        at = lower_bound(ia, i)
         if not (at < ka and ia[at] == i):
             uidx[jb + at] = i
             uval[jb + at] = vb[jb]
@@ -48,7 +48,7 @@ def _union_entry(ia, va, ib, vb, uidx, uval, j):
 
 @cuda.jit
 def _union(ia, va, ib, vb, uidx, uval):
-    _union_entry(ia, va, ib, vb, uidx, uval, cuda.grid(1))
+    union_entry(ia, va, ib, vb, uidx, uval, cuda.grid(1))
 
 
 @cuda.jit
@@ -56,11 +56,11 @@ def _one_block_merge(ia, va, ib, vb, uidx, uval, m, k, out_idx, out_val):
     """The whole merge by one block: prefill, union, exact selection, barriers between."""
     tid = cuda.threadIdx.x
     for j in range(tid, m, THREADS):
-        uidx[j] = _PAST_EVERY_INDEX
+        uidx[j] = PAST_EVERY_INDEX
         uval[j] = np.float32(0)
     cuda.syncthreads()
     for j in range(tid, m, THREADS):
-        _union_entry(ia, va, ib, vb, uidx, uval, j)
+        union_entry(ia, va, ib, vb, uidx, uval, j)
     cuda.syncthreads()
     select.block_select(uval, uval, uidx, True, m, k, out_idx, out_val, uval, False)
 
@@ -70,7 +70,7 @@ def _restore(resid, sidx, sval, gidx):
     j = cuda.grid(1)
     if j < sidx.size:
         i = sidx[j]
-        at = _lower_bound(gidx, i)
+        at = lower_bound(gidx, i)
         if not (at < gidx.size and gidx[at] == i):
             resid[i] = resid[i] + sval[j]
 
@@ -97,7 +97,7 @@ def merge(va, vb, fmt, out_idx, out_val, buf, stream):
     # Slots left after removing duplicate indices stay as zero-valued entries
     # past every real one: they lose all ties, and k <= the union size means
     # they are never needed.
-    fill(uidx, _PAST_EVERY_INDEX, stream)
+    fill(uidx, PAST_EVERY_INDEX, stream)
     fill(uval, 0, stream)
     launch_over(_union, m, stream, va["indices"], va["values"], vb["indices"], vb["values"], uidx,
                 uval, max_blocks=None)

@@ -357,3 +357,98 @@ def check_minmax_segments(specs, rows, residual, chunk):
         if place == "device" and chunk <= 4096:
             assert (encode_launches, sum_launches, rows_launches) == (1, 1, 1), \
                 f"launches {encode_launches}, {sum_launches}, {rows_launches}: {what}"
+
+
+def check_topk_segments(specs, residual, index_dtype="int32", kind="normal", factor=0.25,
+                        one_launch=True):
+    """``numba_kernels.topk_segments`` against the per-tensor calls on the host, byte for byte:
+    two ranks' messages (and nothing written between their payloads) and residuals, their merge,
+    and the decode of the merge (what the selection dropped restored, the values scaled in
+    place, the gaps between places untouched), also with the sent message as the selected one
+    (one rank); on the device, one launch each (``one_launch``: every segment fits a block).
+    ``specs``: (length, k) of each segment."""
+    what = f"segments {specs} residual={residual} {index_dtype} {kind}"
+    # residuals in the reverse order of the places, with other gaps: a mix-up of the two shows
+    gap, segments, offset, col = 3, [], 3, 8
+    residual_offsets = np.cumsum([5] + [length + 5 for length, _ in specs[::-1]])[::-1][1:]
+    for (length, k), r_off in zip(specs, residual_offsets):
+        segments.append(nk.TopKSegment(offset, length, k, col, int(r_off)))
+        offset += length + gap
+        col += nk.TopKFormat(length, k, index_dtype).nbytes + 8
+    size, width, r_size = offset, col, int(residual_offsets[0]) + specs[0][0] + 5
+    fmts = [nk.TopKFormat(s.length, s.k, index_dtype) for s in segments]
+    cols = [slice(s.col, s.col + f.nbytes) for s, f in zip(segments, fmts)]
+    xs = [_data(7 + r, size, np.float32, kind) * np.float32(1 + r) for r in range(2)]
+    es = [_data(70 + r, r_size, np.float32) * np.float32(0.1) if residual else None
+          for r in range(2)]
+    copy = (lambda a: None if a is None else a.copy())                      # noqa: E731
+    sentinel = np.full(width, 0xAB, np.uint8)
+
+    def places(a):   # each segment's slice of a base array
+        return [a[s.offset:s.offset + s.length] for s in segments]
+
+    def residuals(e):
+        return [e[s.residual_offset:s.residual_offset + s.length] for s in segments]
+
+    # the reference: the per-tensor calls on each segment's slices
+    ref_e, ref_msgs = [copy(e) for e in es], [sentinel.copy() for _ in range(2)]
+    for x, e, msg in zip(xs, ref_e, ref_msgs):
+        for s, f, c, xp, ep in zip(segments, fmts, cols, places(x),
+                                   residuals(e) if residual else [None] * len(segments)):
+            nk.compress_topk(xp, s.k, index_dtype=index_dtype, residual=ep, out=msg[c])
+    ref_merged = sentinel.copy()
+    for s, f, c in zip(segments, fmts, cols):
+        nk.merge_topk(Payload(f, ref_msgs[0][c]), Payload(f, ref_msgs[1][c]), s.k,
+                      out=ref_merged[c])
+
+    def decode_reference(selected, sent, e):
+        out = np.full(size, np.nan, np.float32)
+        for s, f, c, place in zip(segments, fmts, cols, places(out)):
+            if e is not None:
+                nk.restore_unselected(e[s.residual_offset:s.residual_offset + s.length],
+                                      Payload(f, sent[c]), Payload(f, selected[c]))
+            nk.scale_topk_values(Payload(f, selected[c]), factor)
+            nk.decompress(Payload(f, selected[c]), out=place)
+        return out
+    ref_sel, ref_e0 = ref_merged.copy(), copy(ref_e[0])
+    ref_out = decode_reference(ref_sel, ref_msgs[0], ref_e0)
+    ref_alone, ref_e_alone = ref_msgs[0].copy(), copy(ref_e[0])
+    ref_out_alone = decode_reference(ref_alone, ref_alone, ref_e_alone)
+
+    to_device = (lambda a: None if a is None else cuda.to_device(a))       # noqa: E731
+    for place, put in (("host", copy), ("device", to_device)):
+        launches = []
+        got_e, got_msgs = [put(e) for e in es], [put(sentinel) for _ in range(2)]
+        for x, e, msg in zip(xs, got_e, got_msgs):
+            before = nk.launch_count()
+            nk.compress_topk_segments(put(x), segments, msg, index_dtype, residual=e)
+            launches.append(nk.launch_count() - before)
+        for r in range(2):
+            _same(ref_msgs[r], got_msgs[r], f"{place} message of rank {r}: {what}")
+            if residual:
+                _same(ref_e[r], got_e[r], f"{place} residual of rank {r}: {what}")
+        merged = put(sentinel)
+        before = nk.launch_count()
+        nk.merge_topk_segments(got_msgs[0], got_msgs[1], segments, merged, index_dtype)
+        launches.append(nk.launch_count() - before)
+        _same(ref_merged, merged, f"{place} merge: {what}")
+        got_out = put(np.full(size, np.nan, np.float32))
+        before = nk.launch_count()
+        nk.decompress_topk_segments(merged, segments, got_out, index_dtype, factor=factor,
+                                    residual=got_e[0] if residual else None,
+                                    sent=got_msgs[0] if residual else None)
+        launches.append(nk.launch_count() - before)
+        _same(ref_out, got_out, f"{place} decode: {what}")
+        _same(ref_sel, merged, f"{place} selected values scaled in place: {what}")
+        if residual:
+            _same(ref_e0, got_e[0], f"{place} residual restored: {what}")
+        alone, alone_e = put(ref_msgs[0]), put(ref_e[0])
+        got_out = put(np.full(size, np.nan, np.float32))
+        nk.decompress_topk_segments(alone, segments, got_out, index_dtype, factor=factor,
+                                    residual=alone_e if residual else None,
+                                    sent=alone if residual else None)
+        _same(ref_out_alone, got_out, f"{place} decode of the sent message itself: {what}")
+        if residual:
+            _same(ref_e_alone, alone_e, f"{place} residual, one rank: {what}")
+        if place == "device" and one_launch:
+            assert launches == [1, 1, 1, 1], f"launches {launches}: {what}"

@@ -579,3 +579,21 @@ def test_array_attributes_inside_a_kernel():
     assert list(out[:4]) == [6, 3, 2, 3]
     with pytest.raises(AttributeError, match="no_such_attribute"):
         _array_attributes[1, 1](np.zeros((2, 3), np.float32), out, True)
+
+
+def test_topk_segments_equal_the_per_tensor_calls():
+    """Many tensors, each with its own k, one launch per stage (L-GreCo's top-k exchange):
+    k of 0, 1, all and between, ties, an empty tensor, int64 indices with an odd k (padding),
+    with and without a residual."""
+    dc.check_topk_segments([(45, 3), (1, 1), (0, 0), (200, 0), (31, 31), (64, 7)], True)
+    dc.check_topk_segments([(90, 5), (17, 3)], False, "int64", "ties")
+    dc.check_topk_segments([(300, 30), (5, 2)], True, "int64", "ties")
+
+
+def test_topk_segments_too_large_for_a_block(monkeypatch):
+    """Segments above ONE_BLOCK_KEYS keys (patched to 40 here) take the per-tensor functions,
+    beside the segments that one block does: the same bytes."""
+    from numba_kernels._cuda import select
+    monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 40)
+    dc.check_topk_segments([(45, 3), (30, 25), (12, 4), (100, 0)], True, one_launch=False)
+    dc.check_topk_segments([(45, 3), (30, 15)], False, "int64", "ties", one_launch=False)
