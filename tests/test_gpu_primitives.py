@@ -112,6 +112,36 @@ def test_minmax_layers_in_common_memory_take_four_launches(mode):
 
 
 @needs_gpu
+def test_topk_layers_in_common_memory_take_two_launches(mode):
+    """L-GreCo's top-k exchange on CUDA tensors: layers with their own k, their gradients views
+    of one bucket and their residuals end to end, selected in 1 launch and decoded in 1 for all
+    of them at world size 1 (``numba_kernels.topk_segments``), where each layer took 3 or
+    more of its own; the host path's bytes."""
+    import numba_kernels as nk
+    from bagua_mpi.primitives.sparse import SparseSegment, packed_gtopk_allreduce_
+    sizes, ks = [20_000, 4096, 77, 1, 32_768], [200, 4096, 3, 1, 33]
+    offsets = [sum(sizes[:j]) + 8 * j for j in range(len(sizes))]   # gaps between the layers
+    g = torch.Generator().manual_seed(4)
+    bucket = torch.randn(offsets[-1] + sizes[-1], generator=g)
+    residual = torch.randn(sum(sizes), generator=g) * 0.1
+
+    def layers(flat, res):
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        return [SparseSegment(flat[o:o + n], k, res[r:r + n])
+                for o, n, k, r in zip(offsets, sizes, ks, starts)]
+    host = (bucket.clone(), residual.clone())
+    dev = tuple(t.cuda() for t in host)
+    for step in range(3):
+        packed_gtopk_allreduce_(layers(*host), _comm(), scale=0.5)
+        before = nk.launch_count()
+        packed_gtopk_allreduce_(layers(*dev), _comm(), scale=0.5)
+        assert nk.launch_count() - before == 2, nk.launch_count() - before
+        torch.cuda.synchronize()
+        for a, b in zip(host, dev):
+            assert torch.equal(a, b.cpu()), step
+
+
+@needs_gpu
 def test_topk_gtopk_powersgd_on_device_match_host(mode):
     from bagua_mpi.accounting import staging
     from bagua_mpi.primitives import (LowRankSegment, gtopk_allreduce_, initial_q,

@@ -135,17 +135,22 @@ class TopKDensity:
 
     # -- the exchange ---------------------------------------------------------------------------
     def residual(self, impl, name: str) -> torch.Tensor:
-        """What top-k left out of layer ``name``'s gradients so far (error feedback)."""
-        p = impl.layers[name][1]
-        return impl.state.tensor("residual", name,
-                                 lambda: torch.zeros(p.numel(), device=p.device))
+        """What top-k left out of layer ``name``'s gradients so far (error feedback). A
+        bucket's residuals lie end to end in one memory, so that its exchange selects and
+        decodes all its layers at once (one launch each on a GPU, ``packed_gtopk_allreduce_``).
+        """
+        p, bucket = impl.layers[name][1], impl.layer_bucket[name]
+        return impl.state.tensor_in_group(
+            "residual", name, (bucket,),
+            lambda: {member: impl.layers[member][1].numel()
+                     for member in impl.bucket_names[bucket]}, p.device)
 
     def init_layer(self, impl, name: str) -> None:
         self.residual(impl, name)
 
     def exchange_(self, impl, layers, transport, step: int) -> None:
         """One gTopKAllReduce for all the layers (one tree and one broadcast), each layer at
-        its density, with its residual."""
+        its density, with its residual; each step of it for all the layers at once."""
         packed_gtopk_allreduce_(
             [SparseSegment(g, topk_count(g.numel(), impl.assignment[name]),
                            self.residual(impl, name)) for name, g in layers],

@@ -37,7 +37,6 @@ from mpi4py import MPI
 import numba_kernels as nk
 
 from .. import transport
-from ..buffers import host_view
 from .centralized import partition_length
 from ..accounting import WireStats
 from . import device_arrays
@@ -119,7 +118,7 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
             seg.worker_error, part * comm.Get_size(), "worker", seg.flat.device)
         se = None if seg.server_error is None else _check_error(seg.server_error, part,
                                                                "server", seg.flat.device)
-        xs.append(_array(seg.flat))
+        xs.append(device_arrays.array_of(seg.flat))
         wes.append(we)
         ses.append(se)
     _clps_arrays(xs, wes, ses, [seg.codec for seg in segments], [seg.seed for seg in segments],
@@ -149,7 +148,7 @@ def _shared_bases(segments: list[Segment]) -> SharedBases | None:
         return None
     if len({seg.codec.chunk for seg in segments}) != 1:
         return None
-    x = _storage_base([seg.flat for seg in segments])
+    x = device_arrays.storage_base([seg.flat for seg in segments])
     if x is None:
         return None
     with_errors = [seg.worker_error is not None for seg in segments]
@@ -157,28 +156,11 @@ def _shared_bases(segments: list[Segment]) -> SharedBases | None:
         return SharedBases(*x)
     if not all(with_errors) or any(seg.server_error is None for seg in segments):
         return None
-    worker = _storage_base([seg.worker_error for seg in segments])
-    server = _storage_base([seg.server_error for seg in segments])
+    worker = device_arrays.storage_base([seg.worker_error for seg in segments])
+    server = device_arrays.storage_base([seg.server_error for seg in segments])
     if worker is None or server is None:
         return None
     return SharedBases(*x, *worker, *server)
-
-
-def _storage_base(tensors: list[torch.Tensor]):
-    """(the whole storage the float32 ``tensors`` share, as an array where they live; each
-    one's first element in it), or None when they do not share one."""
-    storage = tensors[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
-        return None
-    whole = tensors[0].detach().as_strided((storage.nbytes() // 4,), (1,), 0)
-    return _array(whole), [t.storage_offset() for t in tensors]
-
-
-def _array(t: torch.Tensor):
-    if t.is_cuda:
-        from numba import cuda
-        return cuda.as_cuda_array(t.detach())
-    return host_view(t)
 
 
 def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
@@ -304,12 +286,13 @@ def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torc
     device = flat.is_cuda
     we = None if worker_error is None else _check_error(worker_error, part * n, "worker",
                                                         flat.device)
-    plans, row = _plans([_array(flat.view(-1))], [we], [None], [codec], [seed], n)
+    plans, row = _plans([device_arrays.array_of(flat.view(-1))], [we], [None], [codec], [seed],
+                        n)
     if not plans:
         out.zero_()
         return out
     _, recv = _scatter_payloads(row, wire, device, _OneByOne(plans, device, rank))
-    _server_sum(plans[0], recv, scale, _array(out))
+    _server_sum(plans[0], recv, scale, device_arrays.array_of(out))
     if stats is not None:
         stats.add((n - 1) * row)
     return out
@@ -371,4 +354,4 @@ def _check_error(err: torch.Tensor, length: int, which: str, device) -> np.ndarr
         raise ValueError(f"{which} error must be a contiguous float32 tensor of {length} "
                          f"elements on {device} (where the data is), got {err.dtype} of "
                          f"{err.numel()} on {err.device}")
-    return _array(err.view(-1))
+    return device_arrays.array_of(err.view(-1))

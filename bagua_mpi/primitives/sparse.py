@@ -21,7 +21,7 @@ the scale is applied to the k values before scattering, not to the n-element res
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -135,6 +135,11 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
     (L-GreCo) costs one tree and one broadcast. The segment list (sizes and k) must be the
     same on every rank.
 
+    Each step runs for all the segments at once (``numba_kernels.topk_segments``): the tree's
+    merges always, and the selection and the final decode too where the tensors share one
+    storage and their residuals another (a bucket's gradients, and the residuals L-GreCo lays
+    end to end); otherwise those two run a segment at a time.
+
     Float32 tensors on a CUDA device stay there: the kernels select, merge, restore and
     decode on the device, and ``comm`` (a communicator or a ``transport.Transport``) moves the
     payloads: NCCL send/receive or a CUDA-aware MPI on the device buffers, else reused pinned
@@ -142,22 +147,32 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
     """
     for seg in segments:
         _check_segment(seg)
-    if not any(seg.flat.is_cuda for seg in segments):
-        _gtopk_arrays([host_view(seg.flat) for seg in segments],
-                      [host_view(seg.residual) for seg in segments],
-                      [seg.k for seg in segments], comm, scale, index_dtype, stats)
+    on_device = [t.is_cuda for seg in segments for t in (seg.flat, seg.residual)]
+    if any(on_device) and not all(on_device):
+        staged = [SparseSegment(seg.flat.cpu(), seg.k, seg.residual.cpu()) for seg in segments]
+        packed_gtopk_allreduce_(staged, comm, scale=scale, index_dtype=index_dtype, stats=stats)
+        for seg, host in zip(segments, staged):
+            seg.flat.copy_(host.flat)
+            seg.residual.copy_(host.residual)
         return
-    if all(seg.flat.is_cuda and seg.residual.is_cuda for seg in segments):
-        from numba import cuda
-        _gtopk_arrays([cuda.as_cuda_array(seg.flat) for seg in segments],
-                      [cuda.as_cuda_array(seg.residual) for seg in segments],
-                      [seg.k for seg in segments], comm, scale, index_dtype, stats)
-        return
-    staged = [SparseSegment(seg.flat.cpu(), seg.k, seg.residual.cpu()) for seg in segments]
-    packed_gtopk_allreduce_(staged, comm, scale=scale, index_dtype=index_dtype, stats=stats)
-    for seg, host in zip(segments, staged):
-        seg.flat.copy_(host.flat)
-        seg.residual.copy_(host.residual)
+    if not any(on_device):
+        fit_kernel_threads()
+    _gtopk_arrays([device_arrays.array_of(seg.flat) for seg in segments],
+                  [device_arrays.array_of(seg.residual) for seg in segments],
+                  [seg.k for seg in segments], comm, scale, index_dtype, stats,
+                  _shared_bases(segments))
+
+
+def _shared_bases(segments: list[SparseSegment]):
+    """(base array of the tensors, their offsets in it, base array of the residuals, theirs)
+    where the tensors share one storage and the residuals another; None otherwise."""
+    if len(segments) < 2:
+        return None
+    x = device_arrays.storage_base([seg.flat for seg in segments])
+    residual = device_arrays.storage_base([seg.residual for seg in segments])
+    if x is None or residual is None:
+        return None
+    return (*x, *residual)
 
 
 def _check_segment(seg: SparseSegment) -> None:
@@ -172,50 +187,53 @@ def _check_segment(seg: SparseSegment) -> None:
 
 
 def _gtopk_arrays(flats, residuals, ks, comm, scale: float, index_dtype: str,
-                  stats: WireStats | None) -> None:
+                  stats: WireStats | None, bases=None) -> None:
     """The gTop-k exchange on 1-D float32 arrays, all on the host (NumPy) or all on the device
-    (numba device arrays; ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in tests)."""
+    (numba device arrays; ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in tests).
+    With ``bases`` (``_shared_bases``: the arrays as segments of two base arrays) the
+    selection and the decode run for all of them at once, else an array at a time."""
     wire = transport.of(comm)
     device = bool(flats) and not isinstance(flats[0], np.ndarray)
-    layout, row = [], 0
+    segments, row = [], 0
     for flat, k in zip(flats, ks):
-        fmt = nk.TopKFormat(flat.size, k, index_dtype)
-        layout.append((fmt, slice(row, row + fmt.nbytes), k))
-        row += fmt.nbytes
+        segments.append(nk.TopKSegment(0, flat.size, k, row))
+        row += nk.TopKFormat(flat.size, k, index_dtype).nbytes
+    if bases is None:   # each array is its own base
+        groups = [(flat, res, [seg]) for flat, res, seg in zip(flats, residuals, segments)]
+    else:
+        x, x_offsets, res, r_offsets = bases
+        groups = [(x, res, [replace(seg, offset=xo, residual_offset=ro) for seg, xo, ro in
+                            zip(segments, x_offsets, r_offsets)])]
     message = _alloc(row, device)
-    if not device:
-        fit_kernel_threads()
-    for flat, res, (_, cols, k) in zip(flats, residuals, layout):
-        nk.compress_topk(flat, k, index_dtype=index_dtype, residual=res, out=message[cols])
-    # ``message`` stays as sent: the tree and the swap merge into new buffers, and where the
-    # global set is ``message`` itself (one rank) each segment is restored before it is scaled
+    for x, res, members in groups:
+        nk.compress_topk_segments(x, members, message, index_dtype, residual=res)
+    # ``message`` stays as sent: the tree and the swap merge into new buffers (where the
+    # global set is ``message`` itself, one rank, each segment is restored before it is scaled)
     sent = message
     rank, n = wire.rank, wire.size
     if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
-        glob = _pair_exchange(message, layout, wire, stats, device)
+        glob = _pair_exchange(message, segments, index_dtype, wire, stats, device)
     else:
-        root = gtopk_tree_reduce(message, layout, wire, stats, device)
+        root = gtopk_tree_reduce(message, segments, wire, stats, device, index_dtype)
         glob = root if rank == 0 else _alloc(row, device)
         binomial_broadcast(glob, wire, stats)
-    for flat, res, (fmt, cols, _) in zip(flats, residuals, layout):
-        selected = nk.Payload(fmt, glob[cols])
-        nk.restore_unselected(res, nk.Payload(fmt, sent[cols]), selected)
-        if scale != 1.0:  # k values rather than the whole decoded tensor
-            nk.scale_topk_values(selected, scale)
-        nk.decompress(selected, out=flat)
+    for x, res, members in groups:   # scaled: k values rather than the whole decoded tensor
+        nk.decompress_topk_segments(glob, members, x, index_dtype, factor=scale, residual=res,
+                                    sent=sent)
 
 
 def _alloc(nbytes: int, device: bool):
     return device_arrays.empty(nbytes, np.uint8, device)
 
 
-def gtopk_tree_reduce(message, layout, comm, stats: WireStats | None = None,
-                      device: bool = False):
-    """The gTop-k tree on a message of concatenated top-k payloads (``layout``: one
-    (format, byte slice, k) per segment); rank 0 returns the merged message, others None.
+def gtopk_tree_reduce(message, segments, comm, stats: WireStats | None = None,
+                      device: bool = False, index_dtype: str = "int32"):
+    """The gTop-k tree on a message of concatenated top-k payloads (``segments``:
+    ``numba_kernels.TopKSegment``s, their payloads' columns); rank 0 returns the merged
+    message, others None.
 
     In round j (mask = 2^j) a rank with bit j set sends and leaves; the receiver merges the
-    partner's pairs into its own, segment by segment, keeping each segment's top-k.
+    partner's pairs into its own, every segment at once, keeping each segment's top-k.
     """
     wire = transport.of(comm)
     rank, n = wire.rank, wire.size
@@ -232,15 +250,14 @@ def gtopk_tree_reduce(message, layout, comm, stats: WireStats | None = None,
             received = _alloc(acc.size, device)
             wire.recv(received, partner, tag=_TAG)
             merged = _alloc(acc.size, device)
-            for fmt, cols, k in layout:
-                nk.merge_topk(nk.Payload(fmt, acc[cols]), nk.Payload(fmt, received[cols]), k,
-                              out=merged[cols])
+            nk.merge_topk_segments(acc, received, segments, merged, index_dtype)
             acc = merged
         mask <<= 1
     return acc
 
 
-def _pair_exchange(message, layout, wire, stats: WireStats | None, device: bool = False):
+def _pair_exchange(message, segments, index_dtype: str, wire, stats: WireStats | None,
+                   device: bool = False):
     """P = 2: swap payloads and merge on both ranks, rank 0's payload first on both (so the
     two merges are the same computation and give the same bytes)."""
     other = _alloc(message.size, device)
@@ -250,9 +267,7 @@ def _pair_exchange(message, layout, wire, stats: WireStats | None, device: bool 
         stats.add(message.size)
     first, second = (message, other) if wire.rank == 0 else (other, message)
     merged = _alloc(message.size, device)
-    for fmt, cols, k in layout:
-        nk.merge_topk(nk.Payload(fmt, first[cols]), nk.Payload(fmt, second[cols]), k,
-                      out=merged[cols])
+    nk.merge_topk_segments(first, second, segments, merged, index_dtype)
     return merged
 
 

@@ -8,8 +8,9 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.lgreco import LGreCo
-from bagua_mpi.primitives import lowprec
+from bagua_mpi.primitives import lowprec, sparse
 from bagua_mpi.primitives.lowprec import Segment
+from bagua_mpi.primitives.sparse import SparseSegment
 
 
 class Hetero(torch.nn.Module):
@@ -75,7 +76,7 @@ def check_bfloat16_gradients(rank, size):
                                       algorithm=LGreCo(family="minmax", default=8,
                                                        warmup_steps=1, period_steps=1))
         grads = []
-        with together_runs(apart) as runs:
+        with together_runs(lowprec, apart) as runs:
             for _ in range(3):
                 opt.zero_grad()
                 x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank)).bfloat16()
@@ -129,36 +130,61 @@ def check_error_memories_end_to_end(opt):
 
 
 @contextlib.contextmanager
-def together_runs(apart=False):
-    """Yields a list that gets, for every exchange that compresses its layers together
-    (``lowprec._Together``), their number; with ``apart``, no exchange may."""
+def together_runs(module, apart=False):
+    """Yields a list that gets, for every exchange of ``module`` (``lowprec``: C_LP_S,
+    ``sparse``: gTop-k) that runs its layers' steps together (its ``_shared_bases`` found
+    their common memory), their number; with ``apart``, no exchange may."""
     runs = []
+    original = module._shared_bases
 
-    class Counted(lowprec._Together):
-        def __init__(self, *args):
-            super().__init__(*args)
-            runs.append(len(self.tensors))
-    original, bases = lowprec._Together, lowprec._shared_bases
-    lowprec._Together = Counted
-    if apart:
-        lowprec._shared_bases = lambda segments: None
+    def counted(segments):
+        bases = None if apart else original(segments)
+        if bases is not None:
+            runs.append(len(segments))
+        return bases
+    module._shared_bases = counted
     try:
         yield runs
     finally:
-        lowprec._Together, lowprec._shared_bases = original, bases
+        module._shared_bases = original
 
 
-def check_layers_together_as_one_by_one(rank):
-    """Training with the bucket's layers compressed together (``lowprec._Together``, one
-    parallel loop a step on the host) gives the losses and decisions of compressing them one by
-    one, exactly; and the together route did run."""
-    algo = LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4)
-    with together_runs() as runs:
-        loss, history, _ = train(algo, 12, rank)
+def check_layers_together_as_one_by_one(rank, algo, module):
+    """Training with the bucket's layers' steps run together (one launch a step on a GPU, one
+    parallel loop on the host) gives the losses and decisions of running them one by one,
+    exactly; and the together route did run. Returns the optimizer trained together."""
+    with together_runs(module) as runs:
+        loss, history, opt = train(algo, 12, rank)
     assert len(runs) == 12 and min(runs) > 1, runs
-    with together_runs(apart=True) as runs:
+    with together_runs(module, apart=True) as runs:
         assert (loss, history) == train(algo, 12, rank)[:2]
     assert not runs, "the one-by-one run took the together route"
+    return opt
+
+
+def check_topk_residuals_end_to_end(rank):
+    """The top-k family keeps a bucket's residuals end to end in one memory, so its gTop-k
+    selects and decodes all the layers at once, with the losses and decisions of doing them
+    one by one; the memory stays one after a state round-trip (a checkpoint load), with its
+    values."""
+    opt = check_layers_together_as_one_by_one(
+        rank, LGreCo(family="topk", default=0.05, warmup_steps=3, period_steps=4), sparse)
+    impl = opt.impl
+    for bucket in opt.buckets:
+        grads = bucket.grad_views()
+        residuals = [impl.family.residual(impl, name) for name in bucket.names]
+        assert any(r.abs().sum() > 0 for r in residuals), "error feedback left nothing"
+        before = [r.clone() for r in residuals]
+        segments = [SparseSegment(g.reshape(-1), 1, r) for g, r in zip(grads, residuals)]
+        bases = sparse._shared_bases(segments)
+        assert bases is not None, f"bucket {bucket.index}: no common memory for its residuals"
+        assert bases[3] == list(itertools.accumulate([g.numel() for g in grads[:-1]],
+                                                     initial=0)), bases[3]
+        opt.load_algorithm_state_dict(opt.algorithm_state_dict())
+        again = [impl.family.residual(impl, name) for name in bucket.names]
+        assert sparse._shared_bases([SparseSegment(s.flat, 1, r)
+                                     for s, r in zip(segments, again)]) is not None
+        assert all(torch.equal(r, b) for r, b in zip(again, before))
 
 
 def main():
@@ -167,7 +193,9 @@ def main():
     algo = LGreCo(family="minmax", default=4, warmup_steps=10, period_steps=10)
     loss, history, opt = train(algo, 60, rank)
     check_error_memories_end_to_end(opt)
-    check_layers_together_as_one_by_one(rank)
+    check_layers_together_as_one_by_one(
+        rank, LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4), lowprec)
+    check_topk_residuals_end_to_end(rank)
     # every decision is the same on every rank
     assert bm.allgather_object(history) == [history] * size
     assert opt.impl.decisions == 6, opt.impl.decisions

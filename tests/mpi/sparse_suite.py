@@ -130,14 +130,50 @@ def check_packed_gtopk(rank, size):
         mine = [torch.from_numpy(g[rank].copy()) for g in gs]
         packed_gtopk_allreduce_([SparseSegment(m, k, r) for m, (_, k), r in
                                  zip(mine, layers, res)], comm, scale=1.0 / size)
-        for j, (n, k) in enumerate(layers):
-            glob, _ = simulate_gtopk(gs[j], sim_res[j], k)
-            expected = np.zeros(n, np.float32)
-            nk.decompress(glob, out=expected)
-            expected *= np.float32(1.0 / size)
-            what = f"packed gtopk layer {j} (n={n}, k={k}) step {step}"
-            assert np.array_equal(mine[j].numpy(), expected), what
-            assert np.array_equal(res[j].numpy(), sim_res[j][rank]), what + " residual"
+        check_layers_against_simulation(mine, res, gs, sim_res, layers, rank, size,
+                                        f"packed gtopk, step {step}")
+    return 3 * len(layers)
+
+
+def check_layers_against_simulation(mine, res, gs, sim_res, layers, rank, size, what):
+    """Each layer's result and residual are its own gTop-k's (the NumPy tree), averaged."""
+    for j, (n, k) in enumerate(layers):
+        glob, _ = simulate_gtopk(gs[j], sim_res[j], k)
+        expected = np.zeros(n, np.float32)
+        nk.decompress(glob, out=expected)
+        expected *= np.float32(1.0 / size)
+        where = f"{what}: layer {j} (n={n}, k={k})"
+        assert np.array_equal(mine[j].numpy(), expected), where
+        assert np.array_equal(res[j].numpy(), sim_res[j][rank]), where + " residual"
+
+
+def check_packed_gtopk_in_common_memory(rank, size):
+    """The layers as views of one bucket and their residuals end to end in one memory (as
+    L-GreCo keeps them): the whole selection and decode go together, and each layer still
+    gets gTop-k of it alone (the NumPy tree with the per-tensor kernels)."""
+    from bagua_mpi.primitives.sparse import _shared_bases
+    comm = bm.runtime.get().topo.comm
+    layers = [(700, 20), (1, 1), (64, 64), (300, 0), (2000, 7)]
+    starts = np.cumsum([0] + [n + 3 for n, _ in layers])   # gaps between the layers
+    bucket = torch.zeros(int(starts[-1]))
+    res_base = torch.zeros(sum(n for n, _ in layers) + 11)
+    r_starts = np.cumsum([5] + [n for n, _ in layers[::-1]])[::-1][1:]   # in reverse order
+    res = [res_base[r:r + n] for r, (n, _) in zip(r_starts, layers)]
+    sim_res = [[np.zeros(n, np.float32) for _ in range(size)] for n, _ in layers]
+    for step in range(3):
+        gs = [grads(step + 10 * j, size, n) for j, (n, _) in enumerate(layers)]
+        bucket.fill_(float("nan"))
+        mine = [bucket[a:a + n] for a, (n, _) in zip(starts, layers)]
+        for m, g in zip(mine, gs):
+            m.copy_(torch.from_numpy(g[rank]))
+        segments = [SparseSegment(m, k, r) for m, (_, k), r in zip(mine, layers, res)]
+        assert _shared_bases(segments) is not None, "the layers' common memory was not found"
+        packed_gtopk_allreduce_(segments, comm, scale=1.0 / size)
+        check_layers_against_simulation(mine, res, gs, sim_res, layers, rank, size,
+                                        f"gtopk in common memory, step {step}")
+        gaps = np.concatenate([bucket[a + n:a + n + 3].numpy()
+                               for a, (n, _) in zip(starts, layers)])
+        assert np.isnan(gaps).all(), f"the gaps between the layers were written, step {step}"
     return 3 * len(layers)
 
 
@@ -146,6 +182,7 @@ def main():
     rank, size = bm.rank(), bm.size()
     checks = check_gtopk_against_simulation(rank, size)
     checks += check_packed_gtopk(rank, size)
+    checks += check_packed_gtopk_in_common_memory(rank, size)
     checks += check_topk_allgather(rank, size)
     # The exact checks above hold the tree's shapes at every world size; training is a loss
     # bound, as good a check at 2-3 ranks, and at 4-5 ranks on 2 cores it took most of the time.
