@@ -15,3 +15,11 @@ def hang_reports_in_pytest_temp(tmp_path_factory):
     dir, which pytest keeps for its last few sessions (readable after a failure) and then
     removes, rather than piling up in /tmp or /dev/shm."""
     mpi_harness.HANG_REPORTS_DIR = str(tmp_path_factory.mktemp("hang_reports"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The local Slurm that the session's Slurm tests started stops with it (one that was
+    running before stays up)."""
+    harness = sys.modules.get("slurm_harness")
+    if harness is not None:
+        harness.stop_local_slurm_if_started()

@@ -13,11 +13,25 @@ SLURM_DIR = os.environ.get("BAGUA_MPI_SLURM_DIR", "/tmp/bagua_mpi_slurm")
 SLURM_CONF = os.path.join(SLURM_DIR, "slurm.conf")
 
 
+SCRIPT = REPO / "slurm" / "local_cluster.sh"
+# Whether this process started the local Slurm's daemons (they were not running before): the
+# session then stops them at its end (``stop_local_slurm_if_started``, from conftest.py), and
+# leaves alone a cluster that a developer or an earlier session keeps up.
+_started_here = False
+
+
+def _controller_running() -> bool:
+    return subprocess.run(["pgrep", "-f", f"slurmctld -f {SLURM_CONF}"],
+                          capture_output=True).returncode == 0
+
+
 def start_local_slurm() -> dict:
     """Bring the local Slurm up (installing it when root); skip, naming why, if impossible."""
-    script = REPO / "slurm" / "local_cluster.sh"
-    proc = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True,
+    global _started_here
+    was_running = _controller_running()
+    proc = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True,
                           timeout=600)
+    _started_here = _started_here or (proc.returncode == 0 and not was_running)
     if proc.returncode == 3:
         pytest.skip("Slurm is not installed and installing it needs root: " + proc.stderr.strip())
     if proc.returncode != 0:
@@ -25,6 +39,14 @@ def start_local_slurm() -> dict:
     env = dict(os.environ)
     env["SLURM_CONF"] = SLURM_CONF
     return env
+
+
+def stop_local_slurm_if_started() -> None:
+    """Stop the local Slurm's controller and node daemon if this process started them."""
+    global _started_here
+    if _started_here:
+        subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, timeout=60)
+        _started_here = False
 
 
 def slurm_env(base: dict, extra: dict | None = None) -> dict:
