@@ -20,7 +20,7 @@ The encoder's chunks longer than 4096 elements take three kernels per tensor, an
 arrays have no segmented kernels: such segments run one by one, on the device too.
 """
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,8 +38,7 @@ from .minmax import (compress_minmax_rows, decode_rows_item, decode_sum_item,
 from .wire import ALIGN, MinMaxFormat
 
 
-@dataclass(frozen=True)
-class MinMaxSegment:
+class MinMaxSegment(NamedTuple):
     """One tensor of a segmented call: elements [offset, offset + length) of the base array,
     coded at ``bits``, its payload at byte column ``col`` of every row (a multiple of 8), and
     with error feedback its error memory at [error_offset, error_offset + rows x P) of the

@@ -24,7 +24,7 @@ parallel loop of the CPU twins' own functions, so both write the per-tensor call
 Base arrays are float32, and indices int32 or int64 (``index_dtype``) as in ``TopKFormat``.
 """
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange
@@ -44,8 +44,7 @@ from .topk import add_inplace, compress_topk, select_approx
 from .wire import ALIGN, Payload, TopKFormat
 
 
-@dataclass(frozen=True)
-class TopKSegment:
+class TopKSegment(NamedTuple):
     """One tensor of a segmented call: elements [offset, offset + length) of the base array,
     ``k`` of them kept, its payload (``TopKFormat(length, k, index_dtype)``) at byte column
     ``col`` of the message (a multiple of 8), and its residual at [residual_offset,

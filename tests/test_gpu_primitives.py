@@ -115,8 +115,8 @@ def test_minmax_layers_in_common_memory_take_four_launches(mode):
 def test_topk_layers_in_common_memory_take_two_launches(mode):
     """L-GreCo's top-k exchange on CUDA tensors: layers with their own k, their gradients views
     of one bucket and their residuals end to end, selected in 1 launch and decoded in 1 for all
-    of them at world size 1 (``numba_kernels.topk_segments``), where each layer took 3 or
-    more of its own; the host path's bytes."""
+    of them at world size 1 (``numba_kernels.topk_segments``), where each layer took 5 of its
+    own (select, restore, scale, zero fill, scatter); the host path's bytes."""
     import numba_kernels as nk
     from bagua_mpi.primitives.sparse import SparseSegment, packed_gtopk_allreduce_
     sizes, ks = [20_000, 4096, 77, 1, 32_768], [200, 4096, 3, 1, 33]

@@ -16,6 +16,8 @@ level, and ``level_type`` is the type of its levels (what a checkpoint's levels 
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +33,12 @@ from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_cou
 
 
 def numel(shape) -> int:
+    """Elements of a tensor of ``shape`` (a shape, or an element count). ``math.prod`` of
+    Python ints: NumPy's ``prod`` cost some 7 us a call, and the exchanges ask per layer and
+    step."""
     if isinstance(shape, (int, np.integer)):
         return int(shape)
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(int(d) for d in shape)
 
 
 def matrix_shape(shape) -> tuple[int, int]:
@@ -179,6 +184,11 @@ class PowerSGDRank:
         rows, cols = matrix_shape(shape)
         return rank <= min(rows, cols) and (rows + cols) * rank < rows * cols
 
+    @functools.lru_cache(maxsize=1024)   # asked per layer and step; a model has few shapes
+    def compressible(self, shape: tuple) -> bool:
+        """Whether some candidate rank compresses a layer of ``shape``."""
+        return any(self.compressed(shape, r) for r in self.candidates())
+
     def size(self, shape, rank: int) -> int:
         rows, cols = matrix_shape(shape)
         return 4 * ((rows + cols) * rank if self.compressed(shape, rank) else rows * cols)
@@ -210,13 +220,11 @@ class PowerSGDRank:
         when no candidate rank compresses it. Q starts from the seeded ``initial_q`` (the same
         on every rank); a smaller rank uses, and warm-starts, its first columns."""
         index, p = impl.layers[name]
-        candidates = self.candidates()
-        if not any(self.compressed(p.shape, r) for r in candidates):
+        if not self.compressible(tuple(p.shape)):
             return None
         rows, cols = matrix_shape(p.shape)
-        top = min(max(candidates), rows, cols)
-        q = impl.state.tensor("q", name, lambda: initial_q(cols, top,
-                                                           self.seed + index).to(p.device))
+        q = impl.state.tensor("q", name, lambda: initial_q(
+            cols, min(max(self.candidates()), rows, cols), self.seed + index).to(p.device))
         error = (impl.state.tensor("error", name,
                                    lambda: torch.zeros(p.numel(), device=p.device))
                  if impl.algorithm.error_feedback else None)

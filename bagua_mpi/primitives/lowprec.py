@@ -110,19 +110,23 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
         if seg.flat.is_cuda != device:
             raise ValueError("packed C_LP_S takes tensors all on the host or all on a CUDA "
                              f"device, got {[str(s.flat.device) for s in segments]}")
+    bases = _shared_bases(segments)
+    # with common memory the base arrays serve, and no tensor is viewed on its own (a view of
+    # a CUDA tensor costs some 24 us of host time: three a layer)
+    views = bases is None
     xs, wes, ses = [], [], []
     for seg in segments:
         length = seg.flat.numel()
         part = partition_length(length, comm.Get_size())
         we = None if seg.worker_error is None else _check_error(
-            seg.worker_error, part * comm.Get_size(), "worker", seg.flat.device)
-        se = None if seg.server_error is None else _check_error(seg.server_error, part,
-                                                               "server", seg.flat.device)
-        xs.append(device_arrays.array_of(seg.flat))
+            seg.worker_error, part * comm.Get_size(), "worker", seg.flat.device, views)
+        se = None if seg.server_error is None else _check_error(
+            seg.server_error, part, "server", seg.flat.device, views)
+        xs.append(device_arrays.array_of(seg.flat) if views else None)
         wes.append(we)
         ses.append(se)
     _clps_arrays(xs, wes, ses, [seg.codec for seg in segments], [seg.seed for seg in segments],
-                 comm, scale, stats, device, _shared_bases(segments))
+                 comm, scale, stats, device, bases)
 
 
 @dataclass
@@ -137,6 +141,7 @@ class SharedBases:
     worker_offsets: list | None = None
     server: object = None
     server_offsets: list | None = None
+    lengths: list | None = None   # the segments' lengths, where no array of their own is given
 
 
 def _shared_bases(segments: list[Segment]) -> SharedBases | None:
@@ -151,16 +156,17 @@ def _shared_bases(segments: list[Segment]) -> SharedBases | None:
     x = device_arrays.storage_base([seg.flat for seg in segments])
     if x is None:
         return None
+    lengths = [seg.flat.numel() for seg in segments]
     with_errors = [seg.worker_error is not None for seg in segments]
     if not any(with_errors):
-        return SharedBases(*x)
+        return SharedBases(*x, lengths=lengths)
     if not all(with_errors) or any(seg.server_error is None for seg in segments):
         return None
     worker = device_arrays.storage_base([seg.worker_error for seg in segments])
     server = device_arrays.storage_base([seg.server_error for seg in segments])
     if worker is None or server is None:
         return None
-    return SharedBases(*x, *worker, *server)
+    return SharedBases(*x, *worker, *server, lengths)
 
 
 def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
@@ -174,7 +180,8 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
     (``_Together``: one launch on the device, one parallel loop on the host)."""
     wire = transport.of(comm)
     n, rank = wire.size, wire.rank
-    plans, row = _plans(xs, wes, ses, codecs, seeds, n)
+    plans, row = _plans(xs, wes, ses, codecs, seeds, n,
+                        None if bases is None else bases.lengths)
     if not plans:
         return
     if bases is not None:
@@ -233,7 +240,7 @@ class _Together:
         merged = 0
         for plan in plans:
             bits, col = plan.codec.bits, plan.cols.start
-            self.tensors.append(nk.MinMaxSegment(bases.x_offsets[plan.index], plan.x.size, bits,
+            self.tensors.append(nk.MinMaxSegment(bases.x_offsets[plan.index], plan.length, bits,
                                                  col, worker[plan.index] if worker else 0))
             self.sums.append(nk.MinMaxSegment(merged, plan.part, bits, col))
             self.partitions.append(nk.MinMaxSegment(merged, plan.part, bits, col,
@@ -305,23 +312,28 @@ class _Plan:
     codec: Codec
     seed: int
     index: int  # its place in the exchange's segment list (empty segments have no plan)
-    x: object  # the segment (1-D float32 array; its last partitions may end short)
+    x: object  # the segment (1-D float32 array; its last partitions may end short), or None
+    length: int  # its elements
     part: int  # partition length
     cols: slice  # its bytes in each rank's message
     worker_error: object
     server_error: object
 
 
-def _plans(xs, wes, ses, codecs, seeds, n: int) -> tuple[list[_Plan], int]:
-    """The non-empty segments' plans, and the bytes of one rank's message to one server."""
+def _plans(xs, wes, ses, codecs, seeds, n: int, lengths=None) -> tuple[list[_Plan], int]:
+    """The non-empty segments' plans, and the bytes of one rank's message to one server
+    (``lengths``: the segments' lengths, where ``xs`` holds no arrays)."""
     plans, row = [], 0
-    for index, (x, we, se, codec, seed) in enumerate(zip(xs, wes, ses, codecs, seeds)):
-        length = x.size
+    if lengths is None:
+        lengths = [x.size for x in xs]
+    for index, (x, length, we, se, codec, seed) in enumerate(zip(xs, lengths, wes, ses, codecs,
+                                                                  seeds)):
         if length == 0:
             continue
         part = partition_length(length, n)
         nbytes = codec.format(part).nbytes
-        plans.append(_Plan(codec, seed, index, x, part, slice(row, row + nbytes), we, se))
+        plans.append(_Plan(codec, seed, index, x, length, part, slice(row, row + nbytes), we,
+                           se))
         row += nbytes
     return plans, row
 
@@ -348,10 +360,12 @@ def _server_sum(plan: _Plan, recv, scale: float, out):
 _empty = device_arrays.empty
 
 
-def _check_error(err: torch.Tensor, length: int, which: str, device) -> np.ndarray:
+def _check_error(err: torch.Tensor, length: int, which: str, device, view: bool = True):
+    """The error memory checked, and viewed as an array where it lives (None without
+    ``view``: the exchange takes the common memory of all of them)."""
     if (err.numel() != length or err.dtype != torch.float32 or err.device != device
             or not err.is_contiguous()):
         raise ValueError(f"{which} error must be a contiguous float32 tensor of {length} "
                          f"elements on {device} (where the data is), got {err.dtype} of "
                          f"{err.numel()} on {err.device}")
-    return device_arrays.array_of(err.view(-1))
+    return device_arrays.array_of(err.view(-1)) if view else None

@@ -21,7 +21,8 @@ the scale is applied to the k values before scattering, not to the n-element res
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -157,22 +158,39 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
         return
     if not any(on_device):
         fit_kernel_threads()
+    ks = [seg.k for seg in segments]
+    bases = _shared_bases(segments)
+    if bases is not None:   # two views in all: a view of a CUDA tensor costs some 24 us
+        _gtopk_arrays(None, None, ks, comm, scale, index_dtype, stats, bases)
+        return
     _gtopk_arrays([device_arrays.array_of(seg.flat) for seg in segments],
                   [device_arrays.array_of(seg.residual) for seg in segments],
-                  [seg.k for seg in segments], comm, scale, index_dtype, stats,
-                  _shared_bases(segments))
+                  ks, comm, scale, index_dtype, stats)
 
 
-def _shared_bases(segments: list[SparseSegment]):
-    """(base array of the tensors, their offsets in it, base array of the residuals, theirs)
-    where the tensors share one storage and the residuals another; None otherwise."""
+@dataclass
+class SparseBases:
+    """Where an exchange's tensors lie in one storage and their residuals in another: the two
+    base arrays (NumPy, or Numba device arrays), each tensor's and residual's first element in
+    them, and the tensors' lengths."""
+
+    x: object
+    x_offsets: list
+    residual: object
+    residual_offsets: list
+    lengths: list
+
+
+def _shared_bases(segments: list[SparseSegment]) -> SparseBases | None:
+    """The segments' common memory: their tensors in one storage, their residuals in another
+    (a bucket's gradients, and the residuals L-GreCo lays end to end); None otherwise."""
     if len(segments) < 2:
         return None
     x = device_arrays.storage_base([seg.flat for seg in segments])
     residual = device_arrays.storage_base([seg.residual for seg in segments])
     if x is None or residual is None:
         return None
-    return (*x, *residual)
+    return SparseBases(*x, *residual, [seg.flat.numel() for seg in segments])
 
 
 def _check_segment(seg: SparseSegment) -> None:
@@ -187,23 +205,27 @@ def _check_segment(seg: SparseSegment) -> None:
 
 
 def _gtopk_arrays(flats, residuals, ks, comm, scale: float, index_dtype: str,
-                  stats: WireStats | None, bases=None) -> None:
+                  stats: WireStats | None, bases: SparseBases | None = None) -> None:
     """The gTop-k exchange on 1-D float32 arrays, all on the host (NumPy) or all on the device
-    (numba device arrays; ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in tests).
-    With ``bases`` (``_shared_bases``: the arrays as segments of two base arrays) the
-    selection and the decode run for all of them at once, else an array at a time."""
+    (numba device arrays; ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in tests): each
+    array its own base, or with ``bases`` (``flats`` and ``residuals`` then unused) all of them
+    as segments of two base arrays, whose selection and decode run at once."""
     wire = transport.of(comm)
-    device = bool(flats) and not isinstance(flats[0], np.ndarray)
-    segments, row = [], 0
-    for flat, k in zip(flats, ks):
-        segments.append(nk.TopKSegment(0, flat.size, k, row))
-        row += nk.TopKFormat(flat.size, k, index_dtype).nbytes
+    if bases is None:
+        lengths = [flat.size for flat in flats]
+        device = bool(flats) and not isinstance(flats[0], np.ndarray)
+    else:
+        lengths, device = bases.lengths, not isinstance(bases.x, np.ndarray)
+    cols = np.cumsum([0] + [_payload_bytes(n, k, index_dtype)
+                            for n, k in zip(lengths, ks)]).tolist()
+    row = cols[-1]
     if bases is None:   # each array is its own base
+        segments = [nk.TopKSegment(0, n, k, col) for n, k, col in zip(lengths, ks, cols)]
         groups = [(flat, res, [seg]) for flat, res, seg in zip(flats, residuals, segments)]
     else:
-        x, x_offsets, res, r_offsets = bases
-        groups = [(x, res, [replace(seg, offset=xo, residual_offset=ro) for seg, xo, ro in
-                            zip(segments, x_offsets, r_offsets)])]
+        segments = [nk.TopKSegment(xo, n, k, col, ro) for n, k, col, xo, ro in
+                    zip(lengths, ks, cols, bases.x_offsets, bases.residual_offsets)]
+        groups = [(bases.x, bases.residual, segments)]
     message = _alloc(row, device)
     for x, res, members in groups:
         nk.compress_topk_segments(x, members, message, index_dtype, residual=res)
@@ -220,6 +242,11 @@ def _gtopk_arrays(flats, residuals, ks, comm, scale: float, index_dtype: str,
     for x, res, members in groups:   # scaled: k values rather than the whole decoded tensor
         nk.decompress_topk_segments(glob, members, x, index_dtype, factor=scale, residual=res,
                                     sent=sent)
+
+
+@functools.lru_cache(maxsize=4096)   # asked per layer and step; a format checks its fields
+def _payload_bytes(n: int, k: int, index_dtype: str) -> int:
+    return nk.TopKFormat(n, k, index_dtype).nbytes
 
 
 def _alloc(nbytes: int, device: bool):

@@ -8,7 +8,7 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.lgreco import LGreCo
-from bagua_mpi.primitives import lowprec, sparse
+from bagua_mpi.primitives import device_arrays, lowprec, sparse
 from bagua_mpi.primitives.lowprec import Segment
 from bagua_mpi.primitives.sparse import SparseSegment
 
@@ -149,13 +149,26 @@ def together_runs(module, apart=False):
         module._shared_bases = original
 
 
-def check_layers_together_as_one_by_one(rank, algo, module):
+def check_layers_together_as_one_by_one(rank, algo, module, views_per_exchange):
     """Training with the bucket's layers' steps run together (one launch a step on a GPU, one
     parallel loop on the host) gives the losses and decisions of running them one by one,
-    exactly; and the together route did run. Returns the optimizer trained together."""
-    with together_runs(module) as runs:
-        loss, history, opt = train(algo, 12, rank)
+    exactly; and the together route did run, viewing its base arrays only
+    (``views_per_exchange`` of them), not every layer's tensors (a view of a CUDA tensor costs
+    some 24 us). Returns the optimizer trained together."""
+    views = []
+    original_view = device_arrays.array_of
+
+    def counted_view(t):
+        views.append(t.numel())
+        return original_view(t)
+    device_arrays.array_of = counted_view
+    try:
+        with together_runs(module) as runs:
+            loss, history, opt = train(algo, 12, rank)
+    finally:
+        device_arrays.array_of = original_view
     assert len(runs) == 12 and min(runs) > 1, runs
+    assert len(views) == views_per_exchange * len(runs), (len(views), len(runs))
     with together_runs(module, apart=True) as runs:
         assert (loss, history) == train(algo, 12, rank)[:2]
     assert not runs, "the one-by-one run took the together route"
@@ -168,7 +181,7 @@ def check_topk_residuals_end_to_end(rank):
     one by one; the memory stays one after a state round-trip (a checkpoint load), with its
     values."""
     opt = check_layers_together_as_one_by_one(
-        rank, LGreCo(family="topk", default=0.05, warmup_steps=3, period_steps=4), sparse)
+        rank, LGreCo(family="topk", default=0.05, warmup_steps=3, period_steps=4), sparse, 2)
     impl = opt.impl
     for bucket in opt.buckets:
         grads = bucket.grad_views()
@@ -178,8 +191,8 @@ def check_topk_residuals_end_to_end(rank):
         segments = [SparseSegment(g.reshape(-1), 1, r) for g, r in zip(grads, residuals)]
         bases = sparse._shared_bases(segments)
         assert bases is not None, f"bucket {bucket.index}: no common memory for its residuals"
-        assert bases[3] == list(itertools.accumulate([g.numel() for g in grads[:-1]],
-                                                     initial=0)), bases[3]
+        assert bases.residual_offsets == list(itertools.accumulate(
+            [g.numel() for g in grads[:-1]], initial=0)), bases
         opt.load_algorithm_state_dict(opt.algorithm_state_dict())
         again = [impl.family.residual(impl, name) for name in bucket.names]
         assert sparse._shared_bases([SparseSegment(s.flat, 1, r)
@@ -194,7 +207,7 @@ def main():
     loss, history, opt = train(algo, 60, rank)
     check_error_memories_end_to_end(opt)
     check_layers_together_as_one_by_one(
-        rank, LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4), lowprec)
+        rank, LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4), lowprec, 3)
     check_topk_residuals_end_to_end(rank)
     # every decision is the same on every rank
     assert bm.allgather_object(history) == [history] * size

@@ -14,7 +14,7 @@ from numba import cuda
 
 import bagua_mpi as bm
 import numba_kernels as nk
-from bagua_mpi.primitives.sparse import _gtopk_arrays
+from bagua_mpi.primitives.sparse import SparseBases, _gtopk_arrays
 from gpu_device_suite import merges_made
 
 
@@ -49,11 +49,10 @@ def main():
                 base[o:o + g.size] = g
             if place == "device":
                 base = cuda.to_device(base)
-            views = [base[o:o + n] for o, (n, _) in zip(offsets, layers)]
-            r_views = [res[r:r + n] for r, (n, _) in zip(r_offsets, layers)]
             before = nk.launch_count()
-            _gtopk_arrays(views, r_views, ks, comm, 1.0 / size, "int32", None,
-                          (base, list(offsets), res, list(r_offsets)))
+            _gtopk_arrays(None, None, ks, comm, 1.0 / size, "int32", None,
+                          SparseBases(base, list(offsets), res, list(r_offsets),
+                                      [n for n, _ in layers]))
             launches = nk.launch_count() - before
             got = base.copy_to_host() if place == "device" else base
             got_res = res.copy_to_host() if place == "device" else res
