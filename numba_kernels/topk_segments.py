@@ -228,7 +228,7 @@ class _Layout:
         if made is None:
             fits = self._fits_a_block(kind)
             together = self.table[fits].copy()
-            together[:, T.U_OFF] = np.concatenate([[0], np.cumsum(2 * together[:-1, T.K])])
+            together[:, T.U_OFF] = np.cumsum(2 * together[:, T.K]) - 2 * together[:, T.K]
             apart = [s for s, fit in zip(self.segments, fits) if not fit]
             made = self._on[key] = (
                 cuda().to_device(together) if len(together) else None, apart)

@@ -597,3 +597,4 @@ def test_topk_segments_too_large_for_a_block(monkeypatch):
     monkeypatch.setattr(select, "ONE_BLOCK_KEYS", 40)
     dc.check_topk_segments([(45, 3), (30, 25), (12, 4), (100, 0)], True, one_launch=False)
     dc.check_topk_segments([(45, 3), (30, 15)], False, "int64", "ties", one_launch=False)
+    dc.check_topk_segments([(45, 21), (41, 30)], True, one_launch=False)   # none fits a block
