@@ -81,7 +81,7 @@ def compress_topk_segments(x, segments, out, index_dtype="int32", residual=None,
         return
     from ._cuda import topk_segments as kern
     st = stream_of(stream)
-    together, apart = layout.on_device("compress")
+    together, apart, _ = layout.on_device("compress")
     if together is not None:
         kern.compress(xa, ea, together, ints, floats, msg, st)
     for s in apart:
@@ -114,9 +114,9 @@ def merge_topk_segments(a, b, segments, out, index_dtype="int32", stream=None):
         return
     from ._cuda import topk_segments as kern
     st = stream_of(stream)
-    together, apart = layout.on_device("merge")
+    together, apart, union_size = layout.on_device("merge")
     if together is not None:
-        kern.merge(*typed, mo, together, layout.union_size("merge"), st)
+        kern.merge(*typed, mo, together, union_size, st)
     for s in apart:
         fmt = TopKFormat(s.length, s.k, index_dtype)
         cols = slice(s.col, s.col + fmt.nbytes)
@@ -157,7 +157,7 @@ def decompress_topk_segments(selected, segments, out, index_dtype="int32", facto
         return
     from ._cuda import topk_segments as kern
     st = stream_of(stream)
-    together, apart = layout.on_device("decompress")
+    together, apart, _ = layout.on_device("decompress")
     if together is not None:
         kern.decompress(isel, fsel, isent, fsent, oa, ea, together, np.float32(factor), st)
     for s in apart:
@@ -173,14 +173,20 @@ def decompress_topk_segments(selected, segments, out, index_dtype="int32", facto
 
 
 def _message_of(buf, name):
+    """(``buf`` as a message, whether it is on a device)."""
     arr, dev = as_array(buf, name)
-    return _message(arr, name, dev), dev
+    return _checked_message(arr, name), dev
 
 
 def _message(buf, name, dev):
-    """``buf`` as a flat uint8 array of a whole number of ALIGN-byte words, where ``dev`` says."""
+    """``buf`` as a message, where ``dev`` says the call's other arrays are."""
     arr, adev = as_array(buf, name)
     same_place(dev, **{name: (arr, adev)})
+    return _checked_message(arr, name)
+
+
+def _checked_message(arr, name):
+    """``arr`` if it is a flat uint8 array of a whole number of ALIGN-byte words."""
     shape = tuple(getattr(arr, "shape", ()))
     if np.dtype(arr.dtype) != np.uint8 or len(shape) != 1 or shape[0] % ALIGN:
         raise PayloadError(f"{name} must be a flat uint8 message of a multiple of {ALIGN} "
@@ -201,7 +207,7 @@ class _Layout:
 
     def __init__(self, segments, table):
         self.segments, self.table = segments, table
-        self._on = {}   # (device id, kind, limit) -> (table there or None, those one by one)
+        self._on = {}   # (device id, kind, limit) -> what on_device returns
 
     @property
     def rows(self):
@@ -212,14 +218,10 @@ class _Layout:
         keys = 2 * self.table[:, T.K] if kind == "merge" else self.table[:, T.X_LEN]
         return np.array([one_block(int(m)) for m in keys], dtype=bool)
 
-    def union_size(self, kind):
-        """Entries of the merge scratch the segments that one block does need."""
-        fits = self._fits_a_block(kind)
-        return int((2 * self.table[fits, T.K]).sum())
-
     def on_device(self, kind):
         """(the table of the segments one block can do, on the current device, or None; the
-        segments it cannot), made on first use on each device."""
+        segments it cannot; the entries of a merge's scratch the first need), made on first
+        use on each device."""
         from ._cuda import select
         from ._device import cuda
         device = getattr(cuda().current_context().device, "id", None)  # None: the simulator
@@ -228,10 +230,11 @@ class _Layout:
         if made is None:
             fits = self._fits_a_block(kind)
             together = self.table[fits].copy()
-            together[:, T.U_OFF] = np.cumsum(2 * together[:, T.K]) - 2 * together[:, T.K]
+            unions = np.cumsum(2 * together[:, T.K])
+            together[:, T.U_OFF] = unions - 2 * together[:, T.K]
             apart = [s for s, fit in zip(self.segments, fits) if not fit]
-            made = self._on[key] = (
-                cuda().to_device(together) if len(together) else None, apart)
+            made = self._on[key] = (cuda().to_device(together) if len(together) else None,
+                                    apart, int(unions[-1]) if len(unions) else 0)
         return made
 
 

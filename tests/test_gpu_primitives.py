@@ -82,7 +82,6 @@ def test_minmax_layers_in_common_memory_take_four_launches(mode):
     """L-GreCo's min-max exchange on CUDA tensors: layers at their own widths, their gradients
     views of one bucket and their error memories end to end, run in 4 launches for all of them
     (``lowprec._Together``), where each layer takes 4 of its own; the host path's bytes."""
-    import numba_kernels as nk
     from bagua_mpi.primitives import MinMaxCodec
     from bagua_mpi.primitives.lowprec import (Segment, packed_compressed_allreduce_,
                                               padded_length, partition_length)
@@ -99,16 +98,9 @@ def test_minmax_layers_in_common_memory_take_four_launches(mode):
         return [Segment(flat[o:o + n], MinMaxCodec(b, 1024), w[wa:wa + padded_length(n, 1)],
                         s[sa:sa + partition_length(n, 1)])
                 for o, n, b, wa, sa in zip(offsets, sizes, widths, wat, sat)]
-    host = (bucket.clone(), worker.clone(), server.clone())
-    dev = tuple(t.cuda() for t in host)
-    for step in range(3):
-        packed_compressed_allreduce_(layers(*host), _comm(), scale=0.5)
-        before = nk.launch_count()
-        packed_compressed_allreduce_(layers(*dev), _comm(), scale=0.5)
-        assert nk.launch_count() - before == 4, nk.launch_count() - before
-        torch.cuda.synchronize()
-        for a, b in zip(host, dev):
-            assert torch.equal(a, b.cpu()), step
+    _device_as_host(lambda *memories: packed_compressed_allreduce_(layers(*memories), _comm(),
+                                                                   scale=0.5),
+                    (bucket, worker, server), launches=4)
 
 
 @needs_gpu
@@ -117,7 +109,6 @@ def test_topk_layers_in_common_memory_take_two_launches(mode):
     of one bucket and their residuals end to end, selected in 1 launch and decoded in 1 for all
     of them at world size 1 (``numba_kernels.topk_segments``), where each layer took 5 of its
     own (select, restore, scale, zero fill, scatter); the host path's bytes."""
-    import numba_kernels as nk
     from bagua_mpi.primitives.sparse import SparseSegment, packed_gtopk_allreduce_
     sizes, ks = [20_000, 4096, 77, 1, 32_768], [200, 4096, 3, 1, 33]
     offsets = [sum(sizes[:j]) + 8 * j for j in range(len(sizes))]   # gaps between the layers
@@ -129,13 +120,23 @@ def test_topk_layers_in_common_memory_take_two_launches(mode):
         starts = [sum(sizes[:j]) for j in range(len(sizes))]
         return [SparseSegment(flat[o:o + n], k, res[r:r + n])
                 for o, n, k, r in zip(offsets, sizes, ks, starts)]
-    host = (bucket.clone(), residual.clone())
-    dev = tuple(t.cuda() for t in host)
-    for step in range(3):
-        packed_gtopk_allreduce_(layers(*host), _comm(), scale=0.5)
+    _device_as_host(lambda *memories: packed_gtopk_allreduce_(layers(*memories), _comm(),
+                                                              scale=0.5),
+                    (bucket, residual), launches=2)
+
+
+def _device_as_host(exchange, memories, launches, steps=3):
+    """``exchange(*memories)`` on copies of the host tensors and on CUDA copies, ``steps``
+    times: the same bytes in every memory after each step, and ``launches`` kernel launches a
+    step on the device."""
+    import numba_kernels as nk
+    host = tuple(t.clone() for t in memories)
+    dev = tuple(t.cuda() for t in memories)
+    for step in range(steps):
+        exchange(*host)
         before = nk.launch_count()
-        packed_gtopk_allreduce_(layers(*dev), _comm(), scale=0.5)
-        assert nk.launch_count() - before == 2, nk.launch_count() - before
+        exchange(*dev)
+        assert nk.launch_count() - before == launches, nk.launch_count() - before
         torch.cuda.synchronize()
         for a, b in zip(host, dev):
             assert torch.equal(a, b.cpu()), step

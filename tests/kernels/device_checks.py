@@ -12,7 +12,7 @@ import numba_kernels as nk
 from numba_kernels import _sparse_rules
 from numba_kernels.wire import Payload
 from row_refs import (COL, at_column, loop_decode, partition_loop, payload_stack, row_form,
-                      row_format, row_matrix, segment_layout)
+                      row_format, row_matrix, segment_layout, topk_segment_layout)
 
 
 def _data(seed, n, dtype, kind="normal"):
@@ -368,14 +368,7 @@ def check_topk_segments(specs, residual, index_dtype="int32", kind="normal", fac
     (one rank); on the device, one launch each (``one_launch``: every segment fits a block).
     ``specs``: (length, k) of each segment."""
     what = f"segments {specs} residual={residual} {index_dtype} {kind}"
-    # residuals in the reverse order of the places, with other gaps: a mix-up of the two shows
-    gap, segments, offset, col = 3, [], 3, 8
-    residual_offsets = np.cumsum([5] + [length + 5 for length, _ in specs[::-1]])[::-1][1:]
-    for (length, k), r_off in zip(specs, residual_offsets):
-        segments.append(nk.TopKSegment(offset, length, k, col, int(r_off)))
-        offset += length + gap
-        col += nk.TopKFormat(length, k, index_dtype).nbytes + 8
-    size, width, r_size = offset, col, int(residual_offsets[0]) + specs[0][0] + 5
+    segments, size, r_size, width = topk_segment_layout(specs, index_dtype)
     fmts = [nk.TopKFormat(s.length, s.k, index_dtype) for s in segments]
     cols = [slice(s.col, s.col + f.nbytes) for s, f in zip(segments, fmts)]
     xs = [_data(7 + r, size, np.float32, kind) * np.float32(1 + r) for r in range(2)]

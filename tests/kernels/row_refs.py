@@ -118,3 +118,17 @@ def segment_layout(specs, rows, chunk, gap=3):
         err += rows * part + gap
         col += nk.MinMaxFormat(part, bits, chunk).nbytes + 8
     return segments, offset, err, col, parts
+
+
+def topk_segment_layout(specs, index_dtype):
+    """``TopKSegment``s of (length, k) specs with 2 elements between their places in the base
+    array, their residuals end to end in the reverse order of the places (so a mix-up of the
+    two offsets shows), 8 bytes between payloads (the first at column 8); return (segments,
+    base size, residual size, message width)."""
+    segments, offset, col = [], 2, 8
+    r_offsets = np.cumsum([1] + [n for n, _ in specs[::-1]])[::-1][1:]
+    for (n, k), r in zip(specs, r_offsets):
+        segments.append(nk.TopKSegment(offset, n, k, col, int(r)))
+        offset += n + 2
+        col += nk.TopKFormat(n, k, index_dtype).nbytes + 8
+    return segments, offset, int(r_offsets[0]) + specs[0][0], col

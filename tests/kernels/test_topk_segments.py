@@ -9,19 +9,7 @@ import numba_kernels as nk
 from numba_kernels import _sparse_rules
 from numba_kernels.errors import KernelParameterError, LayoutError, PayloadError
 from numba_kernels.wire import Payload
-
-
-def layout(specs, index_dtype):
-    """``TopKSegment``s of (length, k) specs with gaps between their places, their residuals
-    end to end in the reverse order, 8 bytes between payloads; (segments, size, residual size,
-    message width)."""
-    segments, offset, col = [], 2, 8
-    r_offsets = np.cumsum([1] + [n for n, _ in specs[::-1]])[::-1][1:]
-    for (n, k), r in zip(specs, r_offsets):
-        segments.append(nk.TopKSegment(offset, n, k, col, int(r)))
-        offset += n + 2
-        col += nk.TopKFormat(n, k, index_dtype).nbytes + 8
-    return segments, offset, int(r_offsets[0]) + specs[0][0], col
+from row_refs import topk_segment_layout
 
 
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
@@ -31,7 +19,7 @@ def test_segments_write_the_per_tensor_bytes(index_dtype, residual):
     merge of two ranks' messages, and the decode with and without the restore."""
     specs = [(40_000, 400), (300, 7), (1, 1), (0, 0), (129, 0), (64, 64), (1000, 33)]
     assert specs[0][0] >= _sparse_rules.APPROX_MIN_N   # the host's approximate method runs
-    segments, size, r_size, width = layout(specs, index_dtype)
+    segments, size, r_size, width = topk_segment_layout(specs, index_dtype)
     rng = np.random.default_rng(5)
     xs = [rng.standard_t(2, size).astype(np.float32) for _ in range(2)]
     es = [(rng.standard_normal(r_size) * 0.1).astype(np.float32) if residual else None
