@@ -91,7 +91,8 @@ def ptxas_resources(ptx, cc):
 
 
 def compile_launch(launch, cc, resources):
-    """One recorded launch: (its line, its kernel's key, ptxas's resources or None, failed)."""
+    """One recorded launch: (its line, its kernel's key, its register budget, ptxas's resources
+    or None, failed)."""
     module, name, specs = launch
     kernel = getattr(importlib.import_module(module), name)
     sig = tuple(numba_type(s) for s in specs)
@@ -99,11 +100,12 @@ def compile_launch(launch, cc, resources):
         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=resources or
                                   os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1")
     except Exception as exc:
-        return f"FAILED {module}.{name}{sig}:\n{exc}", None, None, True
+        return f"FAILED {module}.{name}{sig}:\n{exc}", None, None, None, True
     key = f"{module.rsplit('.', 1)[-1]}.{name}"
-    budget = getattr(importlib.import_module(module), "REGISTER_BUDGET", {}).get(name)
-    key = key if budget is None else (key, budget)
-    return f"ok {module}.{name} {sig}", key, ptxas_resources(ptx, cc) if resources else None, False
+    budget = getattr(importlib.import_module(module), "REGISTER_BUDGET", {}).get(name,
+                                                                              REGISTER_LIMIT)
+    used = ptxas_resources(ptx, cc) if resources else None
+    return f"ok {module}.{name} {sig}", key, budget, used, False
 
 
 def main(path, cc=(9, 0), resources=False):
@@ -117,32 +119,28 @@ def main(path, cc=(9, 0), resources=False):
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(compile_launch, launches, [cc] * len(launches),
                                 [resources] * len(launches)))
-    worst = {}
-    for line, key, used, failed in results:
+    worst, budgets = {}, {}
+    for line, key, budget, used, failed in results:
         print(line)
         if used is not None:   # the largest of each over the kernel's signatures
             worst[key] = tuple(map(max, worst.get(key, (0, 0, 0)), used))
+            budgets[key] = budget
     failures = sum(failed for *_, failed in results)
     if failures:
         print(f"{failures} of {len(launches)} launches FAILED to compile")
         return 1
     print(f"{len(launches)} launches compiled to PTX for sm_{cc[0]}{cc[1]}")
-    return report(worst, cc) if resources else 0
+    return report(worst, budgets, cc) if resources else 0
 
 
-def _name(key):
-    """A kernel's name in the table: its key, or the key of a (key, budget) pair."""
-    return key[0] if isinstance(key, tuple) else key
-
-
-def report(worst, cc):
+def report(worst, budgets, cc):
     """Print the resources table; 1 if a kernel spills or needs too many registers."""
     from numba_kernels._cuda.geometry import THREADS
     print(f"\n| kernel (sm_{cc[0]}{cc[1]}, {THREADS} threads a block) | registers | spill bytes "
           "| shared bytes | blocks an SM | occupancy |\n|---|---:|---:|---:|---:|---:|")
     bad = []
-    for key, (registers, spills, shared) in sorted(worst.items(), key=lambda kv: _name(kv[0])):
-        name, budget = key if isinstance(key, tuple) else (key, REGISTER_LIMIT)
+    for name, (registers, spills, shared) in sorted(worst.items()):
+        budget = budgets[name]
         blocks = blocks_per_sm(registers, THREADS, shared)
         label = name if budget == REGISTER_LIMIT else f"{name} (budget {budget})"
         print(f"| {label} | {registers} | {spills} | {shared} | {blocks} | "
