@@ -144,6 +144,11 @@ class AlgorithmState:
             by_name[name] = t
         return by_name[name]
 
+    def made(self, kind: str, name: str) -> torch.Tensor | None:
+        """The tensor of ``kind`` owned by ``name`` if it has been made, else None: a lookup
+        that builds nothing, for callers that ask every step."""
+        return self.tensors.get(kind, {}).get(name)
+
     def tensor_in_group(self, kind: str, name: str, group, lengths: Callable[[], dict],
                         device) -> torch.Tensor:
         """The float32 tensor of ``kind`` owned by ``name``, as ``tensor`` makes it (zeros, or
@@ -151,7 +156,7 @@ class AlgorithmState:
         parameters share end to end (``group``: a key; ``lengths()``: {name: elements} of its
         members, in order; a key names one set of lengths), so that an exchange can take the
         whole group as one array."""
-        found = self.tensors.get(kind, {}).get(name)
+        found = self.made(kind, name)
         if found is not None:
             return found
         memory = self.groups.get((kind, group))

@@ -25,7 +25,7 @@ import torch
 
 import numba_kernels as nk
 
-from ..primitives.codecs import MinMaxCodec, call_seed, fit_kernel_threads
+from ..primitives.codecs import MinMaxCodec, fit_kernel_threads
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
 from ..primitives.lowrank import LowRankSegment, initial_q, orthonormalize, powersgd_allreduce_
@@ -72,6 +72,7 @@ class MinMaxBits:
     def error(self, g: np.ndarray, bits: int) -> float:
         return float(self.errors(g, [bits])[0])
 
+    @functools.lru_cache(maxsize=16)   # asked per layer and step; there are 8 widths
     def codec(self, bits: int) -> MinMaxCodec:
         return MinMaxCodec(bits, self.chunk)
 
@@ -83,6 +84,9 @@ class MinMaxBits:
         each step of all of them in one launch on a GPU (``lowprec._Together``)."""
         if not impl.algorithm.error_feedback:
             return None, None
+        made = impl.state.made("worker_error", name), impl.state.made("server_error", name)
+        if made[0] is not None and made[1] is not None:   # every step but the first
+            return made
         p, n = impl.layers[name][1], impl.comm.Get_size()
         bucket = impl.layer_bucket[name]
 
@@ -99,10 +103,10 @@ class MinMaxBits:
 
     def exchange_(self, impl, layers, transport, step: int) -> None:
         """One C_LP_S for all the layers (one alltoall and one allgather), each layer at its
-        bits, its random stream seeded by (step, its name)."""
+        bits. Min-max rounds deterministically: no layer needs a random stream, so none is
+        seeded."""
         packed_compressed_allreduce_(
-            [Segment(g, self.codec(int(impl.assignment[name])), *self.layer_errors(impl, name),
-                     seed=call_seed(step, name))
+            [Segment(g, self.codec(int(impl.assignment[name])), *self.layer_errors(impl, name))
              for name, g in layers], transport, scale=impl.scale, stats=impl.wire)
 
 

@@ -28,6 +28,7 @@ broadcast) is the algorithm framework's (``algorithms/base.py``), shared by ever
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,16 +133,16 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
 @dataclass
 class SharedBases:
     """Where the segments of one exchange lie in common memory, for the segmented kernels:
-    base arrays (NumPy arrays, or Numba device arrays) and each segment's first element in them.
-    ``worker`` and ``server`` are None without error feedback."""
+    base arrays (NumPy arrays, or Numba device arrays), each segment's first element in them
+    and its length. ``worker`` and ``server`` are None without error feedback."""
 
     x: object
     x_offsets: list
+    lengths: list
     worker: object = None
     worker_offsets: list | None = None
     server: object = None
     server_offsets: list | None = None
-    lengths: list | None = None   # the segments' lengths, where no array of their own is given
 
 
 def _shared_bases(segments: list[Segment]) -> SharedBases | None:
@@ -159,14 +160,14 @@ def _shared_bases(segments: list[Segment]) -> SharedBases | None:
     lengths = [seg.flat.numel() for seg in segments]
     with_errors = [seg.worker_error is not None for seg in segments]
     if not any(with_errors):
-        return SharedBases(*x, lengths=lengths)
+        return SharedBases(*x, lengths)
     if not all(with_errors) or any(seg.server_error is None for seg in segments):
         return None
     worker = device_arrays.storage_base([seg.worker_error for seg in segments])
     server = device_arrays.storage_base([seg.server_error for seg in segments])
     if worker is None or server is None:
         return None
-    return SharedBases(*x, *worker, *server, lengths)
+    return SharedBases(*x, lengths, *worker, *server)
 
 
 def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
@@ -180,14 +181,17 @@ def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
     (``_Together``: one launch on the device, one parallel loop on the host)."""
     wire = transport.of(comm)
     n, rank = wire.size, wire.rank
-    plans, row = _plans(xs, wes, ses, codecs, seeds, n,
-                        None if bases is None else bases.lengths)
-    if not plans:
-        return
     if bases is not None:
-        steps = _Together(plans, bases, device)
+        layout = _together_layout(codecs[0].chunk, tuple(codec.bits for codec in codecs),
+                                  tuple(bases.lengths), tuple(bases.x_offsets),
+                                  _maybe_tuple(bases.worker_offsets),
+                                  _maybe_tuple(bases.server_offsets), n)
+        steps, row = _Together(layout, bases, device), layout.row
     else:
+        plans, row = _plans(xs, wes, ses, codecs, seeds, n)
         steps = _OneByOne(plans, device, rank)
+    if not row:   # every segment empty
+        return
     send, recv = _scatter_payloads(row, wire, device, steps)
     mine = _empty(row, np.uint8, device)
     steps.serve(recv, mine, scale)  # server: sum, scale, phase 2
@@ -232,40 +236,72 @@ class _Together:
     one parallel loop of the CPU twins on the host), each segment's bytes those of its own
     kernels. The server's merged partitions lie end to end in one scratch array."""
 
-    def __init__(self, plans: list[_Plan], bases: SharedBases, device: bool):
-        self.bases, self.device = bases, device
-        self.chunk = plans[0].codec.chunk
-        worker, server = bases.worker_offsets, bases.server_offsets
-        self.tensors, self.sums, self.partitions = [], [], []
-        merged = 0
-        for plan in plans:
-            bits, col = plan.codec.bits, plan.cols.start
-            self.tensors.append(nk.MinMaxSegment(bases.x_offsets[plan.index], plan.length, bits,
-                                                 col, worker[plan.index] if worker else 0))
-            self.sums.append(nk.MinMaxSegment(merged, plan.part, bits, col))
-            self.partitions.append(nk.MinMaxSegment(merged, plan.part, bits, col,
-                                                    server[plan.index] if server else 0))
-            merged += plan.part
-        self.merged = merged
+    def __init__(self, layout: _TogetherLayout, bases: SharedBases, device: bool):
+        self.layout, self.bases, self.device = layout, bases, device
 
     def compress_rows(self, send) -> None:
         """Phase 1: partition k of every segment (+ its worker error) into row k of send."""
         fit_kernel_threads()
-        nk.compress_minmax_rows_segments(self.bases.x, self.tensors, send, chunk=self.chunk,
-                                         residual=self.bases.worker)
+        nk.compress_minmax_rows_segments(self.bases.x, self.layout.tensors, send,
+                                         chunk=self.layout.chunk, residual=self.bases.worker)
 
     def serve(self, recv, mine, scale: float) -> None:
         """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
         partition (+ its server error) encoded into this rank's row."""
-        merged = _empty(self.merged, np.float32, self.device)
-        nk.decompress_minmax_segments(recv, self.sums, merged, chunk=self.chunk, factor=scale)
-        nk.compress_minmax_rows_segments(merged, self.partitions, mine.reshape(1, mine.size),
-                                         chunk=self.chunk, residual=self.bases.server)
+        layout = self.layout
+        merged = _empty(layout.merged, np.float32, self.device)
+        nk.decompress_minmax_segments(recv, layout.sums, merged, chunk=layout.chunk,
+                                      factor=scale)
+        nk.compress_minmax_rows_segments(merged, layout.partitions, mine.reshape(1, mine.size),
+                                         chunk=layout.chunk, residual=self.bases.server)
 
     def decompress_rows(self, gathered) -> None:
         """Step 5: row k of every segment's payloads into partition k of its place."""
-        nk.decompress_minmax_rows_segments(gathered, self.tensors, self.bases.x,
-                                           chunk=self.chunk)
+        nk.decompress_minmax_rows_segments(gathered, self.layout.tensors, self.bases.x,
+                                           chunk=self.layout.chunk)
+
+
+@dataclass(frozen=True)
+class _TogetherLayout:
+    """Where each min-max segment of a ``_Together`` exchange lies: in the base arrays
+    (``tensors``: gradients and worker errors), in the server's scratch of merged partitions
+    (``sums``; ``partitions`` with the server errors), and in each rank's message (every
+    segment's byte column); the scratch's and the message's lengths."""
+
+    chunk: int
+    tensors: tuple
+    sums: tuple
+    partitions: tuple
+    merged: int   # elements of the server's scratch
+    row: int      # bytes of one rank's message to one server
+
+
+@functools.lru_cache(maxsize=64)   # a bucket's exchange recurs every step until its levels change
+def _together_layout(chunk: int, bits: tuple, lengths: tuple, x_offsets: tuple,
+                     worker_offsets: tuple | None, server_offsets: tuple | None,
+                     n: int) -> _TogetherLayout:
+    """The ``_TogetherLayout`` of min-max segments of ``bits`` and ``lengths`` over n ranks,
+    their places in the base arrays given (offsets None without error feedback); empty
+    segments take no place. Made once per layout, not once per step: building it is a few
+    microseconds of Python a layer."""
+    tensors, sums, partitions = [], [], []
+    merged = row = 0
+    for index, (width, length) in enumerate(zip(bits, lengths)):
+        if length == 0:
+            continue
+        part = partition_length(length, n)
+        tensors.append(nk.MinMaxSegment(x_offsets[index], length, width, row,
+                                        worker_offsets[index] if worker_offsets else 0))
+        sums.append(nk.MinMaxSegment(merged, part, width, row))
+        partitions.append(nk.MinMaxSegment(merged, part, width, row,
+                                           server_offsets[index] if server_offsets else 0))
+        merged += part
+        row += MinMaxCodec(width, chunk).format(part).nbytes
+    return _TogetherLayout(chunk, tuple(tensors), tuple(sums), tuple(partitions), merged, row)
+
+
+def _maybe_tuple(values):
+    return None if values is None else tuple(values)
 
 
 def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torch.Tensor, *,
@@ -311,29 +347,22 @@ class _Plan:
 
     codec: Codec
     seed: int
-    index: int  # its place in the exchange's segment list (empty segments have no plan)
-    x: object  # the segment (1-D float32 array; its last partitions may end short), or None
-    length: int  # its elements
+    x: object  # the segment (1-D float32 array; its last partitions may end short)
     part: int  # partition length
     cols: slice  # its bytes in each rank's message
     worker_error: object
     server_error: object
 
 
-def _plans(xs, wes, ses, codecs, seeds, n: int, lengths=None) -> tuple[list[_Plan], int]:
-    """The non-empty segments' plans, and the bytes of one rank's message to one server
-    (``lengths``: the segments' lengths, where ``xs`` holds no arrays)."""
+def _plans(xs, wes, ses, codecs, seeds, n: int) -> tuple[list[_Plan], int]:
+    """The non-empty segments' plans, and the bytes of one rank's message to one server."""
     plans, row = [], 0
-    if lengths is None:
-        lengths = [x.size for x in xs]
-    for index, (x, length, we, se, codec, seed) in enumerate(zip(xs, lengths, wes, ses, codecs,
-                                                                  seeds)):
-        if length == 0:
+    for x, we, se, codec, seed in zip(xs, wes, ses, codecs, seeds):
+        if x.size == 0:
             continue
-        part = partition_length(length, n)
+        part = partition_length(x.size, n)
         nbytes = codec.format(part).nbytes
-        plans.append(_Plan(codec, seed, index, x, length, part, slice(row, row + nbytes), we,
-                           se))
+        plans.append(_Plan(codec, seed, x, part, slice(row, row + nbytes), we, se))
         row += nbytes
     return plans, row
 

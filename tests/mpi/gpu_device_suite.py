@@ -131,9 +131,9 @@ def check_clps_together(comm, aware: bool):
             seeds = [0] * len(layers)
             hstats, dstats = WireStats(), WireStats()
             _clps_arrays(host, list(hw), list(hs), codecs, seeds, comm, 1.0 / n, hstats, False)
-            bases = SharedBases(dev_base, offsets, *((dev_worker, list(worker_at[:-1]),
-                                                      dev_server, list(server_at[:-1]))
-                                                     if feedback else ()))
+            bases = SharedBases(dev_base, offsets, [length for length, _ in layers],
+                                *((dev_worker, list(worker_at[:-1]), dev_server,
+                                   list(server_at[:-1])) if feedback else ()))
             launches, _ = overhead.snapshot()
             _clps_arrays(dev, list(dw), list(ds), codecs, seeds, comm, 1.0 / n, dstats, True,
                          bases)
