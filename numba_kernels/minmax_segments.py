@@ -229,6 +229,10 @@ def _check_disjoint(table, rows, kind, residual):
 
 # The CPU twins: one parallel loop over every segment's work items (a chunk, of one row but for
 # the sum), each the per-tensor kernel's item on that segment, so the bytes are its bytes.
+# They write no array expression or slice assignment: in a parallel function Numba makes each
+# one a parallel region of its own (a slice of zeros in the loop over segments started one a
+# segment and call), and tests/kernels/test_parallel_regions.py holds every CPU twin to its
+# prange loops.
 
 @njit(nogil=True, inline="always")
 def _segment_of(starts, j):
@@ -247,9 +251,11 @@ def _encode_rows_segments_cpu(x, e, has_res, table, starts, chunk, params, words
         encode_rows_item(x[start:start + table[s, T.X_LEN]], e[err:err + rows * part], has_res,
                          part, chunk, table[s, T.BITS], params, table[s, T.PCOL], words,
                          table[s, T.WCOL], j - starts[s])
-    for s in range(table.shape[0]):
+    for s in range(table.shape[0]):   # loops, not a slice assignment: see below
         col = table[s, T.COL]
-        mat[:, col + table[s, T.USED]:col + table[s, T.NBYTES]] = 0
+        for r in range(rows):
+            for c in range(col + table[s, T.USED], col + table[s, T.NBYTES]):
+                mat[r, c] = 0
 
 
 @cached_njit(nogil=True, parallel=True)

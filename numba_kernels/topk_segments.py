@@ -288,7 +288,9 @@ def _check_disjoint(table, places, residual):
 
 
 # The CPU twins: one parallel loop over the segments, each running the per-tensor CPU twin's
-# own functions on its slices, so the bytes are the per-tensor calls' bytes.
+# own functions on its slices, so the bytes are the per-tensor calls' bytes. Padding is zeroed
+# by loops, not slice assignments, which Numba would make parallel loops of their own
+# (tests/kernels/test_parallel_regions.py).
 
 @cached_njit(nogil=True, parallel=True)
 def _compress_segments_cpu(x, e, has_res, table, ints, floats, msg, sample_key):
@@ -296,7 +298,8 @@ def _compress_segments_cpu(x, e, has_res, table, ints, floats, msg, sample_key):
     for s in prange(table.shape[0]):
         start, n, k = table[s, T.X_OFF], table[s, T.X_LEN], table[s, T.K]
         col = table[s, T.COL]
-        msg[col + table[s, T.USED]:col + table[s, T.NBYTES]] = 0
+        for c in range(col + table[s, T.USED], col + table[s, T.NBYTES]):
+            msg[c] = 0
         arr = x[start:start + n]
         if has_res:
             arr = e[table[s, T.R_OFF]:table[s, T.R_OFF] + n]
@@ -318,7 +321,8 @@ def _merge_segments_cpu(ia, fa, ib, fb, io, fo, mo, table):
     """``merge_topk`` of every segment: the union of its two lists, then its exact top-k."""
     for s in prange(table.shape[0]):
         k, icol, vcol, col = table[s, T.K], table[s, T.ICOL], table[s, T.VCOL], table[s, T.COL]
-        mo[col + table[s, T.USED]:col + table[s, T.NBYTES]] = 0
+        for c in range(col + table[s, T.USED], col + table[s, T.NBYTES]):
+            mo[c] = 0
         if k == 0:
             continue
         uidx = np.empty(2 * k, np.int64)
