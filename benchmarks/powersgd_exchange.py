@@ -5,10 +5,10 @@ size cut into 4 to 256 matrices.
 On a GPU each dispatched operation that computes or copies is at least one kernel launch (a
 few microseconds of host time each), so the count is the launch cost a CPU can measure. The
 device route (what CUDA tensors take: the P's orthonormalized many at once in torch) runs here
-on CPU tensors; the host route orthonormalizes each P in NumPy. ``--baseline FILE`` loads
-another version of ``bagua_mpi/primitives/lowrank.py`` (from a clone of an older commit), runs
-it interleaved with this one, step by step on twin states, and checks that both leave the same
-bits in every result, Q and error memory.
+on CPU tensors; the host route orthonormalizes every P in one compiled loop. ``--baseline
+FILE`` loads another version of ``bagua_mpi/primitives/lowrank.py`` (from a clone of an older
+commit), runs it interleaved with this one, step by step on twin states, and checks that both
+leave the same bits in every result, Q and error memory.
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/powersgd_exchange.py \\
         [--baseline /tmp/old/bagua_mpi/primitives/lowrank.py]

@@ -146,6 +146,81 @@ def _batches(shapes: tuple, device: str) -> list[tuple]:
     return batches
 
 
+def orthonormalize_packed_host_(packed: torch.Tensor, shapes: tuple) -> torch.Tensor:
+    """``orthonormalize`` of every P in the host tensor ``packed`` (float32; P_k: a row-major
+    ``shapes[k]`` = (n_k, r_k) block, one after another), in float64, in place, in one
+    compiled call for all of them; returns which columns of the P^'s are nonzero, as
+    ``orthonormalize_packed_`` does. The same steps as ``orthonormalize``, their float64
+    sums in loops rather than BLAS's order (so a P^ may differ from NumPy's in a last bit,
+    never across ranks: every rank runs the same loops on the same summed P's). One call
+    costs about what NumPy's fixed cost of some 15 us a P did for a few P's, and it does not
+    grow with the layers."""
+    starts, rows, ranks, col_starts = _host_layout(shapes)
+    live = np.empty(int(col_starts[-1]), np.bool_)
+    _compiled_gram_schmidt()(host_view(packed), starts, rows, ranks, col_starts, live,
+                             _DEPENDENT)
+    return torch.from_numpy(live)
+
+
+@functools.lru_cache(maxsize=32)   # the same every step
+def _host_layout(shapes: tuple) -> tuple[np.ndarray, ...]:
+    """(each P's first element, rows, rank, first column among all P's columns, then the
+    column count at the end) of ``orthonormalize_packed_host_``'s P's."""
+    rows = np.array([n for n, _ in shapes], np.int64)
+    ranks = np.array([r for _, r in shapes], np.int64)
+    starts = np.concatenate([[0], np.cumsum(rows * ranks)]).astype(np.int64)
+    col_starts = np.concatenate([[0], np.cumsum(ranks)]).astype(np.int64)
+    return starts, rows, ranks, col_starts
+
+
+@functools.cache
+def _compiled_gram_schmidt():
+    """``_gram_schmidt_packed`` compiled, on first use: importing numba costs every rank about
+    0.3 s, and only host PowerSGD needs this."""
+    import numba
+    return numba.njit(cache=True, nogil=True)(_gram_schmidt_packed)
+
+
+def _gram_schmidt_packed(packed, starts, rows, ranks, col_starts, live, dependent):
+    """For each P_k (row-major at ``starts[k]``): ``orthonormalize``'s steps in float64 on a
+    copy whose rows are P_k's columns (each contiguous), written back in ``packed``'s dtype
+    (float32: a nonzero column has norm 1 and stays nonzero); ``live`` marks the nonzero
+    columns."""
+    for k in range(rows.size):
+        n, r, start = rows[k], ranks[k], starts[k]
+        cols = np.empty((r, n))
+        for i in range(n):
+            for j in range(r):
+                cols[j, i] = packed[start + i * r + j]
+        coeffs = np.empty(r)
+        for j in range(r):
+            norm0 = 0.0
+            for i in range(n):
+                norm0 += cols[j, i] * cols[j, i]
+            if j:
+                for _ in range(2):   # twice is enough
+                    for t in range(j):
+                        coeffs[t] = 0.0
+                        for i in range(n):
+                            coeffs[t] += cols[t, i] * cols[j, i]
+                    for i in range(n):
+                        along = 0.0
+                        for t in range(j):
+                            along += cols[t, i] * coeffs[t]
+                        cols[j, i] -= along
+            norm = 0.0
+            for i in range(n):
+                norm += cols[j, i] * cols[j, i]
+            norm, norm0 = np.sqrt(norm), np.sqrt(norm0)
+            keep = norm != 0.0 and norm > dependent * norm0
+            for i in range(n):
+                cols[j, i] = cols[j, i] / norm if keep else 0.0
+            live[col_starts[k] + j] = keep
+        for i in range(n):
+            for j in range(r):
+                packed[start + i * r + j] = cols[j, i]   # rounded to packed's dtype
+
+
 def orthonormalize(p: np.ndarray) -> np.ndarray:
     """Orthonormal columns spanning those of ``p`` (n x r), in order, as a new float64 array.
 
@@ -234,17 +309,11 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
 
     p_hats = [p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank)
               for k, seg in enumerate(segments)]
+    shapes = tuple((seg.rows, seg.rank) for seg in segments)
     if _on_device(p_buf):  # float64 Gram-Schmidt where P is, many P's at once: no wait
-        live_columns = orthonormalize_packed_(p_buf, tuple((seg.rows, seg.rank)
-                                                           for seg in segments))
+        live_columns = orthonormalize_packed_(p_buf, shapes)
     else:
-        lives = []
-        for p_hat in p_hats:
-            view = host_view(p_hat)
-            p_orth = orthonormalize(view)  # float64 Gram-Schmidt
-            view[:] = p_orth  # cast back to float32: a nonzero column has norm 1, stays nonzero
-            lives.append(p_orth.any(axis=0))
-        live_columns = torch.from_numpy(np.concatenate(lives))
+        live_columns = orthonormalize_packed_host_(p_buf, shapes)
 
     for k, (seg, mat, p_hat) in enumerate(zip(segments, mats, p_hats)):
         q_mine = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
@@ -302,7 +371,7 @@ def _warm_start_maps(layout: tuple, device: str) -> tuple[torch.Tensor, torch.Te
 
 def _on_device(buf: torch.Tensor) -> bool:
     """Whether the P's are orthonormalized by torch where they are (``orthonormalize_packed_``):
-    on a device. Host P's take NumPy, a P at a time (the fastest on a CPU)."""
+    on a device. Host P's take one compiled call (``orthonormalize_packed_host_``)."""
     return buf.device.type != "cpu"
 
 

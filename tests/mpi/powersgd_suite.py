@@ -5,6 +5,7 @@ compares with a float64 NumPy simulation of all ranks (orthonormalization by ``n
 with the signs fixed so that R has a positive diagonal, as Gram-Schmidt gives: an independent
 check of the primitive's Gram-Schmidt).
 """
+import functools
 import sys
 
 import numpy as np
@@ -13,7 +14,8 @@ import torch
 import bagua_mpi as bm
 from bagua_mpi.algorithms import PowerSGD
 from bagua_mpi.primitives import LowRankSegment, initial_q, lowrank, powersgd_allreduce_
-from bagua_mpi.primitives.lowrank import orthonormalize, orthonormalize_packed_
+from bagua_mpi.primitives.lowrank import (orthonormalize, orthonormalize_packed_,
+                                          orthonormalize_packed_host_)
 from dispatch_count import DispatchCount
 
 # (rows, cols, rank, error feedback, r_max): r < min, r = min with rows < cols and with
@@ -89,6 +91,26 @@ def check_against_simulation(rank, size):
 def allreduce_sum(x: np.ndarray) -> np.ndarray:
     return bm.allreduce(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
                         bm.Sum).numpy()
+
+
+def check_packed_form(form, p, expected, rank) -> int:
+    """``form(*ps)`` (a packed Gram-Schmidt of the P's ``ps``, returning their P^'s) against
+    ``orthonormalize``: the exact case ``p`` (``expected``), a nearly dependent column, one
+    independent by 1e-6 only, and P's of other shapes packed together."""
+    np.testing.assert_allclose(form(p)[0], expected, atol=1e-15)
+    ill = np.random.default_rng(rank).standard_normal((40, 3))
+    ill[:, 2] = ill[:, 0] - 1e-9 * ill[:, 1]  # nearly dependent: re-orthogonalization matters
+    np.testing.assert_allclose(form(ill)[0], orthonormalize(ill), atol=1e-12)
+    near = ill.copy()  # independent by 1e-6 only: one pass of Gram-Schmidt is not enough
+    near[:, 2] = near[:, 0] + 1e-6 * np.random.default_rng([rank, 9]).standard_normal(40)
+    got = form(near)[0]
+    np.testing.assert_allclose(got.T @ got, np.eye(3), atol=1e-12)
+    np.testing.assert_allclose(got, orthonormalize(near), atol=1e-12)
+    others = [np.random.default_rng([rank, k]).standard_normal(shape)  # 63, 33: ill's batch
+              for k, shape in enumerate([(7, 2), (1, 1), (25, 4), (63, 3), (33, 2)])]
+    for got, x in zip(form(ill, p, *others), [ill, p, *others]):
+        np.testing.assert_allclose(got, orthonormalize(x), atol=1e-12)
+    return 4
 
 
 def check_exact_cases(rank, size):
@@ -216,11 +238,13 @@ def check_exact_cases(rank, size):
     expected[:, 3] = np.array([0.64, -0.48, 2.0]) / np.linalg.norm([0.64, -0.48, 2.0])
     np.testing.assert_allclose(got, expected, atol=1e-15)
     assert np.array_equal(p[:, 1], [6.0, 8.0, 0.0])  # the input is not modified
-    # the device form (torch float64, selects instead of branches, many P's at once) gives
-    # the same columns, alone or packed with others of other shapes
-    def device_form(*ps):
+    # the packed forms, many P's at once, give the same columns, alone or packed with others
+    # of other shapes: the device form (torch float64, selects instead of branches) and the
+    # host form (one compiled loop, float64); both only to roundoff, as their sums run in
+    # another order than NumPy's
+    def packed_form(orthonormalize_packed, *ps):
         packed = torch.cat([torch.from_numpy(x).reshape(-1) for x in ps])
-        live = orthonormalize_packed_(packed, tuple(x.shape for x in ps))
+        live = orthonormalize_packed(packed, tuple(x.shape for x in ps))
         assert live.dtype == torch.bool and live.shape == (sum(x.shape[1] for x in ps),)
         out, start, column = [], 0, 0
         for k, x in enumerate(ps):
@@ -230,21 +254,11 @@ def check_exact_cases(rank, size):
             start += x.size
             column += x.shape[1]
         return out
-    np.testing.assert_allclose(device_form(p)[0], expected, atol=1e-15)
-    ill = np.random.default_rng(rank).standard_normal((40, 3))
-    ill[:, 2] = ill[:, 0] - 1e-9 * ill[:, 1]  # nearly dependent: re-orthogonalization matters
-    np.testing.assert_allclose(device_form(ill)[0], orthonormalize(ill), atol=1e-12)
-    near = ill.copy()  # independent by 1e-6 only: one pass of Gram-Schmidt is not enough
-    near[:, 2] = near[:, 0] + 1e-6 * np.random.default_rng([rank, 9]).standard_normal(40)
-    got = device_form(near)[0]
-    np.testing.assert_allclose(got.T @ got, np.eye(3), atol=1e-12)
-    np.testing.assert_allclose(got, orthonormalize(near), atol=1e-12)
-    others = [np.random.default_rng([rank, k]).standard_normal(shape)  # 63, 33: ill's batch
-              for k, shape in enumerate([(7, 2), (1, 1), (25, 4), (63, 3), (33, 2)])]
-    for got, x in zip(device_form(ill, p, *others), [ill, p, *others]):
-        np.testing.assert_allclose(got, orthonormalize(x), atol=1e-12)
-    # many P's at once: as many operations that compute or copy (each a kernel launch or more
-    # on a GPU) for 64 P's as for 8 (two batches by row count, of rank 4 at most, either way)
+    for form in (orthonormalize_packed_, orthonormalize_packed_host_):
+        checks += check_packed_form(functools.partial(packed_form, form), p, expected, rank)
+    # many P's at once on the device route: as many operations that compute or copy (each a
+    # kernel launch or more on a GPU) for 64 P's as for 8 (two batches by row count, of rank 4
+    # at most, either way)
     counted = {}
     for how_many in (8, 64):
         shapes = tuple((5 + k % 7, 1 + k % 4) for k in range(how_many))
