@@ -43,14 +43,27 @@ class PowerSGDImpl(AlgorithmImpl):
         r = self.algorithm.rank
         return (n, m) if n * m >= self.algorithm.min_compression * (n + m) * r else None
 
-    def layer_state(self, name: str, p: torch.Tensor, seed: int):
-        """(Q, error memory or None) of compressed parameter ``name``."""
+    def layer_state(self, bucket, name: str, p: torch.Tensor, seed: int):
+        """(Q, error memory or None) of compressed parameter ``name`` of ``bucket``. The Q's of
+        a bucket's layers of one shape lie end to end in one memory, and so do their error
+        memories, so that the exchange multiplies them as one batch of matrices
+        (``powersgd_allreduce_``); a checkpoint holds them by parameter name all the same."""
         algo = self.algorithm
-        _, m = self.matrix_shape(p)
-        q = self.state.tensor("q", name,
-                              lambda: initial_q(m, algo.rank, algo.seed + seed).to(p.device))
-        error = (self.state.tensor("error", name,
-                                   lambda: torch.zeros(p.numel(), device=p.device))
+        q, error = self.state.made("q", name), self.state.made("error", name)
+        if q is not None and (error is not None or not algo.error_feedback):
+            return q, error   # every step but the first
+        shape = self.matrix_shape(p)
+        n, m = shape
+        group = (bucket.index, shape)
+
+        def members(length):   # the bucket's layers of this shape, asked once per memory
+            return lambda: {member: length for member, other in zip(bucket.names,
+                                                                   bucket.real_params())
+                            if self.matrix_shape(other) == shape}
+        q = self.state.tensor_in_group(
+            "q", name, group, members(m * algo.rank), p.device, shape=(m, algo.rank),
+            initial=lambda: initial_q(m, algo.rank, algo.seed + seed))
+        error = (self.state.tensor_in_group("error", name, group, members(n * m), p.device)
                  if algo.error_feedback else None)
         return q, error
 
@@ -58,7 +71,7 @@ class PowerSGDImpl(AlgorithmImpl):
         for bucket in buckets:
             for layer, name, p in zip(bucket.indices, bucket.names, bucket.real_params()):
                 if self.matrix_shape(p) is not None:
-                    self.layer_state(name, p, layer)
+                    self.layer_state(bucket, name, p, layer)
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
@@ -70,7 +83,7 @@ class PowerSGDImpl(AlgorithmImpl):
                 if shape is None:
                     dense.append(g)
                     continue
-                q, error = self.layer_state(name, p, layer)
+                q, error = self.layer_state(bucket, name, p, layer)
                 segments.append(LowRankSegment(g, shape[0], self.algorithm.rank, q, error))
             self.dense_allreduce_(dense, fused=True)
             if segments:

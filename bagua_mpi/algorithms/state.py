@@ -150,12 +150,14 @@ class AlgorithmState:
         return self.tensors.get(kind, {}).get(name)
 
     def tensor_in_group(self, kind: str, name: str, group, lengths: Callable[[], dict],
-                        device) -> torch.Tensor:
+                        device, shape: tuple | None = None,
+                        initial: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """The float32 tensor of ``kind`` owned by ``name``, as ``tensor`` makes it (zeros, or
-        the held checkpoint values), but a slice of one memory that the tensors of a group of
-        parameters share end to end (``group``: a key; ``lengths()``: {name: elements} of its
-        members, in order; a key names one set of lengths), so that an exchange can take the
-        whole group as one array."""
+        ``initial()`` where given, or the held checkpoint values), but a slice of one memory
+        that the tensors of a group of parameters share end to end (``group``: a key;
+        ``lengths()``: {name: elements} of its members, in order; a key names one set of
+        lengths), viewed as ``shape`` where given, so that an exchange can take the whole
+        group as one array, or as one batch of matrices."""
         found = self.made(kind, name)
         if found is not None:
             return found
@@ -167,8 +169,12 @@ class AlgorithmState:
                 torch.zeros(sum(sizes.values()), dtype=torch.float32, device=device), starts,
                 sizes)
         whole, starts, sizes = memory
-        return self.tensor(kind, name,
-                           lambda: whole[starts[name]:starts[name] + sizes[name]].zero_())
+
+        def make():
+            mine = whole[starts[name]:starts[name] + sizes[name]]
+            mine = mine if shape is None else mine.view(shape)
+            return mine.zero_() if initial is None else mine.copy_(initial())
+        return self.tensor(kind, name, make)
 
     def forget_skipped_step(self, zeroed_kinds, restarted_kinds=()) -> list[str]:
         """After a step was skipped because its gradients held inf or NaN (as

@@ -222,15 +222,29 @@ class PowerSGDRank:
     def low_rank(self, impl, name: str):
         """(Q at the largest candidate rank, error memory or None) of layer ``name``, or None
         when no candidate rank compresses it. Q starts from the seeded ``initial_q`` (the same
-        on every rank); a smaller rank uses, and warm-starts, its first columns."""
+        on every rank); a smaller rank uses, and warm-starts, its first columns. The Q's of a
+        bucket's layers of one shape lie end to end in one memory, and so do their error
+        memories, so that the layers of one shape at one rank take their products as one
+        batch (``powersgd_allreduce_``)."""
+        q, error = impl.state.made("q", name), impl.state.made("error", name)
+        if q is not None and (error is not None or not impl.algorithm.error_feedback):
+            return q, error   # every step but the first
         index, p = impl.layers[name]
         if not self.compressible(tuple(p.shape)):
             return None
         rows, cols = matrix_shape(p.shape)
-        q = impl.state.tensor("q", name, lambda: initial_q(
-            cols, min(max(self.candidates()), rows, cols), self.seed + index).to(p.device))
-        error = (impl.state.tensor("error", name,
-                                   lambda: torch.zeros(p.numel(), device=p.device))
+        width = min(max(self.candidates()), rows, cols)
+        bucket = impl.layer_bucket[name]
+        group = (bucket, rows, cols)
+
+        def members(length):   # the bucket's layers of this shape, asked once per memory
+            return lambda: {member: length for member in impl.bucket_names[bucket]
+                            if matrix_shape(impl.layers[member][1].shape) == (rows, cols)}
+        q = impl.state.tensor_in_group(
+            "q", name, group, members(cols * width), p.device, shape=(cols, width),
+            initial=lambda: initial_q(cols, width, self.seed + index))
+        error = (impl.state.tensor_in_group("error", name, group, members(rows * cols),
+                                            p.device)
                  if impl.algorithm.error_feedback else None)
         return q, error
 

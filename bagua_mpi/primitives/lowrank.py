@@ -280,6 +280,11 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
 
     ``scale`` multiplies the summed Q (1/P averages). ``stats`` counts each allreduce as
     ``WireStats.allreduce`` does (2(P-1)/P x its bytes).
+
+    The products run a batch of matrices at a time (``_product_batches``): segments of one
+    shape and rank whose matrices, Q's and results each lie at one stride in one memory (a
+    bucket's layers of one shape, their Q's and error memories end to end, as PowerSGD keeps
+    them) take one batched product where each took one of its own.
     """
     cols = [_check_segment(seg) for seg in segments]
     if not segments:
@@ -288,46 +293,120 @@ def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
     if any(seg.flat.device != device for seg in segments):
         raise ValueError(f"PowerSGD segments must share one device, got "
                          f"{sorted({str(seg.flat.device) for seg in segments})}")
-    p_len = [seg.rows * seg.rank for seg in segments]
-    q_len = [m * seg.rank for m, seg in zip(cols, segments)]
-    p_off = np.concatenate([[0], np.cumsum(p_len)]).tolist()
-    q_off = np.concatenate([[0], np.cumsum(q_len)]).tolist()
+    order, batches = _product_batches(segments, cols)
+    segments, cols = [segments[k] for k in order], [cols[k] for k in order]
+    p_off = np.concatenate([[0], np.cumsum([seg.rows * seg.rank for seg in segments])]).tolist()
+    q_off = np.concatenate([[0], np.cumsum([m * seg.rank for m, seg in
+                                            zip(cols, segments)])]).tolist()
     p_buf = torch.empty(p_off[-1], dtype=torch.float32, device=device)
     q_buf = torch.empty(q_off[-1], dtype=torch.float32, device=device)
 
-    # M_i per segment: a view of the error memory (holding g + e, added for all segments in
-    # one operation) or of flat
+    # M_i per segment: the error memory (holding g + e, added for all segments in one
+    # operation) or flat
     with_error = [seg for seg in segments if seg.error is not None]
     if with_error:
         torch._foreach_add_([seg.error for seg in with_error], [seg.flat for seg in with_error])
-    mats = [(seg.flat if seg.error is None else seg.error).view(seg.rows, m)
-            for seg, m in zip(segments, cols)]
-    for k, (seg, mat) in enumerate(zip(segments, mats)):
-        torch.mm(mat, seg.q[:, :seg.rank], out=p_buf[p_off[k]:p_off[k + 1]].view(seg.rows,
-                                                                                  seg.rank))
+    views = [batch.views(segments, p_buf, p_off, q_buf, q_off) for batch in batches]
+    for mats, q, p_hat, _, _ in views:
+        torch.bmm(mats, q, out=p_hat)
     _allreduce_sum(p_buf, comm, stats)
 
-    p_hats = [p_buf[p_off[k]:p_off[k + 1]].view(seg.rows, seg.rank)
-              for k, seg in enumerate(segments)]
     shapes = tuple((seg.rows, seg.rank) for seg in segments)
     if _on_device(p_buf):  # float64 Gram-Schmidt where P is, many P's at once: no wait
         live_columns = orthonormalize_packed_(p_buf, shapes)
     else:
         live_columns = orthonormalize_packed_host_(p_buf, shapes)
 
-    for k, (seg, mat, p_hat) in enumerate(zip(segments, mats, p_hats)):
-        q_mine = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
-        torch.mm(mat.t(), p_hat, out=q_mine)
-        if seg.error is not None:  # before the sum overwrites this rank's own Q_i
-            mat.addmm_(p_hat, q_mine.t(), alpha=-1.0)
+    for batch, (mats, _, p_hat, q_mine, _) in zip(batches, views):
+        torch.bmm(mats.transpose(1, 2), p_hat, out=q_mine)
+        if batch.error:  # before the sum overwrites this rank's own Q_i
+            mats.baddbmm_(p_hat, q_mine.transpose(1, 2), alpha=-1.0)
     _allreduce_sum(q_buf, comm, stats)
     if scale != 1.0:
         q_buf.mul_(scale)
 
-    for k, (seg, p_hat) in enumerate(zip(segments, p_hats)):
-        q_avg = q_buf[q_off[k]:q_off[k + 1]].view(cols[k], seg.rank)
-        torch.mm(p_hat, q_avg.t(), out=seg.flat.view(seg.rows, cols[k]))
+    for _, _, p_hat, q_avg, result in views:   # q_buf's Q_i's are the averaged Q's now
+        torch.bmm(p_hat, q_avg.transpose(1, 2), out=result)
     _warm_start_(segments, cols, q_buf, live_columns)
+
+
+@dataclass(frozen=True)
+class _ProductBatch:
+    """Segments ``start`` to ``stop`` (in the exchange's order) of one shape (``rows`` x
+    ``cols``, ``rank``), with error memories or without (``error``), whose matrices M, Q's
+    and results lie at one stride each in one memory: ``strides`` (M, Q, flat), elements."""
+
+    start: int
+    stop: int
+    rows: int
+    cols: int
+    rank: int
+    error: bool
+    strides: tuple
+
+    def views(self, segments, p_buf, p_off, q_buf, q_off):
+        """(M, Q, P, this rank's Q_i, result) of the batch as (B, ., .) tensors: the
+        segments' own memory seen at its strides, and their places in the packed P and Q."""
+        b, n, m, r = self.stop - self.start, self.rows, self.cols, self.rank
+        first = segments[self.start]
+        mat = first.flat if first.error is None else first.error
+        m_stride, q_stride, flat_stride = self.strides
+        q0 = first.q
+        return (mat.as_strided((b, n, m), (m_stride, m, 1)),
+                q0.as_strided((b, m, r), (q_stride, q0.stride(0), q0.stride(1))),
+                p_buf[p_off[self.start]:p_off[self.stop]].view(b, n, r),
+                q_buf[q_off[self.start]:q_off[self.stop]].view(b, m, r),
+                first.flat.as_strided((b, n, m), (flat_stride, m, 1)))
+
+
+def _product_batches(segments: list[LowRankSegment], cols: list[int]):
+    """The exchange's order of the segments (those of one kind, i.e. shape, rank, Q layout and
+    error or not, together, in their given order; kinds in order of first appearance) and its
+    ``_ProductBatch``es: runs of one kind whose three tensors (M, Q, flat) each step through
+    one memory at one stride. A segment that no other continues is a batch of one."""
+    kinds = [(seg.rows, m, seg.rank, seg.q.shape[1], seg.q.stride(), seg.error is None)
+             for seg, m in zip(segments, cols)]
+    first_of = {}
+    for k, kind in enumerate(kinds):
+        first_of.setdefault(kind, k)
+    order = sorted(range(len(segments)), key=lambda k: first_of[kinds[k]])
+    places = [_places(segments[k]) for k in order]
+    batches, start = [], 0
+    for i in range(1, len(order) + 1):
+        if (i < len(order) and kinds[order[i]] == kinds[order[start]]
+                and _continues(places, start, i)):
+            continue
+        seg = segments[order[start]]
+        strides = tuple(b[1] - a[1] for a, b in zip(places[start], places[start + 1])) \
+            if i - start > 1 else (0, 0, 0)
+        batches.append(_ProductBatch(start, i, seg.rows, cols[order[start]], seg.rank,
+                                     seg.error is not None, strides))
+        start = i
+    return order, batches
+
+
+def _places(seg: LowRankSegment) -> tuple:
+    """(storage, first element, elements) of the segment's M, Q and flat."""
+    mat = seg.flat if seg.error is None else seg.error
+    return tuple((t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+                 for t in (mat, seg.q, seg.flat))
+
+
+def _continues(places: list, start: int, i: int) -> bool:
+    """Whether each of segment i's tensors lies where the run from ``start`` puts the next
+    one: in the run's first one's memory, one stride on from segment i - 1's (the second
+    segment sets the stride, at least its tensor's size, so the batch's matrices are
+    apart)."""
+    for tensor, (storage, first, size) in enumerate(places[start]):
+        here, before = places[i][tensor], places[i - 1][tensor]
+        step = here[1] - before[1]
+        if here[0] != storage:
+            return False
+        if i - start == 1 and step < size:
+            return False
+        if i - start > 1 and step != places[start + 1][tensor][1] - first:
+            return False
+    return True
 
 
 def _warm_start_(segments: list[LowRankSegment], cols: list[int], q_buf: torch.Tensor,

@@ -291,6 +291,63 @@ def check_operations_per_layer(rank, size):
     assert counted[64] - counted[8] <= 4 * 56, f"operations by layers: {counted}"
 
 
+def common_memory_layers(layers: int, rank: int, seed: int):
+    """The segments of a bucket as PowerSGD lays them out: ``layers`` (8 x 6) matrices, each
+    followed by a bias of 8 in one flat gradient (so at one stride), their Q's end to end and
+    their error memories end to end (error feedback on all), with per-rank data; then, in the
+    same memories, a (6 x 8) layer (another shape), a rank-1 layer of the first shape (another
+    rank), and three more of the first shape, the third after a wider gap (another stride):
+    batches of ``layers``, 2 and 1 of the first kind, then 1 and 1."""
+    shapes = [(8, 6, 2)] * layers + [(6, 8, 2), (8, 6, 1)] + [(8, 6, 2)] * 3
+    gaps = [8] * (layers + 2) + [8, 20, 8]
+    flat = torch.from_numpy(np.random.default_rng([seed, rank]).standard_normal(
+        sum(n * m + gap for (n, m, _), gap in zip(shapes, gaps))).astype(np.float32))
+    q_memory = torch.empty(sum(m * 2 for _, m, _ in shapes))
+    errors = torch.from_numpy(np.random.default_rng([seed, rank, 1]).standard_normal(
+        sum(n * m for n, m, _ in shapes)).astype(np.float32))
+    segs, at, q_at, e_at = [], 0, 0, 0
+    for j, ((n, m, r), gap) in enumerate(zip(shapes, gaps)):
+        q = q_memory[q_at:q_at + m * 2].view(m, 2)
+        q.copy_(initial_q(m, 2, j))
+        segs.append(LowRankSegment(flat[at:at + n * m], n, r, q, errors[e_at:e_at + n * m]))
+        at, q_at, e_at = at + n * m + gap, q_at + m * 2, e_at + n * m
+    return segs
+
+
+def check_batches_in_common_memory(rank, size):
+    """Layers of one shape and rank whose matrices, Q's and flats each lie at one stride take
+    their products as one batch (``_product_batches``), with the bits each layer's own
+    products give (the same segments, each cloned into memory of its own, one batch each):
+    results, Q's and error memories, over three steps. The operations do not grow with such
+    layers: as many for 32 as for 4 (each a kernel launch or more on a GPU)."""
+    comm = bm.runtime.get().topo.comm
+    batched = common_memory_layers(5, rank, 3)
+    _, batches = lowrank._product_batches(batched, [seg.flat.numel() // seg.rows
+                                                    for seg in batched])
+    assert [b.stop - b.start for b in batches] == [5, 2, 1, 1, 1], batches
+    alone = [LowRankSegment(seg.flat.clone(), seg.rows, seg.rank, seg.q.clone(),
+                            seg.error.clone()) for seg in batched]
+    _, batches = lowrank._product_batches(alone, [seg.flat.numel() // seg.rows for seg in alone])
+    assert all(b.stop - b.start == 1 for b in batches), batches
+    for step in range(3):
+        for segs in (batched, alone):
+            for j, seg in enumerate(segs):
+                seg.flat.copy_(torch.from_numpy(grads(step, j, size, seg.rows,
+                                                      seg.flat.numel() // seg.rows)[rank])
+                               .reshape(-1))
+            powersgd_allreduce_(segs, comm, scale=1.0 / size)
+        for j, (a, b) in enumerate(zip(batched, alone)):
+            for what in ("flat", "q", "error"):
+                assert torch.equal(getattr(a, what), getattr(b, what)), (step, j, what)
+    counted = {}
+    for layers in (4, 32):
+        segs = common_memory_layers(layers, rank, 4)
+        with DispatchCount() as count:
+            powersgd_allreduce_(segs, comm, scale=1.0 / size)
+        counted[layers] = count.launches
+    assert counted[32] == counted[4], f"operations by layers in common memory: {counted}"
+
+
 def check_bad_input(rank, size):
     comm = bm.runtime.get().topo.comm
     for r in (0, 5, 6):  # 4 x 5 matrix: min(n, m) = 4
@@ -523,6 +580,8 @@ def main():
     checks += on_the_device_route(check_exact_cases)(rank, size)
     check_operations_per_layer(rank, size)
     on_the_device_route(check_operations_per_layer)(rank, size)
+    check_batches_in_common_memory(rank, size)
+    on_the_device_route(check_batches_in_common_memory)(rank, size)
     check_bad_input(rank, size)
     check_first_step(rank, size)
     losses = check_training(rank, size)
