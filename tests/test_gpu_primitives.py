@@ -239,3 +239,30 @@ def test_powersgd_exchange_kernels_grow_only_by_the_layers_products(mode):
         kernels[layers] = cuda_kernels(lambda: powersgd_allreduce_(segments, _comm()))
     assert kernels[64] - kernels[8] <= products * 56, (
         f"CUDA kernels by layers {kernels}; one layer's products alone: {products}")
+
+
+@needs_gpu
+def test_powersgd_alike_layers_in_common_memory_take_their_products_as_one_batch(mode):
+    """CUDA layers of one shape and rank whose matrices, Q's and gradients each lie at one
+    stride (as PowerSGD lays out a bucket's): as many CUDA kernels for 32 such layers as for 4
+    (a batched GEMM each product), and the results, Q's and error memories of each layer's own
+    products (the same layers cloned into memory of their own), to float32 roundoff."""
+    from bagua_mpi.primitives import LowRankSegment, powersgd_allreduce_
+    from dispatch_count import cuda_kernels
+    from powersgd_suite import common_memory_layers
+
+    kernels = {}
+    for layers in (4, 32):
+        segments = common_memory_layers(layers, 0, 5, device="cuda")
+        powersgd_allreduce_(segments, _comm())  # the layout's index maps made, memory cached
+        kernels[layers] = cuda_kernels(lambda: powersgd_allreduce_(segments, _comm()))
+    assert kernels[32] == kernels[4], f"CUDA kernels by alike layers {kernels}"
+    batched = common_memory_layers(8, 0, 6, device="cuda")
+    alone = [LowRankSegment(s.flat.clone(), s.rows, s.rank, s.q.clone(), s.error.clone())
+             for s in batched]
+    for segments in (batched, alone):
+        powersgd_allreduce_(segments, _comm())
+    for a, b in zip(batched, alone):
+        for what in ("flat", "q", "error"):
+            torch.testing.assert_close(getattr(a, what), getattr(b, what), rtol=1e-5,
+                                       atol=1e-5)

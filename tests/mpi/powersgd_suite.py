@@ -291,20 +291,20 @@ def check_operations_per_layer(rank, size):
     assert counted[64] - counted[8] <= 4 * 56, f"operations by layers: {counted}"
 
 
-def common_memory_layers(layers: int, rank: int, seed: int):
+def common_memory_layers(layers: int, rank: int, seed: int, device="cpu"):
     """The segments of a bucket as PowerSGD lays them out: ``layers`` (8 x 6) matrices, each
     followed by a bias of 8 in one flat gradient (so at one stride), their Q's end to end and
     their error memories end to end (error feedback on all), with per-rank data; then, in the
     same memories, a (6 x 8) layer (another shape), a rank-1 layer of the first shape (another
     rank), and three more of the first shape, the third after a wider gap (another stride):
-    batches of ``layers``, 2 and 1 of the first kind, then 1 and 1."""
+    batches of ``layers``, 2 and 1 of the first kind, then 1 and 1. On ``device``."""
     shapes = [(8, 6, 2)] * layers + [(6, 8, 2), (8, 6, 1)] + [(8, 6, 2)] * 3
     gaps = [8] * (layers + 2) + [8, 20, 8]
     flat = torch.from_numpy(np.random.default_rng([seed, rank]).standard_normal(
-        sum(n * m + gap for (n, m, _), gap in zip(shapes, gaps))).astype(np.float32))
-    q_memory = torch.empty(sum(m * 2 for _, m, _ in shapes))
+        sum(n * m + gap for (n, m, _), gap in zip(shapes, gaps))).astype(np.float32)).to(device)
+    q_memory = torch.empty(sum(m * 2 for _, m, _ in shapes), device=device)
     errors = torch.from_numpy(np.random.default_rng([seed, rank, 1]).standard_normal(
-        sum(n * m for n, m, _ in shapes)).astype(np.float32))
+        sum(n * m for n, m, _ in shapes)).astype(np.float32)).to(device)
     segs, at, q_at, e_at = [], 0, 0, 0
     for j, ((n, m, r), gap) in enumerate(zip(shapes, gaps)):
         q = q_memory[q_at:q_at + m * 2].view(m, 2)
