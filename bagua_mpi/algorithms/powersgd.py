@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..primitives.lowrank import LowRankSegment, initial_q, powersgd_allreduce_
+from ..primitives.lowrank import (LowRankSegment, initial_q, powersgd_allreduce_,
+                                  prepare_host_route)
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
 from .forms import float32_layers
@@ -72,6 +73,8 @@ class PowerSGDImpl(AlgorithmImpl):
             for layer, name, p in zip(bucket.indices, bucket.names, bucket.real_params()):
                 if self.matrix_shape(p) is not None:
                     self.layer_state(bucket, name, p, layer)
+                    if not p.is_cuda:
+                        prepare_host_route()
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:

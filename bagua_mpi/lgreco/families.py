@@ -28,7 +28,8 @@ import numba_kernels as nk
 from ..primitives.codecs import MinMaxCodec, fit_kernel_threads
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
-from ..primitives.lowrank import LowRankSegment, initial_q, orthonormalize, powersgd_allreduce_
+from ..primitives.lowrank import (LowRankSegment, initial_q, orthonormalize,
+                                  powersgd_allreduce_, prepare_host_route)
 from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_count
 
 
@@ -249,7 +250,8 @@ class PowerSGDRank:
         return q, error
 
     def init_layer(self, impl, name: str) -> None:
-        self.low_rank(impl, name)
+        if self.low_rank(impl, name) is not None and not impl.layers[name][1].is_cuda:
+            prepare_host_route()
 
     def exchange_(self, impl, layers, transport, step: int) -> None:
         """PowerSGD for the layers that compress at their rank (one P and one Q allreduce for

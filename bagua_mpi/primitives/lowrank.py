@@ -174,6 +174,15 @@ def _host_layout(shapes: tuple) -> tuple[np.ndarray, ...]:
 
 
 @functools.cache
+def prepare_host_route() -> None:
+    """Load (or, the first time on a machine, compile) the host route's Gram-Schmidt now, once
+    per process: importing numba and loading the compiled loop take some 0.4 s, which would
+    otherwise land on the first step of a host model (an algorithm calls this when it sets up
+    its exchange, as L-GreCo loads its dynamic program)."""
+    orthonormalize_packed_host_(torch.ones(1), ((1, 1),))
+
+
+@functools.cache
 def _compiled_gram_schmidt():
     """``_gram_schmidt_packed`` compiled, on first use: importing numba costs every rank about
     0.3 s, and only host PowerSGD needs this."""
