@@ -52,6 +52,9 @@ def stop_local_slurm_if_started() -> None:
 def slurm_env(base: dict, extra: dict | None = None) -> dict:
     env = dict(base)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # the batch scripts run "${PYTHON:-python}": the tests' own interpreter, as run_srun's
+    # steps, whether or not its folder is on PATH
+    env.setdefault("PYTHON", sys.executable)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(MPI_SUITES)]
                                         + [p for p in [env.get("PYTHONPATH")] if p])
