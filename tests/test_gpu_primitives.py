@@ -247,9 +247,9 @@ def test_powersgd_alike_layers_in_common_memory_take_their_products_as_one_batch
     stride (as PowerSGD lays out a bucket's): as many CUDA kernels for 32 such layers as for 4
     (a batched GEMM each product), and the results, Q's and error memories of each layer's own
     products (the same layers cloned into memory of their own), to float32 roundoff."""
-    from bagua_mpi.primitives import LowRankSegment, powersgd_allreduce_
+    from bagua_mpi.primitives import powersgd_allreduce_
     from dispatch_count import cuda_kernels
-    from powersgd_suite import common_memory_layers
+    from powersgd_suite import common_memory_layers, each_in_own_memory
 
     kernels = {}
     for layers in (4, 32):
@@ -258,8 +258,7 @@ def test_powersgd_alike_layers_in_common_memory_take_their_products_as_one_batch
         kernels[layers] = cuda_kernels(lambda: powersgd_allreduce_(segments, _comm()))
     assert kernels[32] == kernels[4], f"CUDA kernels by alike layers {kernels}"
     batched = common_memory_layers(8, 0, 6, device="cuda")
-    alone = [LowRankSegment(s.flat.clone(), s.rows, s.rank, s.q.clone(), s.error.clone())
-             for s in batched]
+    alone = each_in_own_memory(batched)
     for segments in (batched, alone):
         powersgd_allreduce_(segments, _comm())
     for a, b in zip(batched, alone):

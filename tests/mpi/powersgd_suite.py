@@ -314,6 +314,13 @@ def common_memory_layers(layers: int, rank: int, seed: int, device="cpu"):
     return segs
 
 
+def each_in_own_memory(segments):
+    """The same segments, each of their tensors cloned into memory of its own (so no two
+    batch: each layer takes its own products)."""
+    return [LowRankSegment(seg.flat.clone(), seg.rows, seg.rank, seg.q.clone(),
+                           seg.error.clone()) for seg in segments]
+
+
 def check_batches_in_common_memory(rank, size):
     """Layers of one shape and rank whose matrices, Q's and flats each lie at one stride take
     their products as one batch (``_product_batches``), with the bits each layer's own
@@ -325,8 +332,7 @@ def check_batches_in_common_memory(rank, size):
     _, batches = lowrank._product_batches(batched, [seg.flat.numel() // seg.rows
                                                     for seg in batched])
     assert [b.stop - b.start for b in batches] == [5, 2, 1, 1, 1], batches
-    alone = [LowRankSegment(seg.flat.clone(), seg.rows, seg.rank, seg.q.clone(),
-                            seg.error.clone()) for seg in batched]
+    alone = each_in_own_memory(batched)
     _, batches = lowrank._product_batches(alone, [seg.flat.numel() // seg.rows for seg in alone])
     assert all(b.stop - b.start == 1 for b in batches), batches
     for step in range(3):
