@@ -5,15 +5,18 @@ size cut into 4 to 256 matrices.
 On a GPU each dispatched operation that computes or copies is at least one kernel launch (a
 few microseconds of host time each), so the count is the launch cost a CPU can measure. The
 device route (what CUDA tensors take: the P's orthonormalized many at once in torch) runs here
-on CPU tensors; the host route orthonormalizes every P in one compiled loop. ``--baseline
-FILE`` loads another version of ``bagua_mpi/primitives/lowrank.py`` (from a clone of an older
-commit), runs it interleaved with this one, step by step on twin states, and checks that both
-leave the same bits in every result, Q and error memory.
+on CPU tensors; the host route orthonormalizes every P in one compiled loop. "this tree"
+plans each call (``powersgd_allreduce_``), "kept plan" plans once and runs the plan every step,
+as PowerSGD does for a bucket (``LowRankExchange``). ``--baseline FILE`` loads another version
+of ``bagua_mpi/primitives/lowrank.py`` (from a clone of an older commit), runs it interleaved
+with this one, step by step on twin states, and checks that all leave the same bits in every
+result, Q and error memory.
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/powersgd_exchange.py \\
         [--baseline /tmp/old/bagua_mpi/primitives/lowrank.py]
 """
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -48,10 +51,17 @@ def main():
     args = parser.parse_args()
     bm.init()
     comm = bm.runtime.get().topo.comm
-    modules = {"this tree": lowrank}
+    modules = {"this tree": lowrank, "kept plan": lowrank}
     if args.baseline:
         modules = {"baseline": load_other_version(args.baseline), **modules}
     host_routes = {name: m._on_device for name, m in modules.items()}
+    scale = 1.0 / bm.size()
+
+    def exchange(name, module, state):
+        """One step of ``name``'s exchange of ``state``, as a call."""
+        if name == "kept plan":
+            return functools.partial(module.LowRankExchange(state).run, comm, scale=scale)
+        return functools.partial(module.powersgd_allreduce_, state, comm, scale=scale)
     lines = []
     for device_route in (True, False):
         route = "device route" if device_route else "host route"
@@ -59,40 +69,43 @@ def main():
             module._on_device = (lambda buf: True) if device_route else host_routes[name]
         for layers, rows, cols, rank in CASES:
             states = {name: segments(layers, rows, cols, rank) for name in modules}
+            steps = {name: exchange(name, module, states[name])
+                     for name, module in modules.items()}
             times = {name: [] for name in modules}
             counts = {}
             for repeat in range(args.repeats + 2):
-                for name, module in modules.items():
+                for name in modules:
                     bm.barrier()
                     if repeat == 0:  # counted apart: the counting mode slows every operation
                         with DispatchCount() as mode:
-                            module.powersgd_allreduce_(states[name], comm, scale=1.0 / bm.size())
+                            steps[name]()
                         counts[name] = mode.launches
                         continue
                     start = time.perf_counter()
-                    module.powersgd_allreduce_(states[name], comm, scale=1.0 / bm.size())
+                    steps[name]()
                     elapsed = time.perf_counter() - start
                     if repeat >= 2:
                         times[name].append(elapsed)
-            if args.baseline:
-                same = all(torch.equal(a.flat, b.flat) and torch.equal(a.q, b.q)
-                           and torch.equal(a.error, b.error)
-                           for a, b in zip(*states.values()))
-                assert same, f"{route}, {layers} layers: the two versions differ"
+            first, *others = states.values()
+            same = all(torch.equal(a.flat, b.flat) and torch.equal(a.q, b.q)
+                       and torch.equal(a.error, b.error)
+                       for other in others for a, b in zip(first, other))
+            assert same, f"{route}, {layers} layers: the versions differ"
             medians = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
             cells = [f"{counts[name]} ops, {medians[name]:.2f} ms" for name in modules]
             ratio = (f" | {medians['this tree'] / medians['baseline']:.2f}x"
+                     f" | {medians['kept plan'] / medians['baseline']:.2f}x"
                      if args.baseline else "")
             lines.append(f"| {route} | {layers} x {rows}x{cols}, rank {rank} | "
                          + " | ".join(cells) + ratio + " |")
     if bm.rank() == 0:
         print("| route | layers | " + " | ".join(modules)
-              + (" | this tree / baseline (time) |" if args.baseline else " |"))
-        print("|---|---|" + "---|" * (len(modules) + bool(args.baseline)))
+              + (" | this tree / baseline | kept plan / baseline (time) |" if args.baseline
+                 else " |"))
+        print("|---|---|" + "---|" * (len(modules) + 2 * bool(args.baseline)))
         print("\n".join(lines), flush=True)
-        if args.baseline:
-            print("(every result, Q and error memory bit-identical between the two, "
-                  f"after {args.repeats + 2} steps of each case on each route)")
+        print(f"(every result, Q and error memory bit-identical between the {len(modules)}, "
+              f"after {args.repeats + 2} steps of each case on each route)")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 from mpi4py import MPI
@@ -119,6 +119,16 @@ class AlgorithmContext:
     param_strides: dict = dataclasses.field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class KeptPlan:
+    """A bucket's exchange plan and what it was made for (``AlgorithmImpl.kept_plan``)."""
+
+    grads: list
+    also: Any
+    generation: int
+    plan: Any
+
+
 class AlgorithmImpl:
     communicates_gradients: ClassVar[bool] = True
     wants_flat_params: ClassVar[bool] = False
@@ -142,6 +152,7 @@ class AlgorithmImpl:
         # bucket index -> (kernel launches, host waits for the device, kernel scratch
         # allocations) of its last exchange
         self.bucket_overhead: dict[int, tuple[int, int, int]] = {}
+        self._plans: dict[int, KeptPlan] = {}   # bucket index -> its kept plan (kept_plan)
 
     @property
     def step(self) -> int:
@@ -176,6 +187,25 @@ class AlgorithmImpl:
     def scale(self) -> float:
         """Factor on the sum of the ranks' gradients (1/n for Average)."""
         return self.ctx.prescale * self.ctx.postscale
+
+    def kept_plan(self, bucket: "Bucket", grads: list, make: Callable[[], Any],
+                  also: Any = None) -> Any:
+        """What ``make()`` plans for ``bucket``'s exchange of ``grads`` (its layers' float32
+        gradients, ``forms.float32_layers``), made once and kept across steps while nothing
+        it holds views of moves: ``grads`` is the bucket's kept list (``Bucket.layer_grads``:
+        a float32 buffer's, the same objects every step), the state's per-parameter tensors
+        are those it was made with (``AlgorithmState.generation``), and ``also`` (what else
+        the plan depends on, such as L-GreCo's assignment) is the same object. Otherwise (a
+        16-bit bucket's float32 copy, made each step) it is made for this step alone. So the
+        host spends nothing a layer and step on looking up state and checking layouts."""
+        kept = self._plans.get(bucket.index)
+        if (kept is not None and kept.grads is grads and kept.also is also
+                and kept.generation == self.state.generation):
+            return kept.plan
+        plan = make()
+        if bucket.flat_grad is not None and grads is bucket.layer_grads():
+            self._plans[bucket.index] = KeptPlan(grads, also, self.state.generation, plan)
+        return plan
 
     def in_dense_stage(self, step: int) -> bool:
         algo = self.algorithm
@@ -382,6 +412,7 @@ class AlgorithmImpl:
         rank, or the node leaders when hierarchical: the other ranks of a node never exchange
         and keep no such state). Runs once the buckets exist; an algorithm runs it again when a
         stage switch starts an exchange with state of its own."""
+        self._plans.clear()   # new buckets, or state made afresh
         if self.comm is not None:
             self.init_exchange(self.buckets)
 

@@ -57,12 +57,16 @@ def float32_all(tensors: list[torch.Tensor]):
 def float32_layers(bucket):
     """A bucket's gradients as flat float32 tensors where they live, one a parameter in its
     memory order: slices of one float32 form of the bucket's flat buffer (the buffer itself
-    when it is float32; else one copy, written back on a clean exit, where a copy a tensor cost
-    one launch each way a tensor), so an exchange can also take them as one array. Without a
-    flat buffer (``flatten=False``), each gradient's own ``float32`` form."""
+    when it is float32, as the bucket's own kept list, ``Bucket.layer_grads``; else one copy,
+    written back on a clean exit, where a copy a tensor cost one launch each way a tensor), so
+    an exchange can also take them as one array. Without a flat buffer (``flatten=False``),
+    each gradient's own ``float32`` form."""
     if bucket.flat_grad is None:
         with float32_all(bucket.grad_views()) as grads:
             yield grads
+        return
+    if bucket.flat_grad.dtype == torch.float32:
+        yield bucket.layer_grads()
         return
     with float32(bucket.flat_grad) as work:
         yield [work[start:start + numel]

@@ -19,9 +19,10 @@ runs, on state it allocates (``lgreco/families.py``: ``init_layer``, ``exchange_
 through C_LP_S (``packed_compressed_allreduce_``: one alltoall and one allgather) with
 worker/server error feedback per layer (kept across level changes: the error vectors depend
 only on the layer's size); top-k densities through gTopKAllReduce (``packed_gtopk_allreduce_``:
-one tree and one broadcast) with per-layer residuals; PowerSGD ranks through
-``powersgd_allreduce_`` (one allreduce of all P factors and one of all Q factors, warm-started
-Q and error feedback per layer; layers too small or thin to gain go dense in one allreduce).
+one tree and one broadcast) with per-layer residuals; PowerSGD ranks through a
+``LowRankExchange`` planned once an assignment (one allreduce of all P factors and one of all Q
+factors, warm-started Q and error feedback per layer; layers too small or thin to gain go dense
+in one allreduce).
 Assignment, accumulators and error-feedback state are per-rank state keyed by parameter name
 (checkpointed, independent of bucketing). With ``hierarchical=True`` the node leaders run all
 of it on their node's summed gradients (the framework's two-level form).
@@ -98,16 +99,14 @@ class LGreCoImpl(AlgorithmImpl):
         time-aware DP)."""
         transport = self.transport
         with float32_layers(bucket) as grads:  # where the gradients are
-            layers = list(zip(bucket.names, grads))
             # one operation for the whole bucket (one launch per layer on a GPU otherwise)
             torch._foreach_add_([self.accumulator(name) for name in bucket.names], grads)
             before, started = self.wire.bytes_sent, time.perf_counter()
-            self.family.exchange_(self, layers, transport, step)
+            self.family.exchange_(self, bucket, grads, transport, step)
             self.observations.setdefault(bucket.index, deque(maxlen=256)).append(
                 (self.wire.bytes_sent - before, time.perf_counter() - started))
             n = transport.Get_size()
-            for _, g in layers:
-                self.bytes_dense += 2 * (n - 1) * g.numel() * 4 // max(1, n)
+            self.bytes_dense += 2 * (n - 1) * bucket.numel * 4 // max(1, n)
 
     # -- decisions (main thread, every rank at the same step) -----------------------------------
     def after_step(self, optimizer) -> None:

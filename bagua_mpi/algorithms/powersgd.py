@@ -8,7 +8,8 @@ Other layers, and every 1-D or scalar tensor (biases, norms), go through a plain
 Per bucket and step (``primitives.lowrank``):
 
 1. the compressed layers' gradients, plus each layer's error-feedback memory, go through one
-   ``powersgd_allreduce_``: two allreduces for the whole bucket (the packed P's and Q's);
+   ``LowRankExchange`` (planned at the bucket's first compressed step, then kept): two
+   allreduces for the whole bucket (the packed P's and Q's);
 2. the dense layers' gradients are concatenated and summed in one allreduce;
 3. both results are scaled like the other algorithms' (prescale x postscale: the average).
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..primitives.lowrank import (LowRankSegment, initial_q, powersgd_allreduce_,
+from ..primitives.lowrank import (LowRankExchange, LowRankSegment, initial_q,
                                   prepare_host_route)
 from .base import Algorithm, AlgorithmImpl
 from .registry import register
@@ -48,7 +49,7 @@ class PowerSGDImpl(AlgorithmImpl):
         """(Q, error memory or None) of compressed parameter ``name`` of ``bucket``. The Q's of
         a bucket's layers of one shape lie end to end in one memory, and so do their error
         memories, so that the exchange multiplies them as one batch of matrices
-        (``powersgd_allreduce_``); a checkpoint holds them by parameter name all the same."""
+        (``LowRankExchange``); a checkpoint holds them by parameter name all the same."""
         algo = self.algorithm
         q, error = self.state.made("q", name), self.state.made("error", name)
         if q is not None and (error is not None or not algo.error_feedback):
@@ -78,19 +79,23 @@ class PowerSGDImpl(AlgorithmImpl):
 
     # -- communication (comm thread) ------------------------------------------------------------
     def reduce_bucket(self, bucket, step: int) -> None:
-        with float32_layers(bucket) as flats:  # where the gradients are
-            segments, dense = [], []
-            for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.real_params(),
-                                         flats):
-                shape = self.matrix_shape(p)
-                if shape is None:
-                    dense.append(g)
-                    continue
-                q, error = self.layer_state(bucket, name, p, layer)
-                segments.append(LowRankSegment(g, shape[0], self.algorithm.rank, q, error))
+        with float32_layers(bucket) as grads:  # where the gradients are
+            dense, low_rank = self.kept_plan(bucket, grads, lambda: self.plan(bucket, grads))
             self.dense_allreduce_(dense, fused=True)
-            if segments:
-                powersgd_allreduce_(segments, self.transport, scale=self.scale, stats=self.wire)
+            low_rank.run(self.transport, scale=self.scale, stats=self.wire)
+
+    def plan(self, bucket, grads: list) -> tuple[list, LowRankExchange]:
+        """The bucket's dense gradients, and the ``LowRankExchange`` of its compressed layers
+        (kept across steps: ``kept_plan``)."""
+        segments, dense = [], []
+        for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.real_params(), grads):
+            shape = self.matrix_shape(p)
+            if shape is None:
+                dense.append(g)
+                continue
+            q, error = self.layer_state(bucket, name, p, layer)
+            segments.append(LowRankSegment(g, shape[0], self.algorithm.rank, q, error))
+        return dense, LowRankExchange(segments)
 
 
 @register

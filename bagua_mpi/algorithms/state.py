@@ -110,6 +110,9 @@ class AlgorithmState:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded, not yet allocated
         # (kind, group) -> (memory, {name: start}, {name: length}): see tensor_in_group
         self.groups: dict[tuple, tuple] = {}
+        # counts the changes to which per-parameter tensors the state holds (not to their
+        # values): whoever keeps views of them across steps compares it (PowerSGD's plans)
+        self.generation = 0
 
     # -- allocation ---------------------------------------------------------------------------
     def vector(self, kind: str, key, segments: list[tuple[str, int]], length: int | None = None,
@@ -142,6 +145,7 @@ class AlgorithmState:
                                      f"(other hyperparameters or world size?)")
                 t.copy_(held)
             by_name[name] = t
+            self.generation += 1
         return by_name[name]
 
     def made(self, kind: str, name: str) -> torch.Tensor | None:
@@ -196,6 +200,7 @@ class AlgorithmState:
                 dropped.add(kind)
             elif by_name and kind in restarted_kinds:
                 self.tensors[kind] = {}
+                self.generation += 1
                 dropped.add(kind)
         return [kind for kind in (*zeroed_kinds, *restarted_kinds) if kind in dropped]
 
@@ -208,12 +213,14 @@ class AlgorithmState:
         self.tensors = {}
         self.pending = {}
         self.groups = {}
+        self.generation += 1
 
     def drop(self, kind: str) -> None:
         """Forget every allocation of ``kind`` (a stage change that restarts that state)."""
         self.vectors = {k: v for k, v in self.vectors.items() if k[0] != kind}
         self.tensors.pop(kind, None)
         self.groups = {k: v for k, v in self.groups.items() if k[0] != kind}
+        self.generation += 1
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -107,7 +107,7 @@ class Bucket:
             offset += numel
         self.parts = parts
         self.part = -(-self.numel // parts)  # partition length of a sharded bucket
-        self.flat_grad: torch.Tensor | None = None
+        self.flat_grad = None  # the property: None, or the buffer (below)
         self.flat_param: torch.Tensor | None = None
         self.grad_storage: torch.Tensor | None = None  # flat_grad plus partition padding
         self.param_storage: torch.Tensor | None = None  # flat_param plus partition padding
@@ -130,6 +130,26 @@ class Bucket:
                 if p.grad is not None:
                     self.param_view(self.flat_grad, k).copy_(_dense(p.grad))
                 p.grad = self.param_view(self.flat_grad, k)
+
+    @property
+    def flat_grad(self) -> torch.Tensor | None:
+        """The flat gradient buffer (None without flattening, or once released)."""
+        return self._flat_grad
+
+    @flat_grad.setter
+    def flat_grad(self, buffer: torch.Tensor | None) -> None:
+        self._flat_grad = buffer
+        self._layer_grads = None   # views of the buffer it replaces
+
+    def layer_grads(self) -> list[torch.Tensor]:
+        """Each parameter's range of the flat gradient buffer as a 1-D view, in the layout's
+        order: made once a buffer and kept, the same list each call until the buffer is
+        replaced (a caller may key what it plans on the list's identity)."""
+        if self._layer_grads is None:
+            flat = self.flat_grad
+            self._layer_grads = [flat[start:start + numel]
+                                 for start, numel in zip(self.offsets, self.real_numels)]
+        return self._layer_grads
 
     def _allocate_grads(self) -> None:
         self.grad_storage = zeros(self.part * self.parts, self.dtype, self.device)

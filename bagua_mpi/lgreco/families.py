@@ -10,9 +10,10 @@ Search spaces around the default D: bits in [D/2, 2D] step 1 (clipped to 1..8); 
 A family also runs its side of the exchange, for the L-GreCo impl ``impl`` (whose ``state``,
 ``layers`` = {name: (index, parameter)}, ``assignment`` = {name: level}, ``comm``, ``scale``
 and ``wire`` it uses): ``init_layer(impl, name)`` allocates a layer's state (error feedback,
-residual, Q; keyed by the parameter's name), ``exchange_(impl, layers, transport, step)``
-synchronizes a bucket's [(name, float32 gradient)] in one packed exchange, each layer at its
-level, and ``level_type`` is the type of its levels (what a checkpoint's levels are cast to).
+residual, Q; keyed by the parameter's name), ``exchange_(impl, bucket, grads, transport,
+step)`` synchronizes a bucket's float32 layer gradients (``forms.float32_layers``) in one packed
+exchange, each layer at its level, and ``level_type`` is the type of its levels (what a
+checkpoint's levels are cast to).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import numba_kernels as nk
 from ..primitives.codecs import MinMaxCodec, fit_kernel_threads
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
-from ..primitives.lowrank import (LowRankSegment, initial_q, orthonormalize,
-                                  powersgd_allreduce_, prepare_host_route)
+from ..primitives.lowrank import (LowRankExchange, LowRankSegment, initial_q, orthonormalize,
+                                  prepare_host_route)
 from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_count
 
 
@@ -102,13 +103,14 @@ class MinMaxBits:
     def init_layer(self, impl, name: str) -> None:
         self.layer_errors(impl, name)
 
-    def exchange_(self, impl, layers, transport, step: int) -> None:
+    def exchange_(self, impl, bucket, grads, transport, step: int) -> None:
         """One C_LP_S for all the layers (one alltoall and one allgather), each layer at its
         bits. Min-max rounds deterministically: no layer needs a random stream, so none is
         seeded."""
         packed_compressed_allreduce_(
             [Segment(g, self.codec(int(impl.assignment[name])), *self.layer_errors(impl, name))
-             for name, g in layers], transport, scale=impl.scale, stats=impl.wire)
+             for name, g in zip(bucket.names, grads)], transport, scale=impl.scale,
+            stats=impl.wire)
 
 
 @dataclass(frozen=True)
@@ -158,12 +160,12 @@ class TopKDensity:
     def init_layer(self, impl, name: str) -> None:
         self.residual(impl, name)
 
-    def exchange_(self, impl, layers, transport, step: int) -> None:
+    def exchange_(self, impl, bucket, grads, transport, step: int) -> None:
         """One gTopKAllReduce for all the layers (one tree and one broadcast), each layer at
         its density, with its residual; each step of it for all the layers at once."""
         packed_gtopk_allreduce_(
             [SparseSegment(g, topk_count(g.numel(), impl.assignment[name]),
-                           self.residual(impl, name)) for name, g in layers],
+                           self.residual(impl, name)) for name, g in zip(bucket.names, grads)],
             transport, scale=impl.scale, stats=impl.wire)
 
 
@@ -226,7 +228,7 @@ class PowerSGDRank:
         on every rank); a smaller rank uses, and warm-starts, its first columns. The Q's of a
         bucket's layers of one shape lie end to end in one memory, and so do their error
         memories, so that the layers of one shape at one rank take their products as one
-        batch (``powersgd_allreduce_``)."""
+        batch (``LowRankExchange``)."""
         q, error = impl.state.made("q", name), impl.state.made("error", name)
         if q is not None and (error is not None or not impl.algorithm.error_feedback):
             return q, error   # every step but the first
@@ -253,11 +255,20 @@ class PowerSGDRank:
         if self.low_rank(impl, name) is not None and not impl.layers[name][1].is_cuda:
             prepare_host_route()
 
-    def exchange_(self, impl, layers, transport, step: int) -> None:
+    def exchange_(self, impl, bucket, grads, transport, step: int) -> None:
         """PowerSGD for the layers that compress at their rank (one P and one Q allreduce for
-        all of them), one dense allreduce for the rest."""
+        all of them), one dense allreduce for the rest; planned once an assignment
+        (``kept_plan``)."""
+        dense, low_rank = impl.kept_plan(bucket, grads,
+                                         lambda: self.plan(impl, bucket, grads), impl.assignment)
+        low_rank.run(transport, scale=impl.scale, stats=impl.wire)
+        impl.dense_allreduce_(dense, fused=True)
+
+    def plan(self, impl, bucket, grads) -> tuple[list, LowRankExchange]:
+        """The bucket's dense gradients (layers that do not compress at their rank), and the
+        ``LowRankExchange`` of the others."""
         low, dense = [], []
-        for name, g in layers:
+        for name, g in zip(bucket.names, grads):
             rank = int(impl.assignment[name])
             shape = impl.layers[name][1].shape
             state = self.low_rank(impl, name)
@@ -265,8 +276,7 @@ class PowerSGDRank:
                 low.append(LowRankSegment(g, matrix_shape(shape)[0], rank, *state))
             else:
                 dense.append(g)
-        powersgd_allreduce_(low, transport, scale=impl.scale, stats=impl.wire)
-        impl.dense_allreduce_(dense, fused=True)
+        return dense, LowRankExchange(low)
 
 
 FAMILIES = {"minmax": MinMaxBits, "topk": TopKDensity, "powersgd": PowerSGDRank}

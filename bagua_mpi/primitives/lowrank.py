@@ -34,6 +34,7 @@ the transport: NCCL or a CUDA-aware MPI on the device, else reused pinned host b
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -285,58 +286,82 @@ def _check_segment(seg: LowRankSegment) -> int:
 
 def powersgd_allreduce_(segments: list[LowRankSegment], comm, *,
                         scale: float = 1.0, stats: WireStats | None = None) -> None:
-    """PowerSGD of every segment in place, in two allreduces in all (module docstring).
+    """PowerSGD of every segment in place, in two allreduces in all (module docstring):
+    ``LowRankExchange(segments).run(...)``, planned for this call alone.
 
     ``scale`` multiplies the summed Q (1/P averages). ``stats`` counts each allreduce as
-    ``WireStats.allreduce`` does (2(P-1)/P x its bytes).
+    ``WireStats.allreduce`` does (2(P-1)/P x its bytes)."""
+    LowRankExchange(segments).run(comm, scale=scale, stats=stats)
 
-    The products run a batch of matrices at a time (``_product_batches``): segments of one
-    shape and rank whose matrices, Q's and results each lie at one stride in one memory (a
-    bucket's layers of one shape, their Q's and error memories end to end, as PowerSGD keeps
-    them) take one batched product where each took one of its own.
-    """
-    cols = [_check_segment(seg) for seg in segments]
-    if not segments:
-        return
-    device = segments[0].flat.device
-    if any(seg.flat.device != device for seg in segments):
-        raise ValueError(f"PowerSGD segments must share one device, got "
-                         f"{sorted({str(seg.flat.device) for seg in segments})}")
-    order, batches = _product_batches(segments, cols)
-    segments, cols = [segments[k] for k in order], [cols[k] for k in order]
-    p_off = np.concatenate([[0], np.cumsum([seg.rows * seg.rank for seg in segments])]).tolist()
-    q_off = np.concatenate([[0], np.cumsum([m * seg.rank for m, seg in
-                                            zip(cols, segments)])]).tolist()
-    p_buf = torch.empty(p_off[-1], dtype=torch.float32, device=device)
-    q_buf = torch.empty(q_off[-1], dtype=torch.float32, device=device)
 
-    # M_i per segment: the error memory (holding g + e, added for all segments in one
-    # operation) or flat
-    with_error = [seg for seg in segments if seg.error is not None]
-    if with_error:
-        torch._foreach_add_([seg.error for seg in with_error], [seg.flat for seg in with_error])
-    views = [batch.views(segments, p_buf, p_off, q_buf, q_off) for batch in batches]
-    for mats, q, p_hat, _, _ in views:
-        torch.bmm(mats, q, out=p_hat)
-    _allreduce_sum(p_buf, comm, stats)
+class LowRankExchange:
+    """A PowerSGD exchange of a fixed list of segments: planned once, run every step.
 
-    shapes = tuple((seg.rows, seg.rank) for seg in segments)
-    if _on_device(p_buf):  # float64 Gram-Schmidt where P is, many P's at once: no wait
-        live_columns = orthonormalize_packed_(p_buf, shapes)
-    else:
-        live_columns = orthonormalize_packed_host_(p_buf, shapes)
+    Planning checks the segments, orders them into product batches (``_product_batches``:
+    segments of one shape and rank whose matrices, Q's and results each lie at one stride in
+    one memory, such as a bucket's layers of one shape with their Q's and error memories end
+    to end, as PowerSGD keeps them, take one batched product where each took one of its own),
+    places every P and Q in the packed buffers (kept from step to step) and prepares the warm
+    start. A run then costs the host a few operations a batch, and none a segment.
 
-    for batch, (mats, _, p_hat, q_mine, _) in zip(batches, views):
-        torch.bmm(mats.transpose(1, 2), p_hat, out=q_mine)
-        if batch.error:  # before the sum overwrites this rank's own Q_i
-            mats.baddbmm_(p_hat, q_mine.transpose(1, 2), alpha=-1.0)
-    _allreduce_sum(q_buf, comm, stats)
-    if scale != 1.0:
-        q_buf.mul_(scale)
+    A plan holds views of the segments' tensors: it stays right while they stay where they
+    are (memory, shapes, dtypes). A caller that keeps one across steps makes a new one when
+    they move (PowerSGD keeps one a bucket: ``AlgorithmImpl.kept_plan``)."""
 
-    for _, _, p_hat, q_avg, result in views:   # q_buf's Q_i's are the averaged Q's now
-        torch.bmm(p_hat, q_avg.transpose(1, 2), out=result)
-    _warm_start_(segments, cols, q_buf, live_columns)
+    def __init__(self, segments: list[LowRankSegment]):
+        cols = [_check_segment(seg) for seg in segments]
+        if segments:
+            device = segments[0].flat.device
+            if any(seg.flat.device != device for seg in segments):
+                raise ValueError(f"PowerSGD segments must share one device, got "
+                                 f"{sorted({str(seg.flat.device) for seg in segments})}")
+        order, self.batches = _product_batches(segments, cols)
+        self.segments = segments = [segments[k] for k in order]
+        cols = [cols[k] for k in order]
+        if not segments:
+            return
+        p_off = list(itertools.accumulate((seg.rows * seg.rank for seg in segments), initial=0))
+        q_off = list(itertools.accumulate((m * seg.rank for m, seg in zip(cols, segments)),
+                                          initial=0))
+        self.p_buf = torch.empty(p_off[-1], dtype=torch.float32, device=device)
+        self.q_buf = torch.empty(q_off[-1], dtype=torch.float32, device=device)
+        with_error = [seg for seg in segments if seg.error is not None]
+        self.errors = [seg.error for seg in with_error]
+        self.error_grads = [seg.flat for seg in with_error]
+        self.views = [batch.views(segments, self.p_buf, p_off, self.q_buf, q_off)
+                      for batch in self.batches]
+        self.shapes = tuple((seg.rows, seg.rank) for seg in segments)
+        self.orthonormalize_ = (orthonormalize_packed_ if _on_device(self.p_buf)
+                                else orthonormalize_packed_host_)
+        self.warm_start = _WarmStart(segments, cols, self.q_buf)
+
+    def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None) -> None:
+        """The steps of the module docstring for every segment (an empty plan makes no MPI
+        call)."""
+        if not self.segments:
+            return
+        # M_i per segment: the error memory (holding g + e, added for all segments in one
+        # operation) or flat
+        if self.errors:
+            torch._foreach_add_(self.errors, self.error_grads)
+        for mats, q, p_hat, _, _ in self.views:
+            torch.bmm(mats, q, out=p_hat)
+        _allreduce_sum(self.p_buf, comm, stats)
+
+        # float64 Gram-Schmidt where P is, many P's at once (no wait on a device)
+        live_columns = self.orthonormalize_(self.p_buf, self.shapes)
+
+        for batch, (mats, _, p_hat, q_mine, _) in zip(self.batches, self.views):
+            torch.bmm(mats.transpose(1, 2), p_hat, out=q_mine)
+            if batch.error:  # before the sum overwrites this rank's own Q_i
+                mats.baddbmm_(p_hat, q_mine.transpose(1, 2), alpha=-1.0)
+        _allreduce_sum(self.q_buf, comm, stats)
+        if scale != 1.0:
+            self.q_buf.mul_(scale)
+
+        for _, _, p_hat, q_avg, result in self.views:   # the Q_i's are the averaged Q's now
+            torch.bmm(p_hat, q_avg.transpose(1, 2), out=result)
+        self.warm_start(self.q_buf, live_columns)
 
 
 @dataclass(frozen=True)
@@ -418,25 +443,32 @@ def _continues(places: list, start: int, i: int) -> bool:
     return True
 
 
-def _warm_start_(segments: list[LowRankSegment], cols: list[int], q_buf: torch.Tensor,
-                 live_columns: torch.Tensor) -> None:
-    """Each segment's Q <- its Q_avg (in ``q_buf``, packed), except the columns whose P^
+class _WarmStart:
+    """Each segment's Q <- its Q_avg (in the packed Q buffer), except the columns whose P^
     column is zero (``live_columns`` False: the same on all ranks), which keep their Q, for
     all segments in a few operations whatever their number:
 
-    1. every whole Q (r_max columns) end to end in one buffer;
+    1. every whole Q (r_max columns) end to end in one buffer (one copy of them all);
     2. the first ``rank`` columns of each picked out of it, and one select between them and
        Q_avg (a select, not a branch: the host never waits for the device);
     3. the result put back in the buffer, and the buffer copied into the Q's at once (whole
        Q's, so the copy is the same fast one whether a Q is wider than its rank or not)."""
-    layout = tuple((m, seg.rank, seg.q.shape[1]) for m, seg in zip(cols, segments))
-    positions, column_of = _warm_start_maps(layout, str(q_buf.device))
-    whole = torch.cat([seg.q.reshape(-1) for seg in segments])
-    live = live_columns.to(q_buf.device).index_select(0, column_of)
-    whole.index_copy_(0, positions, torch.where(live, q_buf, whole.index_select(0, positions)))
-    torch._foreach_copy_([seg.q for seg in segments],
-                         [part.view(seg.q.shape) for part, seg in
-                          zip(whole.split([seg.q.numel() for seg in segments]), segments)])
+
+    def __init__(self, segments: list[LowRankSegment], cols: list[int], q_buf: torch.Tensor):
+        layout = tuple((m, seg.rank, seg.q.shape[1]) for m, seg in zip(cols, segments))
+        self.positions, self.column_of = _warm_start_maps(layout, str(q_buf.device))
+        self.qs = [seg.q for seg in segments]
+        self.whole = torch.empty(sum(q.numel() for q in self.qs), dtype=torch.float32,
+                                 device=q_buf.device)
+        self.parts = [part.view(q.shape) for part, q in
+                      zip(self.whole.split([q.numel() for q in self.qs]), self.qs)]
+
+    def __call__(self, q_avg: torch.Tensor, live_columns: torch.Tensor) -> None:
+        whole, positions = self.whole, self.positions
+        torch._foreach_copy_(self.parts, self.qs)
+        live = live_columns.to(whole.device).index_select(0, self.column_of)
+        whole.index_copy_(0, positions, torch.where(live, q_avg, whole.index_select(0, positions)))
+        torch._foreach_copy_(self.qs, self.parts)
 
 
 @functools.lru_cache(maxsize=32)

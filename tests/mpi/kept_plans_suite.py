@@ -1,0 +1,126 @@
+"""Exchange plans kept across steps (``AlgorithmImpl.kept_plan``): PowerSGD's, and L-GreCo's
+PowerSGD family's.
+
+``python kept_plans_suite.py`` on every rank. A kept plan holds views of a bucket's gradients
+and of the layers' state tensors, made at the first compressed step; it must be made again
+whenever those move. The oracle is a twin optimizer, with the same model and per-rank data,
+that plans every step (its kept plans are dropped before each step). Through steps with the
+plan kept, a skipped step (gradients exchanged, then discarded: PowerSGD's Q restarts), a
+roll-back to an earlier state loaded into the stepped optimizer, and, for L-GreCo, decisions
+that replace the assignment, both must hold the same parameters bit for bit after each phase,
+and the kept plans must be the same objects while nothing moved and new ones after. A
+bfloat16 model's buckets (a float32 copy of the gradients each step) keep no plan and match
+their twin too.
+"""
+import sys
+import warnings
+
+import torch
+
+import bagua_mpi as bm
+from bagua_mpi.algorithms import PowerSGD
+from bagua_mpi.lgreco import LGreCo
+from checks import run_suite
+
+ALGORITHMS = {
+    "powersgd": lambda: PowerSGD(rank=2, seed=3),
+    # decisions after steps 2, 5, 8 and 11
+    "lgreco_powersgd": lambda: LGreCo(family="powersgd", default=2, warmup_steps=3,
+                                      period_steps=3),
+}
+
+
+def twins(make_algorithm, dtype=torch.float32):
+    """[(model, optimizer)] x 2, alike: three layers in at least two buckets."""
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 24), torch.nn.Tanh(),
+                                    torch.nn.Linear(24, 8)).to(dtype)
+        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                      named_parameters=model.named_parameters(),
+                                      algorithm=make_algorithm(), bucket_size_mb=0.004)
+        pair.append((model, opt))
+    return pair
+
+
+def step_both(pair, x, take=True):
+    """One step of each twin on ``x`` (the second plans afresh); ``take=False``: the
+    gradients are exchanged, then discarded (the next backward pass skips the step)."""
+    for (model, opt), replan in zip(pair, (False, True)):
+        if replan:
+            opt.impl._plans.clear()
+        opt.zero_grad()
+        model(x.to(next(model.parameters()).dtype)).square().mean().backward()
+        if take:
+            opt.step()
+        else:
+            opt.synchronize()
+
+
+def assert_same(pair, phase):
+    (a, _), (b, _) = pair
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), \
+        f"{phase}: the model with kept plans differs from its twin"
+
+
+def check_kept_plans(name, rank, size):
+    make = ALGORITHMS[name]
+    gen = torch.Generator().manual_seed(77 + rank)
+    batches = [torch.randn(8, 16, generator=gen) for _ in range(16)]
+    pair = twins(make)
+    (model, opt), _ = pair
+    impl = opt.impl
+    for x in batches[:4]:
+        step_both(pair, x)
+    buckets = len(impl.buckets)
+    assert buckets >= 2 and len(impl._plans) == buckets, (buckets, impl._plans)
+    plans = dict(impl._plans)
+    saved = ([p.detach().clone() for p in model.parameters()], opt.algorithm_state_dict())
+    step_both(pair, batches[4])
+    assert all(impl._plans[k] is plans[k] for k in plans), "a kept plan was made again"
+    assert_same(pair, "steps with kept plans")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the discarded exchange is warned about
+        step_both(pair, batches[5], take=False)
+        step_both(pair, batches[6])
+    assert all(impl._plans[k] is not plans[k] for k in plans), "no new plan after a skip"
+    assert_same(pair, "a skipped step")
+
+    for m, o in pair:   # back to the state after step 4, into the stepped optimizers
+        with torch.no_grad():
+            for p, value in zip(m.parameters(), saved[0]):
+                p.copy_(value)
+        o.load_algorithm_state_dict(saved[1])
+    decided = hasattr(impl, "decisions")   # L-GreCo
+    planned_anew = 0
+    for x in batches[7:13]:
+        plans, decisions = dict(impl._plans), getattr(impl, "decisions", 0)
+        step_both(pair, x)
+        if decided and impl.decisions != decisions:   # a new assignment: new plans
+            step_both(pair, batches[13])
+            assert all(impl._plans[k] is not plans[k] for k in plans), "kept past a decision"
+            planned_anew += 1
+    assert planned_anew >= 2 or not decided, planned_anew
+    assert_same(pair, "a roll-back" + (", then decisions" if decided else ""))
+    for _, o in pair:
+        o.close()
+
+    pair = twins(make, torch.bfloat16)
+    for x in batches[:6]:
+        step_both(pair, x)
+    assert not pair[0][1].impl._plans, "a plan kept for a float32 copy made each step"
+    assert_same(pair, "bfloat16 buckets")
+    for _, o in pair:
+        o.close()
+
+
+def suite_checks() -> dict:
+    return {f"kept_plans_{name}": (lambda rank, size, n=name: check_kept_plans(n, rank, size))
+            for name in ALGORITHMS}
+
+
+if __name__ == "__main__":
+    sys.exit(run_suite(suite_checks()))
