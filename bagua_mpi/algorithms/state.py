@@ -111,7 +111,7 @@ class AlgorithmState:
         # (kind, group) -> (memory, {name: start}, {name: length}): see tensor_in_group
         self.groups: dict[tuple, tuple] = {}
         # counts the changes to which per-parameter tensors the state holds (not to their
-        # values): whoever keeps views of them across steps compares it (PowerSGD's plans)
+        # values): whoever keeps views of them across steps compares it (kept_plan in base)
         self.generation = 0
 
     # -- allocation ---------------------------------------------------------------------------
