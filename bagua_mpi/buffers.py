@@ -184,6 +184,41 @@ def copy_split(fused, dsts) -> None:
                              [src[lo:lo + n].reshape(d.shape) for d, (lo, n) in members])
 
 
+class FusedTensors:
+    """Tensors of one dtype and device seen as one buffer: the buffer, with a view of it
+    shaped as each tensor, made once. ``gather`` copies the tensors in with one foreach copy
+    and ``scatter`` copies the buffer back with another (a few launches on a GPU however many
+    tensors), so a plan that keeps this across steps (PowerSGD's dense layers, summed as one
+    message) spends no host work a tensor. One tensor is its own buffer."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = [t.detach() for t in tensors if t.numel()]
+        kinds = {(t.dtype, t.device) for t in self.tensors}
+        if len(kinds) > 1:
+            raise ValueError(f"fused tensors must share one dtype and device, got "
+                             f"{sorted(f'{dtype} on {device}' for dtype, device in kinds)}")
+        self.buffer = self.parts = None
+        if len(self.tensors) == 1:
+            self.buffer = self.tensors[0]
+        elif self.tensors:
+            numels = [t.numel() for t in self.tensors]
+            first = self.tensors[0]
+            self.buffer = torch.empty(sum(numels), dtype=first.dtype, device=first.device)
+            self.parts = [part.view(t.shape) for part, t in
+                          zip(self.buffer.split(numels), self.tensors)]
+
+    def gather(self) -> torch.Tensor:
+        """The buffer, holding the tensors' values end to end."""
+        if self.parts is not None:
+            torch._foreach_copy_(self.parts, self.tensors)
+        return self.buffer
+
+    def scatter(self) -> None:
+        """Each tensor <- its part of the buffer."""
+        if self.parts is not None:
+            torch._foreach_copy_(self.tensors, self.parts)
+
+
 def scale_(x, factor: float) -> None:
     """x *= factor in place.
 

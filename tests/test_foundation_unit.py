@@ -97,6 +97,31 @@ def test_dtype_names_and_views():
     assert transport.mpi_buffer(f).obj.ctypes.data == f.data_ptr()
 
 
+def test_fused_tensors_gather_and_scatter_every_tensor_in_its_own_layout():
+    """One buffer for several tensors (``buffers.FusedTensors``, what PowerSGD's kept plans sum
+    as one message): gathered end to end in order, strided views included, and scattered back
+    into each; empty tensors take no part, one tensor is its own buffer, and tensors of two
+    dtypes are refused by name."""
+    base = torch.arange(40, dtype=torch.float32)
+    strided = base[:24].view(4, 6)[:, ::2]            # a view that is not contiguous
+    flat, empty, matrix = torch.arange(5.0) + 100, torch.empty(0), torch.ones(2, 3) * 7
+    fused = buffers.FusedTensors([strided, empty, flat, matrix])
+    gathered = fused.gather()
+    expected = torch.cat([strided.reshape(-1), flat, matrix.reshape(-1)])
+    assert torch.equal(gathered, expected) and len(fused.tensors) == 3
+    gathered.mul_(-1)
+    fused.scatter()
+    assert torch.equal(strided, -expected[:12].view(4, 3))
+    assert torch.equal(flat, -expected[12:17]) and torch.equal(matrix, -expected[17:].view(2, 3))
+    assert torch.equal(base[:24].view(4, 6)[:, 1::2], torch.arange(24.0).view(4, 6)[:, 1::2])
+    alone = torch.arange(3.0)
+    assert buffers.FusedTensors([alone, empty]).gather() is not None
+    assert buffers.FusedTensors([alone]).gather().data_ptr() == alone.data_ptr()
+    assert buffers.FusedTensors([empty]).gather() is None
+    with pytest.raises(ValueError, match="one dtype and device"):
+        buffers.FusedTensors([alone, alone.double()])
+
+
 def test_reduce_op_mapping():
     assert ops.mpi_op(bm.Sum, "float32") == MPI.SUM
     assert ops.mpi_op(bm.Average, "bfloat16") == MPI.SUM

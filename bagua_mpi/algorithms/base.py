@@ -87,7 +87,7 @@ from mpi4py import MPI
 from .. import consistency, process_groups
 from ..collectives import join_route
 from ..accounting import WireStats, overhead
-from ..buffers import dtype_name, reduce_dtype
+from ..buffers import FusedTensors, dtype_name, reduce_dtype
 from ..engine.clock import StepClock
 from ..exceptions import BaguaMPIError, MismatchError
 from ..transport import Transport
@@ -211,11 +211,11 @@ class AlgorithmImpl:
         algo = self.algorithm
         return algo.dense_warmup and step < algo.warmup_steps
 
-    def dense_allreduce_(self, tensors: list[torch.Tensor], comm=None, *,
+    def dense_allreduce_(self, tensors: "list[torch.Tensor] | FusedTensors", comm=None, *,
                          average_models: bool = False, fused: bool = False) -> None:
         """C_FP_S of ``tensors`` over ``comm`` (default ``self.comm``), one message each (or
-        one for all, ``fused``), with the wrapper's compression and scaling (or plain
-        averaging, for models)."""
+        one for all, ``fused``, as a ``buffers.FusedTensors`` always is), with the wrapper's
+        compression and scaling (or plain averaging, for models)."""
         comm = self.comm if comm is None else comm
         ctx = self.ctx
         if average_models:
@@ -225,7 +225,7 @@ class AlgorithmImpl:
         kwargs = dict(prescale=pre, postscale=post, wire_dtype=ctx.compression.wire_dtype,
                       stats=self.wire, library_comm=ctx.topo.comm, backend=self.backend,
                       shared=self._shared_ok)
-        if fused:
+        if fused or isinstance(tensors, FusedTensors):
             dense.fused_allreduce_(tensors, comm, **kwargs)
             return
         for t in tensors:

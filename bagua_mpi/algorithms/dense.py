@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from .. import collectives, node_shared, runtime, transport
 from ..accounting import WireStats
-from ..buffers import copy_split, scale_
+from ..buffers import FusedTensors, scale_
 from ..ops import Sum
 from ..primitives.centralized import (cast_allreduce_, cast_reduce_scatter_,
                                       wire_bytes_cast_allreduce)
@@ -95,15 +95,10 @@ def reduce_scatter_(padded: torch.Tensor, out: torch.Tensor, comm, *, prescale: 
     stats.add((wire.size - 1) * out.numel() * out.element_size())
 
 
-def fused_allreduce_(tensors: list[torch.Tensor], comm, **kwargs) -> None:
-    """``allreduce_`` of several same-dtype, same-device tensors as one message."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return
-    if len(tensors) == 1:
-        allreduce_(tensors[0], comm, **kwargs)
-        return
-    fused = torch.cat([t.detach().reshape(-1) for t in tensors])
-    allreduce_(fused, comm, **kwargs)
-    with torch.no_grad():
-        copy_split(fused, tensors)  # one copy back for all of them
+def fused_allreduce_(tensors: "list[torch.Tensor] | FusedTensors", comm, **kwargs) -> None:
+    """``allreduce_`` of several same-dtype, same-device tensors as one message (a
+    ``FusedTensors`` that a plan keeps, or a list fused for this call)."""
+    fused = tensors if isinstance(tensors, FusedTensors) else FusedTensors(tensors)
+    if fused.tensors:
+        allreduce_(fused.gather(), comm, **kwargs)
+        fused.scatter()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..buffers import FusedTensors
 from ..primitives.lowrank import (LowRankExchange, LowRankSegment, initial_q,
                                   prepare_host_route)
 from .base import Algorithm, AlgorithmImpl
@@ -81,12 +82,12 @@ class PowerSGDImpl(AlgorithmImpl):
     def reduce_bucket(self, bucket, step: int) -> None:
         with float32_layers(bucket) as grads:  # where the gradients are
             dense, low_rank = self.kept_plan(bucket, grads, lambda: self.plan(bucket, grads))
-            self.dense_allreduce_(dense, fused=True)
+            self.dense_allreduce_(dense)
             low_rank.run(self.transport, scale=self.scale, stats=self.wire)
 
-    def plan(self, bucket, grads: list) -> tuple[list, LowRankExchange]:
-        """The bucket's dense gradients, and the ``LowRankExchange`` of its compressed layers
-        (kept across steps: ``kept_plan``)."""
+    def plan(self, bucket, grads: list) -> tuple[FusedTensors, LowRankExchange]:
+        """The bucket's dense gradients (summed as one message), and the ``LowRankExchange``
+        of its compressed layers (kept across steps: ``kept_plan``)."""
         segments, dense = [], []
         for layer, name, p, g in zip(bucket.indices, bucket.names, bucket.real_params(), grads):
             shape = self.matrix_shape(p)
@@ -95,7 +96,7 @@ class PowerSGDImpl(AlgorithmImpl):
                 continue
             q, error = self.layer_state(bucket, name, p, layer)
             segments.append(LowRankSegment(g, shape[0], self.algorithm.rank, q, error))
-        return dense, LowRankExchange(segments)
+        return FusedTensors(dense), LowRankExchange(segments)
 
 
 @register

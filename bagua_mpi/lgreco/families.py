@@ -26,6 +26,7 @@ import torch
 
 import numba_kernels as nk
 
+from ..buffers import FusedTensors
 from ..primitives.codecs import MinMaxCodec, fit_kernel_threads
 from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
                                   partition_length)
@@ -262,11 +263,11 @@ class PowerSGDRank:
         dense, low_rank = impl.kept_plan(bucket, grads,
                                          lambda: self.plan(impl, bucket, grads), impl.assignment)
         low_rank.run(transport, scale=impl.scale, stats=impl.wire)
-        impl.dense_allreduce_(dense, fused=True)
+        impl.dense_allreduce_(dense)
 
-    def plan(self, impl, bucket, grads) -> tuple[list, LowRankExchange]:
-        """The bucket's dense gradients (layers that do not compress at their rank), and the
-        ``LowRankExchange`` of the others."""
+    def plan(self, impl, bucket, grads) -> tuple[FusedTensors, LowRankExchange]:
+        """The bucket's dense gradients (layers that do not compress at their rank; summed as
+        one message), and the ``LowRankExchange`` of the others."""
         low, dense = [], []
         for name, g in zip(bucket.names, grads):
             rank = int(impl.assignment[name])
@@ -276,7 +277,7 @@ class PowerSGDRank:
                 low.append(LowRankSegment(g, matrix_shape(shape)[0], rank, *state))
             else:
                 dense.append(g)
-        return dense, LowRankExchange(low)
+        return FusedTensors(dense), LowRankExchange(low)
 
 
 FAMILIES = {"minmax": MinMaxBits, "topk": TopKDensity, "powersgd": PowerSGDRank}
