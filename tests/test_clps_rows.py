@@ -217,3 +217,64 @@ def test_packed_clps_equals_the_per_partition_loop(n):
         else:
             assert got[1] == value[1], key
             assert all(np.array_equal(a, b) for a, b in zip(got[0], value[0])), key
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("common", [True, False], ids=["common-memory", "own-memories"])
+def test_a_kept_plan_runs_as_a_call_each_step(n, common):
+    """A ``CompressedExchange`` planned once and run for several steps, its tensors and error
+    memories rewritten in place between them, gives the bytes a ``packed_compressed_allreduce_``
+    of each step gives (a bucket's min-max layers at their own widths in common memory: the
+    together route; or each tensor in its own memory with mixed codecs: one by one)."""
+    import torch
+    if common:
+        lengths, codecs = [300, 37, 1030, 5], [MinMaxCodec(b, 64) for b in (8, 2, 4, 6)]
+    else:
+        lengths, codecs = [300, 37, 90], [MinMaxCodec(8, 64), QSGDCodec(127, 16),
+                                          OneBitCodec(64)]
+
+    def memories():
+        """(tensors, worker errors, server errors): slices of one buffer each, or their own."""
+        sizes = [lengths, [lowprec.padded_length(m, n) for m in lengths],
+                 [lowprec.partition_length(m, n) for m in lengths]]
+        if not common:
+            return [[torch.zeros(m) for m in kind] for kind in sizes]
+        return [list(torch.zeros(sum(kind)).split(kind)) for kind in sizes]
+
+    results = {}
+    for route in ("kept", "calls"):
+        out = {}
+
+        def rank(wire, route=route, out=out):
+            xs, wes, ses = memories()
+            segments = [lowprec.Segment(x, c, w, s, seed=j)
+                        for j, (x, c, w, s) in enumerate(zip(xs, codecs, wes, ses))]
+            plan = lowprec.CompressedExchange(segments, n) if route == "kept" else None
+            if plan is not None:
+                assert isinstance(plan.steps, lowprec._Together if common
+                                  else lowprec._OneByOne), plan.steps
+            for step in range(3):
+                rng = np.random.default_rng([step, wire.rank, 5])
+                for x in xs:
+                    x.copy_(torch.from_numpy(rng.standard_normal(x.numel()).astype(np.float32)))
+                stats = WireStats()
+                if plan is not None:
+                    plan.run(wire, scale=1.0 / n, stats=stats)
+                else:
+                    lowprec.packed_compressed_allreduce_(segments, wire, scale=1.0 / n,
+                                                         stats=stats)
+                out[wire.rank, step] = ([t.clone() for t in xs + wes + ses], stats.bytes_sent)
+
+        _run_ranks(n, rank)
+        results[route] = out
+    for key, (tensors, sent) in results["calls"].items():
+        got, got_sent = results["kept"][key]
+        assert got_sent == sent, key
+        assert all(torch.equal(a, b) for a, b in zip(got, tensors)), key
+
+
+def test_a_plan_refuses_a_communicator_of_another_size():
+    import torch
+    plan = lowprec.CompressedExchange([lowprec.Segment(torch.zeros(10), MinMaxCodec(8, 64))], 2)
+    with pytest.raises(ValueError, match="planned for 2 ranks, and the communicator has 1"):
+        _run_ranks(1, lambda wire: plan.run(wire))

@@ -15,14 +15,14 @@ family's default. Then every ``period_steps``:
    accumulators restart.
 
 Communication per bucket, each layer at its own level, in one packed exchange that the family
-runs, on state it allocates (``lgreco/families.py``: ``init_layer``, ``exchange_``): min-max levels
-through C_LP_S (``packed_compressed_allreduce_``: one alltoall and one allgather) with
-worker/server error feedback per layer (kept across level changes: the error vectors depend
-only on the layer's size); top-k densities through gTopKAllReduce (``packed_gtopk_allreduce_``:
-one tree and one broadcast) with per-layer residuals; PowerSGD ranks through a
-``LowRankExchange`` planned once an assignment (one allreduce of all P factors and one of all Q
-factors, warm-started Q and error feedback per layer; layers too small or thin to gain go dense
-in one allreduce).
+runs, on state it allocates (``lgreco/families.py``: ``init_layer``, ``exchange_``), planned once
+an assignment and kept across steps (``AlgorithmImpl.kept_plan``): min-max levels through C_LP_S
+(a ``CompressedExchange``: one alltoall and one allgather) with worker/server error feedback per
+layer (kept across level changes: the error vectors depend only on the layer's size); top-k
+densities through gTopKAllReduce (a ``GTopKExchange``: one tree and one broadcast) with
+per-layer residuals; PowerSGD ranks through a ``LowRankExchange`` (one allreduce of all P
+factors and one of all Q factors, warm-started Q and error feedback per layer; layers too small
+or thin to gain go dense in one allreduce).
 Assignment, accumulators and error-feedback state are per-rank state keyed by parameter name
 (checkpointed, independent of bucketing). With ``hierarchical=True`` the node leaders run all
 of it on their node's summed gradients (the framework's two-level form).

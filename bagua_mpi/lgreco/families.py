@@ -28,11 +28,10 @@ import numba_kernels as nk
 
 from ..buffers import FusedTensors
 from ..primitives.codecs import MinMaxCodec, fit_kernel_threads
-from ..primitives.lowprec import (Segment, packed_compressed_allreduce_, padded_length,
-                                  partition_length)
+from ..primitives.lowprec import CompressedExchange, Segment, padded_length, partition_length
 from ..primitives.lowrank import (LowRankExchange, LowRankSegment, initial_q, orthonormalize,
                                   prepare_host_route)
-from ..primitives.sparse import SparseSegment, packed_gtopk_allreduce_, topk_count
+from ..primitives.sparse import GTopKExchange, SparseSegment, topk_count
 
 
 def numel(shape) -> int:
@@ -106,12 +105,17 @@ class MinMaxBits:
 
     def exchange_(self, impl, bucket, grads, transport, step: int) -> None:
         """One C_LP_S for all the layers (one alltoall and one allgather), each layer at its
-        bits. Min-max rounds deterministically: no layer needs a random stream, so none is
-        seeded."""
-        packed_compressed_allreduce_(
+        bits; planned once an assignment (``kept_plan``)."""
+        exchange = impl.kept_plan(bucket, grads, lambda: self.plan(impl, bucket, grads),
+                                  impl.assignment)
+        exchange.run(transport, scale=impl.scale, stats=impl.wire)
+
+    def plan(self, impl, bucket, grads) -> CompressedExchange:
+        """The bucket's C_LP_S, each layer with its bits' codec and its error memories.
+        Min-max rounds deterministically: no layer needs a random stream, so none is seeded."""
+        return CompressedExchange(
             [Segment(g, self.codec(int(impl.assignment[name])), *self.layer_errors(impl, name))
-             for name, g in zip(bucket.names, grads)], transport, scale=impl.scale,
-            stats=impl.wire)
+             for name, g in zip(bucket.names, grads)], impl.comm.Get_size())
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ class TopKDensity:
     def residual(self, impl, name: str) -> torch.Tensor:
         """What top-k left out of layer ``name``'s gradients so far (error feedback). A
         bucket's residuals lie end to end in one memory, so that its exchange selects and
-        decodes all its layers at once (one launch each on a GPU, ``packed_gtopk_allreduce_``).
+        decodes all its layers at once (one launch each on a GPU, ``GTopKExchange``).
         """
         p, bucket = impl.layers[name][1], impl.layer_bucket[name]
         return impl.state.tensor_in_group(
@@ -163,11 +167,17 @@ class TopKDensity:
 
     def exchange_(self, impl, bucket, grads, transport, step: int) -> None:
         """One gTopKAllReduce for all the layers (one tree and one broadcast), each layer at
-        its density, with its residual; each step of it for all the layers at once."""
-        packed_gtopk_allreduce_(
+        its density, with its residual; each step of it for all the layers at once; planned
+        once an assignment (``kept_plan``)."""
+        exchange = impl.kept_plan(bucket, grads, lambda: self.plan(impl, bucket, grads),
+                                  impl.assignment)
+        exchange.run(transport, scale=impl.scale, stats=impl.wire)
+
+    def plan(self, impl, bucket, grads) -> GTopKExchange:
+        """The bucket's gTopKAllReduce, each layer with its density's k and its residual."""
+        return GTopKExchange(
             [SparseSegment(g, topk_count(g.numel(), impl.assignment[name]),
-                           self.residual(impl, name)) for name, g in zip(bucket.names, grads)],
-            transport, scale=impl.scale, stats=impl.wire)
+                           self.residual(impl, name)) for name, g in zip(bucket.names, grads)])
 
 
 @dataclass(frozen=True)

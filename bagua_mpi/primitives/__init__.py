@@ -13,9 +13,11 @@ sparse     gTopKAllReduce tree                  ``gtopk_allreduce_``
 low-rank   PowerSGD rank-r P/Q, two allreduces  ``powersgd_allreduce_``
 =========  ===================================  ===========================================
 
-``packed_compressed_allreduce_`` and ``packed_gtopk_allreduce_`` run C_LP_S and gTop-k over
-several tensors with per-tensor codecs / k in one exchange (L-GreCo's per-layer levels). The
-two-level (hierarchical) form of every centralized algorithm is the algorithm framework's.
+``packed_compressed_allreduce_`` and ``packed_gtopk_allreduce_`` run C_LP_S and gTop-k over several
+tensors with per-tensor codecs / k in one exchange (L-GreCo's per-layer levels);
+``lowprec.CompressedExchange``, ``sparse.GTopKExchange`` and ``lowrank.LowRankExchange`` are those
+exchanges planned once, for a caller that runs one every step. The two-level (hierarchical) form of
+every centralized algorithm is the algorithm framework's.
 """
 from .centralized import cast_allreduce_
 from .codecs import Codec, MinMaxCodec, OneBitCodec, QSGDCodec

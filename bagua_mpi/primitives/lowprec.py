@@ -101,33 +101,61 @@ def packed_compressed_allreduce_(segments: list[Segment], comm: MPI.Intracomm, *
     there, and ``comm`` (a communicator or a ``transport.Transport``) moves only the payloads:
     on NCCL or a CUDA-aware MPI they stay on the device, otherwise they cross through pinned
     host buffers reused across steps. No dense tensor leaves the device.
+
+    One call plans the exchange and runs it once (``CompressedExchange``, which a caller keeps
+    to run it every step).
     """
-    on_device = [seg.flat.is_cuda for seg in segments]
-    device = any(on_device)
-    for seg in segments:
-        if seg.flat.dtype != torch.float32 or not seg.flat.is_contiguous():
-            raise ValueError(f"packed C_LP_S takes contiguous float32 tensors, got "
-                             f"{seg.flat.dtype} on {seg.flat.device}")
-        if seg.flat.is_cuda != device:
-            raise ValueError("packed C_LP_S takes tensors all on the host or all on a CUDA "
-                             f"device, got {[str(s.flat.device) for s in segments]}")
-    bases = _shared_bases(segments)
-    # with common memory the base arrays serve, and no tensor is viewed on its own (a view of
-    # a CUDA tensor costs some 24 us of host time: three a layer)
-    views = bases is None
-    xs, wes, ses = [], [], []
-    for seg in segments:
-        length = seg.flat.numel()
-        part = partition_length(length, comm.Get_size())
-        we = None if seg.worker_error is None else _check_error(
-            seg.worker_error, part * comm.Get_size(), "worker", seg.flat.device, views)
-        se = None if seg.server_error is None else _check_error(
-            seg.server_error, part, "server", seg.flat.device, views)
-        xs.append(device_arrays.array_of(seg.flat) if views else None)
-        wes.append(we)
-        ses.append(se)
-    _clps_arrays(xs, wes, ses, [seg.codec for seg in segments], [seg.seed for seg in segments],
-                 comm, scale, stats, device, bases)
+    CompressedExchange(segments, transport.of(comm).size).run(comm, scale=scale, stats=stats)
+
+
+class CompressedExchange:
+    """A packed C_LP_S of a fixed list of segments over n ranks: planned once, run every step.
+
+    Planning checks the segments (float32, contiguous, one place, error memories of the right
+    sizes), finds their common memory (``_shared_bases``) and lays out every segment's payload
+    in the message: each step then runs for all of them at once (``_Together``) or a segment
+    at a time (``_OneByOne``), with the arrays it works on viewed once (a view of a CUDA
+    tensor costs some 24 us of host time). A run costs the host a few calls, none a segment.
+    The payload buffers are not kept: the caching allocator lends them to every bucket in
+    turn, where kept ones would hold about a compressed copy of the model between steps.
+
+    A plan holds views of the segments' tensors and error memories: it stays right while they
+    stay where they are. A caller that keeps one across steps makes a new one when they move
+    (L-GreCo keeps one a bucket: ``AlgorithmImpl.kept_plan``)."""
+
+    def __init__(self, segments: list[Segment], n: int):
+        self.n = n
+        self.device = device = any(seg.flat.is_cuda for seg in segments)
+        for seg in segments:
+            if seg.flat.dtype != torch.float32 or not seg.flat.is_contiguous():
+                raise ValueError(f"packed C_LP_S takes contiguous float32 tensors, got "
+                                 f"{seg.flat.dtype} on {seg.flat.device}")
+            if seg.flat.is_cuda != device:
+                raise ValueError("packed C_LP_S takes tensors all on the host or all on a CUDA "
+                                 f"device, got {[str(s.flat.device) for s in segments]}")
+        bases = _shared_bases(segments)
+        # with common memory the base arrays serve, and no tensor is viewed on its own
+        views = bases is None
+        xs, wes, ses = [], [], []
+        for seg in segments:
+            part = partition_length(seg.flat.numel(), n)
+            wes.append(None if seg.worker_error is None else _check_error(
+                seg.worker_error, part * n, "worker", seg.flat.device, views))
+            ses.append(None if seg.server_error is None else _check_error(
+                seg.server_error, part, "server", seg.flat.device, views))
+            xs.append(device_arrays.array_of(seg.flat) if views else None)
+        self.steps, self.row = _steps_of(xs, wes, ses, [seg.codec for seg in segments],
+                                         [seg.seed for seg in segments], n, device, bases)
+
+    def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None) -> None:
+        """The steps of the module docstring for every segment, over ``comm`` (a communicator
+        or a ``transport.Transport`` of the plan's n ranks; no call when every segment is
+        empty)."""
+        wire = transport.of(comm)
+        if wire.size != self.n:
+            raise ValueError(f"this C_LP_S was planned for {self.n} ranks, and the "
+                             f"communicator has {wire.size}")
+        _run_steps(self.steps, self.row, wire, scale, stats, self.device)
 
 
 @dataclass
@@ -173,28 +201,41 @@ def _shared_bases(segments: list[Segment]) -> SharedBases | None:
 def _clps_arrays(xs, wes, ses, codecs, seeds, comm, scale: float,
                  stats: WireStats | None, device: bool, bases: SharedBases | None = None) -> None:
     """C_LP_S on 1-D float32 arrays, all NumPy (host) or all Numba device arrays (device; under
-    ``NUMBA_ENABLE_CUDASIM=1`` this path runs on the CPU in the tests). Both give the same
-    bytes: the kernels are the CPU twins' equals and every sum runs in the same order. The
-    kernels run in stream order with torch's; ``transport`` waits for them only where an MPI
-    must read device memory. The steps run segment by segment (``_OneByOne``), or with
-    ``bases`` (the arrays' common memory, ``_shared_bases``) for every segment at once
-    (``_Together``: one launch on the device, one parallel loop on the host)."""
+    ``NUMBA_ENABLE_CUDASIM=1`` this path runs on the CPU in the tests), planned and run once
+    (``_steps_of``, ``_run_steps``)."""
     wire = transport.of(comm)
-    n, rank = wire.size, wire.rank
+    steps, row = _steps_of(xs, wes, ses, codecs, seeds, wire.size, device, bases)
+    _run_steps(steps, row, wire, scale, stats, device)
+
+
+def _steps_of(xs, wes, ses, codecs, seeds, n: int, device: bool,
+              bases: SharedBases | None = None):
+    """(the steps of a C_LP_S over n ranks, the bytes of one rank's message to one server):
+    segment by segment on the arrays (``_OneByOne``), or with ``bases`` (the arrays' common
+    memory, ``_shared_bases``; the arrays then unused) every segment at once (``_Together``:
+    one launch on the device, one parallel loop on the host)."""
     if bases is not None:
         layout = _together_layout(codecs[0].chunk, tuple(codec.bits for codec in codecs),
                                   tuple(bases.lengths), tuple(bases.x_offsets),
                                   _maybe_tuple(bases.worker_offsets),
                                   _maybe_tuple(bases.server_offsets), n)
-        steps, row = _Together(layout, bases, device), layout.row
-    else:
-        plans, row = _plans(xs, wes, ses, codecs, seeds, n)
-        steps = _OneByOne(plans, device, rank)
+        return _Together(layout, bases, device), layout.row
+    plans, row = _plans(xs, wes, ses, codecs, seeds, n)
+    return _OneByOne(plans, device), row
+
+
+def _run_steps(steps, row: int, wire, scale: float, stats: WireStats | None,
+               device: bool) -> None:
+    """The exchange of the module docstring with ``steps``' kernels. Both kinds of steps give
+    the same bytes: the kernels are the CPU twins' equals and every sum runs in the same order.
+    The kernels run in stream order with torch's; ``transport`` waits for them only where an
+    MPI must read device memory."""
     if not row:   # every segment empty
         return
+    n = wire.size
     send, recv = _scatter_payloads(row, wire, device, steps)
     mine = _empty(row, np.uint8, device)
-    steps.serve(recv, mine, scale)  # server: sum, scale, phase 2
+    steps.serve(recv, mine, scale, wire.rank)  # server: sum, scale, phase 2
     gathered = send  # phase-1 payloads are no longer needed
     wire.allgather(mine, gathered)
     steps.decompress_rows(gathered)  # every partition into its place (the padding cut off)
@@ -206,23 +247,23 @@ class _OneByOne:
     """The steps of a C_LP_S segment by segment, each with its own codec: one launch a segment
     and step on a device (an encode of chunks longer than 4096 takes 3)."""
 
-    def __init__(self, plans: list[_Plan], device: bool, rank: int):
-        self.plans, self.device, self.rank = plans, device, rank
+    def __init__(self, plans: list[_Plan], device: bool):
+        self.plans, self.device = plans, device
 
-    def compress_rows(self, send) -> None:
+    def compress_rows(self, send, rank: int) -> None:
         """Phase 1: partition k of every segment (worker error fused, seed ``call_seed(seed,
         rank, k, 1)``) into row k of send."""
         for plan in self.plans:
             plan.codec.compress_rows(plan.x, send, plan.cols, residual=plan.worker_error,
-                                     seed=plan.seed, rank=self.rank, phase=1)
+                                     seed=plan.seed, rank=rank, phase=1)
 
-    def serve(self, recv, mine, scale: float) -> None:
+    def serve(self, recv, mine, scale: float, rank: int) -> None:
         """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
         partition (+ its server error) encoded into this rank's row."""
         for plan in self.plans:
             merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, self.device))
             plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
-                                seed=call_seed(plan.seed, self.rank, self.rank, 2))
+                                seed=call_seed(plan.seed, rank, rank, 2))
 
     def decompress_rows(self, gathered) -> None:
         """Step 5: row k of every segment's payload into partition k of its place."""
@@ -239,13 +280,13 @@ class _Together:
     def __init__(self, layout: _TogetherLayout, bases: SharedBases, device: bool):
         self.layout, self.bases, self.device = layout, bases, device
 
-    def compress_rows(self, send) -> None:
+    def compress_rows(self, send, rank: int) -> None:
         """Phase 1: partition k of every segment (+ its worker error) into row k of send."""
         fit_kernel_threads()
         nk.compress_minmax_rows_segments(self.bases.x, self.layout.tensors, send,
                                          chunk=self.layout.chunk, residual=self.bases.worker)
 
-    def serve(self, recv, mine, scale: float) -> None:
+    def serve(self, recv, mine, scale: float, rank: int) -> None:
         """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
         partition (+ its server error) encoded into this rank's row."""
         layout = self.layout
@@ -320,7 +361,7 @@ def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torc
         raise ValueError(f"compressed reduce-scatter takes a contiguous float32 tensor, got "
                          f"{flat.dtype}")
     wire = transport.of(comm)
-    n, rank = wire.size, wire.rank
+    n = wire.size
     part = partition_length(flat.numel(), n)
     if out.numel() != part or out.dtype != torch.float32 or out.device != flat.device:
         raise ValueError(f"compressed reduce-scatter: out must be a float32 tensor of {part} "
@@ -334,7 +375,7 @@ def compressed_reduce_scatter_(flat: torch.Tensor, comm, codec: Codec, out: torc
     if not plans:
         out.zero_()
         return out
-    _, recv = _scatter_payloads(row, wire, device, _OneByOne(plans, device, rank))
+    _, recv = _scatter_payloads(row, wire, device, _OneByOne(plans, device))
     _server_sum(plans[0], recv, scale, device_arrays.array_of(out))
     if stats is not None:
         stats.add((n - 1) * row)
@@ -373,7 +414,7 @@ def _scatter_payloads(row: int, wire, device: bool, steps):
     recv's row j holding rank j's payload for this rank."""
     n = wire.size
     send = _empty((n, row), np.uint8, device)
-    steps.compress_rows(send)
+    steps.compress_rows(send, wire.rank)
     recv = _empty((n, row), np.uint8, device)
     wire.alltoall(send, recv)
     return send, recv

@@ -145,9 +145,10 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
     decode on the device, and ``comm`` (a communicator or a ``transport.Transport``) moves the
     payloads: NCCL send/receive or a CUDA-aware MPI on the device buffers, else reused pinned
     host buffers. Only a mix of host and device segments is staged whole.
+
+    One call plans the exchange and runs it once (``GTopKExchange``, which a caller keeps to
+    run it every step).
     """
-    for seg in segments:
-        _check_segment(seg)
     on_device = [t.is_cuda for seg in segments for t in (seg.flat, seg.residual)]
     if any(on_device) and not all(on_device):
         staged = [SparseSegment(seg.flat.cpu(), seg.k, seg.residual.cpu()) for seg in segments]
@@ -156,16 +157,48 @@ def packed_gtopk_allreduce_(segments: list[SparseSegment], comm: MPI.Intracomm, 
             seg.flat.copy_(host.flat)
             seg.residual.copy_(host.residual)
         return
-    if not any(on_device):
-        fit_kernel_threads()
-    ks = [seg.k for seg in segments]
-    bases = _shared_bases(segments)
-    if bases is not None:   # two views in all: a view of a CUDA tensor costs some 24 us
-        _gtopk_arrays(None, None, ks, comm, scale, index_dtype, stats, bases)
-        return
-    _gtopk_arrays([device_arrays.array_of(seg.flat) for seg in segments],
-                  [device_arrays.array_of(seg.residual) for seg in segments],
-                  ks, comm, scale, index_dtype, stats)
+    GTopKExchange(segments, index_dtype).run(comm, scale=scale, stats=stats)
+
+
+class GTopKExchange:
+    """A packed gTopKAllReduce of a fixed list of segments: planned once, run every step.
+
+    Planning checks the segments, finds their common memory (``_shared_bases``), views the
+    arrays the kernels work on (a view of a CUDA tensor costs some 24 us of host time) and
+    lays out every segment's payload in the message (``_SparsePlan``); a run then costs the
+    host a few calls, none a segment. The message buffers are not kept (the caching allocator
+    lends them to every bucket in turn).
+
+    A plan holds views of the segments' tensors and residuals: it stays right while they
+    stay where they are. A caller that keeps one across steps makes a new one when they move
+    (L-GreCo keeps one a bucket: ``AlgorithmImpl.kept_plan``). Host and device segments
+    together are refused: ``packed_gtopk_allreduce_`` stages such a mix whole."""
+
+    def __init__(self, segments: list[SparseSegment], index_dtype: str = "int32"):
+        for seg in segments:
+            _check_segment(seg)
+        on_device = [t.is_cuda for seg in segments for t in (seg.flat, seg.residual)]
+        if any(on_device) and not all(on_device):
+            raise ValueError(f"a gTop-k plan takes tensors all on the host or all on one "
+                             f"device, got {sorted({str(seg.flat.device) for seg in segments})}"
+                             f" and residuals on "
+                             f"{sorted({str(seg.residual.device) for seg in segments})}")
+        self.host = not any(on_device)
+        ks = [seg.k for seg in segments]
+        bases = _shared_bases(segments)
+        if bases is not None:   # two views in all
+            self.plan = _SparsePlan(None, None, ks, index_dtype, bases)
+        else:
+            self.plan = _SparsePlan([device_arrays.array_of(seg.flat) for seg in segments],
+                                    [device_arrays.array_of(seg.residual) for seg in segments],
+                                    ks, index_dtype)
+
+    def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None) -> None:
+        """The module docstring's gTopKAllReduce of every segment over ``comm`` (a
+        communicator or a ``transport.Transport``)."""
+        if self.host:
+            fit_kernel_threads()
+        self.plan.run(comm, scale, stats)
 
 
 @dataclass
@@ -206,42 +239,57 @@ def _check_segment(seg: SparseSegment) -> None:
 
 def _gtopk_arrays(flats, residuals, ks, comm, scale: float, index_dtype: str,
                   stats: WireStats | None, bases: SparseBases | None = None) -> None:
+    """The gTop-k exchange on 1-D float32 arrays, planned and run once (``_SparsePlan``)."""
+    _SparsePlan(flats, residuals, ks, index_dtype, bases).run(comm, scale, stats)
+
+
+class _SparsePlan:
     """The gTop-k exchange on 1-D float32 arrays, all on the host (NumPy) or all on the device
     (numba device arrays; ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in tests): each
     array its own base, or with ``bases`` (``flats`` and ``residuals`` then unused) all of them
-    as segments of two base arrays, whose selection and decode run at once."""
-    wire = transport.of(comm)
-    if bases is None:
-        lengths = [flat.size for flat in flats]
-        device = bool(flats) and not isinstance(flats[0], np.ndarray)
-    else:
-        lengths, device = bases.lengths, not isinstance(bases.x, np.ndarray)
-    cols = np.cumsum([0] + [_payload_bytes(n, k, index_dtype)
-                            for n, k in zip(lengths, ks)]).tolist()
-    row = cols[-1]
-    if bases is None:   # each array is its own base
-        segments = [nk.TopKSegment(0, n, k, col) for n, k, col in zip(lengths, ks, cols)]
-        groups = [(flat, res, [seg]) for flat, res, seg in zip(flats, residuals, segments)]
-    else:
-        segments = [nk.TopKSegment(xo, n, k, col, ro) for n, k, col, xo, ro in
-                    zip(lengths, ks, cols, bases.x_offsets, bases.residual_offsets)]
-        groups = [(bases.x, bases.residual, segments)]
-    message = _alloc(row, device)
-    for x, res, members in groups:
-        nk.compress_topk_segments(x, members, message, index_dtype, residual=res)
-    # ``message`` stays as sent: the tree and the swap merge into new buffers (where the
-    # global set is ``message`` itself, one rank, each segment is restored before it is scaled)
-    sent = message
-    rank, n = wire.rank, wire.size
-    if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
-        glob = _pair_exchange(message, segments, index_dtype, wire, stats, device)
-    else:
-        root = gtopk_tree_reduce(message, segments, wire, stats, device, index_dtype)
-        glob = root if rank == 0 else _alloc(row, device)
-        binomial_broadcast(glob, wire, stats)
-    for x, res, members in groups:   # scaled: k values rather than the whole decoded tensor
-        nk.decompress_topk_segments(glob, members, x, index_dtype, factor=scale, residual=res,
-                                    sent=sent)
+    as segments of two base arrays, whose selection and decode run at once. Planned once:
+    every segment's payload columns (``numba_kernels.TopKSegment``) and the groups of arrays
+    the kernels run on."""
+
+    def __init__(self, flats, residuals, ks, index_dtype: str,
+                 bases: SparseBases | None = None):
+        if bases is None:
+            lengths = [flat.size for flat in flats]
+            device = bool(flats) and not isinstance(flats[0], np.ndarray)
+        else:
+            lengths, device = bases.lengths, not isinstance(bases.x, np.ndarray)
+        cols = np.cumsum([0] + [_payload_bytes(n, k, index_dtype)
+                                for n, k in zip(lengths, ks)]).tolist()
+        self.row, self.device, self.index_dtype = cols[-1], device, index_dtype
+        if bases is None:   # each array is its own base
+            self.segments = [nk.TopKSegment(0, n, k, col) for n, k, col in zip(lengths, ks, cols)]
+            self.groups = [(flat, res, [seg]) for flat, res, seg in
+                           zip(flats, residuals, self.segments)]
+        else:
+            self.segments = [nk.TopKSegment(xo, n, k, col, ro) for n, k, col, xo, ro in
+                             zip(lengths, ks, cols, bases.x_offsets, bases.residual_offsets)]
+            self.groups = [(bases.x, bases.residual, self.segments)]
+
+    def run(self, comm, scale: float, stats: WireStats | None) -> None:
+        wire = transport.of(comm)
+        index_dtype, device, segments = self.index_dtype, self.device, self.segments
+        message = _alloc(self.row, device)
+        for x, res, members in self.groups:
+            nk.compress_topk_segments(x, members, message, index_dtype, residual=res)
+        # ``message`` stays as sent: the tree and the swap merge into new buffers (where the
+        # global set is ``message`` itself, one rank, each segment is restored before it is
+        # scaled)
+        sent = message
+        rank, n = wire.rank, wire.size
+        if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
+            glob = _pair_exchange(message, segments, index_dtype, wire, stats, device)
+        else:
+            root = gtopk_tree_reduce(message, segments, wire, stats, device, index_dtype)
+            glob = root if rank == 0 else _alloc(self.row, device)
+            binomial_broadcast(glob, wire, stats)
+        for x, res, members in self.groups:   # scaled: k values rather than the whole tensor
+            nk.decompress_topk_segments(glob, members, x, index_dtype, factor=scale,
+                                        residual=res, sent=sent)
 
 
 @functools.lru_cache(maxsize=4096)   # asked per layer and step; a format checks its fields

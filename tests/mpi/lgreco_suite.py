@@ -149,11 +149,12 @@ def together_runs(module, apart=False):
         module._shared_bases = original
 
 
-def check_layers_together_as_one_by_one(rank, algo, module, views_per_exchange):
+def check_layers_together_as_one_by_one(rank, algo, module, views_per_plan):
     """Training with the bucket's layers' steps run together (one launch a step on a GPU, one
     parallel loop on the host) gives the losses and decisions of running them one by one,
-    exactly; and the together route did run, viewing its base arrays only
-    (``views_per_exchange`` of them), not every layer's tensors (a view of a CUDA tensor costs
+    exactly; and the together route did run, planned once a bucket and assignment (the plan
+    kept across the steps between decisions), viewing its base arrays only
+    (``views_per_plan`` of them), not every layer's tensors (a view of a CUDA tensor costs
     some 24 us). Returns the optimizer trained together."""
     views = []
     original_view = device_arrays.array_of
@@ -167,8 +168,10 @@ def check_layers_together_as_one_by_one(rank, algo, module, views_per_exchange):
             loss, history, opt = train(algo, 12, rank)
     finally:
         device_arrays.array_of = original_view
-    assert len(runs) == 12 and min(runs) > 1, runs
-    assert len(views) == views_per_exchange * len(runs), (len(views), len(runs))
+    impl = opt.impl
+    assert impl.decisions == 3 and all(len(obs) == 12 for obs in impl.observations.values())
+    assert len(runs) == len(opt.buckets) * (impl.decisions + 1) and min(runs) > 1, runs
+    assert len(views) == views_per_plan * len(runs), (len(views), len(runs))
     with together_runs(module, apart=True) as runs:
         assert (loss, history) == train(algo, 12, rank)[:2]
     assert not runs, "the one-by-one run took the together route"

@@ -6,7 +6,7 @@ import torch
 
 import bagua_mpi as bm
 import numba_kernels as nk
-from bagua_mpi.primitives.sparse import (SparseSegment, gtopk_allreduce_,
+from bagua_mpi.primitives.sparse import (GTopKExchange, SparseSegment, gtopk_allreduce_,
                                          packed_gtopk_allreduce_, topk_allgather_, topk_count)
 
 
@@ -119,19 +119,26 @@ def check_training(rank, size):
     return results
 
 
-def check_packed_gtopk(rank, size):
-    """One packed tree for layers of different sizes and k == gTop-k of each layer alone."""
+def check_packed_gtopk(rank, size, kept=False):
+    """One packed tree for layers of different sizes and k == gTop-k of each layer alone;
+    ``kept``: planned once (``GTopKExchange``) and run every step on the same tensors."""
     comm = bm.runtime.get().topo.comm
     layers = [(5000, 50), (300, 1), (64, 64), (2000, 7)]
     res = [torch.zeros(n) for n, _ in layers]
+    mine = [torch.zeros(n) for n, _ in layers]
+    segments = [SparseSegment(m, k, r) for m, (_, k), r in zip(mine, layers, res)]
+    plan = GTopKExchange(segments) if kept else None
     sim_res = [[np.zeros(n, np.float32) for _ in range(size)] for n, _ in layers]
     for step in range(3):
         gs = [grads(step + 10 * j, size, n) for j, (n, _) in enumerate(layers)]
-        mine = [torch.from_numpy(g[rank].copy()) for g in gs]
-        packed_gtopk_allreduce_([SparseSegment(m, k, r) for m, (_, k), r in
-                                 zip(mine, layers, res)], comm, scale=1.0 / size)
+        for m, g in zip(mine, gs):
+            m.copy_(torch.from_numpy(g[rank]))
+        if plan is not None:
+            plan.run(comm, scale=1.0 / size)
+        else:
+            packed_gtopk_allreduce_(segments, comm, scale=1.0 / size)
         check_layers_against_simulation(mine, res, gs, sim_res, layers, rank, size,
-                                        f"packed gtopk, step {step}")
+                                        f"packed gtopk{', kept plan' * kept}, step {step}")
     return 3 * len(layers)
 
 
@@ -147,10 +154,11 @@ def check_layers_against_simulation(mine, res, gs, sim_res, layers, rank, size, 
         assert np.array_equal(res[j].numpy(), sim_res[j][rank]), where + " residual"
 
 
-def check_packed_gtopk_in_common_memory(rank, size):
+def check_packed_gtopk_in_common_memory(rank, size, kept=False):
     """The layers as views of one bucket and their residuals end to end in one memory (as
     L-GreCo keeps them): the whole selection and decode go together, and each layer still
-    gets gTop-k of it alone (the NumPy tree with the per-tensor kernels)."""
+    gets gTop-k of it alone (the NumPy tree with the per-tensor kernels); ``kept``: planned
+    at the first step (``GTopKExchange``) and run at every step."""
     from bagua_mpi.primitives.sparse import _shared_bases
     comm = bm.runtime.get().topo.comm
     layers = [(700, 20), (1, 1), (64, 64), (300, 0), (2000, 7)]
@@ -168,9 +176,14 @@ def check_packed_gtopk_in_common_memory(rank, size):
             m.copy_(torch.from_numpy(g[rank]))
         segments = [SparseSegment(m, k, r) for m, (_, k), r in zip(mine, layers, res)]
         assert _shared_bases(segments) is not None, "the layers' common memory was not found"
-        packed_gtopk_allreduce_(segments, comm, scale=1.0 / size)
+        if kept:
+            plan = plan if step else GTopKExchange(segments)
+            plan.run(comm, scale=1.0 / size)
+        else:
+            packed_gtopk_allreduce_(segments, comm, scale=1.0 / size)
         check_layers_against_simulation(mine, res, gs, sim_res, layers, rank, size,
-                                        f"gtopk in common memory, step {step}")
+                                        f"gtopk in common memory{', kept plan' * kept}, "
+                                        f"step {step}")
         gaps = np.concatenate([bucket[a + n:a + n + 3].numpy()
                                for a, (n, _) in zip(starts, layers)])
         assert np.isnan(gaps).all(), f"the gaps between the layers were written, step {step}"
@@ -181,8 +194,9 @@ def main():
     bm.init()
     rank, size = bm.rank(), bm.size()
     checks = check_gtopk_against_simulation(rank, size)
-    checks += check_packed_gtopk(rank, size)
-    checks += check_packed_gtopk_in_common_memory(rank, size)
+    for kept in (False, True):
+        checks += check_packed_gtopk(rank, size, kept)
+        checks += check_packed_gtopk_in_common_memory(rank, size, kept)
     checks += check_topk_allgather(rank, size)
     # The exact checks above hold the tree's shapes at every world size; training is a loss
     # bound, as good a check at 2-3 ranks, and at 4-5 ranks on 2 cores it took most of the time.
