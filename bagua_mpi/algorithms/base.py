@@ -188,22 +188,29 @@ class AlgorithmImpl:
         """Factor on the sum of the ranks' gradients (1/n for Average)."""
         return self.ctx.prescale * self.ctx.postscale
 
-    def kept_plan(self, bucket: "Bucket", grads: list, make: Callable[[], Any],
-                  also: Any = None) -> Any:
+    def kept_plan(self, bucket: "Bucket", grads: list | torch.Tensor | None,
+                  make: Callable[[], Any], also: Any = None) -> Any:
         """What ``make()`` plans for ``bucket``'s exchange of ``grads`` (its layers' float32
-        gradients, ``forms.float32_layers``), made once and kept across steps while nothing
-        it holds views of moves: ``grads`` is the bucket's kept list (``Bucket.layer_grads``:
-        a float32 buffer's, the same objects every step), the state's per-parameter tensors
-        are those it was made with (``AlgorithmState.generation``), and ``also`` (what else
-        the plan depends on, such as L-GreCo's assignment) is the same object. Otherwise (a
-        16-bit bucket's float32 copy, made each step) it is made for this step alone. So the
-        host spends nothing a layer and step on looking up state and checking layouts."""
+        gradients, ``forms.float32_layers``, or its flat float32 gradient,
+        ``forms.float32_flat``), made once and kept across steps while nothing it holds views
+        of moves: ``grads`` is the bucket's own float32 memory (its kept list of layer views,
+        ``Bucket.layer_grads``, or its buffer, ``Bucket.flat_grad``: the same objects every
+        step), the state's tensors are those it was made with (``AlgorithmState.generation``),
+        and ``also`` (what else the plan depends on, such as L-GreCo's assignment) is the same
+        object. ``grads`` None: the plan views none of the bucket's gradients, only the
+        algorithm's state (1-bit Adam's momentum). Otherwise (a 16-bit bucket's float32 copy,
+        made each step) it is made for this step alone, and not kept: it would hold the copy
+        between steps. So the host spends nothing a step on looking up state, checking layouts
+        and viewing tensors."""
         kept = self._plans.get(bucket.index)
         if (kept is not None and kept.grads is grads and kept.also is also
                 and kept.generation == self.state.generation):
             return kept.plan
         plan = make()
-        if bucket.flat_grad is not None and grads is bucket.layer_grads():
+        flat = bucket.flat_grad
+        own = grads is None or (flat is not None
+                                and (grads is flat or grads is bucket.layer_grads()))
+        if own:
             self._plans[bucket.index] = KeptPlan(grads, also, self.state.generation, plan)
         return plan
 

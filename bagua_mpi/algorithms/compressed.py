@@ -1,10 +1,12 @@
 """QSGD and ByteGrad: 8-bit centralized gradient compression (C_LP_S).
 
-Each bucket's gradient goes through ``primitives.compressed_allreduce_``: quantized partitions
-are scattered to their "servers", summed there, re-quantized and all-gathered, so each rank sends
-~1/4 of the bytes of a float32 allreduce. As in the paper, neither uses error feedback by default
-(``error_feedback=True`` adds worker and server error compensation, checkpointed per rank and
-parameter). Hierarchy, scaling and byte counts are the framework's.
+Each bucket's gradient goes through C_LP_S (a ``lowprec.CompressedExchange``, planned once a
+flattened bucket and kept across steps; ``compressed_allreduce_`` for each gradient of an
+unflattened one): quantized partitions are scattered to their "servers", summed there,
+re-quantized and all-gathered, so each rank sends ~1/4 of the bytes of a float32 allreduce. As
+in the paper, neither uses error feedback by default (``error_feedback=True`` adds worker and
+server error compensation, checkpointed per rank and parameter). Hierarchy, scaling and byte
+counts are the framework's.
 
 * ``qsgd``: stochastic rounding to ``levels`` levels of each chunk's norm (unbiased); the random
   stream is seeded per (seed, step, names of the parameters the tensor covers, rank,
@@ -16,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..primitives.codecs import Codec, MinMaxCodec, QSGDCodec, call_seed
-from ..primitives.lowprec import (compressed_allreduce_, compressed_reduce_scatter_,
-                                  padded_length, partition_length)
+from ..primitives.lowprec import (CompressedExchange, Segment, compressed_allreduce_,
+                                  compressed_reduce_scatter_, padded_length, partition_length)
 from .base import Algorithm, AlgorithmImpl
-from .forms import float32
+from .forms import float32, float32_flat
 from .registry import register
 from .state import names_key
 from .validation import (boolean, minmax_bits, positive_int, qsgd_levels, random_seed,
@@ -56,12 +58,32 @@ class CompressedAllReduceImpl(AlgorithmImpl):
     def init_tensor(self, segments, device) -> None:
         self.error_state(segments, device)
 
+    def reduce_bucket(self, bucket, step: int) -> None:
+        """One C_LP_S of the bucket's flat gradient, planned once and kept across steps
+        (``kept_plan``: the checks and the views of the gradient and error memories), run
+        with this step's seed. Without flattening, each gradient on its own
+        (``reduce_tensor``)."""
+        if bucket.flat_grad is None:
+            super().reduce_bucket(bucket, step)
+            return
+        segments = bucket.segments()
+        seed = self.stream_seed(step, segments)
+        with float32_flat(bucket) as grad:
+            errors = self.error_state(segments, grad.device)   # their padding zeroed each step
+            exchange = self.kept_plan(bucket, grad, lambda: CompressedExchange(
+                [Segment(grad, self.codec, *errors, seed=seed)], self.comm.Get_size()))
+            exchange.run(self.transport, scale=self.scale, stats=self.wire, seeds=[seed])
+
     def reduce_tensor(self, grad, segments, step: int) -> None:
         worker_error, server_error = self.error_state(segments, grad.device)
-        seed = call_seed(getattr(self.algorithm, "seed", 0), step, names_key(segments))
         compressed_allreduce_(grad, self.transport, self.codec, worker_error=worker_error,
-                              server_error=server_error, scale=self.scale, seed=seed,
-                              stats=self.wire)
+                              server_error=server_error, scale=self.scale,
+                              seed=self.stream_seed(step, segments), stats=self.wire)
+
+    def stream_seed(self, step: int, segments) -> int:
+        """The random stream of ``step``'s exchange of the tensor over ``segments``: the same on
+        every rank, and the tensor's whatever the bucketing (QSGD's; ByteGrad reads none)."""
+        return call_seed(getattr(self.algorithm, "seed", 0), step, names_key(segments))
 
     def reduce_scatter_bucket(self, bucket, step: int, out) -> None:
         """ZeRO stage 2: the first half of C_LP_S on the padded bucket: this rank receives the
@@ -70,11 +92,10 @@ class CompressedAllReduceImpl(AlgorithmImpl):
         (nothing is re-compressed)."""
         segments = bucket.segments()
         worker_error, _ = self.error_state(segments, bucket.device)
-        seed = call_seed(getattr(self.algorithm, "seed", 0), step, names_key(segments))
         with float32(bucket.grad_storage) as padded, float32(out) as mine:
             compressed_reduce_scatter_(padded, self.transport, self.codec, mine,
-                                       worker_error=worker_error, scale=self.scale, seed=seed,
-                                       stats=self.wire)
+                                       worker_error=worker_error, scale=self.scale,
+                                       seed=self.stream_seed(step, segments), stats=self.wire)
 
 
 @register

@@ -54,6 +54,19 @@ def float32_all(tensors: list[torch.Tensor]):
 
 
 @contextlib.contextmanager
+def float32_flat(bucket):
+    """A flattened bucket's gradient buffer as one flat float32 tensor where it lives: the
+    buffer itself when it is float32 (the same object every step until it is replaced, so an
+    exchange may keep what it plans of it: ``AlgorithmImpl.kept_plan``), else a float32 copy,
+    written back on a clean exit."""
+    if bucket.flat_grad.dtype == torch.float32:
+        yield bucket.flat_grad
+        return
+    with float32(bucket.flat_grad) as work:
+        yield work
+
+
+@contextlib.contextmanager
 def float32_layers(bucket):
     """A bucket's gradients as flat float32 tensors where they live, one a parameter in its
     memory order: slices of one float32 form of the bucket's flat buffer (the buffer itself

@@ -45,12 +45,11 @@ from ..buffers import HOST_PIECE, host_pieces
 from ..exceptions import MisuseError
 from ..layout import real_view
 from ..optimizer_hooks import step_in_place_of
-from ..primitives.codecs import OneBitCodec, call_seed
-from ..primitives.lowprec import compressed_allreduce_
+from ..primitives.codecs import OneBitCodec
+from ..primitives.lowprec import CompressedExchange, Segment
 from .base import Algorithm
 from .compressed import CompressedAllReduceImpl
 from .registry import register
-from .state import names_key
 from .validation import positive_int, random_seed, word_aligned_chunk
 
 logger = logging.getLogger(__name__)
@@ -117,12 +116,12 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
             contribution = contribution + self.l2 * bucket.param_vector()
         # one pass over m (a device launch) where mul_ then add_ made two
         m.lerp_(contribution, 1 - self.betas[0])
-        worker_error, server_error = self.momentum_errors(bucket)
-        compressed_allreduce_(m, self.transport, self.codec, worker_error=worker_error,
-                              server_error=server_error, scale=1.0 / c,
-                              seed=call_seed(self.algorithm.seed, step,
-                                             names_key(bucket.segments())),
-                              stats=self.wire)
+        errors = self.momentum_errors(bucket)   # their padding zeroed each step
+        seed = self.stream_seed(step, bucket.segments())
+        # the momentum and its errors are the state's: planned once, kept while they stay
+        exchange = self.kept_plan(bucket, None, lambda: CompressedExchange(
+            [Segment(m, self.codec, *errors, seed=seed)], c))
+        exchange.run(self.transport, scale=1.0 / c, stats=self.wire, seeds=[seed])
         self._grad_versions[bucket.index] = _versions(bucket)
 
     def exchanged_tensors(self, bucket, step: int) -> list[torch.Tensor]:

@@ -121,10 +121,10 @@ class CompressedExchange:
 
     A plan holds views of the segments' tensors and error memories: it stays right while they
     stay where they are. A caller that keeps one across steps makes a new one when they move
-    (L-GreCo keeps one a bucket: ``AlgorithmImpl.kept_plan``)."""
+    (QSGD, ByteGrad and L-GreCo keep one a bucket: ``AlgorithmImpl.kept_plan``)."""
 
     def __init__(self, segments: list[Segment], n: int):
-        self.n = n
+        self.n, self.segments = n, len(segments)
         self.device = device = any(seg.flat.is_cuda for seg in segments)
         for seg in segments:
             if seg.flat.dtype != torch.float32 or not seg.flat.is_contiguous():
@@ -147,14 +147,21 @@ class CompressedExchange:
         self.steps, self.row = _steps_of(xs, wes, ses, [seg.codec for seg in segments],
                                          [seg.seed for seg in segments], n, device, bases)
 
-    def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None) -> None:
+    def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None,
+            seeds: list[int] | None = None) -> None:
         """The steps of the module docstring for every segment, over ``comm`` (a communicator
         or a ``transport.Transport`` of the plan's n ranks; no call when every segment is
-        empty)."""
+        empty). ``seeds``: each segment's seed for this run, in the segments' order (QSGD
+        draws a new random stream each step); None keeps the planned ones."""
         wire = transport.of(comm)
         if wire.size != self.n:
             raise ValueError(f"this C_LP_S was planned for {self.n} ranks, and the "
                              f"communicator has {wire.size}")
+        if seeds is not None:
+            if len(seeds) != self.segments:
+                raise ValueError(f"this C_LP_S has {self.segments} segments, and "
+                                 f"{len(seeds)} seeds were given")
+            self.steps.reseed(seeds)
         _run_steps(self.steps, self.row, wire, scale, stats, self.device)
 
 
@@ -250,6 +257,11 @@ class _OneByOne:
     def __init__(self, plans: list[_Plan], device: bool):
         self.plans, self.device = plans, device
 
+    def reseed(self, seeds: list[int]) -> None:
+        """Each segment's seed for the next run (``seeds`` in the segments' order)."""
+        for plan in self.plans:
+            plan.seed = seeds[plan.index]
+
     def compress_rows(self, send, rank: int) -> None:
         """Phase 1: partition k of every segment (worker error fused, seed ``call_seed(seed,
         rank, k, 1)``) into row k of send."""
@@ -279,6 +291,9 @@ class _Together:
 
     def __init__(self, layout: _TogetherLayout, bases: SharedBases, device: bool):
         self.layout, self.bases, self.device = layout, bases, device
+
+    def reseed(self, seeds: list[int]) -> None:
+        """Nothing: min-max rounds deterministically and reads no seed."""
 
     def compress_rows(self, send, rank: int) -> None:
         """Phase 1: partition k of every segment (+ its worker error) into row k of send."""
@@ -393,17 +408,18 @@ class _Plan:
     cols: slice  # its bytes in each rank's message
     worker_error: object
     server_error: object
+    index: int = 0  # the segment's place in the exchange's list
 
 
 def _plans(xs, wes, ses, codecs, seeds, n: int) -> tuple[list[_Plan], int]:
     """The non-empty segments' plans, and the bytes of one rank's message to one server."""
     plans, row = [], 0
-    for x, we, se, codec, seed in zip(xs, wes, ses, codecs, seeds):
+    for index, (x, we, se, codec, seed) in enumerate(zip(xs, wes, ses, codecs, seeds)):
         if x.size == 0:
             continue
         part = partition_length(x.size, n)
         nbytes = codec.format(part).nbytes
-        plans.append(_Plan(codec, seed, x, part, slice(row, row + nbytes), we, se))
+        plans.append(_Plan(codec, seed, x, part, slice(row, row + nbytes), we, se, index))
         row += nbytes
     return plans, row
 

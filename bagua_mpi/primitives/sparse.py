@@ -71,20 +71,33 @@ def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: t
 
     Contiguous float32 CUDA tensors (flat and residual) stay on the device: selection,
     scaling and the scatter-add run as the CUDA kernels, and only the k-pair payloads move
-    (device buffers to a CUDA-aware MPI, else through reused pinned host buffers)."""
-    _check_segment(SparseSegment(flat, k, residual))
-    if flat.is_cuda != residual.is_cuda:
-        raise ValueError(f"flat and residual must live together, got {flat.device} and "
-                         f"{residual.device}")
-    if flat.is_cuda:
-        from numba import cuda
-        _topk_arrays(cuda.as_cuda_array(flat.detach()), cuda.as_cuda_array(residual.detach()),
-                     k, comm, scale, index_dtype, stats, True)
-        return flat
-    fit_kernel_threads()
-    _topk_arrays(host_view(flat), host_view(residual), k, comm, scale, index_dtype, stats,
-                 False)
+    (device buffers to a CUDA-aware MPI, else through reused pinned host buffers). One call
+    plans the exchange and runs it once (``TopKExchange``, which a caller keeps to run it
+    every step)."""
+    TopKExchange(flat, k, residual, index_dtype).run(comm, scale=scale, stats=stats)
     return flat
+
+
+class TopKExchange:
+    """Top-k S-SGD's all-gather of one tensor: planned once (the checks and the views of the
+    tensor and its residual: a view of a CUDA tensor costs some 24 us of host time), run
+    every step. It holds views of the two: a caller that keeps it across steps makes a new
+    one when they move (``topk`` keeps one a bucket: ``AlgorithmImpl.kept_plan``)."""
+
+    def __init__(self, flat: torch.Tensor, k: int, residual: torch.Tensor,
+                 index_dtype: str = "int32"):
+        _check_segment(SparseSegment(flat, k, residual))
+        if flat.is_cuda != residual.is_cuda:
+            raise ValueError(f"flat and residual must live together, got {flat.device} and "
+                             f"{residual.device}")
+        self.device, self.k, self.index_dtype = flat.is_cuda, k, index_dtype
+        self.x, self.residual = device_arrays.array_of(flat), device_arrays.array_of(residual)
+
+    def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None) -> None:
+        if not self.device:
+            fit_kernel_threads()
+        _topk_arrays(self.x, self.residual, self.k, comm, scale, self.index_dtype, stats,
+                     self.device)
 
 
 def _topk_arrays(x, res, k: int, comm, scale: float, index_dtype: str,
@@ -171,7 +184,7 @@ class GTopKExchange:
 
     A plan holds views of the segments' tensors and residuals: it stays right while they
     stay where they are. A caller that keeps one across steps makes a new one when they move
-    (L-GreCo keeps one a bucket: ``AlgorithmImpl.kept_plan``). Host and device segments
+    (gTop-k and L-GreCo keep one a bucket: ``AlgorithmImpl.kept_plan``). Host and device segments
     together are refused: ``packed_gtopk_allreduce_`` stages such a mix whole."""
 
     def __init__(self, segments: list[SparseSegment], index_dtype: str = "int32"):

@@ -1,16 +1,20 @@
-"""Exchange plans kept across steps (``AlgorithmImpl.kept_plan``): PowerSGD's, and those of
-L-GreCo's three families (PowerSGD, min-max C_LP_S, gTop-k).
+"""Exchange plans kept across steps (``AlgorithmImpl.kept_plan``): PowerSGD's, QSGD's and
+ByteGrad's (C_LP_S), Top-k's and gTop-k's, 1-bit Adam's, and those of L-GreCo's three families
+(PowerSGD, min-max C_LP_S, gTop-k).
 
-``python kept_plans_suite.py`` on every rank. A kept plan holds views of a bucket's gradients and of
-the layers' state tensors, made at the first compressed step; it must be made again whenever those
-move. The oracle is a twin optimizer, with the same model and per-rank data, that plans every step
-(its kept plans are dropped before each step). Through steps with the plan kept, a skipped step
-(gradients exchanged, then discarded: PowerSGD's Q restarts, so its plans are made again; error
-memories and residuals are zeroed where they are, so the others' plans are kept), a roll-back to an
+``python kept_plans_suite.py`` on every rank. A kept plan holds views of a bucket's gradients
+and of the algorithm's state tensors, made at the first compressed step; it must be made again
+whenever those move. The oracle is a twin optimizer, with the same model and per-rank data,
+that plans every step (its kept plans are dropped before each step). Through steps with the
+plan kept, a skipped step (gradients exchanged, then discarded: PowerSGD's Q restarts, so its
+plans are made again; error memories and residuals are zeroed where they are, so the others'
+plans are kept; 1-bit Adam refuses the skip, so it takes a step there), a roll-back to an
 earlier state loaded into the stepped optimizer, and, for L-GreCo, decisions that replace the
-assignment, both must hold the same parameters bit for bit after each phase, and the kept plans must
-be the same objects while nothing moved and new ones after. A bfloat16 model's buckets (a float32
-copy of the gradients each step) keep no plan and match their twin too.
+assignment, both must hold the same parameters bit for bit after each phase, the kept plans
+must be the same objects while nothing moved and new ones after, and a step with kept plans
+must view no tensor. A bfloat16 model's buckets (a float32 copy of the gradients each step)
+keep no plan, unless the plan views only the algorithm's float32 state (1-bit Adam's
+momentum), and match their twin too.
 """
 import sys
 import warnings
@@ -18,19 +22,30 @@ import warnings
 import torch
 
 import bagua_mpi as bm
-from bagua_mpi.algorithms import PowerSGD
+from bagua_mpi.algorithms import QSGD, ByteGrad, GTopK, OneBitAdam, PowerSGD, TopK
 from bagua_mpi.lgreco import LGreCo
+from bagua_mpi.primitives import device_arrays
 from checks import run_suite
 
 # decisions after steps 2, 5, 8 and 11
 ALGORITHMS = {
     "powersgd": lambda: PowerSGD(rank=2, seed=3),
+    # a bucket's flat gradient in one exchange, with error memories or a residual
+    "qsgd": lambda: QSGD(levels=15, seed=5, error_feedback=True),
+    "bytegrad": lambda: ByteGrad(bits=4, error_feedback=True),
+    "topk": lambda: TopK(density=0.1),
+    "gtopk": lambda: GTopK(density=0.1),
+    # its momentum's exchange, from the third step on (Adam, below)
+    "onebit_adam": lambda: OneBitAdam(warmup_steps=2),
     **{f"lgreco_{family}": (lambda family=family, default=default: LGreCo(
         family=family, default=default, warmup_steps=3, period_steps=3))
        for family, default in (("powersgd", 2), ("minmax", 4), ("topk", 0.05))},
 }
 # those whose plans view state that a skipped step makes anew (PowerSGD's Q)
 SKIP_REPLANS = {"powersgd", "lgreco_powersgd"}
+REFUSES_SKIPS = {"onebit_adam"}
+# those whose plans view the algorithm's state only, not the gradients (1-bit Adam's momentum)
+PLANS_STATE_ONLY = {"onebit_adam"}
 
 
 def twins(make_algorithm, dtype=torch.float32):
@@ -41,25 +56,38 @@ def twins(make_algorithm, dtype=torch.float32):
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                     torch.nn.Linear(32, 24), torch.nn.Tanh(),
                                     torch.nn.Linear(24, 8)).to(dtype)
-        opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+        algorithm = make_algorithm()
+        inner = (torch.optim.Adam(model.parameters(), lr=1e-3)
+                 if isinstance(algorithm, OneBitAdam) else
+                 torch.optim.SGD(model.parameters(), lr=0.05))
+        opt = bm.DistributedOptimizer(inner,
                                       named_parameters=model.named_parameters(),
-                                      algorithm=make_algorithm(), bucket_size_mb=0.004)
+                                      algorithm=algorithm, bucket_size_mb=0.004)
         pair.append((model, opt))
     return pair
 
 
 def step_both(pair, x, take=True):
     """One step of each twin on ``x`` (the second plans afresh); ``take=False``: the
-    gradients are exchanged, then discarded (the next backward pass skips the step)."""
+    gradients are exchanged, then discarded (the next backward pass skips the step). Returns
+    how many tensors the first twin's exchanges viewed as arrays for the kernels."""
+    views = []
+    original = device_arrays.array_of
     for (model, opt), replan in zip(pair, (False, True)):
         if replan:
             opt.impl._plans.clear()
-        opt.zero_grad()
-        model(x.to(next(model.parameters()).dtype)).square().mean().backward()
-        if take:
-            opt.step()
-        else:
-            opt.synchronize()
+        else:   # counted while this twin's exchanges run (in the communication thread)
+            device_arrays.array_of = lambda t: views.append(t) or original(t)
+        try:
+            opt.zero_grad()
+            model(x.to(next(model.parameters()).dtype)).square().mean().backward()
+            if take:
+                opt.step()
+            else:
+                opt.synchronize()
+        finally:
+            device_arrays.array_of = original
+    return len(views)
 
 
 def assert_same(pair, phase):
@@ -81,13 +109,16 @@ def check_kept_plans(name, rank, size):
     assert buckets >= 2 and len(impl._plans) == buckets, (buckets, impl._plans)
     plans = dict(impl._plans)
     saved = ([p.detach().clone() for p in model.parameters()], opt.algorithm_state_dict())
-    step_both(pair, batches[4])
+    views = step_both(pair, batches[4])
     assert all(impl._plans[k] is plans[k] for k in plans), "a kept plan was made again"
+    # nothing viewed in a step with kept plans (a view of a CUDA tensor costs some 24 us)
+    assert views == 0, f"{views} tensors viewed in a step with kept plans"
     assert_same(pair, "steps with kept plans")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the discarded exchange is warned about
-        step_both(pair, batches[5], take=False)
+        # 1-bit Adam refuses a skipped step in its compressed stage (a named MisuseError)
+        step_both(pair, batches[5], take=name in REFUSES_SKIPS)
         step_both(pair, batches[6])
     if name in SKIP_REPLANS:
         assert all(impl._plans[k] is not plans[k] for k in plans), "no new plan after a skip"
@@ -117,7 +148,10 @@ def check_kept_plans(name, rank, size):
     pair = twins(make, torch.bfloat16)
     for x in batches[:6]:
         step_both(pair, x)
-    assert not pair[0][1].impl._plans, "a plan kept for a float32 copy made each step"
+    if name in PLANS_STATE_ONLY:   # the momentum is float32 whatever the gradients
+        assert pair[0][1].impl._plans, "no plan kept of the algorithm's own state"
+    else:
+        assert not pair[0][1].impl._plans, "a plan kept for a float32 copy made each step"
     assert_same(pair, "bfloat16 buckets")
     for _, o in pair:
         o.close()
