@@ -1,10 +1,15 @@
-"""L-GreCo under a real mpiexec (see tests/mpi/lgreco_suite.py)."""
+"""L-GreCo under a real mpiexec (see tests/mpi/lgreco_suite.py); each check is its own test,
+at 2 and 4 ranks."""
 import pytest
 
-from mpi_harness import assert_mpi_ok, run_mpi
+from mpi_harness import assert_check_passed, suite_job
+
+import lgreco_suite
+
+suite_run = suite_job("lgreco_suite.py")
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_lgreco_decisions_training_and_state(nprocs):
-    assert_mpi_ok(run_mpi("lgreco_suite.py", nprocs, timeout=300),
-                  f"lgreco suite OK on {nprocs} ranks")
+@pytest.mark.parametrize("check", list(lgreco_suite.suite_checks()))
+def test_lgreco(check, nprocs):
+    assert_check_passed(suite_run(nprocs), check)

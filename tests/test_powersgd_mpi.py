@@ -1,10 +1,15 @@
-"""PowerSGD (primitive and algorithm) under a real mpiexec, at 1 to 4 ranks."""
+"""PowerSGD (primitive and algorithm) under a real mpiexec, at 1 to 4 ranks (see
+tests/mpi/powersgd_suite.py); each check is its own test."""
 import pytest
 
-from mpi_harness import assert_mpi_ok, run_mpi
+from mpi_harness import assert_check_passed, suite_job
+
+import powersgd_suite
+
+suite_run = suite_job("powersgd_suite.py")
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
-def test_powersgd_against_simulation_exact_cases_and_training(nprocs):
-    assert_mpi_ok(run_mpi("powersgd_suite.py", nprocs, timeout=300),
-                  f"powersgd suite OK on {nprocs} ranks")
+@pytest.mark.parametrize("check", list(powersgd_suite.suite_checks()))
+def test_powersgd(check, nprocs):
+    assert_check_passed(suite_run(nprocs), check)

@@ -1,5 +1,7 @@
 """L-GreCo under mpiexec: decisions identical on every rank, reacting to layer statistics,
-training within tolerance of uniform compression, and a state round-trip."""
+training within tolerance of uniform compression, and a state round-trip.
+
+``python lgreco_suite.py [--check NAME]`` on every rank; each check reports its own line."""
 import contextlib
 import itertools
 import sys
@@ -11,6 +13,7 @@ from bagua_mpi.lgreco import LGreCo
 from bagua_mpi.primitives import device_arrays, lowprec, sparse
 from bagua_mpi.primitives.lowprec import Segment
 from bagua_mpi.primitives.sparse import SparseSegment
+from checks import run_suite
 
 
 class Hetero(torch.nn.Module):
@@ -203,19 +206,17 @@ def check_topk_residuals_end_to_end(rank):
         assert all(torch.equal(r, b) for r, b in zip(again, before))
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
-    algo = LGreCo(family="minmax", default=4, warmup_steps=10, period_steps=10)
-    loss, history, opt = train(algo, 60, rank)
-    check_error_memories_end_to_end(opt)
-    check_layers_together_as_one_by_one(
-        rank, LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4), lowprec, 3)
-    check_topk_residuals_end_to_end(rank)
-    # every decision is the same on every rank
+MINMAX = LGreCo(family="minmax", default=4, warmup_steps=10, period_steps=10)
+TIME_AWARE = LGreCo(family="minmax", default=4, warmup_steps=5, period_steps=10,
+                    time_aware=True)
+
+
+def check_decisions_and_training(rank, size):
+    """Every decision the same on every rank, one packed exchange per bucket and step
+    whatever its layers, and training within 1.25x of uniform 4-bit min-max and of float32."""
+    loss, history, opt = train(MINMAX, 60, rank)
     assert bm.allgather_object(history) == [history] * size
     assert opt.impl.decisions == 6, opt.impl.decisions
-    # one packed exchange per bucket and step, whatever the number of layers in the bucket
     buckets = opt.impl.observations
     layers = sum(len(b.params) for b in opt.buckets)
     assert layers > len(buckets) and all(len(obs) == 60 for obs in buckets.values()), \
@@ -223,42 +224,77 @@ def main():
     uniform, _, _ = train(bm.algorithms.ByteGrad(bits=4, error_feedback=True), 60, rank)
     dense, _, _ = train("gradient_allreduce", 60, rank)
     assert loss <= 1.25 * uniform + 0.01 and loss <= 1.25 * dense + 0.01, (loss, uniform, dense)
-    # statistics change -> the assignment changes
-    _, history, _ = train(algo, 60, rank, boost_after=30)
+
+
+def check_error_memories(rank, size):
+    check_error_memories_end_to_end(train(MINMAX, 20, rank)[2])
+
+
+def check_minmax_layers_together(rank, size):
+    check_layers_together_as_one_by_one(
+        rank, LGreCo(family="minmax", default=4, warmup_steps=3, period_steps=4), lowprec, 3)
+
+
+def check_topk_residuals(rank, size):
+    check_topk_residuals_end_to_end(rank)
+
+
+def check_assignment_follows_statistics(rank, size):
+    """Statistics change -> the assignment changes: once the head's gradient is 1000x larger,
+    its error dominates the budget, so it keeps the most bits and every other layer can drop
+    to the fewest (2 of the 2..8 searched around the default 4). Assignments are keyed by
+    parameter name."""
+    _, history, _ = train(MINMAX, 60, rank, boost_after=30)
     before, after = history[29], history[-1]
-    head = "head.weight"  # assignments are keyed by parameter name
+    head = "head.weight"
     assert before != after, (before, after)
-    # its error now dominates the budget: it keeps the most bits, every other layer can drop
-    # to the fewest (2 of the 2..8 searched around the default 4)
     assert after[head] == 8 and all(after[k] == 2 for k in after if k != head), after
     assert any(before[k] > 2 for k in before if k != head), before
-    # the PowerSGD and top-k families and the time-aware variant run and agree across ranks
-    # (each against the uniform setting of its family over the same steps)
+
+
+def check_families_and_time_aware(rank, size):
+    """The PowerSGD and top-k families and the time-aware variant run and agree across ranks,
+    each within 1.25x of the uniform setting of its family over the same steps."""
     for variant, uniform_algo in (
             (LGreCo(family="powersgd", default=2, warmup_steps=5, period_steps=10),
              LGreCo(family="powersgd", default=2, warmup_steps=10**9)),
             (LGreCo(family="topk", default=0.05, warmup_steps=5, period_steps=10),
              bm.algorithms.GTopK(density=0.05)),
-            (LGreCo(family="minmax", default=4, warmup_steps=5, period_steps=10,
-                    time_aware=True), bm.algorithms.ByteGrad(bits=4, error_feedback=True))):
-        loss_v, history, opt = train(variant, 30, rank)
+            (TIME_AWARE, bm.algorithms.ByteGrad(bits=4, error_feedback=True))):
+        loss_v, history, _ = train(variant, 30, rank)
         assert bm.allgather_object(history) == [history] * size
         reference, _, _ = train(uniform_algo, 30, rank)
         assert loss_v <= 1.25 * reference + 0.01, (variant, loss_v, reference)
-    # unflattened buckets stage each layer's own gradient: the same exchange, the same result
+
+
+def check_unflattened_buckets(rank, size):
+    """Unflattened buckets stage each layer's own gradient: the same exchange, the same
+    result."""
     algo = LGreCo(family="minmax", default=3, warmup_steps=5, period_steps=5)
     flat_loss, flat_history, _ = train(algo, 15, rank)
     loose_loss, loose_history, _ = train(algo, 15, rank, flatten=False)
     assert (flat_loss, flat_history) == (loose_loss, loose_history), (flat_loss, loose_loss)
-    check_bfloat16_gradients(rank, size)
-    # state round-trip (what checkpoints store)
-    state = opt.algorithm_state_dict()
-    opt.load_algorithm_state_dict(state)
+
+
+def check_state_round_trip(rank, size):
+    """What checkpoints store: the assignment survives a state round-trip."""
+    _, history, opt = train(TIME_AWARE, 30, rank)
+    opt.load_algorithm_state_dict(opt.algorithm_state_dict())
     assert opt.impl.assignment == history[-1]
-    if rank == 0:
-        print(f"lgreco suite OK on {size} ranks; loss {loss:.5f} uniform {uniform:.5f} "
-              f"dense {dense:.5f}; assignment {before} -> {after}", flush=True)
+
+
+def suite_checks() -> dict:
+    """Every check by name, each reported on its own (``checks.run_suite``)."""
+    return {"decisions_and_training": check_decisions_and_training,
+            "error_memories_end_to_end": check_error_memories,
+            "minmax_layers_together_as_one_by_one": check_minmax_layers_together,
+            "topk_residuals_end_to_end": check_topk_residuals,
+            "assignment_follows_statistics": check_assignment_follows_statistics,
+            "families_and_time_aware": check_families_and_time_aware,
+            "unflattened_buckets": check_unflattened_buckets,
+            "bfloat16_gradients": check_bfloat16_gradients,
+            "state_round_trip": check_state_round_trip}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_suite(suite_checks()))

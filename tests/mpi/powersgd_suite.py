@@ -1,5 +1,7 @@
 """PowerSGD: the primitive against a NumPy simulation of every rank, exact cases, training.
 
+``python powersgd_suite.py [--check NAME]`` on every rank; each check reports its own line.
+
 Each rank builds every rank's gradients from a seed, runs ``powersgd_allreduce_`` for real and
 compares with a float64 NumPy simulation of all ranks (orthonormalization by ``np.linalg.qr``
 with the signs fixed so that R has a positive diagonal, as Gram-Schmidt gives: an independent
@@ -16,6 +18,7 @@ from bagua_mpi.algorithms import PowerSGD
 from bagua_mpi.primitives import LowRankSegment, initial_q, lowrank, powersgd_allreduce_
 from bagua_mpi.primitives.lowrank import (orthonormalize, orthonormalize_packed_,
                                           orthonormalize_packed_host_)
+from checks import run_suite
 from dispatch_count import DispatchCount
 
 # (rows, cols, rank, error feedback, r_max): r < min, r = min with rows < cols and with
@@ -577,26 +580,20 @@ def on_the_device_route(check):
     return run
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
-    checks = check_against_simulation(rank, size)
-    checks += check_exact_cases(rank, size)
-    checks += on_the_device_route(check_against_simulation)(rank, size)
-    checks += on_the_device_route(check_exact_cases)(rank, size)
-    check_operations_per_layer(rank, size)
-    on_the_device_route(check_operations_per_layer)(rank, size)
-    check_batches_in_common_memory(rank, size)
-    on_the_device_route(check_batches_in_common_memory)(rank, size)
-    check_bad_input(rank, size)
-    check_first_step(rank, size)
-    losses = check_training(rank, size)
-    ratio = check_bytes(rank, size)
-    check_state_round_trip(rank, size)
-    if rank == 0:
-        print(f"powersgd suite OK on {size} ranks: {checks} primitive checks; losses {losses}; "
-              f"dense/powersgd bytes {ratio}", flush=True)
+def suite_checks() -> dict:
+    """Every check by name, each reported on its own (``checks.run_suite``); the primitive's
+    checks also on the device route (the P's orthonormalized as CUDA tensors' are)."""
+    primitive = {"against_simulation": check_against_simulation,
+                 "exact_cases": check_exact_cases,
+                 "operations_per_layer": check_operations_per_layer,
+                 "batches_in_common_memory": check_batches_in_common_memory}
+    return {**primitive,
+            **{f"{name}_device_route": on_the_device_route(check)
+               for name, check in primitive.items()},
+            "bad_input": check_bad_input, "first_step": check_first_step,
+            "training": check_training, "bytes": check_bytes,
+            "state_round_trip": check_state_round_trip}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_suite(suite_checks()))
