@@ -6,20 +6,25 @@ on its own line; every check is its own test here, so one failure hides no other
 import pytest
 
 import bagua_mpi as bm
-from mpi_harness import assert_check_passed, assert_mpi_ok, library_algorithms, run_mpi, suite_job
+from mpi_harness import assert_check_passed, library_algorithms, suite_job
 
 import algorithms_suite
+import primitives_suite
+
+
+primitives_run = suite_job("primitives_suite.py")
+two_node_primitives_run = suite_job("primitives_suite.py", env={"BAGUA_MPI_RANKS_PER_NODE": "2"})
 
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
-def test_primitives_against_simulation(nprocs):
-    assert_mpi_ok(run_mpi("primitives_suite.py", nprocs, timeout=300),
-                  f"primitives suite OK on {nprocs} ranks")
+@pytest.mark.parametrize("check", list(primitives_suite.suite_checks()))
+def test_primitives_against_simulation(check, nprocs):
+    assert_check_passed(primitives_run(nprocs), check)
 
 
-def test_hierarchical_primitives_on_two_simulated_nodes():
-    assert_mpi_ok(run_mpi("primitives_suite.py", 4, env={"BAGUA_MPI_RANKS_PER_NODE": "2"},
-                          timeout=300), "primitives suite OK on 4 ranks")
+@pytest.mark.parametrize("check", list(primitives_suite.suite_checks()))
+def test_primitives_on_two_simulated_nodes(check):
+    assert_check_passed(two_node_primitives_run(4), check)
 
 
 suite_run = suite_job("algorithms_suite.py", timeout=900)

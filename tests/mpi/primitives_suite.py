@@ -1,4 +1,6 @@
-"""BAGUA's primitives against a NumPy simulation of every rank .
+"""BAGUA's primitives against a NumPy simulation of every rank.
+
+``python primitives_suite.py [--check NAME]`` on every rank; each check reports its own line.
 
 Each rank builds every rank's input from a seed, runs the primitive for real, and compares with
 a single-process simulation of the same algorithm that uses the same compressor functions,
@@ -18,6 +20,7 @@ from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDC
 from bagua_mpi.algorithms import AlgorithmContext, AlgorithmImpl
 from bagua_mpi.primitives.codecs import call_seed
 from bagua_mpi.primitives.lowprec import compressed_reduce_scatter_
+from checks import run_suite
 
 
 def inputs(seed, size, length, integer=False):
@@ -294,19 +297,16 @@ def check_cast_allreduce(rank, size):
     return checks
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
-    checks = check_cast_allreduce(rank, size)
-    checks += check_compressed_allreduce(rank, size)
-    checks += check_packed_compressed_allreduce(rank, size)
-    checks += check_compressed_reduce_scatter(rank, size)
-    checks += check_hierarchical_compressed(rank, size)
-    checks += check_decentralized(rank, size)
-    checks += check_low_precision_decentralized(rank, size)
-    if rank == 0:
-        print(f"primitives suite OK on {size} ranks: {checks} checks", flush=True)
+def suite_checks() -> dict:
+    """Every check by name, each reported on its own (``checks.run_suite``)."""
+    return {"cast_allreduce": check_cast_allreduce,
+            "compressed_allreduce": check_compressed_allreduce,
+            "packed_compressed_allreduce": check_packed_compressed_allreduce,
+            "compressed_reduce_scatter": check_compressed_reduce_scatter,
+            "hierarchical_compressed": check_hierarchical_compressed,
+            "decentralized": check_decentralized,
+            "low_precision_decentralized": check_low_precision_decentralized}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_suite(suite_checks()))
