@@ -181,7 +181,8 @@ def check_packed_gtopk_in_common_memory(rank, size, kept=False):
         segments = [SparseSegment(m, k, r) for m, (_, k), r in zip(mine, layers, res)]
         assert _shared_bases(segments) is not None, "the layers' common memory was not found"
         if kept:
-            plan = plan if step else GTopKExchange(segments)
+            if step == 0:   # planned at the first step, run at every step
+                plan = GTopKExchange(segments)
             plan.run(comm, scale=1.0 / size)
         else:
             packed_gtopk_allreduce_(segments, comm, scale=1.0 / size)
