@@ -123,7 +123,7 @@ class AlgorithmContext:
 class KeptPlan:
     """A bucket's exchange plan and what it was made for (``AlgorithmImpl.kept_plan``)."""
 
-    grads: list
+    grads: list | torch.Tensor | None
     also: Any
     generation: int
     plan: Any

@@ -124,7 +124,7 @@ class CompressedExchange:
     (QSGD, ByteGrad and L-GreCo keep one a bucket: ``AlgorithmImpl.kept_plan``)."""
 
     def __init__(self, segments: list[Segment], n: int):
-        self.n, self.segments = n, len(segments)
+        self.n, self.segment_count = n, len(segments)
         self.device = device = any(seg.flat.is_cuda for seg in segments)
         for seg in segments:
             if seg.flat.dtype != torch.float32 or not seg.flat.is_contiguous():
@@ -158,8 +158,8 @@ class CompressedExchange:
             raise ValueError(f"this C_LP_S was planned for {self.n} ranks, and the "
                              f"communicator has {wire.size}")
         if seeds is not None:
-            if len(seeds) != self.segments:
-                raise ValueError(f"this C_LP_S has {self.segments} segments, and "
+            if len(seeds) != self.segment_count:
+                raise ValueError(f"this C_LP_S has {self.segment_count} segments, and "
                                  f"{len(seeds)} seeds were given")
             self.steps.reseed(seeds)
         _run_steps(self.steps, self.row, wire, scale, stats, self.device)

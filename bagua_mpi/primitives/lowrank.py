@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from .. import transport
 from ..accounting import WireStats
-from ..buffers import host_view
+from ..buffers import FusedTensors, host_view
 
 # A Gram-Schmidt residual at most this fraction of the column's own norm is roundoff of a
 # column that lies in the span of the earlier ones: it is zeroed rather than normalized. P
@@ -457,18 +457,14 @@ class _WarmStart:
     def __init__(self, segments: list[LowRankSegment], cols: list[int], q_buf: torch.Tensor):
         layout = tuple((m, seg.rank, seg.q.shape[1]) for m, seg in zip(cols, segments))
         self.positions, self.column_of = _warm_start_maps(layout, str(q_buf.device))
-        self.qs = [seg.q for seg in segments]
-        self.whole = torch.empty(sum(q.numel() for q in self.qs), dtype=torch.float32,
-                                 device=q_buf.device)
-        self.parts = [part.view(q.shape) for part, q in
-                      zip(self.whole.split([q.numel() for q in self.qs]), self.qs)]
+        self.qs = FusedTensors([seg.q for seg in segments])
 
     def __call__(self, q_avg: torch.Tensor, live_columns: torch.Tensor) -> None:
-        whole, positions = self.whole, self.positions
-        torch._foreach_copy_(self.parts, self.qs)
+        # flat: a Q alone is its own buffer, in its (cols, r_max) shape
+        whole, positions = self.qs.gather().view(-1), self.positions
         live = live_columns.to(whole.device).index_select(0, self.column_of)
         whole.index_copy_(0, positions, torch.where(live, q_avg, whole.index_select(0, positions)))
-        torch._foreach_copy_(self.qs, self.parts)
+        self.qs.scatter()
 
 
 @functools.lru_cache(maxsize=32)

@@ -196,7 +196,6 @@ class GTopKExchange:
                              f"device, got {sorted({str(seg.flat.device) for seg in segments})}"
                              f" and residuals on "
                              f"{sorted({str(seg.residual.device) for seg in segments})}")
-        self.host = not any(on_device)
         ks = [seg.k for seg in segments]
         bases = _shared_bases(segments)
         if bases is not None:   # two views in all
@@ -209,7 +208,7 @@ class GTopKExchange:
     def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None) -> None:
         """The module docstring's gTopKAllReduce of every segment over ``comm`` (a
         communicator or a ``transport.Transport``)."""
-        if self.host:
+        if not self.plan.device:
             fit_kernel_threads()
         self.plan.run(comm, scale, stats)
 

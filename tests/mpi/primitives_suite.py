@@ -298,14 +298,10 @@ def check_cast_allreduce(rank, size):
 
 
 def suite_checks() -> dict:
-    """Every check by name, each reported on its own (``checks.run_suite``)."""
-    return {"cast_allreduce": check_cast_allreduce,
-            "compressed_allreduce": check_compressed_allreduce,
-            "packed_compressed_allreduce": check_packed_compressed_allreduce,
-            "compressed_reduce_scatter": check_compressed_reduce_scatter,
-            "hierarchical_compressed": check_hierarchical_compressed,
-            "decentralized": check_decentralized,
-            "low_precision_decentralized": check_low_precision_decentralized}
+    """Every ``check_*`` function of this module by name (in the order they are defined), each
+    reported on its own (``checks.run_suite``): a new check cannot be left out of the run."""
+    return {name.removeprefix("check_"): fn for name, fn in globals().items()
+            if name.startswith("check_") and callable(fn)}
 
 
 if __name__ == "__main__":
