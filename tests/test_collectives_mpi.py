@@ -4,12 +4,18 @@ import re
 
 import pytest
 
-from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi
+from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi, suite_job
+
+import async_suite
+import collectives_suite
+import topology_suite
 
 # basics_suite's checks and the world sizes each runs at; a job per world size runs all of its
 # checks (each rank's start, torch's import mostly, is much of a small job's time here)
-BASICS = {"collectives": [1, 2, 3, 4], "async": [2, 3, 4], "mismatch": [2, 3, 4],
-          "bad-args": [1, 3], "nested": [3], "sync-twice": [3]}
+COLLECTIVES_SIZES, ASYNC_SIZES = [1, 2, 3, 4], [2, 3, 4]
+BASICS = {**{f"collectives-{c}": COLLECTIVES_SIZES for c in collectives_suite.CHECKS},
+          **{f"async-{c}": ASYNC_SIZES for c in async_suite.CHECKS},
+          "mismatch": [2, 3, 4], "bad-args": [1, 3], "nested": [3], "sync-twice": [3]}
 
 
 @pytest.fixture(scope="module")
@@ -22,28 +28,37 @@ def basics_job():
     return run
 
 
-@pytest.mark.parametrize("nprocs", BASICS["collectives"])
-def test_collectives_against_numpy_simulation(nprocs, basics_job):
-    assert_check_passed(basics_job(nprocs), "collectives")
+@pytest.mark.parametrize("nprocs", COLLECTIVES_SIZES)
+@pytest.mark.parametrize("check", list(collectives_suite.CHECKS))
+def test_collectives_against_numpy_simulation(check, nprocs, basics_job):
+    assert_check_passed(basics_job(nprocs), f"collectives-{check}")
+
+
+hierarchical_job = suite_job("collectives_suite.py", env={"BAGUA_MPI_HIERARCHICAL": "1",
+                                                          "BAGUA_MPI_RANKS_PER_NODE": "2"})
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_collectives_hierarchical_default_on_two_simulated_nodes(nprocs):
-    result = run_mpi("collectives_suite.py", nprocs,
-                     env={"BAGUA_MPI_HIERARCHICAL": "1", "BAGUA_MPI_RANKS_PER_NODE": "2"})
-    assert_mpi_ok(result, f"collectives suite OK on {nprocs} ranks")
+@pytest.mark.parametrize("check", list(collectives_suite.CHECKS))
+def test_collectives_hierarchical_default_on_two_simulated_nodes(check, nprocs):
+    assert_check_passed(hierarchical_job(nprocs), check)
+
+
+@functools.cache
+def topology_job(nprocs, per_node):
+    return run_mpi("topology_suite.py", nprocs, env={"BAGUA_MPI_RANKS_PER_NODE": str(per_node)})
 
 
 @pytest.mark.parametrize("nprocs,per_node", [(4, 2), (3, 2), (4, 1)])
-def test_topology_and_hierarchical_vs_flat(nprocs, per_node):
-    result = run_mpi("topology_suite.py", nprocs,
-                     env={"BAGUA_MPI_RANKS_PER_NODE": str(per_node)})
-    assert_mpi_ok(result, f"topology suite OK on {nprocs} ranks, {per_node} per node")
+@pytest.mark.parametrize("check", list(topology_suite.CHECKS))
+def test_topology_and_hierarchical_vs_flat(check, nprocs, per_node):
+    assert_check_passed(topology_job(nprocs, per_node), check)
 
 
-@pytest.mark.parametrize("nprocs", BASICS["async"])
-def test_async_handles(nprocs, basics_job):
-    assert_check_passed(basics_job(nprocs), "async")
+@pytest.mark.parametrize("nprocs", ASYNC_SIZES)
+@pytest.mark.parametrize("check", list(async_suite.CHECKS))
+def test_async_handles(check, nprocs, basics_job):
+    assert_check_passed(basics_job(nprocs), f"async-{check}")
 
 
 @pytest.mark.parametrize("nprocs", BASICS["mismatch"])

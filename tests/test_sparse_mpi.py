@@ -2,8 +2,9 @@
 (see tests/mpi/sparse_suite.py); each check is its own test."""
 import pytest
 
-from mpi_harness import assert_check_passed, assert_mpi_ok, run_mpi, suite_job
+from mpi_harness import assert_check_passed, suite_job
 
+import sparse_device_suite
 import sparse_suite
 
 suite_run = suite_job("sparse_suite.py")
@@ -18,9 +19,12 @@ def test_sparse_allreduces(check, nprocs):
     assert_check_passed(suite_run(nprocs), check)
 
 
+device_suite_run = suite_job("sparse_device_suite.py", env={"NUMBA_ENABLE_CUDASIM": "1"})
+
+
 @pytest.mark.parametrize("nprocs", [2, 3])   # 3: a tree with a missing partner
-def test_gtopk_device_path_in_cuda_simulator(nprocs):
+@pytest.mark.parametrize("check", list(sparse_device_suite.CHECKS))
+def test_gtopk_device_path_in_cuda_simulator(check, nprocs):
     """The device-resident gTop-k (kernels on device arrays, MPI on device buffers) gives the
     host path's bytes; Numba's CUDA simulator stands in for the GPU, as for the kernels."""
-    assert_mpi_ok(run_mpi("sparse_device_suite.py", nprocs, env={"NUMBA_ENABLE_CUDASIM": "1"},
-                          timeout=300), f"sparse device suite OK on {nprocs} ranks")
+    assert_check_passed(device_suite_run(nprocs), check)

@@ -1,10 +1,13 @@
 """The foundation under a real ``srun --mpi=pmi2`` (the repository's single-node Slurm)."""
+import functools
 import re
 
 import pytest
 
-from mpi_harness import assert_mpi_ok
+from mpi_harness import assert_check_passed, assert_mpi_ok
 from slurm_harness import run_srun, start_local_slurm
+
+import collectives_suite
 
 
 @pytest.fixture(scope="module")
@@ -12,10 +15,16 @@ def slurm():
     return start_local_slurm()
 
 
+@pytest.fixture(scope="module")
+def collectives_job(slurm):
+    return functools.cache(lambda ntasks: run_srun(slurm, "collectives_suite.py", ntasks))
+
+
 @pytest.mark.parametrize("ntasks", [2, 4])
-def test_collectives_under_srun(slurm, ntasks):
-    result = run_srun(slurm, "collectives_suite.py", ntasks)
-    assert_mpi_ok(result, f"collectives suite OK on {ntasks} ranks")
+@pytest.mark.parametrize("check", list(collectives_suite.CHECKS))
+def test_collectives_under_srun(collectives_job, check, ntasks):
+    result = collectives_job(ntasks)
+    assert_check_passed(result, check)
     assert "Slurm and MPI disagree" not in result.output, result.describe()
 
 

@@ -1,4 +1,8 @@
-"""Asynchronous handles: progress while the main thread computes, ordering, buffer ownership."""
+"""Asynchronous handles: progress while the main thread computes, ordering, buffer ownership.
+
+``checks.run_suite`` runs every ``check_*`` function below (or those named by ``--check``) and
+reports each on its own line.
+"""
 import gc
 import sys
 import time
@@ -6,6 +10,7 @@ import time
 import torch
 
 import bagua_mpi as bm
+from checks import run_suite
 from simulate import assert_same, rank_input, reduce_all
 
 
@@ -85,22 +90,10 @@ def check_custom_submit(rank, size):
     assert bm.synchronize(h1).tolist() == [float(size)] * 4
 
 
-def check_every_handle_property(rank, size):
-    check_progress_while_computing(rank, size)
-    check_many_in_flight_and_order(rank, size)
-    check_handle_owns_buffers(rank, size)
-    check_errors_arrive_through_handles(rank, size)
-    check_custom_submit(rank, size)
-
-
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
-    check_every_handle_property(rank, size)
-    bm.shutdown()
-    if rank == 0:
-        print(f"async suite OK on {size} ranks", flush=True)
+# every check_ function above, by name (``progress-while-computing``, ...)
+CHECKS = {name.removeprefix("check_").replace("_", "-"): fn
+          for name, fn in list(globals().items()) if name.startswith("check_")}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_suite(CHECKS))

@@ -1,7 +1,9 @@
 """Every collective x dtype x op x size, against a NumPy simulation of all ranks.
 
-Run by every rank under mpiexec (see tests/test_collectives_mpi.py). Prints one summary line.
+Run by every rank under mpiexec (see tests/test_collectives_mpi.py): ``checks.run_suite`` runs
+every ``check_*`` function below (or those named by ``--check``) and reports each on its own line.
 """
+import collections
 import sys
 import zlib
 
@@ -9,6 +11,7 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
+from checks import run_suite
 from simulate import ALL_DTYPES, FLOATS, assert_same, rank_input, reduce_all
 
 SEED = 20261121
@@ -230,30 +233,21 @@ def check_objects(rank, size, counts):
     counts["objects"] += 2 + size
 
 
-def check_every_collective(rank, size):
-    """Every check above; returns the number of cases each kind ran."""
-    counts = {k: 0 for k in ("allreduce", "scaling", "numpy", "large", "grouped", "data",
-                             "reducescatter", "complex", "objects")}
-    check_allreduce(rank, size, counts)
-    check_scaling_and_numpy(rank, size, counts)
-    check_large_outputs(rank, size, counts)
-    check_grouped(rank, size, counts)
-    check_data_movement(rank, size, counts)
-    check_complex(rank, size, counts)
-    check_objects(rank, size, counts)
-    # Every rank must have run the same checks; a rank that skipped some would differ here.
-    assert bm.allgather_object(counts) == [counts] * size
-    return counts
+def counted(check):
+    """``check`` as one of the suite's checks: it counts the cases it ran, and every rank must
+    have run as many (a rank that skipped some would differ here)."""
+    def run(rank, size):
+        counts = collections.Counter()
+        check(rank, size, counts)
+        assert counts and all(counts.values()), f"{check.__name__} ran no case: {counts}"
+        assert bm.allgather_object(dict(counts)) == [dict(counts)] * size, "ranks ran apart"
+    return run
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
-    counts = check_every_collective(rank, size)
-    total = sum(counts.values())
-    if rank == 0:
-        print(f"collectives suite OK on {size} ranks: {total} checks {counts}", flush=True)
+# every check_ function above, by name (``allreduce``, ``data-movement``, ...)
+CHECKS = {name.removeprefix("check_").replace("_", "-"): counted(fn)
+          for name, fn in list(globals().items()) if name.startswith("check_")}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_suite(CHECKS))

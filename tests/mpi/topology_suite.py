@@ -1,6 +1,7 @@
 """Topology under the ranks-per-node override, and hierarchical vs flat allreduce.
 
 Run with BAGUA_MPI_RANKS_PER_NODE=k: consecutive blocks of k ranks pose as nodes.
+``checks.run_suite`` reports each check on its own line.
 """
 import os
 import sys
@@ -8,12 +9,12 @@ import sys
 import torch
 
 import bagua_mpi as bm
+from checks import run_suite
 from simulate import assert_same, rank_input, reduce_all
 
 
-def main():
-    bm.init()
-    rank, size = bm.rank(), bm.size()
+def check_ranks_and_sizes(rank, size):
+    """Consecutive blocks of k ranks pose as nodes: local, cross and node sizes follow."""
     rpn = int(os.environ["BAGUA_MPI_RANKS_PER_NODE"])
     nodes = -(-size // rpn)
     assert bm.local_rank() == rank % rpn, (rank, bm.local_rank())
@@ -22,7 +23,10 @@ def main():
     # ranks with my local rank: one per node that is big enough to have it
     assert bm.cross_size() == sum(1 for n in range(nodes) if n * rpn + rank % rpn < size)
     assert bm.mpi_threads_supported()
-    checks = 5
+
+
+def check_hierarchical_and_flat(rank, size):
+    """Both orders of reduction against the simulation, synchronous and asynchronous."""
     for dtype in ("float32", "float64", "int64", "bfloat16"):
         for op in ("sum", "average", "max", "min") if dtype != "int64" else ("sum", "product"):
             inputs = [rank_input(7, r, (1001,), dtype, op) for r in range(size)]
@@ -38,17 +42,25 @@ def main():
             mine = inputs[rank].clone()
             bm.synchronize(bm.allreduce_async_(mine, enum, hierarchical=True))
             assert_same(mine, expected, f"hierarchical async {op} {dtype}")
-            checks += 3
-    # the global default switch
+
+
+def check_default_switch(rank, size):
+    """``set_hierarchical(True)`` makes a plain allreduce hierarchical."""
+    before = bm.runtime.get().hierarchical
     bm.set_hierarchical(True)
-    x = rank_input(9, rank, (10,), "float32")
-    assert_same(bm.allreduce(x, bm.Sum),
-                reduce_all([rank_input(9, r, (10,), "float32") for r in range(size)], "sum"),
-                "default hierarchical")
-    checks += 1
-    if rank == 0:
-        print(f"topology suite OK on {size} ranks, {rpn} per node: {checks} checks", flush=True)
+    try:
+        x = rank_input(9, rank, (10,), "float32")
+        assert_same(bm.allreduce(x, bm.Sum),
+                    reduce_all([rank_input(9, r, (10,), "float32") for r in range(size)], "sum"),
+                    "default hierarchical")
+    finally:
+        bm.set_hierarchical(before)
+
+
+# every check_ function above, by name
+CHECKS = {name.removeprefix("check_").replace("_", "-"): fn
+          for name, fn in list(globals().items()) if name.startswith("check_")}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_suite(CHECKS))
