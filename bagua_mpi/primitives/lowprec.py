@@ -241,7 +241,7 @@ def _run_steps(steps, row: int, wire, scale: float, stats: WireStats | None,
         return
     n = wire.size
     send, recv = _scatter_payloads(row, wire, device, steps)
-    mine = _empty(row, np.uint8, device)
+    mine = device_arrays.kept("c_lp_s mine", row, np.uint8, device)
     steps.serve(recv, mine, scale, wire.rank)  # server: sum, scale, phase 2
     gathered = send  # phase-1 payloads are no longer needed
     wire.allgather(mine, gathered)
@@ -273,7 +273,8 @@ class _OneByOne:
         """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
         partition (+ its server error) encoded into this rank's row."""
         for plan in self.plans:
-            merged = _server_sum(plan, recv, scale, _empty(plan.part, np.float32, self.device))
+            merged = _server_sum(plan, recv, scale, device_arrays.kept(
+                "c_lp_s merged", plan.part, np.float32, self.device))
             plan.codec.compress(merged, mine[plan.cols], residual=plan.server_error,
                                 seed=call_seed(plan.seed, rank, rank, 2))
 
@@ -305,7 +306,7 @@ class _Together:
         """Steps 3 and 4: each segment's n payloads decoded, summed and scaled, then its merged
         partition (+ its server error) encoded into this rank's row."""
         layout = self.layout
-        merged = _empty(layout.merged, np.float32, self.device)
+        merged = device_arrays.kept("c_lp_s merged", layout.merged, np.float32, self.device)
         nk.decompress_minmax_segments(recv, layout.sums, merged, chunk=layout.chunk,
                                       factor=scale)
         nk.compress_minmax_rows_segments(merged, layout.partitions, mine.reshape(1, mine.size),
@@ -429,9 +430,9 @@ def _scatter_payloads(row: int, wire, device: bool, steps):
     k of every segment into row k of the message matrix, for server k; return (send, recv),
     recv's row j holding rank j's payload for this rank."""
     n = wire.size
-    send = _empty((n, row), np.uint8, device)
+    send = device_arrays.kept("c_lp_s send", (n, row), np.uint8, device)
     steps.compress_rows(send, wire.rank)
-    recv = _empty((n, row), np.uint8, device)
+    recv = device_arrays.kept("c_lp_s recv", (n, row), np.uint8, device)
     wire.alltoall(send, recv)
     return send, recv
 
@@ -441,9 +442,6 @@ def _server_sum(plan: _Plan, recv, scale: float, out):
     into ``out``, scaled as the decoder stores the sum. The payloads are read where they sit,
     at ``plan.cols`` of recv's rows (no copy of the columns)."""
     return plan.codec.decompress_many(recv, plan.part, out=out, cols=plan.cols, factor=scale)
-
-
-_empty = device_arrays.empty
 
 
 def _check_error(err: torch.Tensor, length: int, which: str, device, view: bool = True):

@@ -107,7 +107,7 @@ def _topk_arrays(x, res, k: int, comm, scale: float, index_dtype: str,
     wire = transport.of(comm)
     mine = nk.compress_topk(x, k, index_dtype=index_dtype, residual=res)
     n = wire.size
-    gathered = _alloc(n * mine.nbytes, device).reshape(n, mine.nbytes)
+    gathered = device_arrays.kept("topk gathered", (n, mine.nbytes), np.uint8, device)
     wire.allgather(mine.buffer, gathered)
     if scale != 1.0:  # scale the n x k values, not the whole decoded tensor
         nk.scale_topk_stack(gathered, mine.format, scale)
@@ -285,7 +285,7 @@ class _SparsePlan:
     def run(self, comm, scale: float, stats: WireStats | None) -> None:
         wire = transport.of(comm)
         index_dtype, device, segments = self.index_dtype, self.device, self.segments
-        message = _alloc(self.row, device)
+        message = _kept("message", self.row, device)
         for x, res, members in self.groups:
             nk.compress_topk_segments(x, members, message, index_dtype, residual=res)
         # ``message`` stays as sent: the tree and the swap merge into new buffers (where the
@@ -297,7 +297,7 @@ class _SparsePlan:
             glob = _pair_exchange(message, segments, index_dtype, wire, stats, device)
         else:
             root = gtopk_tree_reduce(message, segments, wire, stats, device, index_dtype)
-            glob = root if rank == 0 else _alloc(self.row, device)
+            glob = root if rank == 0 else _kept("global", self.row, device)
             binomial_broadcast(glob, wire, stats)
         for x, res, members in self.groups:   # scaled: k values rather than the whole tensor
             nk.decompress_topk_segments(glob, members, x, index_dtype, factor=scale,
@@ -309,15 +309,19 @@ def _payload_bytes(n: int, k: int, index_dtype: str) -> int:
     return nk.TopKFormat(n, k, index_dtype).nbytes
 
 
-def _alloc(nbytes: int, device: bool):
-    return device_arrays.empty(nbytes, np.uint8, device)
+def _kept(role: str, nbytes: int, device: bool):
+    """gTop-k's payload buffer for ``role``, kept from exchange to exchange on this thread
+    (``device_arrays.kept``): the message, a partner's payload, the merges (two, used in turn)
+    and the global set a non-root rank receives."""
+    return device_arrays.kept(f"gtopk {role}", nbytes, np.uint8, device)
 
 
 def gtopk_tree_reduce(message, segments, comm, stats: WireStats | None = None,
                       device: bool = False, index_dtype: str = "int32"):
     """The gTop-k tree on a message of concatenated top-k payloads (``segments``:
     ``numba_kernels.TopKSegment``s, their payloads' columns); rank 0 returns the merged
-    message, others None.
+    message, others None. The merged message is a buffer the next exchange on this thread
+    overwrites.
 
     In round j (mask = 2^j) a rank with bit j set sends and leaves; the receiver merges the
     partner's pairs into its own, every segment at once, keeping each segment's top-k.
@@ -325,7 +329,7 @@ def gtopk_tree_reduce(message, segments, comm, stats: WireStats | None = None,
     wire = transport.of(comm)
     rank, n = wire.rank, wire.size
     acc = message
-    mask = 1
+    mask, merges = 1, 0
     while mask < n:
         if rank & mask:
             wire.send(acc, rank - mask, tag=_TAG)
@@ -334,11 +338,11 @@ def gtopk_tree_reduce(message, segments, comm, stats: WireStats | None = None,
             return None
         partner = rank + mask
         if partner < n:
-            received = _alloc(acc.size, device)
+            received = _kept("received", acc.size, device)
             wire.recv(received, partner, tag=_TAG)
-            merged = _alloc(acc.size, device)
+            merged = _kept(f"merged {merges % 2}", acc.size, device)  # not the one acc is
             nk.merge_topk_segments(acc, received, segments, merged, index_dtype)
-            acc = merged
+            acc, merges = merged, merges + 1
         mask <<= 1
     return acc
 
@@ -347,13 +351,13 @@ def _pair_exchange(message, segments, index_dtype: str, wire, stats: WireStats |
                    device: bool = False):
     """P = 2: swap payloads and merge on both ranks, rank 0's payload first on both (so the
     two merges are the same computation and give the same bytes)."""
-    other = _alloc(message.size, device)
+    other = _kept("received", message.size, device)
     peer = 1 - wire.rank
     wire.exchange(message, [other], [peer], tag=_TAG)
     if stats is not None:
         stats.add(message.size)
     first, second = (message, other) if wire.rank == 0 else (other, message)
-    merged = _alloc(message.size, device)
+    merged = _kept("merged 0", message.size, device)
     nk.merge_topk_segments(first, second, segments, merged, index_dtype)
     return merged
 

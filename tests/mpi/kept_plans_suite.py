@@ -12,9 +12,9 @@ plans are kept; 1-bit Adam refuses the skip, so it takes a step there), a roll-b
 earlier state loaded into the stepped optimizer, and, for L-GreCo, decisions that replace the
 assignment, both must hold the same parameters bit for bit after each phase, the kept plans
 must be the same objects while nothing moved and new ones after, and a step with kept plans
-must view no tensor. A bfloat16 model's buckets (a float32 copy of the gradients each step)
-keep no plan, unless the plan views only the algorithm's float32 state (1-bit Adam's
-momentum), and match their twin too.
+must view no tensor and ask for no new array (its payload buffers are kept too). A bfloat16
+model's buckets (a float32 copy of the gradients each step) keep no plan, unless the plan views
+only the algorithm's float32 state (1-bit Adam's momentum), and match their twin too.
 """
 import sys
 import warnings
@@ -70,14 +70,16 @@ def twins(make_algorithm, dtype=torch.float32):
 def step_both(pair, x, take=True):
     """One step of each twin on ``x`` (the second plans afresh); ``take=False``: the
     gradients are exchanged, then discarded (the next backward pass skips the step). Returns
-    how many tensors the first twin's exchanges viewed as arrays for the kernels."""
-    views = []
-    original = device_arrays.array_of
+    (how many tensors the first twin's exchanges viewed as arrays for the kernels, how many new
+    arrays they asked for)."""
+    views, arrays = [], []
+    array_of, empty = device_arrays.array_of, device_arrays.empty
     for (model, opt), replan in zip(pair, (False, True)):
         if replan:
             opt.impl._plans.clear()
         else:   # counted while this twin's exchanges run (in the communication thread)
-            device_arrays.array_of = lambda t: views.append(t) or original(t)
+            device_arrays.array_of = lambda t: views.append(t) or array_of(t)
+            device_arrays.empty = lambda *a: arrays.append(a) or empty(*a)
         try:
             opt.zero_grad()
             model(x.to(next(model.parameters()).dtype)).square().mean().backward()
@@ -86,8 +88,8 @@ def step_both(pair, x, take=True):
             else:
                 opt.synchronize()
         finally:
-            device_arrays.array_of = original
-    return len(views)
+            device_arrays.array_of, device_arrays.empty = array_of, empty
+    return len(views), len(arrays)
 
 
 def assert_same(pair, phase):
@@ -109,10 +111,12 @@ def check_kept_plans(name, rank, size):
     assert buckets >= 2 and len(impl._plans) == buckets, (buckets, impl._plans)
     plans = dict(impl._plans)
     saved = ([p.detach().clone() for p in model.parameters()], opt.algorithm_state_dict())
-    views = step_both(pair, batches[4])
+    views, arrays = step_both(pair, batches[4])
     assert all(impl._plans[k] is plans[k] for k in plans), "a kept plan was made again"
-    # nothing viewed in a step with kept plans (a view of a CUDA tensor costs some 24 us)
+    # nothing viewed in a step with kept plans (a view of a CUDA tensor costs some 24 us), and
+    # no new payload buffer (the exchanges' buffers are kept: device_arrays.kept)
     assert views == 0, f"{views} tensors viewed in a step with kept plans"
+    assert arrays == 0, f"{arrays} new arrays in a step with kept plans"
     assert_same(pair, "steps with kept plans")
 
     with warnings.catch_warnings():

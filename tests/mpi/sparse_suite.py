@@ -12,6 +12,7 @@ import numba_kernels as nk
 from bagua_mpi.primitives.sparse import (GTopKExchange, SparseSegment, gtopk_allreduce_,
                                          packed_gtopk_allreduce_, topk_allgather_, topk_count)
 from checks import run_suite
+from gpu_device_suite import merges_made
 
 
 def grads(step, size, n):
@@ -146,6 +147,28 @@ def check_packed_gtopk(rank, size, kept=False):
     return 3 * len(layers)
 
 
+def check_merges_write_apart_from_their_inputs(rank, size):
+    """Every merge of a kept gTop-k plan's steps (the tree's, or the two-rank swap's) writes a
+    buffer that shares no memory with either of its inputs. The exchanges keep their payload
+    buffers (``device_arrays.kept``), so the tree's merges take turns with two: on a GPU a
+    merge into its own input would race with itself, while the CPU twin reads a segment whole
+    before it writes, so the results alone cannot show it."""
+    apart = []
+    merge = nk.merge_topk_segments
+
+    def watched(a, b, segments, out, *args, **kwargs):
+        apart.append(not (np.shares_memory(out, a) or np.shares_memory(out, b)))
+        return merge(a, b, segments, out, *args, **kwargs)
+
+    nk.merge_topk_segments = watched
+    try:
+        check_packed_gtopk(rank, size, kept=True)
+    finally:
+        nk.merge_topk_segments = merge
+    assert len(apart) == 3 * merges_made(rank, size), (len(apart), rank, size)
+    assert all(apart), f"rank {rank}: merges {apart} (False: into one of its inputs)"
+
+
 def check_layers_against_simulation(mine, res, gs, sim_res, layers, rank, size, what):
     """Each layer's result and residual are its own gTop-k's (the NumPy tree), averaged."""
     for j, (n, k) in enumerate(layers):
@@ -211,6 +234,7 @@ def suite_checks() -> dict:
             "packed_gtopk_in_common_memory": check_packed_gtopk_in_common_memory,
             "packed_gtopk_in_common_memory_kept_plan": functools.partial(
                 check_packed_gtopk_in_common_memory, kept=True),
+            "merges_write_apart_from_their_inputs": check_merges_write_apart_from_their_inputs,
             "topk_allgather": check_topk_allgather,
             "training": check_training_at_few_ranks}
 
