@@ -36,6 +36,7 @@ from mpi4py import MPI
 from .. import transport
 from ..accounting import WireStats
 from ..buffers import HOST_PIECE, host_pieces, host_view
+from . import device_arrays
 from .codecs import Codec
 
 _TAG = 7301
@@ -70,9 +71,14 @@ def peers_for(topology: str, rank: int, size: int, step: int = 0, seed: int = 0)
 def _exchange(comm, send, peers: list[int], dense: bool = False) -> list:
     """Send ``send`` (a NumPy array or a tensor) to every peer and receive one buffer of the
     same kind and size from each, through the transport (device tensors stay on the device on
-    NCCL or a CUDA-aware MPI; staged ones are counted ``dense`` or as a payload)."""
-    empty = np.empty_like if isinstance(send, np.ndarray) else torch.empty_like
-    recvs = [empty(send) for _ in peers]
+    NCCL or a CUDA-aware MPI; staged ones are counted ``dense`` or as a payload). A NumPy
+    array's are kept buffers (``device_arrays.kept``), which the next exchange on this thread
+    overwrites; a tensor's come from torch's allocator (on a GPU, its cache)."""
+    if isinstance(send, np.ndarray):
+        recvs = [device_arrays.kept(f"from peer {i}", send.shape, send.dtype, False)
+                 for i in range(len(peers))]
+    else:
+        recvs = [torch.empty_like(send) for _ in peers]
     transport.of(comm).exchange(send, recvs, peers, tag=_TAG, dense=dense)
     return recvs
 
@@ -111,7 +117,8 @@ def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[
         recvs = _exchange(comm, x if x.flags.c_contiguous else x.copy(), peers)
     else:
         # NumPy has no bfloat16: its words travel as int16
-        words = np.empty(x.size, np.float16 if wire_dtype == torch.float16 else np.int16)
+        words = device_arrays.kept("d_fp_s words", x.size,
+                                   np.float16 if wire_dtype == torch.float16 else np.int16, False)
         torch.from_numpy(words).view(wire_dtype).copy_(flat.detach().view(-1))
         recvs = _exchange(comm, words, peers)
     _average_(x, recvs, wire_dtype)
@@ -184,8 +191,9 @@ def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers:
         return _device_lowprec_(flat, comm, peers, codec, estimates, gamma, stats)
     x = host_view(flat)
     n = x.size
-    payload = np.empty(codec.format(n).nbytes, dtype=np.uint8)
-    diff = np.empty(n, dtype=np.float32)  # x - own, then the mix's sums (``_mix_``'s work)
+    payload = device_arrays.kept("d_lp_s payload", codec.format(n).nbytes, np.uint8, False)
+    # x - own, then the mix's sums (``_mix_``'s work)
+    diff = device_arrays.kept("d_lp_s difference", n, np.float32, False)
     np.subtract(x, estimates.own, out=diff)
     codec.compress(diff, payload)
     codec.decompress_many(payload[None, :], n, out=estimates.own, accumulate=True)

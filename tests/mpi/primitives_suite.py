@@ -18,6 +18,7 @@ from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDC
                                   padded_length, partition_length,
                                   peers_for, random_pairing)
 from bagua_mpi.algorithms import AlgorithmContext, AlgorithmImpl
+from bagua_mpi.primitives import device_arrays
 from bagua_mpi.primitives.codecs import call_seed
 from bagua_mpi.primitives.lowprec import compressed_reduce_scatter_
 from checks import run_suite
@@ -224,6 +225,34 @@ def check_low_precision_decentralized(rank, size):
     if size > 1:
         assert spreads[-1] < 0.1 * spreads[0], spreads  # the models reach consensus
     return 12
+
+
+def check_decentralized_payloads_kept(rank, size):
+    """The host D_FP_S (float32 and 16-bit wires) and D_LP_S ask for no new array once their
+    payload buffers exist: the peers' models or payloads, the 16-bit words and D_LP_S's
+    difference are kept from call to call (``device_arrays.kept``), where each call mapped
+    them anew, as large as the bucket."""
+    comm = bm.runtime.get().topo.comm
+    peers = peers_for("ring", rank, size)
+    codec, length = MinMaxCodec(8, 128), 700
+    est = PeerEstimates(length)
+    calls = {"D_FP_S": lambda t: decentralized_average_(t, comm, peers),
+             "D_FP_S fp16": lambda t: decentralized_average_(t, comm, peers,
+                                                             wire_dtype=torch.float16),
+             "D_FP_S bf16": lambda t: decentralized_average_(t, comm, peers,
+                                                             wire_dtype=torch.bfloat16),
+             "D_LP_S": lambda t: low_precision_decentralized_(t, comm, peers, codec, est)}
+    empty = device_arrays.empty
+    for what, call in calls.items():
+        for attempt in range(2):
+            arrays = []
+            device_arrays.empty = lambda *a: arrays.append(a) or empty(*a)
+            try:
+                call(torch.from_numpy(inputs([attempt, 5], size, length)[rank]))
+            finally:
+                device_arrays.empty = empty
+        assert not arrays, f"{what}: {len(arrays)} new arrays in its second call"
+    return len(calls)
 
 
 def check_packed_compressed_allreduce(rank, size):
