@@ -288,9 +288,9 @@ class _SparsePlan:
         message = _kept("message", self.row, device)
         for x, res, members in self.groups:
             nk.compress_topk_segments(x, members, message, index_dtype, residual=res)
-        # ``message`` stays as sent: the tree and the swap merge into new buffers (where the
-        # global set is ``message`` itself, one rank, each segment is restored before it is
-        # scaled)
+        # ``message`` stays as sent: the tree and the swap merge into buffers of their own
+        # (where the global set is ``message`` itself, one rank, each segment is restored
+        # before it is scaled)
         sent = message
         rank, n = wire.rank, wire.size
         if n == 2:  # one exchange and two identical merges beat a hop up and a hop back down
