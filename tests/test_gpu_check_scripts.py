@@ -26,6 +26,9 @@ def test_train_all_profiles_and_summarizes_on_cpu(tmp_path):
         assert set(r["allocations_per_bucket"]) == set(r["launches_per_bucket"])
         assert r["first_step_ms"] > 0, r      # the first step's time (what compiling costs)
         assert r["cuda_kernels_per_step"] is None, r   # torch's profiler counts on a GPU only
+        # Top-k keeps its buckets' plans; a step then views no tensor and asks for no array
+        assert (r["kept_plans"] > 0) == (r["algorithm"] == "topk"), r
+        assert r["views_per_step"] == r["new_arrays_per_step"] == 0, r
         profile = r["profile"]
         assert profile["steps"] == 10 and profile["samples"] > 0, profile
         names = [name for name, _ in profile["inclusive"]]

@@ -12,6 +12,13 @@ def per_bucket(row) -> str:
                       for k in sorted(launches))
 
 
+def kept(row) -> str:
+    """'plans: views, new arrays' of the step counted after the timed ones ('' without plans)."""
+    if not row.get("kept_plans"):
+        return ""
+    return f"{row['kept_plans']}: {row['views_per_step']}, {row['new_arrays_per_step']}"
+
+
 def profiles(rows, top: int = 8) -> list:
     """Where each profiled run's host time went (``train_all.py --profile``): the innermost
     library frames and the library functions on the stack, as shares of the samples."""
@@ -43,12 +50,13 @@ def main():
     out += ["## Every algorithm, 2 ranks sharing the GPU", "",
             "| mode | algorithm | ok | loss first -> last | identical | step ms (median) | "
             "first step ms | d2h bytes/run | dense d2h | "
-            "launches, host waits, allocations per bucket | CUDA kernels a step | problems |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "launches, host waits, allocations per bucket | CUDA kernels a step | "
+            "kept plans: views, new arrays a step | problems |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['mode']} | (all) | skipped | | | | | | | | | {r['skipped']} |")
+            out.append(f"| {r['mode']} | (all) | skipped | | | | | | | | | | {r['skipped']} |")
             continue
         st = r.get("staging", {})
         if r["algorithm"] == "gradient_allreduce" and "step_ms_median" in r:
@@ -60,7 +68,7 @@ def main():
                    f"{r.get('step_ms_median', float('nan')):.2f} | "
                    f"{r.get('first_step_ms', float('nan')):.0f} | {st.get('d2h_bytes', '')} | "
                    f"{st.get('dense_d2h_bytes', '')} | {per_bucket(r)} | "
-                   f"{r.get('cuda_kernels_per_step') or ''} | "
+                   f"{r.get('cuda_kernels_per_step') or ''} | {kept(r)} | "
                    f"{'; '.join(r.get('problems', []))} |")
     out += ["", "Compressed step time / gradient_allreduce's (same run; target <= 1):", ""]
     for r in rows:

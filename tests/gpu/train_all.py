@@ -13,6 +13,10 @@ device buffers handed to MPI where the MPI is CUDA-aware. Per algorithm it check
   by design sends the layers it does not compress (here the two biases) through the plain
   dense allreduce: staged, it may copy those bytes and not one more;
 
+* an algorithm that keeps its buckets' exchange plans (``opt.impl._plans``) views no tensor
+  as a Numba array and asks for no new array in a step after the timed ones: the plans hold
+  their views and the exchanges their payload buffers (``device_arrays.kept``);
+
 and records the step time, so a compressed algorithm's step can be set against
 ``gradient_allreduce``'s on the same run, and the CUDA kernels of one more step (torch's
 profiler: every thread's, the library's own and Numba's and NCCL's included). Rank 0 appends
@@ -32,6 +36,7 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.accounting import staging
+from bagua_mpi.primitives import device_arrays
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "mpi"))
 from dispatch_count import cuda_kernels  # noqa: E402  (the tests' kernel counter)
@@ -70,6 +75,20 @@ def sync(device):
 
 def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def arrays_asked(step):
+    """(tensors viewed as arrays for the kernels, new arrays asked for) while ``step()`` runs,
+    on every thread (the exchanges run on the communication thread)."""
+    asked = []
+    array_of, empty = device_arrays.array_of, device_arrays.empty
+    device_arrays.array_of = lambda t: asked.append("view") or array_of(t)
+    device_arrays.empty = lambda *a: asked.append("new") or empty(*a)
+    try:
+        step()
+    finally:
+        device_arrays.array_of, device_arrays.empty = array_of, empty
+    return asked.count("view"), asked.count("new")
 
 
 def run_one(name, comm, device, mode, width=256, timing_only=False, profile_steps=0):
@@ -112,13 +131,16 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
     stats = opt.communication_stats()
     with torch.no_grad():   # the loss check covers the STEPS steps, not the profiled ones after
         last = loss_fn(model(x), y).item()
-    # one more step under torch's profiler: every kernel it launched, on every thread (the
-    # bucket exchanges', Numba's and NCCL's included), after the timed steps it would slow
-    kernels = cuda_kernels(lambda: one_step(STEPS)) if device.type == "cuda" else None
+    # one more step with the kernels' arrays counted (what a kept plan must not ask for)
+    views, new_arrays = arrays_asked(lambda: one_step(STEPS))
+    kept_plans = len(opt.impl._plans)
+    # one more under torch's profiler: every kernel it launched, on every thread (the bucket
+    # exchanges', Numba's and NCCL's included), after the timed steps it would slow
+    kernels = cuda_kernels(lambda: one_step(STEPS + 1)) if device.type == "cuda" else None
     profile = None
     if profile_steps:   # after the timed steps, which the sampler would slow down
         from stack_sampler import measure
-        steps = iter(range(STEPS + 1, STEPS + 1 + profile_steps))
+        steps = iter(range(STEPS + 2, STEPS + 2 + profile_steps))
         profile = measure(lambda: one_step(next(steps)), profile_steps)
     backend = opt.backend
     opt.close()
@@ -147,6 +169,9 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
                         f"; allowed: {allowed}, the uncompressed layers)")
     if aware and snap["d2h_bytes"]:  # a CUDA-aware MPI reads every payload where it is
         problems.append(f"{snap['d2h_bytes']} payload bytes went through the host")
+    if kept_plans and (views or new_arrays):
+        problems.append(f"{views} tensors viewed and {new_arrays} new arrays in a step with "
+                        f"{kept_plans} kept plans")
     tail = sorted(times[-30:])
     return {"algorithm": name, "mode": mode, "ranks": comm.Get_size(),
             "device": device_name(device), "loss_first": first,
@@ -158,7 +183,8 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
             "launches_per_bucket": stats["launches_per_bucket"],
             "syncs_per_bucket": stats["syncs_per_bucket"],
             "allocations_per_bucket": stats["allocations_per_bucket"],
-            "cuda_kernels_per_step": kernels,
+            "cuda_kernels_per_step": kernels, "kept_plans": kept_plans,
+            "views_per_step": views, "new_arrays_per_step": new_arrays,
             "profile": profile, "ok": not problems, "problems": problems}
 
 
