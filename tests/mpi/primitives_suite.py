@@ -231,8 +231,17 @@ def check_decentralized_payloads_kept(rank, size):
     """The host D_FP_S (float32 and 16-bit wires) and D_LP_S ask for no new array once their
     payload buffers exist: the peers' models or payloads, the 16-bit words and D_LP_S's
     difference are kept from call to call (``device_arrays.kept``), where each call mapped
-    them anew, as large as the bucket."""
+    them anew, as large as the bucket. Two ways: no ``device_arrays.empty`` in the second
+    call, and its exchange sends (where not the model itself) from and receives into the
+    first call's memory, which is still held, so a new array could not land on it."""
+    from bagua_mpi import transport
     comm = bm.runtime.get().topo.comm
+    exchanges = []
+    exchange = transport.Transport.exchange
+
+    def recorded(self, send, recvs, *args, **kwargs):
+        exchanges.append((send, list(recvs)))
+        return exchange(self, send, recvs, *args, **kwargs)
     peers = peers_for("ring", rank, size)
     codec, length = MinMaxCodec(8, 128), 700
     est = PeerEstimates(length)
@@ -244,14 +253,22 @@ def check_decentralized_payloads_kept(rank, size):
              "D_LP_S": lambda t: low_precision_decentralized_(t, comm, peers, codec, est)}
     empty = device_arrays.empty
     for what, call in calls.items():
+        exchanges.clear()
         for attempt in range(2):
             arrays = []
             device_arrays.empty = lambda *a: arrays.append(a) or empty(*a)
+            transport.Transport.exchange = recorded
             try:
                 call(torch.from_numpy(inputs([attempt, 5], size, length)[rank]))
             finally:
                 device_arrays.empty = empty
+                transport.Transport.exchange = exchange
         assert not arrays, f"{what}: {len(arrays)} new arrays in its second call"
+        (send1, recvs1), (send2, recvs2) = exchanges
+        assert len(recvs2) == len(peers) and all(
+            np.shares_memory(a, b) for a, b in zip(recvs1, recvs2)), f"{what}: new receives"
+        if what != "D_FP_S":   # the float32 wire sends the model itself
+            assert np.shares_memory(send1, send2), f"{what}: a new send buffer"
     return len(calls)
 
 
