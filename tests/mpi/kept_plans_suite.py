@@ -13,9 +13,9 @@ earlier state loaded into the stepped optimizer, and, for L-GreCo, decisions tha
 assignment, both must hold the same parameters bit for bit after each phase, the kept plans
 must be the same objects while nothing moved and new ones after, and a step with kept plans
 must view no tensor and ask for no new array, its exchanges receiving into the memory they
-received into a step before (its payload buffers are kept too). A bfloat16
-model's buckets (a float32 copy of the gradients each step) keep no plan, unless the plan views
-only the algorithm's float32 state (1-bit Adam's momentum), and match their twin too.
+received into a step before (its payload buffers are kept too). A bfloat16 model's buckets (a
+float32 copy of the gradients each step) keep no plan, unless the plan views only the
+algorithm's float32 state (1-bit Adam's momentum), and match their twin too.
 """
 import sys
 import warnings
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
+from bagua_mpi import transport
 from bagua_mpi.algorithms import QSGD, ByteGrad, GTopK, OneBitAdam, PowerSGD, TopK
 from bagua_mpi.lgreco import LGreCo
-from bagua_mpi import transport
 from bagua_mpi.primitives import device_arrays
 from checks import run_suite
 
