@@ -49,12 +49,14 @@ def test_every_thread_has_its_own_buffers():
     assert not np.shares_memory(mine, theirs[0])
 
 
-def test_many_shapes_start_the_views_again_over_the_same_memory():
+def test_many_shapes_start_the_views_again_over_the_same_memory(monkeypatch):
+    monkeypatch.setattr(device_arrays, "_VIEWS_KEPT", 16)
     first = device_arrays.kept("t rows", (1, 64), np.uint8, False)
     # more shapes than a buffer remembers views of, none larger than the first
     for shape in [(rows, 1) for rows in range(1, 65)] + [(1, cols) for cols in range(2, 9)]:
         assert np.shares_memory(first, device_arrays.kept("t rows", shape, np.uint8, False))
     again = device_arrays.kept("t rows", (1, 64), np.uint8, False)
+    assert again is not first   # its view was made again
     assert again.shape == (1, 64) and np.shares_memory(first, again)
 
 

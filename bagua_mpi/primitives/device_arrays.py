@@ -43,7 +43,10 @@ class _Kept:
 
 
 _kept = threading.local()
-_VIEWS_KEPT = 64   # shapes a kept buffer remembers views of before it starts again
+# shapes a kept buffer remembers views of before it starts again: a training loop asks for one
+# per bucket and role, and C_LP_S's one-by-one merged partition one per segment length (a few
+# hundred for a bucket of many distinct layers; a smaller bound would make views every step)
+_VIEWS_KEPT = 4096
 
 
 def kept(name: str, shape, dtype, device: bool):

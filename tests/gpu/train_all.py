@@ -36,10 +36,9 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.accounting import staging
-from bagua_mpi.primitives import device_arrays
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "mpi"))
-from dispatch_count import cuda_kernels  # noqa: E402  (the tests' kernel counter)
+from dispatch_count import ArraysAsked, cuda_kernels  # noqa: E402  (the tests' counters)
 
 OVERRIDES = {
     "onebit_adam": dict(warmup_steps=10, chunk=1024),
@@ -75,20 +74,6 @@ def sync(device):
 
 def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def arrays_asked(step):
-    """(tensors viewed as arrays for the kernels, new arrays asked for) while ``step()`` runs,
-    on every thread (the exchanges run on the communication thread)."""
-    asked = []
-    array_of, empty = device_arrays.array_of, device_arrays.empty
-    device_arrays.array_of = lambda t: asked.append("view") or array_of(t)
-    device_arrays.empty = lambda *a: asked.append("new") or empty(*a)
-    try:
-        step()
-    finally:
-        device_arrays.array_of, device_arrays.empty = array_of, empty
-    return asked.count("view"), asked.count("new")
 
 
 def run_one(name, comm, device, mode, width=256, timing_only=False, profile_steps=0):
@@ -132,7 +117,9 @@ def run_one(name, comm, device, mode, width=256, timing_only=False, profile_step
     with torch.no_grad():   # the loss check covers the STEPS steps, not the profiled ones after
         last = loss_fn(model(x), y).item()
     # one more step with the kernels' arrays counted (what a kept plan must not ask for)
-    views, new_arrays = arrays_asked(lambda: one_step(STEPS))
+    with ArraysAsked() as asked:
+        one_step(STEPS)
+    views, new_arrays = len(asked.views), len(asked.new)
     kept_plans = len(opt.impl._plans)
     # one more under torch's profiler: every kernel it launched, on every thread (the bucket
     # exchanges', Numba's and NCCL's included), after the timed steps it would slow

@@ -5,10 +5,13 @@ microseconds of host time each; allocations and views launch nothing. ``Dispatch
 the operations dispatched from Python (the top level: what a composite operation does inside
 is not seen) on the calling thread, by kind, for tests and benchmarks that a count does not
 grow with the number of tensors. ``cuda_kernels`` counts what a GPU really launched (all
-threads), from torch's profiler.
+threads), from torch's profiler. ``ArraysAsked`` records what the primitives ask for around
+their kernels and the wire: the tensors they view as arrays, the new arrays they make, and the
+buffers the transport sends from and receives into.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -47,3 +50,61 @@ def cuda_kernels(fn) -> int:
         fn()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+# the transport's verbs that receive: (the buffer sent, the buffers received into) of a call
+_RECEIVING = {"alltoall": lambda send, recv, **kw: (send, [recv]),
+              "allgather": lambda send, recv, **kw: (send, [recv]),
+              "recv": lambda buf, source, **kw: (None, [buf]),
+              "exchange": lambda send, recvs, peers, **kw: (send, list(recvs))}
+
+
+class ArraysAsked:
+    """``with ArraysAsked() as asked: ...``, on every thread (the exchanges of an optimizer run
+    on its communication thread): ``asked.views``, the tensors ``device_arrays.array_of``
+    viewed as arrays for the kernels (a view of a CUDA tensor costs some 24 us of host time);
+    ``asked.new``, the arrays ``device_arrays.empty`` made; ``asked.exchanges``, (the buffer
+    sent, the buffers received into) of each transport call that receives, in order. The
+    records hold the buffers, so memory a later call finds shared with one of them was not
+    new (``shares_memory``)."""
+
+    def __init__(self):
+        self.views, self.new, self.exchanges = [], [], []
+
+    def __enter__(self):
+        from bagua_mpi import transport
+        from bagua_mpi.primitives import device_arrays
+        self._saved = (device_arrays.array_of, device_arrays.empty,
+                       {verb: getattr(transport.Transport, verb) for verb in _RECEIVING})
+        array_of, empty, verbs = self._saved
+        device_arrays.array_of = lambda t: self.views.append(t) or array_of(t)
+        device_arrays.empty = lambda *a: self.new.append(a) or empty(*a)
+        for verb, original in verbs.items():
+            setattr(transport.Transport, verb, self._recording(verb, original))
+        return self
+
+    def _recording(self, verb, original):
+        def call(transport_self, *args, **kwargs):
+            self.exchanges.append(_RECEIVING[verb](*args, **kwargs))
+            return original(transport_self, *args, **kwargs)
+        return call
+
+    def __exit__(self, *exc):
+        from bagua_mpi import transport
+        from bagua_mpi.primitives import device_arrays
+        device_arrays.array_of, device_arrays.empty, verbs = self._saved
+        for verb, original in verbs.items():
+            setattr(transport.Transport, verb, original)
+        return False
+
+    @property
+    def received(self) -> list:
+        """Every buffer received into, in order."""
+        return [buf for _, bufs in self.exchanges for buf in bufs]
+
+
+def shares_memory(a, b) -> bool:
+    """Whether two host buffers (NumPy arrays or CPU tensors) share memory."""
+    def host(x):
+        return x.numpy() if isinstance(x, torch.Tensor) else x
+    return np.shares_memory(host(a), host(b))

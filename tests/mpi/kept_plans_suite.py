@@ -17,18 +17,17 @@ received into a step before (its payload buffers are kept too). A bfloat16 model
 float32 copy of the gradients each step) keep no plan, unless the plan views only the
 algorithm's float32 state (1-bit Adam's momentum), and match their twin too.
 """
+import contextlib
 import sys
 import warnings
 
-import numpy as np
 import torch
 
 import bagua_mpi as bm
-from bagua_mpi import transport
 from bagua_mpi.algorithms import QSGD, ByteGrad, GTopK, OneBitAdam, PowerSGD, TopK
 from bagua_mpi.lgreco import LGreCo
-from bagua_mpi.primitives import device_arrays
 from checks import run_suite
+from dispatch_count import ArraysAsked, shares_memory
 
 # decisions after steps 2, 5, 8 and 11
 ALGORITHMS = {
@@ -70,54 +69,22 @@ def twins(make_algorithm, dtype=torch.float32):
     return pair
 
 
-RECEIVING = {"alltoall": lambda send, recv, **kw: [recv],
-             "allgather": lambda send, recv, **kw: [recv],
-             "recv": lambda buf, source, **kw: [buf],
-             "exchange": lambda send, recvs, peers, **kw: list(recvs)}
-
-
 def step_both(pair, x, take=True):
     """One step of each twin on ``x`` (the second plans afresh); ``take=False``: the
     gradients are exchanged, then discarded (the next backward pass skips the step). Returns
-    (how many tensors the first twin's exchanges viewed as arrays for the kernels, how many new
-    arrays they asked for, the buffers its exchanges received into, in order)."""
-    views, arrays, received = [], [], []
-    array_of, empty = device_arrays.array_of, device_arrays.empty
-    verbs = {verb: getattr(transport.Transport, verb) for verb in RECEIVING}
-
-    def recording(verb):
-        def call(self, *args, **kwargs):
-            received.extend(RECEIVING[verb](*args, **kwargs))
-            return verbs[verb](self, *args, **kwargs)
-        return call
-
+    what the first twin's exchanges asked for (``dispatch_count.ArraysAsked``)."""
+    asked = ArraysAsked()
     for (model, opt), replan in zip(pair, (False, True)):
         if replan:
             opt.impl._plans.clear()
-        else:   # counted while this twin's exchanges run (in the communication thread)
-            device_arrays.array_of = lambda t: views.append(t) or array_of(t)
-            device_arrays.empty = lambda *a: arrays.append(a) or empty(*a)
-            for verb in verbs:
-                setattr(transport.Transport, verb, recording(verb))
-        try:
+        with contextlib.nullcontext() if replan else asked:
             opt.zero_grad()
             model(x.to(next(model.parameters()).dtype)).square().mean().backward()
             if take:
                 opt.step()
             else:
                 opt.synchronize()
-        finally:
-            device_arrays.array_of, device_arrays.empty = array_of, empty
-            for verb, original in verbs.items():
-                setattr(transport.Transport, verb, original)
-    return len(views), len(arrays), received
-
-
-def same_memory(a, b) -> bool:
-    """Whether the arrays (NumPy arrays or host tensors) share memory."""
-    def host(x):
-        return x.numpy() if isinstance(x, torch.Tensor) else x
-    return np.shares_memory(host(a), host(b))
+    return asked
 
 
 def assert_same(pair, phase):
@@ -134,22 +101,24 @@ def check_kept_plans(name, rank, size):
     (model, opt), _ = pair
     impl = opt.impl
     for x in batches[:4]:
-        *_, received_before = step_both(pair, x)
+        before = step_both(pair, x)
     buckets = len(impl.buckets)
     assert buckets >= 2 and len(impl._plans) == buckets, (buckets, impl._plans)
     plans = dict(impl._plans)
     saved = ([p.detach().clone() for p in model.parameters()], opt.algorithm_state_dict())
-    views, arrays, received = step_both(pair, batches[4])
+    asked = step_both(pair, batches[4])
     assert all(impl._plans[k] is plans[k] for k in plans), "a kept plan was made again"
     # nothing viewed in a step with kept plans (a view of a CUDA tensor costs some 24 us), and
     # no new payload buffer (the exchanges' buffers are kept: device_arrays.kept): each
     # exchange receives into the memory it received into a step before, which is still held
     # here, so a new array could not be there
-    apart = [i for i, (a, b) in enumerate(zip(received, received_before)) if not same_memory(a, b)]
+    received, received_before = asked.received, before.received
+    apart = [i for i, (a, b) in enumerate(zip(received, received_before))
+             if not shares_memory(a, b)]
     # agreed first: a gTop-k tree receives on some ranks only, and a rank failing alone here
     # would leave the others in the next step's collectives
     for r, (v, n, counts, gone) in enumerate(bm.allgather_object(
-            (views, arrays, (len(received), len(received_before)), apart))):
+            (len(asked.views), len(asked.new), (len(received), len(received_before)), apart))):
         assert v == 0, f"rank {r}: {v} tensors viewed in a step with kept plans"
         assert n == 0, f"rank {r}: {n} new arrays in a step with kept plans"
         assert counts[0] == counts[1], f"rank {r}: {counts} exchanges received into"

@@ -10,10 +10,11 @@ import torch
 
 import bagua_mpi as bm
 from bagua_mpi.lgreco import LGreCo
-from bagua_mpi.primitives import device_arrays, lowprec, sparse
+from bagua_mpi.primitives import lowprec, sparse
 from bagua_mpi.primitives.lowprec import Segment
 from bagua_mpi.primitives.sparse import SparseSegment
 from checks import run_suite
+from dispatch_count import ArraysAsked
 
 
 class Hetero(torch.nn.Module):
@@ -159,18 +160,9 @@ def check_layers_together_as_one_by_one(rank, algo, module, views_per_plan):
     kept across the steps between decisions), viewing its base arrays only
     (``views_per_plan`` of them), not every layer's tensors (a view of a CUDA tensor costs
     some 24 us). Returns the optimizer trained together."""
-    views = []
-    original_view = device_arrays.array_of
-
-    def counted_view(t):
-        views.append(t.numel())
-        return original_view(t)
-    device_arrays.array_of = counted_view
-    try:
-        with together_runs(module) as runs:
-            loss, history, opt = train(algo, 12, rank)
-    finally:
-        device_arrays.array_of = original_view
+    with ArraysAsked() as asked, together_runs(module) as runs:
+        loss, history, opt = train(algo, 12, rank)
+    views = asked.views
     impl = opt.impl
     assert impl.decisions == 3 and all(len(obs) == 12 for obs in impl.observations.values())
     assert len(runs) == len(opt.buckets) * (impl.decisions + 1) and min(runs) > 1, runs

@@ -18,10 +18,10 @@ from bagua_mpi.primitives import (MinMaxCodec, OneBitCodec, PeerEstimates, QSGDC
                                   padded_length, partition_length,
                                   peers_for, random_pairing)
 from bagua_mpi.algorithms import AlgorithmContext, AlgorithmImpl
-from bagua_mpi.primitives import device_arrays
 from bagua_mpi.primitives.codecs import call_seed
 from bagua_mpi.primitives.lowprec import compressed_reduce_scatter_
 from checks import run_suite
+from dispatch_count import ArraysAsked, shares_memory
 
 
 def inputs(seed, size, length, integer=False):
@@ -234,14 +234,7 @@ def check_decentralized_payloads_kept(rank, size):
     them anew, as large as the bucket. Two ways: no ``device_arrays.empty`` in the second
     call, and its exchange sends (where not the model itself) from and receives into the
     first call's memory, which is still held, so a new array could not land on it."""
-    from bagua_mpi import transport
     comm = bm.runtime.get().topo.comm
-    exchanges = []
-    exchange = transport.Transport.exchange
-
-    def recorded(self, send, recvs, *args, **kwargs):
-        exchanges.append((send, list(recvs)))
-        return exchange(self, send, recvs, *args, **kwargs)
     peers = peers_for("ring", rank, size)
     codec, length = MinMaxCodec(8, 128), 700
     est = PeerEstimates(length)
@@ -251,24 +244,18 @@ def check_decentralized_payloads_kept(rank, size):
              "D_FP_S bf16": lambda t: decentralized_average_(t, comm, peers,
                                                              wire_dtype=torch.bfloat16),
              "D_LP_S": lambda t: low_precision_decentralized_(t, comm, peers, codec, est)}
-    empty = device_arrays.empty
     for what, call in calls.items():
-        exchanges.clear()
-        for attempt in range(2):
-            arrays = []
-            device_arrays.empty = lambda *a: arrays.append(a) or empty(*a)
-            transport.Transport.exchange = recorded
-            try:
+        calls_made = [ArraysAsked() for _ in range(2)]
+        for attempt, asked in enumerate(calls_made):
+            with asked:
                 call(torch.from_numpy(inputs([attempt, 5], size, length)[rank]))
-            finally:
-                device_arrays.empty = empty
-                transport.Transport.exchange = exchange
-        assert not arrays, f"{what}: {len(arrays)} new arrays in its second call"
-        (send1, recvs1), (send2, recvs2) = exchanges
+        first, second = calls_made
+        assert not second.new, f"{what}: {len(second.new)} new arrays in its second call"
+        (send1, recvs1), (send2, recvs2) = first.exchanges + second.exchanges
         assert len(recvs2) == len(peers) and all(
-            np.shares_memory(a, b) for a, b in zip(recvs1, recvs2)), f"{what}: new receives"
+            shares_memory(a, b) for a, b in zip(recvs1, recvs2)), f"{what}: new receives"
         if what != "D_FP_S":   # the float32 wire sends the model itself
-            assert np.shares_memory(send1, send2), f"{what}: a new send buffer"
+            assert shares_memory(send1, send2), f"{what}: a new send buffer"
     return len(calls)
 
 
