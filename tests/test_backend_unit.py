@@ -10,6 +10,9 @@ from bagua_mpi import backends, transport
 from bagua_mpi import cuda as bcuda
 from bagua_mpi.accounting import overhead, staging
 from bagua_mpi.exceptions import BaguaMPIError
+from mpi_harness import assert_check_passed, suite_job
+
+import gpu_backend_suite
 
 
 @pytest.fixture(autouse=True)
@@ -313,13 +316,18 @@ def test_cuda_aware_probe_says_how_it_decided(monkeypatch):
         assert bcuda.mpi_is_cuda_aware() is False and bcuda.how_decided() == "no CUDA GPU"
 
 
+# a stall limit of its own: the default (600 s) is also torch's NCCL default
+backend_choice_job = suite_job("gpu_backend_suite.py", timeout=120,
+                               env={"BAGUA_MPI_RANKS_PER_NODE": "2",
+                                    "BAGUA_MPI_STALL_ABORT_S": "321"})
+
+
 @pytest.mark.parametrize("nprocs", [1, 3])
-def test_nccl_bootstrap_over_mpi_meets_in_one_store(nprocs):
-    from mpi_harness import assert_mpi_ok, run_mpi
-    # a stall limit of its own: the default (600 s) is also torch's NCCL default
-    assert_mpi_ok(run_mpi("gpu_backend_suite.py", nprocs,
-                          env={"BAGUA_MPI_RANKS_PER_NODE": "2", "BAGUA_MPI_STALL_ABORT_S": "321"},
-                          timeout=120), f"NCCL bootstrap over MPI OK on {nprocs} ranks")
+@pytest.mark.parametrize("check", list(gpu_backend_suite.CHECKS))
+def test_backend_choice_and_nccl_bootstrap_over_mpi(check, nprocs):
+    """The NCCL bootstrap over MPI and the backend's choice at init and wrap time, each check
+    on its own, one job per world size (1, and 3 as a node of two ranks and one of one)."""
+    assert_check_passed(backend_choice_job(nprocs), check)
 
 
 def test_async_exchange_buffers_follow_the_model_only_when_its_payloads_leave_from_it(

@@ -28,10 +28,14 @@ def selected(names: list[str], argv: list[str]) -> list[str]:
     return [n for n in names if n in wanted] if wanted else names
 
 
-def run_checks(checks: dict, argv: list[str] | None = None) -> int:
-    """Run ``checks`` (name -> fn(rank, size)); print one line per check; return #failures."""
+def run_checks(checks: dict, argv: list[str] | None = None, comm=None) -> int:
+    """Run ``checks`` (name -> fn(rank, size)); print one line per check; return #failures.
+
+    The ranks agree on each outcome through the library (initialized by the caller), or through
+    ``comm``, an mpi4py communicator, for checks that initialize and shut it down themselves."""
     argv = sys.argv if argv is None else argv
-    rank, size = bm.rank(), bm.size()
+    rank, size = (bm.rank(), bm.size()) if comm is None else (comm.Get_rank(), comm.Get_size())
+    allgather = bm.allgather_object if comm is None else comm.allgather
     failures = 0
     for name in selected(list(checks), argv):
         error = None
@@ -40,7 +44,7 @@ def run_checks(checks: dict, argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - reported, then the next check runs
             error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()  # every rank's traceback lands in the job's output
-        outcomes = bm.allgather_object(error)
+        outcomes = allgather(error)
         failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
         if rank == 0:
             if failed:

@@ -1,15 +1,25 @@
 """The NCCL bootstrap over MPI, without NCCL: rank 0 starts the TCPStore, its address goes
 out with mpi4py, every rank joins the same store. ``ProcessGroupNCCL`` is replaced by a stand-in
 that checks, through the store it is given, that all ranks of the group met there (the real
-class needs a GPU per rank; ``tests/gpu/nccl_check.py`` runs it at world size 1).
+class needs a GPU per rank; ``tests/gpu/nccl_check.py`` runs it at world size 1). The backend's
+choice (``init``, ``DistributedOptimizer``, ``auto``) is checked beside it.
+
+Each check initializes the library and shuts it down itself (some check ``init``'s own errors),
+so ``checks.run_checks`` agrees on their outcomes over ``MPI.COMM_WORLD`` and reports each on its
+own line.
 """
 import datetime
+import os
 import sys
 
+import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
 import bagua_mpi as bm
 from bagua_mpi import backends, process_groups
+from bagua_mpi.exceptions import ConfigError
+from checks import run_checks
 
 
 class MeetingPoint:
@@ -41,64 +51,65 @@ class Done:
         return True
 
 
-def check_optimizer_choice():
+def check_optimizer_choice(rank, size):
     """DistributedOptimizer(backend=): unknown names and a missing GPU/NCCL fail at wrap time,
     naming what is missing; "mpi" trains as before; the choice reaches the dense steps."""
-    import torch
-    torch.manual_seed(0)  # the same start on every rank (the first step compares them)
-    model = torch.nn.Linear(4, 2)
-
-    def wrap(backend):
-        return bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       backend=backend)
-    try:
-        wrap("ucc")
-        raise AssertionError("backend='ucc' was accepted")
-    except backends.BackendError as exc:
-        assert "valid: auto, mpi, nccl, nccl_hierarchical, gloo" in str(exc), exc
-    if not torch.cuda.is_available():
-        try:
-            wrap("nccl")
-            raise AssertionError("backend='nccl' was accepted without a GPU")
-        except backends.BackendUnavailableError as exc:
-            assert "needs a CUDA GPU" in str(exc), exc
-    opt = wrap("mpi")
-    assert opt.impl.backend == "mpi"
-    seen = []
     from bagua_mpi.algorithms import dense
+    bm.init()
     original = dense.allreduce_
+    try:
+        torch.manual_seed(0)  # the same start on every rank (the first step compares them)
+        model = torch.nn.Linear(4, 2)
 
-    def spy(t, comm, **kw):
-        seen.append(kw.get("backend"))
-        return original(t, comm, **kw)
-    dense.allreduce_ = spy
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    opt.close()
-    dense.allreduce_ = original
-    assert seen and set(seen) == {"mpi"}, seen
+        def wrap(backend):
+            return bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(),
+                                           backend=backend)
+        try:
+            wrap("ucc")
+            raise AssertionError("backend='ucc' was accepted")
+        except backends.BackendError as exc:
+            assert "valid: auto, mpi, nccl, nccl_hierarchical, gloo" in str(exc), exc
+        if not torch.cuda.is_available():
+            try:
+                wrap("nccl")
+                raise AssertionError("backend='nccl' was accepted without a GPU")
+            except backends.BackendUnavailableError as exc:
+                assert "needs a CUDA GPU" in str(exc), exc
+        opt = wrap("mpi")
+        assert opt.impl.backend == "mpi"
+        seen = []
+
+        def spy(t, comm, **kw):
+            seen.append(kw.get("backend"))
+            return original(t, comm, **kw)
+        dense.allreduce_ = spy
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.close()
+        assert seen and set(seen) == {"mpi"}, seen
+    finally:
+        dense.allreduce_ = original
+        bm.shutdown()
 
 
-def check_init_errors():
-    """init(backend=) and BAGUA_MPI_BACKEND: a NCCL choice without a GPU, an unknown name and
-    a malformed variable fail at init with a named error, leaving nothing initialized."""
-    import os
-
-    import torch
-
-    from bagua_mpi.exceptions import ConfigError
-    if torch.cuda.is_available():
-        return
-    cases = [(dict(backend="nccl"), None, backends.BackendUnavailableError, "needs a CUDA GPU"),
-             (dict(backend="ucc"), None, backends.BackendError, "valid: auto, mpi, nccl"),
-             ({}, "nccl_hierarchical", backends.BackendUnavailableError, "needs a CUDA GPU"),
+def check_init_errors(rank, size):
+    """init(backend=) and BAGUA_MPI_BACKEND: an unknown name, a malformed variable and (where
+    there is no GPU) a NCCL choice fail at init with a named error, leaving nothing
+    initialized; init(backend="mpi") then takes MPI, and shutdown forgets the choice."""
+    cases = [(dict(backend="ucc"), None, backends.BackendError, "valid: auto, mpi, nccl"),
              ({}, "ncl", ConfigError, "BAGUA_MPI_BACKEND='ncl'")]
+    if not torch.cuda.is_available():  # with a GPU these two are valid choices
+        cases += [(dict(backend="nccl"), None, backends.BackendUnavailableError,
+                   "needs a CUDA GPU"),
+                  ({}, "nccl_hierarchical", backends.BackendUnavailableError,
+                   "needs a CUDA GPU")]
     for kwargs, env, error, words in cases:
         if env is not None:
             os.environ["BAGUA_MPI_BACKEND"] = env
         try:
             bm.init(**kwargs)
+            bm.shutdown()
             raise AssertionError(f"init({kwargs}) with BAGUA_MPI_BACKEND={env} was accepted")
         except error as exc:
             assert words in str(exc), exc
@@ -106,51 +117,51 @@ def check_init_errors():
             os.environ.pop("BAGUA_MPI_BACKEND", None)
         assert not bm.is_initialized()
     bm.init(backend="mpi")
-    assert backends.resolve() == "mpi"
-    bm.shutdown()
+    try:
+        assert backends.resolve() == "mpi"
+    finally:
+        bm.shutdown()
     assert backends._default is None, "shutdown forgets init's choice"
 
 
-def check_auto_tells_gpus_apart_by_id():
+def check_auto_tells_gpus_apart_by_id(rank, size):
     """``init`` gathers which GPU each local rank maps to, and ``auto`` takes NCCL exactly
     where no two ranks of a node share one. The ranks here pretend to have GPUs: each sees
     one (device_count 1, as under slurm/bind_gpu.sh), first a GPU of its own on every rank
     (NCCL everywhere, where counting 1 GPU against 2 local ranks took MPI), then one GPU per
     node that its ranks share (MPI on a node of two ranks, naming them; NCCL on a node of
     one)."""
-    import torch
-    from mpi4py import MPI
     saved = backends.gpu_of, backends.nccl_missing, torch.cuda.device_count
     backends.nccl_missing = lambda: None
     torch.cuda.device_count = lambda: 1
     try:
         for shared in (False, True):
-            world = MPI.COMM_WORLD.Get_rank()
-            backends.gpu_of = (lambda local_rank, world=world, shared=shared:
+            backends.gpu_of = (lambda local_rank, world=rank, shared=shared:
                                ("GPU-node" if shared else f"GPU-rank{world}", "FakeGPU"))
             bm.init()
-            topo = bm.runtime.get().topo
-            name, why = backends.auto_device_backend()
-            if shared and topo.local_size > 1:
-                listed = f"local ranks 0-{topo.local_size - 1} on one GPU"
-                assert name == "mpi" and listed in why, why
-            else:
-                assert name == "nccl", why
-                assert f"each of {topo.local_size} local rank(s) has a GPU of its own" in why
-            if not shared:
-                check_models_on_one_gpu(topo)
-            bm.shutdown()
+            try:
+                topo = bm.runtime.get().topo
+                name, why = backends.auto_device_backend()
+                if shared and topo.local_size > 1:
+                    listed = f"local ranks 0-{topo.local_size - 1} on one GPU"
+                    assert name == "mpi" and listed in why, why
+                else:
+                    assert name == "nccl", why
+                    assert (f"each of {topo.local_size} local rank(s) has a GPU of its own"
+                            in why), why
+                if not shared:
+                    models_on_one_gpu(topo)
+            finally:
+                bm.shutdown()
     finally:
         backends.gpu_of, backends.nccl_missing, torch.cuda.device_count = saved
 
 
-def check_models_on_one_gpu(topo):
+def models_on_one_gpu(topo):
     """Ranks that init mapped to GPUs of their own put their models on one GPU per node (a
     script without set_device): wrapping an optimizer compares the models' GPUs on each
     node, warns, and auto takes MPI there."""
     import logging
-
-    import torch
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -174,31 +185,44 @@ def check_models_on_one_gpu(topo):
         assert name == "nccl" and not said, (why, said)
 
 
-def main():
-    check_init_errors()
-    check_auto_tells_gpus_apart_by_id()
+def check_nccl_bootstrap_meets_in_one_store(rank, size):
+    """Each NCCL group (the job's, and the hierarchical mode's node group) is made once per
+    communicator in a store every rank of it joins, makes its communicator while every rank is
+    there, and keeps the job's stall limit as torch's watchdog timeout."""
+    MeetingPoint.made.clear(), MeetingPoint.allreduced.clear(), MeetingPoint.timeouts.clear()
     bm.init()
-    topo = bm.runtime.get().topo
-    check_optimizer_choice()
+    missing = object()  # a CPU build of torch has no ProcessGroupNCCL
+    saved = getattr(dist, "ProcessGroupNCCL", missing)
     dist.ProcessGroupNCCL = MeetingPoint
-    g = process_groups.group(topo.comm, "nccl")
-    assert g is process_groups.group(topo.comm, "nccl"), "one group per communicator"
-    assert (g.rank, g.size) == (topo.rank, topo.size)
-    process_groups.group(topo.intra, "nccl")  # the hierarchical mode's node group: its own store
-    assert MeetingPoint.made == [(topo.rank, topo.size), (topo.local_rank, topo.local_size)]
-    # each group's communicator made while every rank is there: a batch of point-to-point
-    # transfers between some ranks (gTop-k's tree) needs it to exist already
-    assert MeetingPoint.allreduced == [(topo.rank, (1,)), (topo.local_rank, (1,))], \
-        MeetingPoint.allreduced
-    # torch's NCCL watchdog keeps the job's stall limit (the library's cannot see the device)
-    limit = datetime.timedelta(seconds=bm.runtime.get().watchdog.abort_after)
-    assert MeetingPoint.timeouts == [limit, limit], (MeetingPoint.timeouts, limit)
-    topo.comm.Barrier()
-    if topo.rank == 0:
-        print(f"NCCL bootstrap over MPI OK on {topo.size} ranks", flush=True)
-    backends.reset()
-    bm.shutdown()
+    try:
+        topo = bm.runtime.get().topo
+        g = process_groups.group(topo.comm, "nccl")
+        assert g is process_groups.group(topo.comm, "nccl"), "one group per communicator"
+        assert (g.rank, g.size) == (topo.rank, topo.size)
+        process_groups.group(topo.intra, "nccl")  # the hierarchical mode's node group
+        assert MeetingPoint.made == [(topo.rank, topo.size), (topo.local_rank, topo.local_size)]
+        # each group's communicator made while every rank is there: a batch of point-to-point
+        # transfers between some ranks (gTop-k's tree) needs it to exist already
+        assert MeetingPoint.allreduced == [(topo.rank, (1,)), (topo.local_rank, (1,))], \
+            MeetingPoint.allreduced
+        # torch's NCCL watchdog keeps the job's stall limit (the library's cannot see the device)
+        limit = datetime.timedelta(seconds=bm.runtime.get().watchdog.abort_after)
+        assert MeetingPoint.timeouts == [limit, limit], (MeetingPoint.timeouts, limit)
+    finally:
+        # rank 0 of each group serves its store: it stays until every rank is done with it
+        MPI.COMM_WORLD.Barrier()
+        if saved is missing:
+            del dist.ProcessGroupNCCL
+        else:
+            dist.ProcessGroupNCCL = saved
+        backends.reset()
+        bm.shutdown()
+
+
+# every check_ function above, by name
+CHECKS = {name.removeprefix("check_").replace("_", "-"): fn
+          for name, fn in list(globals().items()) if name.startswith("check_")}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(1 if run_checks(CHECKS, comm=MPI.COMM_WORLD) else 0)
