@@ -38,31 +38,65 @@ def f32_from_half(h):
     return sub if is_sub else bits_f32(bits)
 
 
+@njit(nogil=True, inline="always")
+def _encode_one(x, e, i, has_res, bf16, half):
+    """half[i] = cast(c_i), c_i = x[i] (+ e[i]); with has_res, e[i] = c_i - decoded."""
+    c = x[i] + e[i] if has_res else x[i]
+    u = f32_bits(np.float32(c))
+    if bf16:
+        h = bf16_from_f32bits(u)
+        back = bits_f32(h << _U16)
+    else:
+        h = half_from_f32bits(u)
+        back = f32_from_half(h)
+    half[i] = np.uint16(h)
+    if has_res:
+        e[i] = c - back
+
+
 @cached_njit(nogil=True, parallel=True)
 def encode_cpu(x, e, has_res, bf16, half):
-    """CPU twin: half[i] = cast(c_i); with has_res, e[i] = c_i - decoded."""
-    for i in prange(x.size):
-        c = x[i] + e[i] if has_res else x[i]
-        u = f32_bits(np.float32(c))
-        if bf16:
-            h = bf16_from_f32bits(u)
-            back = bits_f32(h << _U16)
-        else:
-            h = half_from_f32bits(u)
-            back = f32_from_half(h)
-        half[i] = np.uint16(h)
-        if has_res:
-            e[i] = c - back
+    """CPU twin: half[i] = cast(c_i); with has_res, e[i] = c_i - decoded.
+
+    One loop for each case, its flags constants: without a residual ``e`` is ``x`` itself, and
+    a loop that might store to ``e`` must check at run time that it does not overlap ``x``,
+    then runs element by element where it does (fp16 without a residual took 34 ms for 1e7
+    floats here against 11 ms with the store gone)."""
+    if has_res and bf16:
+        for i in prange(x.size):
+            _encode_one(x, e, i, True, True, half)
+    elif has_res:
+        for i in prange(x.size):
+            _encode_one(x, e, i, True, False, half)
+    elif bf16:
+        for i in prange(x.size):
+            _encode_one(x, e, i, False, True, half)
+    else:
+        for i in prange(x.size):
+            _encode_one(x, e, i, False, False, half)
+
+
+# elements a decode folds every row into before it moves on: out's block stays in the
+# first-level cache while the rows pass (one pass over out, not one a row)
+_DECODE_BLOCK = 4096
+
+
+@njit(nogil=True, inline="always")
+def _decode_row(row, bf16, out, add):
+    """out (+)= decode(row), element by element (a loop the compiler vectorises)."""
+    for i in range(out.size):
+        h = U(row[i])
+        out[i] = add_or_replace(out[i], bits_f32(h << _U16) if bf16 else f32_from_half(h), add)
 
 
 @cached_njit(nogil=True, parallel=True)
 def decode_cpu_kernel(halves, col, bf16, out, accumulate):
     """out[i] (+)= sum over rows p of decode(halves[p, col + i]), rows in order."""
-    for p in range(halves.shape[0]):
-        add = accumulate or p > 0
-        for i in prange(out.size):
-            h = U(halves[p, col + i])
-            out[i] = add_or_replace(out[i], bits_f32(h << _U16) if bf16 else f32_from_half(h), add)
+    for b in prange((out.size + _DECODE_BLOCK - 1) // _DECODE_BLOCK):
+        s = b * _DECODE_BLOCK
+        t = min(out.size, s + _DECODE_BLOCK)
+        for p in range(halves.shape[0]):
+            _decode_row(halves[p, col + s:col + t], bf16, out[s:t], accumulate or p > 0)
 
 
 def compress_cast(x, kind="fp16", residual=None, out=None, stream=None):
@@ -120,7 +154,7 @@ def sum_halves(rows, out, kind="fp16"):
     """out[i] = sum over rows p of decode(rows[p, i]), rows added in order, on the host.
 
     ``rows``: (P, n) uint16 array of fp16/bf16 bits; ``out``: 1-D float32/float64 array of
-    n (float32 sums, exact decoding; a float64 ``out`` only stores them)."""
+    n (exact decoding, sums in ``out``'s dtype, as every decode here and on the device)."""
     _check_host("rows", rows, (np.dtype(np.uint16),))
     _check_host("out", out, (np.dtype(np.float32), np.dtype(np.float64)))
     rows = rows.reshape(-1, out.size) if rows.ndim == 1 else rows

@@ -74,13 +74,19 @@ def test_error_feedback_identity(kind, dtype, n, rng):
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
 def test_sum_halves_decodes_and_adds_rows_in_order(kind, out_dtype, rng):
-    rows = np.stack([REFS[kind](data(rng, 1001, np.float32, scale=300.0)) for _ in range(3)])
-    decoded = (rows.view(np.float16).astype(np.float32) if kind == "fp16"
-               else (rows.astype(np.uint32) << 16).view(np.float32))
-    expect = (decoded[0] + decoded[1]) + decoded[2]  # float32, row order
-    out = np.full(1001, np.nan, out_dtype)
+    """Three rows over several of the decoder's blocks and a part of one, summed in row order
+    in ``out``'s dtype; the first elements are sums that float32 and float64 round apart."""
+    n = 2 * 4096 + 1001
+    rows = np.stack([REFS[kind](data(rng, n, np.float32, scale=300.0)) for _ in range(3)])
+    rows[:, :2] = REFS[kind](np.array([[60000.0, -60000.0], [2.0**-14, 1.0], [2.0**-13, 2.0**-14]],
+                                      np.float32))
+    decoded = (rows.view(np.float16).astype(out_dtype) if kind == "fp16"
+               else (rows.astype(np.uint32) << 16).view(np.float32).astype(out_dtype))
+    expect = (decoded[0] + decoded[1]) + decoded[2]  # out's dtype, row order
+    assert (np.float32(expect[:2]) != expect[:2]).all() or out_dtype == np.float32
+    out = np.full(n, np.nan, out_dtype)
     assert nk.sum_halves(rows, out, kind) is out
-    np.testing.assert_array_equal(out, expect.astype(out_dtype))
+    np.testing.assert_array_equal(out, expect)
 
 
 def test_sum_halves_refuses_mismatched_shapes():
