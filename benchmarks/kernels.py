@@ -139,6 +139,13 @@ def np_decode_qsgd(codes, norms, rows):
     return out
 
 
+def np_decode_halves(halves, rows):
+    out = np.zeros(halves.size, np.float32)
+    for _ in range(rows):
+        out += halves  # NumPy widens each element as it adds
+    return out
+
+
 def np_decode_onebit(signs, scales, n, rows):
     out = np.zeros(n, np.float32)
     for _ in range(rows):
@@ -162,7 +169,9 @@ def cpu_rows(n, repeats):
     ta, tb = nk.compress_topk(x, k), nk.compress_topk(x[::-1].copy(), k)
     mm4, qs, ob = (nk.compress_minmax(x, 4, CHUNK), nk.compress_qsgd(x, 127, CHUNK, seed=1),
                    nk.compress_onebit(x, ONEBIT_CHUNK))
-    stack4, qstack, obstack = (np.stack([p.buffer] * 4) for p in (mm4, qs, ob))
+    f16, b16 = nk.compress_cast(x, "fp16"), nk.compress_cast(x, "bf16")
+    stack4, qstack, obstack, f16stack, b16stack = (np.stack([p.buffer] * 4)
+                                                   for p in (mm4, qs, ob, f16, b16))
     return [
         ("fp16 cast + EF", lambda: nk.compress_cast(x, "fp16", residual=e1),
          lambda: np_fp16(x, e2)),
@@ -189,6 +198,11 @@ def cpu_rows(n, repeats):
          lambda: np_decode_qsgd(qs.views()["codes"], qs.views()["norms"], 4)),
         ("decode 1-bit x4 rows", lambda: nk.decompress_many(obstack, ob.format),
          lambda: np_decode_onebit(ob.views()["signs"], ob.views()["scales"], n, 4)),
+        ("decode fp16 x4 rows", lambda: nk.decompress_many(f16stack, f16.format),
+         lambda: np_decode_halves(f16.views()["half"].view(np.float16), 4)),
+        ("decode bf16 x4 rows", lambda: nk.decompress_many(b16stack, b16.format),
+         lambda: np_decode_halves((b16.views()["half"].astype(np.uint32) << 16)
+                                  .view(np.float32), 4)),
         ("merge two top-k (gTop-k round)", lambda: nk.merge_topk(ta, tb),
          lambda: np_merge(ta, tb, k)),
     ]
