@@ -189,7 +189,8 @@ def check_nccl_bootstrap_meets_in_one_store(rank, size):
     """Each NCCL group (the job's, and the hierarchical mode's node group) is made once per
     communicator in a store every rank of it joins, makes its communicator while every rank is
     there, and keeps the job's stall limit as torch's watchdog timeout."""
-    MeetingPoint.made.clear(), MeetingPoint.allreduced.clear(), MeetingPoint.timeouts.clear()
+    for record in (MeetingPoint.made, MeetingPoint.allreduced, MeetingPoint.timeouts):
+        record.clear()
     bm.init()
     missing = object()  # a CPU build of torch has no ProcessGroupNCCL
     saved = getattr(dist, "ProcessGroupNCCL", missing)
