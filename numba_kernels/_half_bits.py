@@ -1,19 +1,20 @@
-"""Bit-level fp16 and bf16 conversions for both the CPU twin and the CUDA kernel.
+"""Bit-level rounding of float32 to fp16 and bf16, for both the CPU twin and the CUDA kernel.
 
 The ``*_py`` functions below are plain integer arithmetic on bit patterns, so
 the same source compiles with ``numba.njit`` (here, for ``casts.py``) and with
 ``cuda.jit(device=True)`` (in ``_cuda/casts.py``, which needs numba.cuda), and
 both targets agree bit for bit.  They call no other compiled function: a
 callee would have to be the CPU or the device version, and one source cannot
-name both.  The rounding rules are described in ``casts.py``.
+name both.  The rounding rules are described in ``casts.py``.  Widening back to float32
+is exact, and each target does it its own fastest way (``f32_from_half`` in ``casts.py`` and
+in ``_cuda/casts.py``).
 """
 import numpy as np
 from numba import njit
 
 U = np.uint32
 _ABS, _INF32 = U(0x7FFFFFFF), U(0x7F800000)
-_U1, _U10, _U13, _U16, _U23 = U(1), U(10), U(13), U(16), U(23)
-_TWO_M24 = np.float32(2.0 ** -24)
+_U1, _U13, _U16, _U23 = U(1), U(13), U(16), U(23)
 
 
 def half_from_f32bits_py(u):
@@ -40,22 +41,6 @@ def half_from_f32bits_py(u):
     return h | sign
 
 
-def half_fields_py(h):
-    """(float32 bits, subnormal?, subnormal value) of the binary16 bits h.
-
-    Normal numbers, infinities and NaNs get their float32 bit pattern (rebias
-    the exponent, widen the mantissa); a subnormal m * 2**-24 is computed as a
-    float, exactly.  The caller picks one with its own bit cast.
-    """
-    sign = (h & U(0x8000)) << _U16
-    e = (h >> _U10) & U(0x1F)
-    m = h & U(0x3FF)
-    exp = U(0xFF) if e == U(0x1F) else e + U(112)
-    bits = sign | (exp << _U23) | (m << _U13)
-    sub = np.float32(m) * _TWO_M24
-    return bits, e == U(0), -sub if sign != U(0) else sub
-
-
 def bf16_from_f32bits_py(u):
     """bfloat16 bits (in a uint32) of the float32 with bits u, round to nearest even."""
     if (u & _ABS) > _INF32:
@@ -64,5 +49,4 @@ def bf16_from_f32bits_py(u):
 
 
 half_from_f32bits = njit(nogil=True, inline="always")(half_from_f32bits_py)
-half_fields = njit(nogil=True, inline="always")(half_fields_py)
 bf16_from_f32bits = njit(nogil=True, inline="always")(bf16_from_f32bits_py)

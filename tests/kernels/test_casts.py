@@ -72,6 +72,28 @@ def test_error_feedback_identity(kind, dtype, n, rng):
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_every_16_bit_code_decodes_exactly(kind):
+    """All 65536 codes widen to float32 bit for bit, through ``sum_halves`` and the codec's
+    decoder: fp16 as NumPy converts it, a NaN keeping its sign and payload; bf16 as the code
+    in the top half of the word."""
+    codes = np.arange(1 << 16, dtype=np.uint16)
+    wide = codes.astype(np.uint32)
+    if kind == "fp16":
+        expect = codes.view(np.float16).astype(np.float32).view(np.uint32)
+        nan = ((wide & 0x7C00) == 0x7C00) & ((wide & 0x3FF) != 0)
+        expect[nan] = ((wide[nan] & 0x8000) << 16) | 0x7F800000 | ((wide[nan] & 0x3FF) << 13)
+    else:
+        expect = wide << 16
+    out = np.empty(codes.size, np.float32)
+    nk.sum_halves(codes[None, :], out, kind)
+    np.testing.assert_array_equal(out.view(np.uint32), expect)
+    fmt = nk.CastFormat(codes.size, kind)
+    row = np.zeros((1, fmt.nbytes), np.uint8)
+    row[0, :fmt.used_nbytes] = codes.view(np.uint8)
+    np.testing.assert_array_equal(nk.decompress_many(row, fmt).view(np.uint32), expect)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
 def test_sum_halves_decodes_and_adds_rows_in_order(kind, out_dtype, rng):
     """Three rows over several of the decoder's blocks and a part of one, summed in row order
