@@ -29,11 +29,10 @@ from .errors import KernelTypeError, LayoutError
 from .wire import CastFormat
 
 U = np.uint32
-_U13, _U16, _U23 = U(13), U(16), U(23)
-
-
+_U13, _U16 = U(13), U(16)
 _EXP_SHIFT = U(112 << 23)     # float32's exponent bias over binary16's, at the exponent's place
 _HALF_EXP = U(0x1F << 23)     # binary16's exponent field, moved to float32's place
+_EXP_ONE = U(1 << 23)         # one more in float32's exponent field
 _TWO_M14 = U(113 << 23)       # the bits of 2**-14, binary16's smallest normal
 
 
@@ -54,7 +53,7 @@ def f32_from_half(h):
     if e == _HALF_EXP:
         o += _EXP_SHIFT
     elif e == U(0):
-        o = f32_bits(bits_f32(o + (U(1) << _U23)) - bits_f32(_TWO_M14))
+        o = f32_bits(bits_f32(o + _EXP_ONE) - bits_f32(_TWO_M14))
     return bits_f32(o | sign)
 
 
