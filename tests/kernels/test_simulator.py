@@ -2,7 +2,7 @@
 
 The simulator must be switched on before numba.cuda is first imported, so it
 runs ``sim_kernels.py`` (kernels against their CPU twins, in two processes, and
-two more in the GPU's block shapes) and ``sim_launches.py`` (launch and sync counts)
+three more in the GPU's block shapes) and ``sim_launches.py`` (launch and sync counts)
 in subprocesses side by side with NUMBA_ENABLE_CUDASIM=1, every one with the
 race check on (``numba_kernels._simulator_races``); the rest of the suite keeps
 the real numba.cuda.
@@ -25,20 +25,24 @@ ROOT = HERE.parent.parent
 
 
 # sim_kernels.py's three longest tests run in a process of their own, so the processes share 2
-# cores about evenly. Two more run the kernels in the GPU's shapes (256-thread blocks, 32-lane
+# cores about evenly. Three more run the kernels in the GPU's shapes (256-thread blocks, 32-lane
 # warps, the warp-shuffle code with the simulator's warp intrinsics), the code a GPU runs and
 # the simulator's own shapes do not: the *gpu_shapes* tests (row forms, warp intrinsics,
-# geometry) in one, every per-format test in the other; the row, top-k and merge tests on a grid
-# took about 300 s there and are left to the others.
+# geometry) in one, every per-format test in the other two (top-k's and the stacked decodes',
+# the rest); the row, top-k and merge tests on a grid took about 300 s there and are left to
+# the others. In one process the per-format tests took 99-117 s of wall time with the four
+# others beside it, and set the run's length; in two, the six processes take 80-87 s.
 SLOW_KERNEL_TESTS = ("test_topk_approx or test_row_forms_equal_the_per_partition_calls"
                      " or test_row_forms_long_chunks")
 PER_FORMAT = "not (gpu_shapes or row_forms or topk_approx or on_a_grid or race_check)"
+PER_FORMAT_HALF = "topk or decompress_many"
 GPU_SHAPES = {"NUMBA_KERNELS_GPU_SHAPES": "1"}
 RUNS = [(("sim_kernels.py", "-k", SLOW_KERNEL_TESTS), {}),
         (("sim_kernels.py", "-k", f"not ({SLOW_KERNEL_TESTS}) and not gpu_shapes"), {}),
         (("sim_launches.py",), {}),
         (("sim_kernels.py", "-k", "gpu_shapes"), GPU_SHAPES),
-        (("sim_kernels.py", "-k", PER_FORMAT), GPU_SHAPES)]
+        (("sim_kernels.py", "-k", f"({PER_FORMAT}) and ({PER_FORMAT_HALF})"), GPU_SHAPES),
+        (("sim_kernels.py", "-k", f"({PER_FORMAT}) and not ({PER_FORMAT_HALF})"), GPU_SHAPES)]
 
 
 @pytest.fixture(scope="module")
