@@ -19,7 +19,6 @@ not reach fails here until it is given a call.
 """
 import importlib
 import pkgutil
-
 import types
 
 import numba
