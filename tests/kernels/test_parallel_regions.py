@@ -105,8 +105,8 @@ class _StopWithTheParallelLoops(FunctionPass):
         FunctionPass.__init__(self)
 
     def run_pass(self, state):
-        raise _EarlyPipelineCompletion(types.SimpleNamespace(
-            typing_error=None, func_ir=state.parfor_diagnostics.func_ir))
+        raise _EarlyPipelineCompletion(types.SimpleNamespace(typing_error=None,
+                                                             func_ir=state.func_ir))
 
 
 class _UpToTheParallelLoops(CompilerBase):
