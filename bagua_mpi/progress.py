@@ -17,7 +17,10 @@ goes to a terminal, and plain lines otherwise: a Slurm log gets one line every `
 and at least every ``seconds`` seconds (step, loss, samples/s, elapsed time), not a stream of
 carriage returns. The other ranks print nothing. When the block ends, rank 0 prints a summary:
 steps, wall time, throughput over all ranks, the share of the time the training thread waited
-for communication, bytes sent per step, and the optimizer's algorithm and backend.
+for communication, bytes sent per step, and the optimizer's algorithm and backend. Step 0's
+time is told apart, and throughput and waiting are given from step 1 on as well: step 0 builds
+the buckets and, on the first run after an install, compiles the compression kernels, which
+would otherwise read as a slow run spent waiting for communication.
 
 Why tqdm for the bar: it is a small, well-kept library that already handles what a hand-made
 bar gets wrong (terminal width and resizing, smoothing of the rate, the estimate of the time
@@ -154,7 +157,12 @@ def progress_line(step: int, loss: float | None, samples_per_second: float,
 class Summary:
     """What a training loop did, from rank 0's clock and rank 0's communication counters.
 
-    ``wait_seconds`` / ``bytes_sent`` are None without an optimizer that counts them."""
+    ``wait_seconds`` / ``bytes_sent`` are None without an optimizer that counts them.
+    ``first_step_seconds`` / ``first_step_wait_seconds``: the wall time from the block's start
+    to the end of step 0, and the wait within it. Step 0 carries one-off costs (the buckets are
+    built, an algorithm sets up its exchange, and the first run after an install compiles the
+    compression kernels: seconds to tens of seconds), so the ``later_*`` figures leave it out,
+    as a benchmark leaves out its warm-up steps."""
     steps: int
     wall_seconds: float
     samples_per_step: int
@@ -163,6 +171,8 @@ class Summary:
     bytes_sent: float | None = None
     algorithm: str | None = None
     backend: str | None = None
+    first_step_seconds: float | None = None
+    first_step_wait_seconds: float | None = None
 
     @property
     def samples_per_second(self) -> float:
@@ -177,19 +187,57 @@ class Summary:
         return self.wait_seconds / self.wall_seconds
 
     @property
+    def later_seconds(self) -> float | None:
+        """The wall time from the end of step 0 to the block's end; None with fewer than two
+        steps (nothing came after step 0) or where step 0's end was not seen."""
+        if self.first_step_seconds is None or self.steps < 2:
+            return None
+        return self.wall_seconds - self.first_step_seconds
+
+    @property
+    def later_samples_per_second(self) -> float | None:
+        """Throughput over all ranks from step 1 on."""
+        later = self.later_seconds
+        return (self.steps - 1) * self.samples_per_step / later if later else None
+
+    @property
+    def later_wait_share(self) -> float | None:
+        """The share of the time from step 1 on spent waiting for communication (0..1)."""
+        later = self.later_seconds
+        if not later or self.wait_seconds is None or self.first_step_wait_seconds is None:
+            return None
+        return (self.wait_seconds - self.first_step_wait_seconds) / later
+
+    @property
     def bytes_per_step(self) -> float | None:
         if self.bytes_sent is None or not self.steps:
             return None
         return self.bytes_sent / self.steps
 
     def lines(self) -> list[str]:
+        """The printed summary. With a step 0 to leave out, throughput and waiting are given
+        from step 1 on, each with its figure over every step beside it."""
         on = f" on {self.ranks} rank{'s' if self.ranks != 1 else ''}" if self.ranks else ""
-        lines = [f"summary: {self.steps} steps in {format_duration(self.wall_seconds)}{on}",
-                 f"  throughput: {self.samples_per_second:.1f} samples/s over all ranks "
-                 f"({self.samples_per_step} samples per step)"]
-        if self.wait_share is not None:
-            lines.append(f"  waiting for communication: {100 * self.wait_share:.1f}% of the "
-                         f"time ({self.wait_seconds:.2f} s on rank 0)")
+        steps = f"{self.steps} step{'s' if self.steps != 1 else ''}"
+        head = f"summary: {steps} in {format_duration(self.wall_seconds)}{on}"
+        later = self.later_seconds
+        if later is None:
+            lines = [head, f"  throughput: {self.samples_per_second:.1f} samples/s over all "
+                           f"ranks ({self.samples_per_step} samples per step)"]
+            if self.wait_share is not None:
+                lines.append(f"  waiting for communication: {100 * self.wait_share:.1f}% of "
+                             f"the time ({self.wait_seconds:.2f} s on rank 0)")
+        else:
+            lines = [f"{head}; step 0 took {format_duration(self.first_step_seconds)} "
+                     "(set-up, and compiles on a first run)",
+                     f"  throughput from step 1 on: {self.later_samples_per_second:.1f} "
+                     f"samples/s over all ranks ({self.samples_per_second:.1f} with step 0; "
+                     f"{self.samples_per_step} samples per step)"]
+            if self.later_wait_share is not None:
+                waited = self.wait_seconds - self.first_step_wait_seconds
+                lines.append(f"  waiting for communication from step 1 on: "
+                             f"{100 * self.later_wait_share:.1f}% of the time ({waited:.2f} s "
+                             f"on rank 0; {100 * self.wait_share:.1f}% with step 0)")
         if self.bytes_per_step is not None:
             lines.append(f"  sent per step: {format_bytes(self.bytes_per_step)} "
                          f"({self.bytes_per_step:.0f} bytes, rank 0)")
@@ -325,6 +373,8 @@ class Progress:
         self._before = read_communication(self.optimizer)  # an optimizer may be reused
         self.started = self._last_report_at = self.clock()
         self._last_report_step = 0
+        self._first_step_end: float | None = None
+        self._after_first_step: dict | None = None
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -346,6 +396,9 @@ class Progress:
         if report and loss is not None:
             self.shown_loss = self._reported_loss(loss)
         now = self.clock()
+        if index == 0:  # step 0's one-off costs are told apart in the summary
+            self._first_step_end = now
+            self._after_first_step = read_communication(self.optimizer)
         rate = self._rate_since_last_report(now)
         if report:
             self._last_report_at, self._last_report_step = now, self.steps
@@ -384,12 +437,16 @@ class Progress:
         """The summary so far (printed by rank 0 when the block ends)."""
         after = read_communication(self.optimizer)
         algorithm = getattr(getattr(self.optimizer, "algorithm", None), "name", None)
+        first_end, after_first = self._first_step_end, self._after_first_step
         return Summary(
             steps=self.steps, wall_seconds=self.clock() - self.started,
             samples_per_step=self.samples_per_step, ranks=self.ranks,
             wait_seconds=_difference(after["wait_seconds"], self._before["wait_seconds"]),
             bytes_sent=_difference(after["bytes_sent"], self._before["bytes_sent"]),
-            algorithm=algorithm, backend=getattr(self.optimizer, "backend", None))
+            algorithm=algorithm, backend=getattr(self.optimizer, "backend", None),
+            first_step_seconds=None if first_end is None else first_end - self.started,
+            first_step_wait_seconds=None if after_first is None else _difference(
+                after_first["wait_seconds"], self._before["wait_seconds"]))
 
 
 # -- the loss curve --------------------------------------------------------------------------------

@@ -71,13 +71,15 @@ def test_main_job_prints_progress_lines_from_rank_0_only(main_job):
 
 def test_main_job_prints_the_summary(main_job):
     out, _ = main_job
-    assert re.search(r"^summary: 30 steps in [0-9.]+ s on 4 ranks$", out, re.M), out
-    rate = re.search(r"^  throughput: ([0-9.]+) samples/s over all ranks \(64 samples per "
-                     r"step\)$", out, re.M)
-    assert rate and float(rate.group(1)) > 0, out
-    wait = re.search(r"^  waiting for communication: ([0-9.]+)% of the time \(([0-9.]+) s on "
-                     r"rank 0\)$", out, re.M)
-    assert wait and 0 <= float(wait.group(1)) <= 100, out
+    head = re.search(r"^summary: 30 steps in ([0-9.]+) s on 4 ranks; step 0 took ([0-9.]+) s "
+                     r"\(set-up, and compiles on a first run\)$", out, re.M)
+    assert head and 0 < float(head.group(2)) < float(head.group(1)), out
+    rate = re.search(r"^  throughput from step 1 on: ([0-9.]+) samples/s over all ranks "
+                     r"\(([0-9.]+) with step 0; 64 samples per step\)$", out, re.M)
+    assert rate and float(rate.group(1)) > 0 and float(rate.group(2)) > 0, out
+    wait = re.search(r"^  waiting for communication from step 1 on: ([0-9.]+)% of the time "
+                     r"\(([0-9.]+) s on rank 0; ([0-9.]+)% with step 0\)$", out, re.M)
+    assert wait and 0 <= float(wait.group(1)) <= 100 and 0 <= float(wait.group(3)) <= 100, out
     sent = re.search(r"^  sent per step: [0-9.]+ [KMG]?i?B \(([0-9]+) bytes, rank 0\)$", out,
                      re.M)
     assert sent and int(sent.group(1)) > 0, out  # 4 ranks: every rank sends gradients

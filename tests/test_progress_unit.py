@@ -133,6 +133,72 @@ def test_summary_lines_name_every_figure():
         "  algorithm: bytegrad, backend: mpi"]
 
 
+class SlowFirstStepClock:
+    """Reads 0 at the block's start, then ``first`` at step 0's end, then ``tick`` more at each
+    later read (the later steps and the summary)."""
+
+    def __init__(self, first: float, tick: float):
+        self.reads, self.first, self.tick = 0, first, tick
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return 0.0 if self.reads == 1 else self.first + (self.reads - 2) * self.tick
+
+
+class SlowFirstStepOptimizer(FakeOptimizer):
+    """Waits ``first_wait`` seconds in step 0 and ``wait`` in each later step."""
+
+    def __init__(self, first_wait: float, wait: float):
+        super().__init__(per_step=100, wait=wait)
+        self.first_wait, self.calls = first_wait, 0
+
+    def step(self) -> None:
+        super().step()
+        if self.calls == 0:
+            self.waited += self.first_wait - self.wait
+        self.calls += 1
+
+
+def test_summary_tells_step_0_apart_from_the_later_steps():
+    # step 0 takes 12 s, of which 11.9 s waiting (kernels compiling under a first collective);
+    # the 9 steps after it 0.5 s each, 0.2 s of it waiting; the summary's read adds 0.5 s
+    opt = SlowFirstStepOptimizer(first_wait=11.9, wait=0.2)
+    progress = run_loop(Progress(10, samples_per_step=64, optimizer=opt, seconds=None,
+                                 stream=io.StringIO(), rank=0, ranks=4,
+                                 clock=SlowFirstStepClock(12.0, 0.5)),
+                        [1.0] * 10, optimizer=opt)
+    s = progress.result
+    assert s.wall_seconds == pytest.approx(17.0)
+    assert s.first_step_seconds == pytest.approx(12.0)
+    assert s.first_step_wait_seconds == pytest.approx(11.9)
+    assert s.later_seconds == pytest.approx(5.0)
+    assert s.later_samples_per_second == pytest.approx(9 * 64 / 5.0)
+    assert s.later_wait_share == pytest.approx(9 * 0.2 / 5.0)
+    assert s.samples_per_second == pytest.approx(10 * 64 / 17.0)  # every step, as before
+    assert s.wait_share == pytest.approx((11.9 + 9 * 0.2) / 17.0)
+    assert s.lines()[:3] == [
+        "summary: 10 steps in 17.0 s on 4 ranks; step 0 took 12.0 s (set-up, and compiles on a "
+        "first run)",
+        "  throughput from step 1 on: 115.2 samples/s over all ranks (37.6 with step 0; 64 "
+        "samples per step)",
+        "  waiting for communication from step 1 on: 36.0% of the time (1.80 s on rank 0; 80.6% "
+        "with step 0)"]
+
+
+def test_summary_of_a_single_step_has_nothing_to_leave_out():
+    opt = FakeOptimizer(per_step=10, wait=0.5)
+    progress = run_loop(Progress(1, samples_per_step=8, optimizer=opt, seconds=None,
+                                 stream=io.StringIO(), rank=0, clock=FakeClock(1.0)),
+                        [1.0], optimizer=opt)
+    s = progress.result
+    assert s.first_step_seconds == pytest.approx(1.0)
+    assert s.later_seconds is None and s.later_samples_per_second is None
+    assert s.later_wait_share is None
+    assert s.lines()[:3] == ["summary: 1 step in 2.00 s",
+                             "  throughput: 4.0 samples/s over all ranks (8 samples per step)",
+                             "  waiting for communication: 25.0% of the time (0.50 s on rank 0)"]
+
+
 def test_summary_leaves_out_what_the_optimizer_does_not_count():
     class Adasumish(FakeOptimizer):
         def communication_stats(self):
@@ -343,5 +409,7 @@ def test_a_real_optimizer_on_one_rank_fills_the_summary(one_rank):
     assert s.wait_seconds is not None and 0 <= s.wait_seconds <= s.wall_seconds
     assert s.bytes_sent == 0  # one rank sends nothing
     assert (s.algorithm, s.backend) == ("gradient_allreduce", "mpi")
-    assert "on 1 rank\n" in out.getvalue()
+    assert "on 1 rank; step 0 took" in out.getvalue()
+    assert s.first_step_wait_seconds is not None
+    assert 0 <= s.first_step_wait_seconds <= s.wait_seconds
     opt.close()
