@@ -17,6 +17,10 @@ half_from_f32bits = cuda.jit(device=True)(half_from_f32bits_py)
 bf16_from_f32bits = cuda.jit(device=True)(bf16_from_f32bits_py)
 _U16 = np.uint32(16)
 _TWO_P112 = np.float32(2.0 ** 112)     # 2**(127 - 15): float32's exponent bias over binary16's
+# The fp16 encoder's residual c - back subtracts f32_from_half's product, a pair the assembler
+# may fuse into one FMA (tests/kernels/ptx_compile.py lists such pairs). The product is exact,
+# so fused or not the residual rounds once, to the same float.
+EXACT_PRODUCTS = {"_encode": "f32_from_half's product by 2**112 is exact"}
 
 
 @cuda.jit(device=True)

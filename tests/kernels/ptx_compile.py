@@ -10,6 +10,16 @@ Usage: python ptx_compile.py signatures.json [major minor] [--resources]
 (NVVM runs at -O0, which is enough to type-check and lower; set
 NUMBA_KERNELS_PTX_OPT=1 for the optimising compile.)
 
+The optimising compile also checks that no compiler fuses a multiply and an add by itself,
+which would make a kernel's bytes differ from its CPU twin's (the CPU compiler does not fuse,
+and the simulator runs Python's arithmetic): an addition or subtraction in the PTX that takes
+a plain product (``mul.f32``, not ``mul.rn.f32``) is one ``ptxas`` may fuse, and NVVM is
+compiled a second time with contraction off (``-fma=0``) to show it fused nothing itself (the
+same count of ``fma`` instructions). The kernels write their multiply-adds as ``fma32`` and
+their products as ``mul32`` instead. A kernel module may excuse a pair in an
+``EXACT_PRODUCTS`` dict (kernel name -> why): a product that is exact rounds alike fused or
+not.
+
 With ``--resources`` it compiles with optimisation, as a GPU run does, assembles each launch
 with ``ptxas -v`` (the CUDA toolkit's assembler; no GPU needed) and prints, per kernel, the
 largest register count over its recorded signatures, spills, static shared memory and the
@@ -90,27 +100,84 @@ def ptxas_resources(ptx, cc):
     return registers, spills, int(shared.group(1)) if shared else 0
 
 
+# An instruction of the PTX, its predicate guard left out: (opcode, operands).
+_INSTRUCTION = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+([^;]*);")
+_FLOAT_FMA = re.compile(r"\bfma\.rn\.f(?:32|64)\b")
+# NVVM's options for the second compile (forked workers inherit it; see main)
+_EXTRA_NVVM_OPTIONS = {}
+
+
+def _float_op(opcode):
+    """("mul" / "add" / ..., rounding given) for a float32/64 opcode, else None."""
+    parts = opcode.split(".")
+    if parts[-1] not in ("f32", "f64"):
+        return None
+    return parts[0], "rn" in parts
+
+
+def fusable_pairs(ptx):
+    """The additions and subtractions in ``ptx`` that take a product with no rounding mode
+    (``mul.f32``, not ``mul.rn.f32``): pairs ``ptxas`` is free to fuse into an FMA."""
+    products, pairs = set(), []
+    for line in ptx.splitlines():
+        match = _INSTRUCTION.match(line)
+        op = match and _float_op(match.group(1))
+        if not op or op[1]:
+            continue
+        operands = [a.strip() for a in match.group(2).split(",")]
+        if op[0] == "mul":
+            products.add(operands[0])
+        elif op[0] in ("add", "sub") and any(a in products for a in operands[1:]):
+            pairs.append(line.strip())
+    return pairs
+
+
+def contraction_problems(kernel, sig, cc, ptx, excused):
+    """What a compiler could fuse in one launch, unless ``excused`` says why it is exact."""
+    problems = [] if excused else [f"ptxas may fuse: {p}" for p in fusable_pairs(ptx)]
+    _EXTRA_NVVM_OPTIONS["fma"] = False
+    try:
+        strict, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=True)
+    finally:
+        _EXTRA_NVVM_OPTIONS.clear()
+    fused, written = len(_FLOAT_FMA.findall(ptx)), len(_FLOAT_FMA.findall(strict))
+    if fused != written:
+        problems.append(f"NVVM fused: {fused} fma with contraction on, {written} with it off")
+    return problems
+
+
 def compile_launch(launch, cc, resources):
     """One recorded launch: (its line, its kernel's key, its register budget, ptxas's resources
-    or None, failed)."""
+    or None, what a compiler could fuse or None where not checked, failed)."""
     module, name, specs = launch
     kernel = getattr(importlib.import_module(module), name)
     sig = tuple(numba_type(s) for s in specs)
+    optimise = resources or os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1"
     try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=resources or
-                                  os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1")
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=optimise)
     except Exception as exc:
-        return f"FAILED {module}.{name}{sig}:\n{exc}", None, None, None, True
+        return f"FAILED {module}.{name}{sig}:\n{exc}", None, None, None, None, True
     key = f"{module.rsplit('.', 1)[-1]}.{name}"
-    budget = getattr(importlib.import_module(module), "REGISTER_BUDGET", {}).get(name,
-                                                                              REGISTER_LIMIT)
+    source = importlib.import_module(module)
+    budget = getattr(source, "REGISTER_BUDGET", {}).get(name, REGISTER_LIMIT)
     used = ptxas_resources(ptx, cc) if resources else None
-    return f"ok {module}.{name} {sig}", key, budget, used, False
+    fusable = (contraction_problems(kernel, sig, cc, ptx,
+                                    name in getattr(source, "EXACT_PRODUCTS", {}))
+               if optimise else None)
+    return f"ok {module}.{name} {sig}", key, budget, used, fusable, False
+
+
+def _compile_ir_with_extra_options(compile_ir):
+    def compile_with(llvmir, **options):
+        return compile_ir(llvmir, **{**options, **_EXTRA_NVVM_OPTIONS})
+    return compile_with
 
 
 def main(path, cc=(9, 0), resources=False):
     from numba.cuda import dispatcher
+    from numba.cuda.cudadrv import nvvm
     dispatcher.get_current_device = lambda: _Device(cc)
+    nvvm.compile_ir = _compile_ir_with_extra_options(nvvm.compile_ir)
     with open(path) as fh:
         launches = json.load(fh)
     # Each compile is independent and single-threaded: one worker process a core (forked, so
@@ -119,18 +186,23 @@ def main(path, cc=(9, 0), resources=False):
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(compile_launch, launches, [cc] * len(launches),
                                 [resources] * len(launches)))
-    worst, budgets = {}, {}
-    for line, key, budget, used, failed in results:
+    worst, budgets, fusable = {}, {}, []
+    for line, key, budget, used, problems, failed in results:
         print(line)
         if used is not None:   # the largest of each over the kernel's signatures
             worst[key] = tuple(map(max, worst.get(key, (0, 0, 0)), used))
             budgets[key] = budget
+        fusable += [f"FUSABLE {line[3:]}: {p}" for p in problems or ()]
     failures = sum(failed for *_, failed in results)
     if failures:
         print(f"{failures} of {len(launches)} launches FAILED to compile")
         return 1
     print(f"{len(launches)} launches compiled to PTX for sm_{cc[0]}{cc[1]}")
-    return report(worst, budgets, cc) if resources else 0
+    if results[0][4] is not None:   # the optimising compile checked contraction
+        print("\n".join(fusable) if fusable else
+              f"no multiply-add left to the compilers to fuse in {len(launches)} launches")
+    status = report(worst, budgets, cc) if resources else 0
+    return 1 if fusable else status
 
 
 def report(worst, budgets, cc):

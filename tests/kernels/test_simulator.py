@@ -9,7 +9,8 @@ the real numba.cuda.
 The ``sim_kernels.py`` processes also record the argument types of every kernel
 launch, which ``ptx_compile.py`` then compiles to PTX with the real CUDA compiler
 where libNVVM is installed, and ``ptxas`` assembles for each kernel's registers where the
-CUDA toolkit is (no GPU needed).
+CUDA toolkit is (no GPU needed); the optimised PTX is also searched for a multiply and an add
+that a compiler could fuse, which only a GPU's bytes would show.
 """
 import json
 import os
@@ -109,7 +110,10 @@ def ptx_run(simulator_run):
         pytest.skip("libNVVM not found (install nvidia-cuda-nvcc-cu12 and point CUDA_HOME at it): "
                     "cannot compile the kernels to PTX")
     resources = shutil.which("ptxas") is not None
+    # the optimising compile, as a GPU run's, with or without ptxas: the contraction check
+    # reads what it gives
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["NUMBA_KERNELS_PTX_OPT"] = "1"
     out = subprocess.run([sys.executable, str(HERE / "ptx_compile.py"), str(record),
                           *(["--resources"] if resources else [])], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
@@ -134,4 +138,19 @@ def test_kernels_fit_the_register_budget(ptx_run):
     table = out.stdout[out.stdout.find("| kernel"):]
     print(table, out.stderr[-3000:])
     assert "compiled to PTX" in out.stdout, "the compile failed: see test_kernels_compile_to_ptx"
-    assert out.returncode == 0 and "OVER BUDGET" not in out.stdout, table + out.stderr
+    assert table.startswith("| kernel") and "Traceback" not in out.stderr, table + out.stderr
+    assert "OVER BUDGET" not in out.stdout, table + out.stderr
+
+
+def test_no_compiler_fuses_a_multiply_and_an_add(ptx_run):
+    """The bytes of a kernel are its CPU twin's only if every multiply-add rounds as there: CUDA
+    compilers fuse ``a * b + c`` into an FMA by themselves, the CPU compiler does not, and the
+    simulator runs Python's arithmetic, so neither would show a fused pair. In every recorded
+    launch's optimised PTX no addition or subtraction may take a product with no rounding mode
+    (``ptxas`` may fuse those), and NVVM compiled with contraction off gives as many ``fma``
+    instructions (it fused none itself); ``ptx_compile.py`` explains the exceptions."""
+    out, _ = ptx_run
+    assert "compiled to PTX" in out.stdout, "the compile failed: see test_kernels_compile_to_ptx"
+    fusable = [line for line in out.stdout.splitlines() if line.startswith("FUSABLE")]
+    assert not fusable, "\n".join(fusable)
+    assert "no multiply-add left to the compilers to fuse" in out.stdout, out.stdout[-3000:]
