@@ -117,7 +117,8 @@ def _float_op(opcode):
 
 def fusable_pairs(ptx):
     """The additions and subtractions in ``ptx`` that take a product with no rounding mode
-    (``mul.f32``, not ``mul.rn.f32``): pairs ``ptxas`` is free to fuse into an FMA."""
+    (``mul.f32``, not ``mul.rn.f32``), directly or through a copy or a negation: pairs
+    ``ptxas`` is free to fuse into an FMA."""
     products, pairs = set(), []
     for line in ptx.splitlines():
         match = _INSTRUCTION.match(line)
@@ -125,7 +126,7 @@ def fusable_pairs(ptx):
         if not op or op[1]:
             continue
         operands = [a.strip() for a in match.group(2).split(",")]
-        if op[0] == "mul":
+        if op[0] == "mul" or (op[0] in ("mov", "neg") and operands[1] in products):
             products.add(operands[0])
         elif op[0] in ("add", "sub") and any(a in products for a in operands[1:]):
             pairs.append(line.strip())

@@ -154,3 +154,25 @@ def test_no_compiler_fuses_a_multiply_and_an_add(ptx_run):
     fusable = [line for line in out.stdout.splitlines() if line.startswith("FUSABLE")]
     assert not fusable, "\n".join(fusable)
     assert "no multiply-add left to the compilers to fuse" in out.stdout, out.stdout[-3000:]
+
+
+def test_fusable_pairs_follow_a_product_through_copies_and_negations():
+    """The PTX reading of the check above, on hand-written PTX: a sum may take a product with
+    no rounding mode through a copy or a negation; ``.rn`` on either side, or a register that
+    holds no product yet, is no pair."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from ptx_compile import fusable_pairs
+    finally:
+        sys.path.remove(str(HERE))
+    ptx = "\n".join(["\tmul.f32 \t%f1, %f2, %f3;",
+                     "\tmov.f32 \t%f4, %f1;",
+                     "\tneg.f32 \t%f5, %f4;",
+                     "\tadd.f32 \t%f6, %f5, %f7;",          # fusable: -(f2 * f3) + f7
+                     "\tadd.rn.f32 \t%f8, %f1, %f7;",       # rounds on its own
+                     "\tmul.rn.f32 \t%f9, %f2, %f3;",
+                     "\tsub.f32 \t%f10, %f7, %f9;",         # the product rounds on its own
+                     "\t@%p1 sub.f64 \t%fd1, %fd2, %fd3;",  # %fd3 holds no product yet
+                     "\tmul.f64 \t%fd3, %fd4, %fd5;",
+                     "\t@!%p2 sub.f64 \t%fd6, %fd2, %fd3;"])  # fusable, under a predicate
+    assert fusable_pairs(ptx) == ["add.f32 \t%f6, %f5, %f7;", "@!%p2 sub.f64 \t%fd6, %fd2, %fd3;"]
