@@ -9,7 +9,7 @@ import numpy as np
 
 from ._device import FLOATS, as_array, empty, flat, same_place, stream_of
 from .errors import DeviceMismatchError, KernelParameterError, LayoutError, PayloadError
-from .wire import ALIGN, Payload, check_buffer
+from .wire import ALIGN, Payload, check_aligned, check_buffer
 
 # The row forms put the partition index on the grid's y axis, whose limit is 65535 blocks.
 MAX_ROWS = 65535
@@ -62,6 +62,8 @@ def payload_matrix(out, name="out"):
     contiguous = arr.is_c_contiguous() if dev else arr.flags.c_contiguous
     if not contiguous:
         raise PayloadError(f"{name} must be C-contiguous")
+    if shape[1]:
+        check_aligned(arr, name)
     if dev and shape[0] > MAX_ROWS:
         raise KernelParameterError(f"{name}: at most {MAX_ROWS} rows on a device, got {shape[0]}")
     return arr, dev

@@ -41,7 +41,7 @@ from .errors import KernelParameterError, LayoutError, PayloadError
 from .merge import (merge_topk, restore_cpu, restore_unselected, scale_topk_values,
                     union_cpu)
 from .topk import add_inplace, compress_topk, select_approx
-from .wire import ALIGN, Payload, TopKFormat
+from .wire import ALIGN, Payload, TopKFormat, check_aligned
 
 
 class TopKSegment(NamedTuple):
@@ -186,11 +186,14 @@ def _message(buf, name, dev):
 
 
 def _checked_message(arr, name):
-    """``arr`` if it is a flat uint8 array of a whole number of ALIGN-byte words."""
+    """``arr`` if it is a flat uint8 array of a whole number of ALIGN-byte words, starting at
+    a multiple of ALIGN bytes."""
     shape = tuple(getattr(arr, "shape", ()))
     if np.dtype(arr.dtype) != np.uint8 or len(shape) != 1 or shape[0] % ALIGN:
         raise PayloadError(f"{name} must be a flat uint8 message of a multiple of {ALIGN} "
                            f"bytes, got {arr.dtype} of shape {shape}")
+    if shape[0]:
+        check_aligned(arr, name)
     return arr
 
 

@@ -316,3 +316,32 @@ def check_buffer(buffer, nbytes, name, rows=None):
                   else buffer.flags.c_contiguous)
     if nbytes and not contiguous:
         raise PayloadError(f"{name} must be C-contiguous")
+    if nbytes:
+        check_aligned(buffer, name)
+
+
+def data_address(array):
+    """The address of ``array``'s first byte, on the host or a device (NumPy arrays, CUDA
+    arrays, torch tensors); None where the object does not tell."""
+    for interface in ("__cuda_array_interface__", "__array_interface__"):
+        info = getattr(array, interface, None)
+        if info is not None:
+            return info["data"][0]
+    data_ptr = getattr(array, "data_ptr", None)
+    return data_ptr() if callable(data_ptr) else None
+
+
+def check_aligned(buffer, name):
+    """Raise PayloadError unless ``buffer`` starts at a multiple of ALIGN bytes.
+
+    A payload's sections are read as float32 and 32- and 64-bit words at offsets that are
+    multiples of their size from the buffer's start. A host array may start anywhere (NumPy
+    reads unaligned words), but a GPU stops the process's CUDA context at a misaligned load,
+    so both refuse what only one could run: a program tried on CPUs then fails no differently
+    on a GPU. A new allocation is aligned; a slice at a byte offset may not be."""
+    address = data_address(buffer)
+    if address is not None and address % ALIGN:
+        raise PayloadError(f"{name} starts at address {address:#x}, {address % ALIGN} bytes past "
+                           f"a multiple of {ALIGN}: payload sections are read as 32- and 64-bit "
+                           f"words, which a GPU cannot load there; pass a buffer that starts at "
+                           f"a multiple of {ALIGN} bytes (a new allocation does)")
