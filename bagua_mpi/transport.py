@@ -29,7 +29,8 @@ What it guarantees, so callers need not:
   wait for a CUDA-aware MPI, the copy out for staging (``accounting.overhead.syncs`` counts
   both). NCCL runs in stream order after torch's current
   stream, so the process-group carriers never wait on the host; Numba's kernels and torch's
-  run on the same (default) stream, so nothing else needs a wait either.
+  run on the same (default) stream, so nothing else needs a wait either (a caller on another
+  stream is put in order with it by the executor: ``streams.py``).
 * **Staging is counted.** Each byte copied between device and host goes to
   ``accounting.staging``: ``dense`` for whole gradients or models, else a payload. The GPU
   check asserts zero for every algorithm on NCCL and on a CUDA-aware MPI.

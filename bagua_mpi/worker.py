@@ -21,7 +21,8 @@ an operation runs with the CUDA device that was current where it was submitted (
 initialized CUDA there): torch's allocations on ``"cuda"``, its current streams and the context
 Numba launches the compression kernels in are then the submitting rank's GPU, not device 0 of
 a node whose GPUs every rank sees. A gradient bucket is run with its own device
-(``engine.py`` passes it).
+(``engine.py`` passes it). Its device work runs on that device's default stream, kept in order
+with a caller on another stream (``streams.py``).
 
 Recording: the executor also writes each operation into this rank's flight recorder
 (``flight_recorder.py``; ``BAGUA_MPI_FLIGHT_RECORDER_SIZE``, 0 = off), the ring buffer the stall
@@ -38,7 +39,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import config
+from . import config, streams
 from .exceptions import BaguaMPIError, CommunicationError, NestedAsyncError
 from .flight_recorder import FlightRecorder, describe_text
 
@@ -52,10 +53,13 @@ class Handle:
     (e.g. the copy back to a CUDA tensor) runs exactly once.
     """
 
-    __slots__ = ("name", "_done", "_result", "_error", "_owned", "_finish", "_finish_lock")
+    __slots__ = ("name", "_done", "_result", "_error", "_owned", "_finish", "_finish_lock",
+                 "_device")
 
-    def __init__(self, name: str, owned: tuple = (), finish: Callable[[Any], Any] | None = None):
+    def __init__(self, name: str, owned: tuple = (), finish: Callable[[Any], Any] | None = None,
+                 device=None):
         self.name = name
+        self._device = device  # the CUDA device it ran with (None: none)
         self._done = threading.Event()
         self._result = None
         self._error: BaseException | None = None
@@ -75,6 +79,8 @@ class Handle:
             if isinstance(err, BaguaMPIError):
                 raise err
             raise CommunicationError(f"operation {self.name!r} failed: {err!r}") from err
+        # what it wrote on the default stream comes before the waiting thread's next kernels
+        streams.caller_waits_for_library(self._device)
         if self._finish_lock is not None:
             with self._finish_lock:
                 if self._finish is not None:
@@ -146,15 +152,17 @@ class CommWorker:
         return self._enqueue(fn, describe, owned, finish, record=True, device=device)
 
     def _enqueue(self, fn, describe, owned, finish, record: bool, device=None) -> Handle:
-        handle = Handle(_name_of(describe), owned, finish)
+        if device is None:
+            device = _current_cuda_device()
+        # what the caller's stream has queued so far comes before the operation's device work
+        entry = streams.entry_event(device)
+        handle = Handle(_name_of(describe), owned, finish, device)
         recorder = self.recorder if record else None
         with self._count_lock:
             self._pending += 1
             # numbered and queued under one lock: sequence order is queue order
             seq = recorder.queue(describe) if recorder is not None else 0
-            if device is None:
-                device = _current_cuda_device()
-            self._queue.put((fn, describe, handle, seq, device))
+            self._queue.put((fn, describe, handle, seq, device, entry))
         return handle
 
     def _refuse_nested(self, describe) -> None:
@@ -188,7 +196,12 @@ class CommWorker:
                 seq = recorder.begin(describe, started) if recorder is not None else 0
                 failed = True
                 try:
-                    result = fn()
+                    device = _current_cuda_device()
+                    if device is None:
+                        result = fn()
+                    else:  # on the default stream, as on the communication thread
+                        with streams.on_the_library_stream(device):
+                            result = fn()
                     failed = False
                     return result
                 finally:
@@ -220,7 +233,7 @@ class CommWorker:
             item = self._queue.get()
             if item is None:
                 return
-            fn, describe, handle, seq, device = item
+            fn, describe, handle, seq, device, entry = item
             with self._exec_lock:
                 started = time.monotonic()
                 self.current = (describe, started)
@@ -234,6 +247,7 @@ class CommWorker:
                         result = fn()
                     else:
                         with using_cuda_device(device):
+                            streams.wait_for_entry(device, entry)
                             result = fn()
                     failed = False
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread

@@ -1,4 +1,5 @@
 """Single-process unit tests of the pieces under the collectives (MPI as a singleton)."""
+import contextlib
 import os
 import threading
 import time
@@ -222,6 +223,7 @@ def test_worker_runs_an_operation_on_the_cuda_device_current_where_it_was_submit
             entered.append("exit")
 
     monkeypatch.setattr(torch.cuda, "device", Guard)
+    FakeCudaStreams(monkeypatch, [])   # every thread on the default stream: nothing to order
     worker = CommWorker()
     try:
         assert worker.submit(lambda: "host", ("no cuda",)).wait(5) == "host"
@@ -233,6 +235,120 @@ def test_worker_runs_an_operation_on_the_cuda_device_current_where_it_was_submit
         bucket_device = torch.device("cuda", 1)  # the engine names a bucket's own device
         assert worker.submit(lambda: "b", ("bucket",), device=bucket_device).wait(5) == "b"
         assert entered[2:] == [(bucket_device, "bagua_mpi-comm"), "exit"]
+    finally:
+        worker.close(5)
+
+
+class FakeCudaStreams:
+    """torch.cuda's streams and events, for a machine without a GPU: a current stream per
+    thread (the default one unless ``torch.cuda.stream`` says otherwise), and a ``log`` of
+    every record and wait, in the order they are queued."""
+
+    class Stream:
+        def __init__(self, name, log):
+            self.name, self.log = name, log
+
+        def wait_stream(self, other):
+            self.log.append((self.name, "waits for", other.name))
+
+        def wait_event(self, event):
+            self.log.append((self.name, "waits for", event.name))
+
+    def __init__(self, monkeypatch, log):
+        self.log, self.default, self.local = log, self.Stream("default", log), threading.local()
+        fakes = self
+
+        class Event:
+            def record(self, stream):
+                self.name = f"event on {stream.name}"
+                log.append(("record", stream.name))
+
+        @contextlib.contextmanager
+        def stream(s):
+            before = fakes.current()
+            fakes.local.stream = s
+            try:
+                yield
+            finally:
+                fakes.local.stream = before
+
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fakes.current())
+        monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: fakes.default)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    def current(self):
+        return getattr(self.local, "stream", self.default)
+
+
+def test_worker_orders_its_device_work_with_a_caller_on_another_stream(monkeypatch):
+    """A training loop under ``torch.cuda.stream(side)`` puts its kernels on a stream that
+    nothing orders with the default one, where the library's device work runs. Queued, an
+    operation's default stream waits for an event on the caller's stream, and the thread that
+    waits for its handle has its stream wait for the default one before it uses the result;
+    run at once on the caller's thread, the operation runs with the default stream current,
+    between the same two waits; on the default stream nothing is recorded or waited for."""
+    log = []
+    cuda = FakeCudaStreams(monkeypatch, log)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    side = cuda.Stream("side", log)
+    worker = CommWorker()
+
+    def op(name):
+        return lambda: log.append((name, "runs on", torch.cuda.current_stream().name)) or name
+
+    try:
+        with torch.cuda.stream(side):
+            handle = worker.submit(op("queued"), ("queued",))
+            assert handle.wait(5) == "queued"
+            assert log == [("record", "side"), ("default", "waits for", "event on side"),
+                           ("queued", "runs on", "default"), ("side", "waits for", "default")]
+            log.clear()
+            assert worker.run(op("inline"), ("inline",)) == "inline"
+            assert log == [("default", "waits for", "side"), ("inline", "runs on", "default"),
+                           ("side", "waits for", "default")]
+            assert torch.cuda.current_stream() is side   # the caller's stream is put back
+            log.clear()
+        assert worker.submit(op("q"), ("q",)).wait(5) == "q"
+        assert worker.run(op("i"), ("i",)) == "i"
+        assert log == [("q", "runs on", "default"), ("i", "runs on", "default")]
+    finally:
+        worker.close(5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_a_caller_on_a_side_stream_and_the_library_see_each_others_writes():
+    """The test above on a GPU, where a missing wait shows as a stale read: a 50 ms sleep on one
+    stream holds back the write that the other stream's work must follow. Queued and inline:
+    the operation copies what the caller wrote on its side stream after a sleep there, and
+    writes on the default stream after a sleep there what the caller then copies."""
+    worker = CommWorker()
+    side = torch.cuda.Stream()
+    mine, theirs = torch.zeros(1 << 20, device="cuda"), torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+
+    def exchange(seen):
+        seen.append(mine.clone())                 # must see the caller's fill
+        torch.cuda._sleep(100_000_000)            # ~50 ms on the stream current here
+        theirs.fill_(len(seen))                   # the caller must see this fill
+        return seen
+
+    try:
+        for how in ("queued", "inline"):
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(100_000_000)
+                mine.fill_(7.0)
+                seen = (worker.submit(lambda: exchange([]), (how,)).wait(30) if how == "queued"
+                        else worker.run(lambda: exchange([]), (how,)))
+                copied = theirs.clone()
+            torch.cuda.synchronize()
+            assert bool((seen[0] == 7.0).all()), f"{how}: the library read before the caller wrote"
+            assert bool((copied == 1.0).all()), f"{how}: the caller read before the library wrote"
+            mine.zero_(), theirs.zero_()
+            torch.cuda.synchronize()
     finally:
         worker.close(5)
 

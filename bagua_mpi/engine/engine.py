@@ -233,11 +233,6 @@ class Engine:
             self._launched += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        event = None
-        if bucket.device.type == "cuda":  # the comm thread must see backward's kernels done
-            event = torch.cuda.Event()
-            # on the bucket's device's stream, whichever device this thread has current
-            event.record(torch.cuda.current_stream(bucket.device))
         # Read here, on the main thread: the comm thread may run the task after the main
         # thread has moved on, and every rank must pass the same step (warm-up, seeds).
         step = self.clock.step
@@ -249,8 +244,6 @@ class Engine:
                 # of them sends the rest. A rank that met it from outside a step (rank 0 in a
                 # collective of its own) has no buckets queued, so the next collectives match
                 return
-            if event is not None:  # a wait in stream order, not on the host
-                torch.cuda.current_stream(bucket.device).wait_event(event)
             try:
                 self.impl.communicate_bucket(bucket, step)
             except MismatchError as error:
@@ -261,7 +254,8 @@ class Engine:
         if self.timeline is not None:
             self.timeline.instant("launch", bucket=bucket.index)
         # run with the bucket's GPU current on the communication thread, whatever device this
-        # thread has current (a model put on cuda:k without set_device)
+        # thread has current (a model put on cuda:k without set_device); backward's kernels on
+        # this thread's stream come first (the executor's entry event, streams.py)
         self._handles.append(self.worker.submit(
             task, ("bucket", bucket.index, bucket.nbytes),
             device=bucket.device if bucket.device.type == "cuda" else None))

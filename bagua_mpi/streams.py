@@ -1,0 +1,83 @@
+"""The library's CUDA work runs on each device's default stream, whatever stream the caller has.
+
+torch keeps a current stream per thread, and the communication thread's is the default one:
+the compression kernels (Numba launches them on stream 0), torch's copies and NCCL's
+collectives of an operation all run there, in one order. A training loop under
+``torch.cuda.stream(s)`` puts its kernels on ``s`` instead, and PyTorch creates its streams
+non-blocking, so nothing orders ``s`` with the default stream by itself: an exchange could read
+gradients that backward is still writing, and the optimizer could read averaged gradients the
+exchange is still writing. The executor (``worker.py``) keeps the two in order where work changes
+hands, with waits in stream order (no host synchronisation):
+
+1. ``entry_event(device)``, when an operation is queued: an event on the caller's stream, which
+   the default stream waits for (``wait_for_entry``) before the operation runs;
+2. ``caller_waits_for_library(device)``, when its handle is waited for: the waiting thread's
+   stream waits for the default stream before the result is used;
+3. ``on_the_library_stream(device)``, for an operation run at once on the caller's thread: the
+   default stream current for its duration, with both waits around it.
+
+Each does nothing where the caller's stream is the default one (the common case), for a host
+device, and where torch has not initialized CUDA. Nothing here imports torch or initializes CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+def _cuda_streams(device):
+    """(the calling thread's current stream, the default stream) on ``device`` where they
+    differ; None where they are the same, or there is no CUDA work to order."""
+    torch = sys.modules.get("torch")
+    if (device is None or getattr(device, "type", "cuda") != "cuda" or torch is None
+            or not torch.cuda.is_initialized()):
+        return None
+    current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+    return None if current == default else (current, default)
+
+
+def entry_event(device):
+    """An event recorded on the calling thread's stream, for the default stream to wait for;
+    None where the caller is on the default stream."""
+    streams = _cuda_streams(device)
+    if streams is None:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(streams[0])
+    return event
+
+
+def wait_for_entry(device, event) -> None:
+    """The default stream of ``device`` waits for ``event`` (``entry_event``'s)."""
+    if event is not None:
+        import torch
+
+        torch.cuda.default_stream(device).wait_event(event)
+
+
+def caller_waits_for_library(device) -> None:
+    """The calling thread's stream waits for everything queued on the default stream so far."""
+    streams = _cuda_streams(device)
+    if streams is not None:
+        streams[0].wait_stream(streams[1])
+
+
+@contextlib.contextmanager
+def on_the_library_stream(device):
+    """Run the enclosed work with the default stream current, ordered after the caller's stream
+    and before the caller's later work."""
+    streams = _cuda_streams(device)
+    if streams is None:
+        yield
+        return
+    import torch
+
+    current, default = streams
+    default.wait_stream(current)
+    try:
+        with torch.cuda.stream(default):
+            yield
+    finally:
+        current.wait_stream(default)
