@@ -199,7 +199,7 @@ def main(path, cc=(9, 0), resources=False):
         print(f"{failures} of {len(launches)} launches FAILED to compile")
         return 1
     print(f"{len(launches)} launches compiled to PTX for sm_{cc[0]}{cc[1]}")
-    if results[0][4] is not None:   # the optimising compile checked contraction
+    if results and results[0][4] is not None:   # the optimising compile checked contraction
         print("\n".join(fusable) if fusable else
               f"no multiply-add left to the compilers to fuse in {len(launches)} launches")
     status = report(worst, budgets, cc) if resources else 0

@@ -194,6 +194,24 @@ EXACT_TOPK = [(1, 1, "normal", F32, "exact", True), (33, 0, "normal", F32, "exac
               (1025, 10, "normal", F64, "exact", True), (200, 200, "ties", F32, "exact", True)]
 
 
+def test_misaligned_device_payload_buffers_raise():
+    """A device buffer that does not start at a multiple of 8 bytes is refused before any
+    launch, as a host one is (``test_alignment.py``): on a GPU the launch would stop the CUDA
+    context at the first 64-bit load. Every compressor of the registry, on device data."""
+    import numba_kernels as nk
+    from numba_kernels.wire import data_address
+
+    x = cuda.to_device(np.random.default_rng(0).standard_normal(300).astype(F32))
+    for name, compress, kw in registry_cases():
+        nbytes = compress(x, **kw).nbytes
+        raw = cuda.to_device(np.zeros(nbytes + 16, np.uint8))
+        start = -data_address(raw) % 8
+        for offset in (4, 1):
+            with pytest.raises(nk.PayloadError, match=f"{offset} bytes past a multiple of 8"):
+                compress(x, **kw, out=raw[start + offset:start + offset + nbytes])
+        compress(x, **kw, out=raw[start:start + nbytes])
+
+
 def test_topk_exact_and_randk():
     dc.check_topk(EXACT_TOPK, many=False)
     dc.check_topk([(33, 5, "ties", F32, "exact", False)])
