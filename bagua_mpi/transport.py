@@ -51,6 +51,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from numba_kernels.wire import data_address
+
 from . import backends, process_groups
 from .accounting import overhead, staging
 from .buffers import as_tensor, host_view
@@ -465,15 +467,8 @@ def _aliases(send, recv) -> bool:
 
 def _extent(buf) -> tuple[int, int] | None:
     """(first byte, one past the last) of a contiguous buffer's memory, if it says."""
-    if isinstance(buf, torch.Tensor):
-        start = buf.data_ptr()
-    elif isinstance(buf, np.ndarray):
-        start = buf.__array_interface__["data"][0]
-    elif hasattr(buf, "__cuda_array_interface__"):
-        start = buf.__cuda_array_interface__["data"][0]
-    else:
-        return None
-    return start, start + _nbytes(buf)
+    start = data_address(buf)
+    return None if start is None else (start, start + _nbytes(buf))
 
 
 def _copy(dst, src) -> None:
