@@ -254,6 +254,9 @@ class FakeCudaStreams:
         def wait_event(self, event):
             self.log.append((self.name, "waits for", event.name))
 
+        def synchronize(self):
+            self.log.append(("host", "waits for", self.name))
+
     def __init__(self, monkeypatch, log):
         self.log, self.default, self.local = log, self.Stream("default", log), threading.local()
         fakes = self
@@ -316,6 +319,62 @@ def test_worker_orders_its_device_work_with_a_caller_on_another_stream(monkeypat
         assert log == [("q", "runs on", "default"), ("i", "runs on", "default")]
     finally:
         worker.close(5)
+
+
+def test_an_asynchronous_collective_returns_without_waiting_for_the_callers_stream(
+        monkeypatch, initialized):
+    """``allreduce_async`` and its kin hand the caller a handle at once, as Horovod's do: the
+    operation is ordered after the caller's stream on the device (an event on the stream of the
+    buffer's device, which the default stream waits for), never by a host wait, which would hold
+    the caller (a backward hook, say) until the GPU had caught up. A stand-in buffer on cuda:1,
+    with cuda:3 current, shows whose device the executor orders."""
+    from bagua_mpi.collectives import _core
+
+    log, guarded = [], []
+    cuda = FakeCudaStreams(monkeypatch, log)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device",
+                        lambda d: guarded.append(d) or contextlib.nullcontext())
+
+    class OnCuda1:
+        device = torch.device("cuda", 1)
+
+    buffer = OnCuda1()
+    monkeypatch.setattr(_core, "is_cuda", lambda t: t is buffer)
+    side = cuda.Stream("side", log)
+    rt = bm.runtime.get()
+    with torch.cuda.stream(side):
+        handle = _core.start(rt, lambda: log.append(("op", "runs on",
+                                                     torch.cuda.current_stream().name)),
+                             ("allreduce", "stand-in"), (buffer,))
+        handle.wait(5)
+    assert log == [("record", "side"), ("default", "waits for", "event on side"),
+                   ("op", "runs on", "default"), ("side", "waits for", "default")]
+    assert guarded == [torch.device("cuda", 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_an_asynchronous_allreduce_on_a_side_stream_returns_at_once_and_reads_the_write(
+        initialized):
+    """The test above on a GPU: the caller's fill is held back ~50 ms on its side stream;
+    ``allreduce_async`` must return well before that (no host wait) and still sum the filled
+    values (the operation waits for the caller's stream on the device)."""
+    side = torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    bm.allreduce(x.clone(), op=bm.Sum)   # the route and any communicator set up outside the clock
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)   # ~50 ms on the side stream
+        x.fill_(3.0)
+        began = time.perf_counter()
+        handle = bm.allreduce_async(x, op=bm.Sum)
+        returned = time.perf_counter() - began
+        summed = bm.synchronize(handle).clone()
+    torch.cuda.synchronize()
+    assert returned < 0.025, f"allreduce_async held the caller {returned * 1e3:.1f} ms"
+    assert bool((summed == 3.0 * bm.size()).all()), "the allreduce read before the caller wrote"
 
 
 @pytest.mark.gpu

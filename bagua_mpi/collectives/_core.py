@@ -60,17 +60,19 @@ def run_now(rt, run, describe, name=None):
 
 
 def start(rt, run, describe, owned: tuple = (), name=None) -> Handle:
-    """Queue an asynchronous operation; ``owned`` buffers stay alive until it completes."""
+    """Queue an asynchronous operation; ``owned`` buffers stay alive until it completes.
+
+    It returns without waiting for the device: the executor orders the operation after the
+    work the caller's stream has queued on the first CUDA buffer's device (``streams.py``), and
+    every carrier keeps that order (NCCL in stream order, a staged copy on the communication
+    thread's stream, a CUDA-aware MPI after ``transport.device_ready``)."""
     if timeline._collective is not None:
         run = timeline._collective.wrap(run, name, describe)
-    for t in owned:
-        if is_cuda(t):  # the comm thread reads device memory outside torch's stream order
-            torch.cuda.current_stream(t.device).synchronize()
-            break
+    device = next((t.device for t in owned if is_cuda(t)), None)
     if name is None:
-        return rt.worker.submit(run, describe, owned)
+        return rt.worker.submit(run, describe, owned, device=device)
     _reserve_name(name)
-    handle = rt.worker.submit(run, describe, owned)
+    handle = rt.worker.submit(run, describe, owned, device=device)
     _pending_names[name] = handle
     _handle_names[id(handle)] = name
     return handle
