@@ -20,6 +20,14 @@ their products as ``mul32`` instead. A kernel module may excuse a pair in an
 ``EXACT_PRODUCTS`` dict (kernel name -> why): a product that is exact rounds alike fused or
 not.
 
+Every compile also checks that the kernels use only exact or correctly rounded operations,
+which the CPU twins compute alike: the library functions the IR given to NVVM declares
+(libdevice's ``__nv_*``, LLVM's intrinsics) must be in ``EXACT_CALLS`` (``expf``, ``logf``,
+``sinf``, ``powf`` are not: each GPU library rounds them its own way), NVVM may not be asked
+for fast math, and no PTX instruction may be approximate (``.approx``) or flush subnormals to
+zero (``.ftz``). Each kernel is compiled with its own options (``fastmath`` included), as a GPU
+run compiles it.
+
 With ``--resources`` it compiles with optimisation, as a GPU run does, assembles each launch
 with ``ptxas -v`` (the CUDA toolkit's assembler; no GPU needed) and prints, per kernel, the
 largest register count over its recorded signatures, spills, static shared memory and the
@@ -105,6 +113,42 @@ _INSTRUCTION = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+([^;]*);")
 _FLOAT_FMA = re.compile(r"\bfma\.rn\.f(?:32|64)\b")
 # NVVM's options for the second compile (forked workers inherit it; see main)
 _EXTRA_NVVM_OPTIONS = {}
+# What the IR of the compile in progress declares and flags (filled by the wrapped compile_ir)
+_IR_SEEN = {"calls": set(), "fast": False}
+
+# Library functions whose results are exact or correctly rounded (sqrt and division are, under
+# NVVM's defaults without fastmath), as the CPU twins' are; any other is reported. A kernel
+# that needs another must show on a GPU that its bytes are its twin's, then add it here.
+EXACT_CALLS = re.compile(r"""(
+    __nv_(fabs|floor|ceil|trunc|rint|nearbyint|fmin|fmax|copysign|fma|sqrt
+          |isfinite|isnan|isinf|signbit)[fd]?
+  | __nv_(float_as_u?int|u?int_as_float|double_as_longlong|longlong_as_double
+          |double2hiint|double2loint|hiloint2double)
+  | __nv_(popc|popcll|clz|clzll|ffs|ffsll|brev|brevll|u?mulhi|u?mul64hi|u?(ll)?(min|max)
+          |(ll)?abs)
+  | llvm\.(fma|fabs|floor|ceil|trunc|rint|nearbyint|copysign|minnum|maxnum|sqrt|ctpop|ctlz
+          |cttz|bswap|bitreverse|memset|memcpy|memmove|lifetime|assume|smin|smax|umin|umax
+          |[su](add|sub|mul)\.with\.overflow)\..*
+  | llvm\.nvvm\.(?!.*(approx|ftz)).*
+)""", re.X)
+_DECLARED = re.compile(r'^declare[^@\n]*@"?((?:__nv_|llvm\.)[\w.]+)', re.M)
+_INEXACT_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*\.(?:approx|ftz)\b[\w.]*)", re.M)
+
+
+def inexact_operations(declared, fastmath, ptx):
+    """What in one compile a CPU twin would not compute alike: library functions outside
+    ``EXACT_CALLS``, NVVM's fast math, approximate or flushing PTX instructions (each named
+    once)."""
+    return ([f"calls {name}" for name in sorted(declared) if not EXACT_CALLS.fullmatch(name)]
+            + ["NVVM compiled with fastmath"] * bool(fastmath)
+            + [f"PTX {op}" for op in sorted(set(_INEXACT_PTX.findall(ptx)))])
+
+
+def _see_ir(llvmir, options):
+    _IR_SEEN["fast"] = _IR_SEEN["fast"] or bool(options.get("fastmath"))
+    for text in llvmir if isinstance(llvmir, (list, tuple)) else [llvmir]:
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        _IR_SEEN["calls"].update(_DECLARED.findall(text))
 
 
 def _float_op(opcode):
@@ -138,7 +182,8 @@ def contraction_problems(kernel, sig, cc, ptx, excused):
     problems = [] if excused else [f"ptxas may fuse: {p}" for p in fusable_pairs(ptx)]
     _EXTRA_NVVM_OPTIONS["fma"] = False
     try:
-        strict, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=True)
+        strict, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=True,
+                                     fastmath=kernel.targetoptions.get("fastmath", False))
     finally:
         _EXTRA_NVVM_OPTIONS.clear()
     fused, written = len(_FLOAT_FMA.findall(ptx)), len(_FLOAT_FMA.findall(strict))
@@ -149,15 +194,20 @@ def contraction_problems(kernel, sig, cc, ptx, excused):
 
 def compile_launch(launch, cc, resources):
     """One recorded launch: (its line, its kernel's key, its register budget, ptxas's resources
-    or None, what a compiler could fuse or None where not checked, failed)."""
+    or None, (what a compiler could fuse or None where not checked, its inexact operations),
+    failed)."""
     module, name, specs = launch
     kernel = getattr(importlib.import_module(module), name)
     sig = tuple(numba_type(s) for s in specs)
     optimise = resources or os.environ.get("NUMBA_KERNELS_PTX_OPT") == "1"
+    fastmath = kernel.targetoptions.get("fastmath", False)
+    _IR_SEEN["calls"].clear()
+    _IR_SEEN["fast"] = False
     try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=optimise)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, opt=optimise, fastmath=fastmath)
     except Exception as exc:
         return f"FAILED {module}.{name}{sig}:\n{exc}", None, None, None, None, True
+    inexact = inexact_operations(_IR_SEEN["calls"], _IR_SEEN["fast"], ptx)
     key = f"{module.rsplit('.', 1)[-1]}.{name}"
     source = importlib.import_module(module)
     budget = getattr(source, "REGISTER_BUDGET", {}).get(name, REGISTER_LIMIT)
@@ -165,11 +215,13 @@ def compile_launch(launch, cc, resources):
     fusable = (contraction_problems(kernel, sig, cc, ptx,
                                     name in getattr(source, "EXACT_PRODUCTS", {}))
                if optimise else None)
-    return f"ok {module}.{name} {sig}", key, budget, used, fusable, False
+    return (f"ok {module}.{name} {sig}", key, budget, used,
+            (fusable, [f"INEXACT {module}.{name} {sig}: {p}" for p in inexact]), False)
 
 
 def _compile_ir_with_extra_options(compile_ir):
     def compile_with(llvmir, **options):
+        _see_ir(llvmir, options)
         return compile_ir(llvmir, **{**options, **_EXTRA_NVVM_OPTIONS})
     return compile_with
 
@@ -187,23 +239,27 @@ def main(path, cc=(9, 0), resources=False):
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(compile_launch, launches, [cc] * len(launches),
                                 [resources] * len(launches)))
-    worst, budgets, fusable = {}, {}, []
+    worst, budgets, fusable, inexact = {}, {}, [], []
     for line, key, budget, used, problems, failed in results:
         print(line)
         if used is not None:   # the largest of each over the kernel's signatures
             worst[key] = tuple(map(max, worst.get(key, (0, 0, 0)), used))
             budgets[key] = budget
-        fusable += [f"FUSABLE {line[3:]}: {p}" for p in problems or ()]
+        if problems is not None:
+            fusable += [f"FUSABLE {line[3:]}: {p}" for p in problems[0] or ()]
+            inexact += problems[1]
     failures = sum(failed for *_, failed in results)
     if failures:
         print(f"{failures} of {len(launches)} launches FAILED to compile")
         return 1
     print(f"{len(launches)} launches compiled to PTX for sm_{cc[0]}{cc[1]}")
-    if results and results[0][4] is not None:   # the optimising compile checked contraction
+    print("\n".join(inexact) if inexact else
+          f"only exact or correctly rounded operations in {len(launches)} launches")
+    if results and results[0][4][0] is not None:   # the optimising compile checked contraction
         print("\n".join(fusable) if fusable else
               f"no multiply-add left to the compilers to fuse in {len(launches)} launches")
     status = report(worst, budgets, cc) if resources else 0
-    return 1 if fusable else status
+    return 1 if fusable or inexact else status
 
 
 def report(worst, budgets, cc):

@@ -10,7 +10,8 @@ The ``sim_kernels.py`` processes also record the argument types of every kernel
 launch, which ``ptx_compile.py`` then compiles to PTX with the real CUDA compiler
 where libNVVM is installed, and ``ptxas`` assembles for each kernel's registers where the
 CUDA toolkit is (no GPU needed); the optimised PTX is also searched for a multiply and an add
-that a compiler could fuse, which only a GPU's bytes would show.
+that a compiler could fuse, and every compile for operations that are not exact or correctly
+rounded (``expf``, fast math, ``.approx``), which only a GPU's bytes would show.
 """
 import json
 import os
@@ -154,6 +155,99 @@ def test_no_compiler_fuses_a_multiply_and_an_add(ptx_run):
     fusable = [line for line in out.stdout.splitlines() if line.startswith("FUSABLE")]
     assert not fusable, "\n".join(fusable)
     assert "no multiply-add left to the compilers to fuse" in out.stdout, out.stdout[-3000:]
+
+
+def test_kernels_use_only_exact_or_correctly_rounded_operations(ptx_run):
+    """A kernel's bytes are its CPU twin's only where both compute alike, and GPU libraries round
+    ``exp``, ``log``, ``sin`` or ``pow`` their own way (libdevice's ``expf`` is built on an
+    approximate ``ex2``), as does fast math. Every recorded launch calls only library functions
+    of ``ptx_compile.EXACT_CALLS``, without fast math, and its PTX has no ``.approx`` or
+    ``.ftz`` instruction."""
+    out, _ = ptx_run
+    assert "compiled to PTX" in out.stdout, "the compile failed: see test_kernels_compile_to_ptx"
+    inexact = [line for line in out.stdout.splitlines() if line.startswith("INEXACT")]
+    assert not inexact, "\n".join(inexact)
+    assert "only exact or correctly rounded operations in" in out.stdout, out.stdout[-3000:]
+
+
+_INEXACT_KERNELS = """
+import math
+
+from numba import cuda
+
+
+@cuda.jit
+def exact(x, y):
+    i = cuda.grid(1)
+    if i < x.size:
+        y[i] = cuda.fma(math.floor(x[i]), math.sqrt(abs(x[i])), x[i] / y[i])
+
+
+@cuda.jit
+def with_exp(x, y):
+    i = cuda.grid(1)
+    if i < x.size:
+        y[i] = math.exp(x[i])
+
+
+@cuda.jit
+def with_sin(x, y):
+    i = cuda.grid(1)
+    if i < x.size:
+        y[i] = math.sin(x[i])
+
+
+@cuda.jit(fastmath=True)
+def fast(x, y):
+    i = cuda.grid(1)
+    if i < x.size:
+        y[i] = x[i] / y[i] + x[i]
+
+
+@cuda.jit(device=True, fastmath=True)
+def fast_ratio(a, b):
+    return a / b
+
+
+@cuda.jit
+def calls_a_fast_device_function(x, y):
+    i = cuda.grid(1)
+    if i < x.size:
+        y[i] = fast_ratio(x[i], y[i])
+"""
+
+
+def test_the_exactness_check_names_each_inexact_operation(tmp_path):
+    """``ptx_compile.py`` on a module of small kernels: floor, sqrt, division and an FMA pass;
+    ``math.exp`` (a library call, and ``ex2.approx`` in the PTX), ``math.sin`` (a library call
+    whose PTX has no approximate instruction), a kernel compiled with ``fastmath=True`` and a
+    kernel that calls a fast-math device function are each reported, and the check fails."""
+    if not _nvvm_available():
+        pytest.skip("libNVVM not found (install nvidia-cuda-nvcc-cu12 and point CUDA_HOME at it): "
+                    "cannot compile kernels to PTX")
+    (tmp_path / "inexact_kernels.py").write_text(_INEXACT_KERNELS)
+    names = ["exact", "with_exp", "with_sin", "fast", "calls_a_fast_device_function"]
+    spec = ["array", "float32", 1, True]
+    record = tmp_path / "launches.json"
+    record.write_text(json.dumps([["inexact_kernels", name, [spec, spec]] for name in names]))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(HERE / "ptx_compile.py"), str(record)], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "5 launches compiled to PTX" in out.stdout, out.stdout + out.stderr
+    found = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("INEXACT"):
+            kernel = line.split()[1].rsplit(".", 1)[1]
+            found.setdefault(kernel, []).append(line.rsplit("): ", 1)[1])
+    assert "exact" not in found, found
+    assert "calls __nv_expf" in found["with_exp"], found
+    assert any(p.startswith("PTX ex2.approx") for p in found["with_exp"]), found
+    assert found["with_sin"] == ["calls __nv_sinf"], found
+    assert "NVVM compiled with fastmath" in found["fast"], found
+    assert any(p.startswith("PTX div.approx") for p in found["fast"]), found
+    assert "calls __nv_fast_fdividef" in found["calls_a_fast_device_function"], found
+    assert out.returncode == 1
 
 
 def test_fusable_pairs_follow_a_product_through_copies_and_negations():
