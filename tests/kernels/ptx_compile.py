@@ -113,7 +113,8 @@ _INSTRUCTION = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+([^;]*);")
 _FLOAT_FMA = re.compile(r"\bfma\.rn\.f(?:32|64)\b")
 # NVVM's options for the second compile (forked workers inherit it; see main)
 _EXTRA_NVVM_OPTIONS = {}
-# What the IR of the compile in progress declares and flags (filled by the wrapped compile_ir)
+# The library functions the compile in progress declares, and whether NVVM was asked for fast
+# math (filled by the wrapped compile_ir)
 _IR_SEEN = {"calls": set(), "fast": False}
 
 # Library functions whose results are exact or correctly rounded (sqrt and division are, under
