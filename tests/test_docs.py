@@ -250,7 +250,8 @@ def test_mkdocs_nav_lists_every_page():
 def test_readme_is_a_front_door():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) < 200, "the README is the front door; details go to docs/"
-    for command in ('pip install torch==2.13.0 -e ".[mpich]" && OMP_NUM_THREADS=1 mpiexec -n 4 '
+    for command in ('pip install torch==2.13.0 -e ".[mpich,examples]" && OMP_NUM_THREADS=1 '
+                    'mpiexec -n 4 '
                     'python examples/train_mlp.py',
                     'pip install torch==2.13.0 -e ".[mpich,test]" && python -m pytest -q -rs'):
         assert command + "\n" in readme, f"the README's set-up command changed: {command}"

@@ -116,8 +116,8 @@ class CompressedExchange:
     in the message: each step then runs for all of them at once (``_Together``) or a segment
     at a time (``_OneByOne``), with the arrays it works on viewed once (a view of a CUDA
     tensor costs some 24 us of host time). A run costs the host a few calls, none a segment.
-    The payload buffers are not kept: the caching allocator lends them to every bucket in
-    turn, where kept ones would hold about a compressed copy of the model between steps.
+    The payload buffers are the thread's ``device_arrays.kept`` ones, shared by every bucket
+    in turn (one buffer a role, grown to the largest bucket's payload).
 
     A plan holds views of the segments' tensors and error memories: it stays right while they
     stay where they are. A caller that keeps one across steps makes a new one when they move

@@ -179,8 +179,8 @@ class GTopKExchange:
     Planning checks the segments, finds their common memory (``_shared_bases``), views the
     arrays the kernels work on (a view of a CUDA tensor costs some 24 us of host time) and
     lays out every segment's payload in the message (``_SparsePlan``); a run then costs the
-    host a few calls, none a segment. The message buffers are not kept (the caching allocator
-    lends them to every bucket in turn).
+    host a few calls, none a segment. The message buffers are the thread's kept ones
+    (``device_arrays.kept``), shared by every bucket in turn.
 
     A plan holds views of the segments' tensors and residuals: it stays right while they
     stay where they are. A caller that keeps one across steps makes a new one when they move

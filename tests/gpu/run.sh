@@ -36,7 +36,7 @@
 #   bash tests/gpu/fetch_wheels.sh        # once: mpi4py + MPICH wheels, a slim Intel MPI, into
 #                                         # .whl/ (ignored; ~45 MB of the 64 MiB carry limit)
 # then  run(command="bash tests/gpu/run.sh", carry=[".whl"], timeout_s=600)
-# and commit benchmarks/results/gpu_check.md from the files that come back.
+# and commit benchmarks/results/gpu/gpu_check.md from the files that come back.
 # Exit status: 0 when every part that ran passed.
 set -u
 cd "$(dirname "$0")/../.."
