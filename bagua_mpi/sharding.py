@@ -120,8 +120,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int,
 
 def shard_index(topo, hierarchical: bool) -> int:
     """Which of the n slices of every bucket this rank owns: its rank, or with the two-level
-    exchange local_rank * M + node (M nodes), so that a node's ranks own a contiguous block
-    of slices and each level's reduce-scatter and allgather moves contiguous blocks."""
+    exchange local_rank * M + node (M nodes), so that the ranks of one local rank (one a node)
+    own a contiguous block of slices and each level's reduce-scatter and allgather moves
+    contiguous blocks."""
     return topo.local_rank * topo.cross_size + topo.cross_rank if hierarchical else topo.rank
 
 

@@ -114,7 +114,7 @@ class Decentralized(Algorithm):
                   "seed": random_seed()}
 
     def compression_use(self) -> str | None:
-        return "the model exchange (models travel as 16-bit words, averaged in float32)"
+        return "the model exchange (models travel as 16-bit words, averaged in float64)"
 
 
 class LowPrecisionDecentralizedImpl(ModelAveragingImpl):

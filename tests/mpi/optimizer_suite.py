@@ -1189,8 +1189,9 @@ def check_complex_parameters(rank: int, size: int) -> int:
     algorithm (from the registry) a model with a complex64 weight ends bit-identical to its
     twin holding the same floats as a real parameter. ``async`` averages on a timer, so two of
     its runs differ anyway: it must train and stay finite. Gradient averaging matches one
-    process on the combined batch (flattened or not); a checkpoint resumes exactly; ZeRO and
-    Horovod's Adasum optimizer refuse complex parameters by name."""
+    process on the combined batch (flattened or not); a checkpoint resumes exactly; Horovod's
+    Adasum optimizer refuses complex parameters by name (ZeRO shards them as their real view:
+    ``check_complex_zero``)."""
     checks = 0
     for name in bm.algorithms.names():
         algorithm = bm.algorithms.create(name, **HYPERPARAMETERS.get(name, {}))
