@@ -1,4 +1,5 @@
-"""The one path from an algorithm or primitive to the wire (docs/design.md, "Transport").
+"""The one path from an algorithm or primitive to the wire (docs/design.md, "GPUs and the
+transport").
 
 A ``Transport`` moves flat buffers among the ranks of one MPI communicator, under one backend
 (``backends.py``). Primitives and algorithms call its verbs with whatever holds their payload
@@ -37,8 +38,9 @@ What it guarantees, so callers need not:
 * **Staging buffers are reused.** ``pinned_pool`` allocates a page-locked buffer once per key
   and grows it only when asked for more, so a training loop allocates in its first step only.
 
-``mpi_buffer`` is the same routing for the user-facing collectives, which hand MPI one buffer
-at a time with datatypes of their own.
+``mpi_buffer`` wraps one buffer for the user-facing collectives' own MPI calls, with datatypes
+of their own: host memory as it is, device memory to a CUDA-aware MPI, else a fresh pinned copy
+(not from the pool, and its host wait is not counted).
 """
 from __future__ import annotations
 
@@ -280,7 +282,10 @@ class _HostMPI:
 
 
 class _DeviceMPI(_HostMPI):
-    """A CUDA-aware MPI on device memory: the host waits for the device once per call."""
+    """A CUDA-aware MPI on device memory: the host waits for the device once per call, every
+    verb alike (a receive too: MPI writes outside every stream, and a kernel queued before it
+    may still read the buffer, as gTop-k's merge reads the message the next round receives
+    into)."""
 
     def _buf(self, x):
         if isinstance(x, torch.Tensor):
@@ -290,7 +295,7 @@ class _DeviceMPI(_HostMPI):
 
     def _wrap(name):  # noqa: N805 - builds the methods below
         def verb(self, *args):
-            device_ready()  # MPI reads outside torch's and Numba's streams
+            device_ready()  # MPI reads and writes outside torch's and Numba's streams
             return getattr(_HostMPI, name)(self, *args)
         verb.__name__ = name
         return verb
@@ -302,6 +307,7 @@ class _DeviceMPI(_HostMPI):
     allgather = _wrap("allgather")
     reduce_scatter = _wrap("reduce_scatter")
     send = _wrap("send")
+    recv = _wrap("recv")
     exchange = _wrap("exchange")
     del _wrap
 

@@ -234,6 +234,26 @@ def test_host_tensors_never_go_to_nccl_and_gloo_takes_host_payloads(monkeypatch)
     assert transport.Transport(comm, "mpi").carrier(FakeDeviceArray([1.0])) == "mpi_device"
 
 
+def test_a_cuda_aware_mpi_carrier_waits_for_the_device_before_every_verb(monkeypatch):
+    """MPI reads and writes device memory outside every stream, so the CUDA-aware carrier waits
+    for the device before each of the host carrier's verbs, a receive included (a kernel queued
+    before it may still read the buffer it lands in). The verbs are enumerated from the host
+    carrier, so a verb added there without a wait fails here."""
+    verbs = [name for name, fn in vars(transport._HostMPI).items()
+             if callable(fn) and not name.startswith("_")]
+    assert {"allreduce_", "send", "recv", "exchange"} <= set(verbs)
+    waited = []
+    monkeypatch.setattr(transport, "device_ready", lambda: waited.append("wait"))
+    for name in verbs:
+        monkeypatch.setattr(transport._HostMPI, name,
+                            lambda self, *args, name=name: waited.append(name))
+    carrier = transport._DeviceMPI(FakeComm())
+    for name in verbs:
+        waited.clear()
+        getattr(carrier, name)()
+        assert waited == ["wait", name], f"_DeviceMPI.{name}: {waited}"
+
+
 def test_device_payload_with_nccl_chosen_but_unavailable_raises(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(backends.BackendUnavailableError, match="needs a CUDA GPU"):
