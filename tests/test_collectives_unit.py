@@ -47,12 +47,21 @@ def test_check_overrides_the_switch_for_one_call(initialized, verify_calls, swit
                                                            check=check)),
         lambda: bm.allreduce(x[0], bm.Sum, check=check),  # the fast path
         lambda: bm.allreduce(x[0], bm.Sum, postscale_factor=2.0, check=check),  # the general
+        # differentiable (a tensor that requires grad): the forward's allreduce, then the
+        # backward's, each under this call's check
+        lambda: bm.allreduce(x[0].clone().requires_grad_(), bm.Sum, check=check),
+        lambda: bm.grouped_allreduce([t.clone().requires_grad_() for t in x], op=bm.Sum,
+                                     check=check),
     ]
     for call in calls:
         verify_calls.clear()
         out = call()
         assert len(verify_calls) == (1 if wanted else 0), verify_calls
         assert out is not None
+        if isinstance(out, list) and out[0].requires_grad or getattr(out, "requires_grad", 0):
+            verify_calls.clear()
+            sum(t.sum() for t in (out if isinstance(out, list) else [out])).backward()
+            assert len(verify_calls) == (1 if wanted else 0), ("backward", verify_calls)
     got = bm.grouped_allreduce(x, op=bm.Sum, compression=bm.Compression.fp16, check=check)
     assert [t.dtype for t in got] == [torch.float32, torch.float64]
 

@@ -36,49 +36,52 @@ def _topo(process_set):
 # -- allreduce ---------------------------------------------------------------------------------
 
 class _Allreduce(torch.autograd.Function):
+    """The forward's allreduce and the backward's both run under the call's ``check``."""
+
     @staticmethod
-    def forward(ctx, tensor, op, pre, post, process_set, name, hierarchical):
-        ctx.args = (op, pre, post, process_set, hierarchical)
-        return plain_allreduce(tensor.detach(), op, name, pre, post, process_set, hierarchical)
+    def forward(ctx, tensor, op, pre, post, process_set, name, hierarchical, check):
+        ctx.args = (op, pre, post, process_set, hierarchical, check)
+        return plain_allreduce(tensor.detach(), op, name, pre, post, process_set, hierarchical,
+                               check)
 
     @staticmethod
     def backward(ctx, grad):
-        op, pre, post, ps, hier = ctx.args
-        return (_differentiable_allreduce(grad.contiguous(), op, pre, post, ps, hier),
-                None, None, None, None, None, None)
+        return (_differentiable_allreduce(grad.contiguous(), *ctx.args),) + (None,) * 7
 
 
-def allreduce_grad(tensor, op, pre, post, process_set, name, hierarchical):
-    return _Allreduce.apply(tensor, op, pre, post, process_set, name, hierarchical)
+def allreduce_grad(tensor, op, pre, post, process_set, name, hierarchical, check=None):
+    return _Allreduce.apply(tensor, op, pre, post, process_set, name, hierarchical, check)
 
 
-def _differentiable_allreduce(tensor, op, pre, post, process_set, hierarchical):
+def _differentiable_allreduce(tensor, op, pre, post, process_set, hierarchical, check=None):
     """The allreduce of a backward: differentiable again under ``create_graph=True``."""
     if wants_grad(tensor):
-        return allreduce_grad(tensor, op, pre, post, process_set, None, hierarchical)
-    return plain_allreduce(tensor, op, None, pre, post, process_set, hierarchical)
+        return allreduce_grad(tensor, op, pre, post, process_set, None, hierarchical, check)
+    return plain_allreduce(tensor, op, None, pre, post, process_set, hierarchical, check)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
+    """As ``_Allreduce``, for a list of tensors as one fused message."""
+
     @staticmethod
-    def forward(ctx, op, pre, post, process_set, name, hierarchical, *tensors):
-        ctx.args = (op, pre, post, process_set, hierarchical)
+    def forward(ctx, op, pre, post, process_set, name, hierarchical, check, *tensors):
+        ctx.args = (op, pre, post, process_set, hierarchical, check)
         return tuple(plain_grouped_allreduce([t.detach() for t in tensors], op, name, pre,
-                                             post, process_set, hierarchical))
+                                             post, process_set, hierarchical, check))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, pre, post, ps, hier = ctx.args
+        op, pre, post, ps, hier, check = ctx.args
         grads = [g.contiguous() for g in grads]
         if any(wants_grad(g) for g in grads):
-            out = grouped_allreduce_grad(grads, op, pre, post, ps, None, hier)
+            out = grouped_allreduce_grad(grads, op, pre, post, ps, None, hier, check)
         else:
-            out = plain_grouped_allreduce(grads, op, None, pre, post, ps, hier)
-        return (None,) * 6 + tuple(out)
+            out = plain_grouped_allreduce(grads, op, None, pre, post, ps, hier, check)
+        return (None,) * 7 + tuple(out)
 
 
-def grouped_allreduce_grad(tensors, op, pre, post, process_set, name, hierarchical):
-    return list(_GroupedAllreduce.apply(op, pre, post, process_set, name, hierarchical,
+def grouped_allreduce_grad(tensors, op, pre, post, process_set, name, hierarchical, check=None):
+    return list(_GroupedAllreduce.apply(op, pre, post, process_set, name, hierarchical, check,
                                         *tensors))
 
 

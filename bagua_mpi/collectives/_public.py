@@ -34,7 +34,8 @@ def allreduce(tensor, average=None, name=None, compression=NO_COMPRESSION, op=No
     truncates toward zero (as Horovod). ``average`` is Horovod's deprecated flag; ``name`` labels
     the operation (timeline, duplicate detection); ``compression`` (``Compression.fp16``...)
     casts before and after. ``hierarchical=True`` uses the two-level algorithm; ``check``
-    overrides the agreement check for this call (every rank must pass the same).
+    overrides the agreement check for this call (every rank must pass the same; a
+    differentiable call's backward allreduce runs under it too).
     Differentiable: a tensor that requires grad gets the allreduce of its gradient.
     """
     # the small-allreduce path runs through here: the common cases cost no call
@@ -53,7 +54,7 @@ def allreduce(tensor, average=None, name=None, compression=NO_COMPRESSION, op=No
         return compression.decompress(out, ctx)
     if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
         return _autograd.allreduce_grad(tensor, op, prescale_factor, postscale_factor,
-                                        process_set, name, hierarchical)
+                                        process_set, name, hierarchical, check)
     return plain_allreduce(tensor, op, name, prescale_factor, postscale_factor, process_set,
                            hierarchical, check)
 
@@ -77,7 +78,7 @@ def grouped_allreduce(tensors: Sequence, average=None, name=None, compression=NO
         return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
     if any(wants_grad(t) for t in tensors):
         return _autograd.grouped_allreduce_grad(tensors, op, prescale_factor, postscale_factor,
-                                                process_set, name, hierarchical)
+                                                process_set, name, hierarchical, check)
     return plain_grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor,
                                    process_set, hierarchical, check)
 
