@@ -62,6 +62,9 @@ class SharedRows:
                                            comm=topo.intra)
         memory, _ = self.win.Shared_query(0)
         self.rows = np.frombuffer(memory, dtype=self.np_dtype, count=numel * n).reshape(n, numel)
+        # MPI leaves a new window's contents undefined, and a bucket's padding must read zero:
+        # each rank clears its own row (first touched by the rank that uses it)
+        self.rows[local].fill(0)
         self.win.Lock_all()  # a passive epoch for Win.Sync, held for the window's life
         self.tensor = torch.from_numpy(self.rows[local])
         self.used = numel  # the bucket's gradients: a prefix when the row is padded (ZeRO)
@@ -188,7 +191,8 @@ def free_all() -> None:
 
 
 def allocator(topo, dtype: torch.dtype, device: torch.device):
-    """A ``numel -> tensor`` allocator of shared rows for buckets of ``dtype`` on ``device``,
+    """A ``numel -> SharedRows`` allocator (its ``.tensor`` is this rank's row) for buckets of
+    ``dtype`` on ``device``,
     or None when such buckets stay private (device tensors, other dtypes)."""
     if device.type != "cpu" or dtype not in _NUMPY:
         return None
