@@ -60,7 +60,8 @@ class BackendError(BaguaMPIError, ValueError):
 
 
 class BackendUnavailableError(BaguaMPIError):
-    """The chosen backend cannot run here: no CUDA GPU, or no NCCL in this torch build."""
+    """The chosen backend cannot run here: no CUDA GPU, no NCCL in this torch build, or no
+    gloo in its torch.distributed."""
 
 
 _default: str | None = None  # set by init(backend=); None: the environment decides

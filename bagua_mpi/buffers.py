@@ -26,7 +26,7 @@ _NUMPY_DTYPES = {
     np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool",
 }
 # Horovod's dtypes. int8 and int16 are accepted for torch tensors (as Horovod); NumPy arrays keep
-# the original eight.
+# seven of the original eight (NumPy has no bfloat16).
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8",
                     "int16", "bool")
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})

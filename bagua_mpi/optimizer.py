@@ -7,7 +7,7 @@
     for x, y in data:
         opt.zero_grad()
         loss_fn(model(x), y).backward()   # gradient communication overlaps with this
-        opt.step()                        # waits for outstanding buckets, then updates
+        opt.step()                        # updates (backward() averaged the gradients)
 
 The wrapper owns the optimizer (composition; no dynamic subclassing of the user's class) and
 forwards ``param_groups``, ``state``, ``state_dict`` and ``load_state_dict``. It derives from
@@ -62,10 +62,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             from the hardware, see ``engine.policy.auto_overlap``; ``opt.overlap`` tells).
         profile_order: bucket in the profiled order of gradient readiness (else in reverse
             declaration order, as DDP and Horovod assume).
-        find_unused_parameters: after each step, parameters that no rank used in the iteration
-            get ``grad = None`` (as in single-process training); costs one tiny allreduce per
-            step. Without it, an unused parameter is averaged as a zero gradient from the ranks
-            that did not use it. Either way no rank hangs.
+        find_unused_parameters: when each step's gradients are synchronized (the end of its
+            last backward pass), parameters that no rank used in the iteration get
+            ``grad = None`` (as in single-process training); costs one tiny allreduce per step.
+            Without it, an unused parameter is averaged as a zero gradient from the ranks that
+            did not use it. Either way no rank hangs.
         timeline: path prefix for a Chrome-trace timeline (default ``BAGUA_MPI_TIMELINE``).
         process_set: train over a subset of the ranks (an object with ``.topology``, the
             topology of the set's communicator, such as ``bagua_mpi.ProcessSet``); every rank

@@ -13,8 +13,9 @@ creates, and the wrapping of ``step`` that runs them, were missing:
   ``(args, kwargs)``; post-hooks get the same after the step. Nested calls (a subclass's
   ``step`` calling ``super().step()``) run them once. Torch's global step hooks run where they
   always did, in the wrapped optimizer's own ``step``;
-* ``step_in_place_of``: where the wrapped optimizer's ``step`` is not called (ZeRO), its own
-  step hooks and an LR scheduler's record of the step, as if it had been;
+* ``step_in_place_of``: where the wrapped optimizer's ``step`` is not called (ZeRO; 1-bit
+  Adam's compressed stage), its own step hooks and an LR scheduler's record of the step, as if
+  it had been;
 * ``state_dict_hooks`` / ``load_state_dict_hooks``: run the state-dict tables around the
   wrapper's own ``state_dict`` and ``load_state_dict``, as torch's methods do.
 
@@ -79,7 +80,8 @@ def run_step_hooks(optimizer, step, args: tuple, kwargs: dict):
 
 def step_in_place_of(optimizer, step, closure=None):
     """``step(optimizer, closure)`` standing in for ``optimizer.step(closure)``, which is never
-    called (ZeRO steps another optimizer over this rank's slices): ``optimizer``'s own step
+    called (ZeRO steps another optimizer over this rank's slices; 1-bit Adam's compressed stage
+    updates the parameters itself): ``optimizer``'s own step
     hooks run around it, and an LR scheduler built on ``optimizer`` learns that it stepped.
     Torch's scheduler reads that from the flag its wrapper of ``optimizer.step`` sets; without
     it, its first ``step()`` warned that the optimizer had not stepped."""

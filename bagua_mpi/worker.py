@@ -144,7 +144,8 @@ class CommWorker:
     def submit(self, fn: Callable[[], Any], describe, owned: tuple = (),
                finish: Callable[[Any], Any] | None = None, device=None) -> Handle:
         """Queue ``fn`` to run on the communication thread; return its handle at once. It runs
-        with CUDA ``device`` current (a torch device), by default the one current here."""
+        with CUDA ``device`` current (a torch device or an index), by default the one current
+        here."""
         if self._closed:
             raise BaguaMPIError("bagua_mpi has been shut down; call bagua_mpi.init() again")
         if self._active == threading.get_ident():

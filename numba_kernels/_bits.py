@@ -3,7 +3,8 @@
 Code i of width ``bits`` occupies bits [i*bits, (i+1)*bits) of a little-endian
 stream of uint32 words: it starts at bit ``off = (i*bits) % 32`` of word
 ``(i*bits) // 32`` and spills into the next word when ``off + bits > 32``.
-The functions are plain integer code compiled for both targets.
+``extract_py`` is plain integer code compiled for both targets; ``read_code`` is the CPU twins'
+reader (the kernels read codes with ``word_decode.group_field``).
 """
 import numpy as np
 from numba import njit

@@ -272,7 +272,8 @@ def compress_minmax_rows(x, out, col=0, bits=8, chunk=1024, residual=None, strea
     that partition (with residual[k*P:(k+1)*P]; the residual has rows * P elements) writes;
     ``col`` and width are multiples of ALIGN.  Returns fmt = ``MinMaxFormat(P, bits, chunk)``,
     the format of each row's payload.
-    Device launches: 1 (a block per (chunk, partition) pair); 3 when chunk > 4096 (as
+    Device launches: 1 (a team of threads per chunk, several chunks a block, one row of blocks
+    per partition); 3 when chunk > 4096 (as
     ``compress_minmax``, each over every partition at once); none for an empty tensor.
     """
     def on_device(xa, ea, fmt, v, mat, col, st):

@@ -55,7 +55,8 @@ def compress_minmax_rows_segments(x, segments, out, chunk=1024, residual=None, s
     """``compress_minmax_rows(x[s.offset:s.offset + s.length], out, s.col, s.bits, chunk,
     residual[s.error_offset:s.error_offset + rows x P])`` for every segment s.
 
-    Device launches: 1 for all the segments (3 a segment when chunk > 4096)."""
+    Device launches: 1 for all the segments (3 a segment when chunk > 4096; float64 arrays:
+    the per-tensor call's, segment by segment)."""
     xa, dev = flat(x, "x")
     mat, mdev = payload_matrix(out)
     same_place(dev, out=(mat, mdev))
@@ -92,7 +93,8 @@ def decompress_minmax_segments(stack, segments, out, chunk=1024, factor=1.0, str
     s.length], col=s.col, factor=factor)`` for every segment s: its payloads in every row of
     the (rows, width) ``stack``, summed in row order and scaled into its place in out.
 
-    Device launches: 1 for all the segments."""
+    Device launches: 1 for all the segments (float64 arrays: the per-tensor call's, segment
+    by segment)."""
     mat, dev = payload_matrix(stack, "stack")
     oa, odev = flat(out, "out")
     same_place(dev, out=(oa, odev))
@@ -116,7 +118,8 @@ def decompress_minmax_rows_segments(matrix, segments, out, chunk=1024, stream=No
     """``decompress_rows(matrix, MinMaxFormat(P, s.bits, chunk), out[s.offset:s.offset +
     s.length], col=s.col)`` for every segment s (P = ceil(s.length / rows)).
 
-    Device launches: 1 for all the segments."""
+    Device launches: 1 for all the segments (float64 arrays: the per-tensor call's, segment
+    by segment)."""
     mat, dev = payload_matrix(matrix, "matrix")
     oa, odev = flat(out, "out")
     same_place(dev, out=(oa, odev))
@@ -251,7 +254,7 @@ def _encode_rows_segments_cpu(x, e, has_res, table, starts, chunk, params, words
         encode_rows_item(x[start:start + table[s, T.X_LEN]], e[err:err + rows * part], has_res,
                          part, chunk, table[s, T.BITS], params, table[s, T.PCOL], words,
                          table[s, T.WCOL], j - starts[s])
-    for s in range(table.shape[0]):   # loops, not a slice assignment: see below
+    for s in range(table.shape[0]):   # loops, not a slice assignment: see above
         col = table[s, T.COL]
         for r in range(rows):
             for c in range(col + table[s, T.USED], col + table[s, T.NBYTES]):

@@ -150,8 +150,9 @@ def compress_topk(x, k, index_dtype="int32", method="approx", residual=None, out
     +1 with ``residual``.  Any size: +1 zeroing the padding (int64 indices, odd
     k); only that and the residual's when k is 0.  No host synchronisation.
     Scratch arrays are cached per thread and stream, so only a thread's first
-    call on a stream above 32,768 elements allocates (and zeroes the
-    selection's state and histogram: +2 launches, or +3 with 'approx').
+    call on a stream above 32,768 elements (or a later one larger than any
+    before) allocates; the first also zeroes the selection's state and
+    histogram: +2 launches, or +3 with 'approx'.
     """
     if method not in ("exact", "approx"):
         raise KernelParameterError(f"method must be 'exact' or 'approx', got {method!r}")

@@ -131,7 +131,8 @@ def decompress_topk_segments(selected, segments, out, index_dtype="int32", facto
     out[s.offset:s.offset + s.length] (zeros where nothing was selected).
 
     Device launches: 1 for all the segments of at most 32,768 elements (4,096 under the
-    simulator) together; a larger one takes the per-tensor functions' (3 or 4)."""
+    simulator) together; a larger one takes the per-tensor functions' (2: zero and scatter;
+    +1 restoring with a residual, +1 scaling when factor != 1)."""
     msel, dev = _message_of(selected, "selected")
     oa, odev = flat(out, "out", (np.float32,))
     same_place(dev, out=(oa, odev))

@@ -24,7 +24,8 @@ hook                       runs on                     used for
 ``reduce_scatter_bucket``  communication thread, at    this rank's slice of the synchronized
                            ``zero_stage=2``            gradient (default: dense reduce-scatter)
 ``exchanged_tensors``      communication thread;       what the node broadcast hands on
-                           node leaders                (default: the gradients)
+                           every rank of the node      (default: the gradients)
+                           (hierarchical)
 ``before_step``            main thread, in ``step()``  model-side ops before the optimizer update
 ``optimizer_step``         main thread, in ``step()``  the update itself (default: the wrapped
                                                        optimizer's ``step``)
@@ -43,7 +44,8 @@ What the framework does so that no algorithm re-solves it:
   ranks) for an algorithm whose stage switch starts an exchange with state of its own.
 * **step**: ``self.step`` is the optimizer's step count, read from the one step clock the
   optimizer owns and advances (``engine/clock.py``); the engine passes the step to
-  ``reduce_bucket`` (read from the same clock on the main thread when the bucket was launched).
+  ``communicate_bucket`` and so to ``reduce_bucket`` (read from the same clock on the main
+  thread when the bucket was launched).
 * **warm-up**: configs with ``dense_warmup = True`` run ``warmup_steps`` of plain dense
   allreduce before ``reduce_bucket`` is first called.
 * **op and scaling**: ``self.scale`` (prescale x postscale: 1/n for Average) is what a

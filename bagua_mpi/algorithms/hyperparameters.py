@@ -5,10 +5,12 @@ Ranks whose learning rates part ways train different models without any error: a
 per-rank counter, a change made under ``if rank == 0``. The gradients are still averaged, so
 nothing hangs and nothing looks wrong until the models are compared. So the first bucket's
 agreement check (``AlgorithmImpl._agree``, one small allreduce it makes anyway) carries a
-digest of every param group's hyperparameters, taken as the bucket is launched:
+digest of every param group's hyperparameters, taken when that exchange runs (on the
+communication thread):
 
-1. ``digest(groups)``: the numbers (floats, ints, bools; None as NaN) packed as float64 bytes,
-   the rest (Adam's betas and other tuples, strings, tensors) as text, hashed to 62 bits;
+1. ``digest(groups)``: the numbers (floats, ints, bools; None as NaN; tuples of floats such as
+   Adam's betas, with their length) packed as float64 bytes, the rest (other tuples, strings,
+   tensors) as text, hashed to 62 bits;
    packing, not formatting, the numbers keeps it at a few microseconds a group;
 2. the ranks compare it with the rest of the bucket's signature; only when the digests
    differ do they gather ``summary(groups)``, every value in readable form (a CPU scalar

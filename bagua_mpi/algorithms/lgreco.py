@@ -60,7 +60,8 @@ class LGreCoImpl(AlgorithmImpl):
         self.bucket_names: dict[int, list[str]] = {}   # bucket -> its layers, in order
         self.decisions = 0
         self.decision_seconds = 0.0
-        self.startup_seconds = 0.0  # rank 0's one-time load of the compiled DP, at wrap time
+        self.startup_seconds = 0.0  # rank 0's one-time load of the compiled DP, when the
+        # buckets are built (the end of the first iteration)
         self.bytes_dense = 0  # float32 bytes the layers would have sent, for the ratio
 
     # -- per-layer state (keyed by parameter name, so independent of bucketing) ---------------

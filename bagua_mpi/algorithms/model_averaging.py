@@ -14,7 +14,7 @@ Hierarchical (``hierarchical=True``): models are first averaged inside each node
 exchange runs among node leaders (peers drawn over nodes), then leaders broadcast in their
 node. ``op`` and ``gradient_predivide_factor`` are refused (no gradient is summed);
 ``compression`` makes ``decentralized`` and ``local_sgd`` send 16-bit models. Models on a GPU
-stay there (``staging.float32``; the primitives' device paths).
+stay there (``forms.float32``; the primitives' device paths).
 """
 from __future__ import annotations
 

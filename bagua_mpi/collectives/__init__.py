@@ -24,8 +24,8 @@ Modules, each importing only those listed before it:
   picks which (``uses_nccl_allreduce``);
 * ``_allreduce``: allreduce and grouped allreduce without autograd (fast path included);
 * ``_movement``: allgather, broadcast, alltoall, reducescatter without autograd;
-* ``_sparse_allreduce``, ``_objects`` (barrier, object collectives), ``_join``, ``_handles``
-  (poll, synchronize, submit);
+* ``_handles`` (poll, synchronize, submit), ``_sparse_allreduce``, ``_objects`` (barrier, object
+  collectives), ``_join``;
 * ``_autograd``: the differentiable versions, built on ``_allreduce`` and ``_movement``;
 * ``_public``: the out-of-place collectives that pick ``_autograd`` or the plain version.
 

@@ -19,7 +19,9 @@ def join(device=-1) -> int:
     check on (the default: the check message carries the join flag). Any other collective
     while a rank has joined raises ``JoinedRankError`` on the ranks that called it (this rank
     stays joined, as in Horovod). Global process set only.
-    ``device`` is accepted for Horovod compatibility (zeros are made on the CPU).
+    ``device`` is accepted for Horovod compatibility and ignored: the zeros are made where the
+    training ranks' wire needs them (host memory for MPI, the current GPU for NCCL, the
+    tensor's device for a process group).
     """
     rt = runtime.get()
     topo = rt.topo

@@ -1,7 +1,7 @@
 """The one step clock of a ``DistributedOptimizer``.
 
 The optimizer owns it and advances it once per ``step()``; the engine (which passes the step
-to ``reduce_bucket``, read on the main thread when a bucket is launched) and the algorithm
+to ``communicate_bucket``, read on the main thread when a bucket is launched) and the algorithm
 implementation (``AlgorithmImpl.step``) only read it. Between steps it holds the index of the
 next step, which is also what a checkpoint records.
 """

@@ -7,7 +7,8 @@ Life of an iteration, after the first one:
 2. (**O**verlap on) ready buckets are launched strictly in bucket order: bucket i+1 waits for
    bucket i to be launched, so all ranks issue the same sequence of collectives even if autograd
    finishes gradients in a different order on different ranks. The algorithm's
-   ``reduce_bucket`` runs on the communication thread while backward continues;
+   ``communicate_bucket`` (``reduce_bucket``, or ``reduce_scatter_bucket`` at ZeRO stage 2)
+   runs on the communication thread while backward continues;
 3. ``synchronize()`` (when the step's last backward pass ends, from an autograd callback, as
    DDP finishes its reduction; ``step()`` calls it for the algorithms that average models)
    launches whatever is left (all of it with overlap off), giving parameters that got no
@@ -97,7 +98,7 @@ class Engine:
         self._ready_buckets = 0
         self._generation = 0  # one per iteration of bucket launches (advanced by _reset)
         self._disagreed_in: int | None = None  # the generation whose agreement check failed
-        # The step passed to reduce_bucket at launch: read from the optimizer's clock (which
+        # The step passed to communicate_bucket at launch: read from the optimizer's clock (which
         # only the optimizer advances); an engine built without one keeps its own and advances
         # it at each synchronize (completed synchronizations).
         self._owns_clock = clock is None

@@ -38,7 +38,8 @@ is combined in NumPy (the fastest on a CPU: torch's per-call cost made small and
 1.5x slower). A CUDA tensor is combined with torch's arithmetic on its device, and its halves go
 over NCCL or a CUDA-aware MPI where the backend has them (staged through pinned host memory
 otherwise); what goes to the host is one small table per level, each segment's dot product and
-squared norms (one wait for the device per level), for the bookkeeping of their exponents and
+squared norms (one wait for the device per level for that table; MPI carriers wait for the
+halves as well), for the bookkeeping of their exponents and
 the coefficients. Its launches per level do not grow with the number of segments: the sums of
 every segment come from a few segmented sums over batches of the buffer (``_device_sums``), and
 the coefficients are applied to every segment in one ``torch._foreach_mul_``. A segment whose

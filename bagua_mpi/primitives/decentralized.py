@@ -7,7 +7,8 @@ Peers come from a topology:
   so i picks j exactly when j picks i. With an odd number of ranks the last rank of the
   permutation has no partner that step and keeps its model unchanged.
 
-D_FP_S: ``x_i <- mean of x_j over j in peers(i) + {i}`` (exact, float32 messages).
+D_FP_S: ``x_i <- mean of x_j over j in peers(i) + {i}`` (messages in the model's dtype, summed
+in float64; or 16-bit words with ``wire_dtype``).
 
 D_LP_S (ring, compressed): exchanging compressed *models* would not converge, so, as Tang et
 al. (2018) and CHOCO-gossip do, each rank keeps public estimates ``h`` of its own model and of
@@ -94,12 +95,12 @@ def _without_peers(comm, flat: torch.Tensor) -> torch.Tensor:
 def decentralized_average_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],
                            stats: WireStats | None = None,
                            wire_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """D_FP_S in place: average ``flat`` with the same tensor on ``peers`` (CPU).
+    """D_FP_S in place: average ``flat`` with the same tensor on ``peers`` (host or CUDA).
 
     With ``wire_dtype`` (float16/bfloat16) the models travel as 16-bit words; the average adds
     this rank's own model at full precision and the peers' words, widened a piece at a time,
-    in float64. The model itself is sent, without a copy: the exchange ends before the
-    average overwrites it.
+    in float64. A contiguous host model is sent itself, without a copy: the exchange ends before
+    the average overwrites it (a CUDA one is sent as a copy).
     """
     if flat.numel() == 0:
         return flat
@@ -182,7 +183,7 @@ def _array(x) -> np.ndarray:
 def low_precision_decentralized_(flat: torch.Tensor, comm: MPI.Intracomm, peers: list[int],
                                  codec: Codec, estimates: PeerEstimates, gamma: float = 1.0,
                                  stats: WireStats | None = None) -> torch.Tensor:
-    """D_LP_S in place over ``peers`` (CPU float32), see the module docstring."""
+    """D_LP_S in place over ``peers`` (float32, host or CUDA), see the module docstring."""
     if flat.numel() == 0:
         return flat
     if not peers:

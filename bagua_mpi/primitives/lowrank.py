@@ -54,7 +54,7 @@ _DEPENDENT = 1e-10
 class LowRankSegment:
     """One matrix-shaped layer of a packed PowerSGD exchange.
 
-    ``flat``: contiguous 1-D float32 CPU gradient of ``rows`` x cols elements (cols =
+    ``flat``: contiguous 1-D float32 gradient (host or CUDA) of ``rows`` x cols elements (cols =
     ``flat.numel() // rows``), overwritten in place with the averaged rank-``rank``
     approximation. ``q``: (cols, r_max) float32 warm-start state with r_max >= ``rank``; its
     first ``rank`` columns are used and replaced by this step's averaged Q. ``error``:

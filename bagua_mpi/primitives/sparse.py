@@ -2,7 +2,8 @@
 
 Both start the same way on each rank, for a flat float32 gradient g and residual r:
 ``r <- r + g``; select the k largest |r| (ties: lower index); the payload holds those k
-(index, value) pairs; r keeps every unselected entry (fused in ``numba_kernels.compress_topk``).
+(index, value) pairs; r keeps every unselected entry (fused in ``numba_kernels.compress_topk`` /
+``compress_topk_segments``).
 
 * ``topk_allgather_`` (Top-k S-SGD): all-gather every rank's k pairs and scatter-add them all:
   each rank sends its k pairs to P-1 others, O(kP) traffic.
@@ -55,7 +56,8 @@ class SparseSegment:
 
 
 def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: str, out=None):
-    """Host top-k selection with the residual fused in (both primitives start with it)."""
+    """Top-k selection of one host segment with the residual fused in: the primitives' first
+    step, for benchmarks (the primitives call the kernels directly)."""
     _check_segment(SparseSegment(flat, k, residual))
     if flat.is_cuda or residual.is_cuda:
         raise ValueError(f"expected host tensors, got {flat.device} and {residual.device}")
@@ -71,7 +73,7 @@ def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: t
 
     Contiguous float32 CUDA tensors (flat and residual) stay on the device: selection,
     scaling and the scatter-add run as the CUDA kernels, and only the k-pair payloads move
-    (device buffers to a CUDA-aware MPI, else through reused pinned host buffers). One call
+    (NCCL or a CUDA-aware MPI on the device buffers, else reused pinned host buffers). One call
     plans the exchange and runs it once (``TopKExchange``, which a caller keeps to run it
     every step)."""
     TopKExchange(flat, k, residual, index_dtype).run(comm, scale=scale, stats=stats)

@@ -2,14 +2,14 @@
 
 The sum of sparse gradients over ranks is the concatenation of their (index, value) entries
 (coalesced afterwards), so the exchange is an allgather. Ranks hold different numbers of
-entries; the payloads travel as equal blocks padded to the largest count, so the same two
+entries; the payloads travel as equal blocks padded to the largest count, so the same three
 ``Transport.allgather`` calls work on MPI, gloo and NCCL:
 
 1. allgather every rank's entry count (one int64 each);
 2. allgather the indices and the values, each padded to the largest count;
 3. keep each rank's first ``count`` entries, scale the values, coalesce.
 
-Bytes per rank: (n - 1) x largest count x (index dims x 8 + row bytes), against a dense
+Bytes per rank: (n - 1) x (largest count x (index dims x 8 + row bytes) + 8), against a dense
 allreduce's 2 (n - 1) / n x the whole tensor.
 """
 from __future__ import annotations

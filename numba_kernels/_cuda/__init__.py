@@ -18,9 +18,11 @@ Layering (no module here imports a public module of the package):
 
 * ``geometry``: block shapes; ``launch``: the counted launch and the launch
   shapes the formats share; ``scratch``: the kernels' cached scratch arrays;
-* ``common``: device building blocks (and the ``fill``/``scale`` kernels);
+* ``common``: device building blocks (and the ``fill``/``scale``/``scale_columns``
+  kernels); ``word_decode``: the dense decoders the min-max, 1-bit and QSGD
+  formats share;
 * one module per format (``casts``, ``minmax``, ``qsgd``, ``onebit``, ``topk``)
-  plus ``select`` and ``merge`` for top-k; the rules they share with the CPU
+  plus ``select``, ``merge`` and ``topk_segments`` for top-k; the rules they share with the CPU
   twins come from the package's leaf modules (``_scalar``, ``_bits``,
   ``_half_bits``, ``_chunk_rules``, ``_sparse_rules``).
 """

@@ -3,8 +3,8 @@
 Mirrors ``numba_kernels._scalar``: the same FMA, bit casts and RNG, and the
 block-level version of the wire summation order (thread t of a block owns
 lanes t, t + THREADS, ... of the LANES lanes; see ``geometry`` for the block
-size).  Also the two small utility kernels ``fill`` and ``scale``, which
-bagua_mpi launches on its own device buffers too.
+size).  Also the small utility kernels ``fill``, ``scale`` and
+``scale_columns``, which bagua_mpi launches on its own device buffers too.
 """
 import math
 

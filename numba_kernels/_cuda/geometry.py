@@ -37,10 +37,10 @@ TILE = THREADS * ITEMS
 # too few bytes in flight to cover the memory latency.
 ILP = 4
 ILP_SPAN = THREADS * ILP       # elements a block covers per pass
-# The min-max and 1-bit decoders (``word_decode``) take elements in groups of GROUP
-# consecutive ones, GROUPS groups a thread per pass: a group's codes come in one word load,
-# where one element's took a load of their own.  (Four groups a thread took 64 registers, 80 on
-# float64 data; two take 40 and 48.)
+# The min-max, 1-bit and (chunk a multiple of GROUP) QSGD decoders (``word_decode``) take
+# elements in groups of GROUP consecutive ones, GROUPS groups a thread per pass: a group's codes
+# come in one word load, where one element's took a load of their own.  (Four groups a thread
+# took 64 registers, 80 on float64 data; two take 40 and 48.)
 GROUP = 4
 GROUPS = 2
 GROUP_ILP = GROUP * GROUPS     # elements a thread takes per pass
