@@ -58,9 +58,10 @@ def test_check_overrides_the_switch_for_one_call(initialized, verify_calls, swit
         out = call()
         assert len(verify_calls) == (1 if wanted else 0), verify_calls
         assert out is not None
-        if isinstance(out, list) and out[0].requires_grad or getattr(out, "requires_grad", 0):
+        outs = out if isinstance(out, list) else [out]
+        if outs[0].requires_grad:
             verify_calls.clear()
-            sum(t.sum() for t in (out if isinstance(out, list) else [out])).backward()
+            sum(t.sum() for t in outs).backward()
             assert len(verify_calls) == (1 if wanted else 0), ("backward", verify_calls)
     got = bm.grouped_allreduce(x, op=bm.Sum, compression=bm.Compression.fp16, check=check)
     assert [t.dtype for t in got] == [torch.float32, torch.float64]

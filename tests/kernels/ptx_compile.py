@@ -109,7 +109,8 @@ def ptxas_resources(ptx, cc):
 
 
 # An instruction of the PTX, its predicate guard left out: (opcode, operands).
-_INSTRUCTION = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+([^;]*);")
+_GUARD = r"^\s*(?:@!?%p\d+\s+)?"  # a PTX line's start, and its predicate if it has one
+_INSTRUCTION = re.compile(_GUARD + r"([a-z][\w.]*)\s+([^;]*);")
 _FLOAT_FMA = re.compile(r"\bfma\.rn\.f(?:32|64)\b")
 # NVVM's options for the second compile (forked workers inherit it; see main)
 _EXTRA_NVVM_OPTIONS = {}
@@ -133,7 +134,7 @@ EXACT_CALLS = re.compile(r"""(
   | llvm\.nvvm\.(?!.*(approx|ftz)).*
 )""", re.X)
 _DECLARED = re.compile(r'^declare[^@\n]*@"?((?:__nv_|llvm\.)[\w.]+)', re.M)
-_INEXACT_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*\.(?:approx|ftz)\b[\w.]*)", re.M)
+_INEXACT_PTX = re.compile(_GUARD + r"([a-z][\w.]*\.(?:approx|ftz)\b[\w.]*)", re.M)
 
 
 def inexact_operations(declared, fastmath, ptx):
