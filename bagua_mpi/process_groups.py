@@ -104,18 +104,23 @@ class ProcessGroup:
         opts.rootTensor = 0
         self.pg.broadcast([tensor], opts).wait()
 
-    def alltoall(self, send, recv) -> None:
-        """Equal blocks: block k of ``send`` goes to rank k, block j of ``recv`` came from j."""
-        self.pg.alltoall_base(recv, send, [], []).wait()
+    def alltoall(self, send, recv, send_splits=(), recv_splits=()) -> None:
+        """Block k of ``send`` goes to rank k, block j of ``recv`` came from j: equal blocks,
+        or ``send_splits``/``recv_splits`` elements per rank (dimension 0)."""
+        self.pg.alltoall_base(recv, send, list(recv_splits), list(send_splits)).wait()
 
     def allgather(self, send, recv) -> None:
         """``recv`` (size x ``send``'s elements) <- every rank's ``send`` in rank order."""
         self.pg._allgather_base(recv, send).wait()
 
-    def reduce_scatter(self, send, recv) -> None:
-        """``recv`` <- the sum over ranks of block ``rank`` of their ``send`` (equal blocks).
+    def reduce_scatter(self, send, recv, op: str = "sum") -> None:
+        """``recv`` <- ``op`` over ranks of block ``rank`` of their ``send`` (equal blocks).
         One call for NCCL and gloo alike, so CI's gloo jobs run the call NCCL gets."""
-        self.pg._reduce_scatter_base(recv, send).wait()
+        import torch.distributed as dist
+
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, REDUCE_OPS[op])
+        self.pg._reduce_scatter_base(recv, send, opts).wait()
 
     def send(self, tensor, dest: int, tag: int) -> None:
         self.point_to_point([(tensor, dest)], [], tag)

@@ -19,9 +19,10 @@ carrier          when
 Verbs (all collective over the communicator, except the point-to-point ones):
 ``allreduce_`` (in place; 16-bit floats are summed in float32 where MPI adds them),
 ``reduce_`` / ``broadcast_`` (root 0 by default), ``alltoall`` / ``allgather`` (equal blocks;
-the receive buffer holds ``size`` blocks), ``reduce_scatter`` (the sum of block k of every
-rank's send buffer lands on rank k: ZeRO's gradient exchange), ``send`` / ``recv`` / ``exchange`` (a rank swaps
-one buffer with each of its peers).
+the receive buffer holds ``size`` blocks), ``alltoallv`` (a count of elements per rank each
+way), ``reduce_scatter`` (the sum, or another op, of block k of every rank's send buffer lands
+on rank k: ZeRO's gradient exchange), ``send`` / ``recv`` / ``exchange`` (a rank swaps one
+buffer with each of its peers).
 
 What it guarantees, so callers need not:
 
@@ -85,6 +86,13 @@ def device_ready() -> None:
         pass
 
 
+def carrier_of(buf, backend: str) -> str:
+    """The carrier of ``buf`` under resolved backend ``backend`` (``Transport.carrier``)."""
+    if on_device(buf):
+        return backends.device_carrier(backend)
+    return backends.host_carrier(backend)
+
+
 class Transport:
     """Payload movement over ``comm`` with backend ``backend`` (see the module docstring)."""
 
@@ -106,9 +114,7 @@ class Transport:
     # -- routing ----------------------------------------------------------------------------
     def carrier(self, buf) -> str:
         """``mpi``, ``gloo``, ``nccl``, ``mpi_device`` or ``mpi_staged`` for ``buf``."""
-        if on_device(buf):
-            return backends.device_carrier(self.backend)
-        return backends.host_carrier(self.backend)
+        return carrier_of(buf, self.backend)
 
     def _mover(self, buf):
         carrier = self.carrier(buf)
@@ -146,16 +152,27 @@ class Transport:
         self._check_pair(send, recv, "alltoall", _numel(send))
         self._mover(send).alltoall(send, recv, dense)
 
+    def alltoallv(self, send, send_counts, recv, recv_counts, *, dense: bool = False) -> None:
+        """The next ``send_counts[k]`` elements of ``send`` to rank k, in rank order; the next
+        ``recv_counts[j]`` of ``recv`` from rank j (what j sends this rank)."""
+        send_counts, recv_counts = _counts(send_counts, self.size), _counts(recv_counts,
+                                                                            self.size)
+        self._check_pair(send, recv, "alltoallv", sum(recv_counts))
+        if _numel(send) != sum(send_counts):
+            raise ValueError(f"alltoallv: the send buffer must hold the {sum(send_counts)} "
+                             f"elements of send_counts {send_counts}, got {_numel(send)}")
+        self._mover(send).alltoallv(send, send_counts, recv, recv_counts, dense)
+
     def allgather(self, send, recv, *, dense: bool = False) -> None:
         """``recv`` <- every rank's ``send``, in rank order (``recv`` holds ``size`` of them).
         ``send`` may be this rank's block of ``recv`` (an in-place gather)."""
         self._check_pair(send, recv, "allgather", _numel(send) * self.size)
         self._mover(send).allgather(send, recv, dense)
 
-    def reduce_scatter(self, send, recv, *, dense: bool = True) -> None:
-        """``recv`` <- the sum over ranks of block ``rank`` of their ``send`` (``send`` holds
-        ``size`` equal blocks of ``recv``'s length; 16-bit floats summed as ``allreduce_``
-        sums them)."""
+    def reduce_scatter(self, send, recv, op: str = "sum", *, dense: bool = True) -> None:
+        """``recv`` <- ``op`` (sum, min, max, product) over ranks of block ``rank`` of their
+        ``send`` (``send`` holds ``size`` equal blocks of ``recv``'s length; 16-bit floats
+        reduced as ``allreduce_`` reduces them)."""
         self._check_pair(send, recv, "reduce_scatter", _numel(send) // self.size)
         if _numel(send) != _numel(recv) * self.size:
             raise ValueError(f"reduce_scatter over {self.size} ranks: the send buffer must hold "
@@ -165,7 +182,7 @@ class Transport:
             return
         mover = self._mover(send)
         with _summable(send, mover) as work_send, _summable(recv, mover) as work_recv:
-            mover.reduce_scatter(work_send, work_recv, dense)
+            mover.reduce_scatter(work_send, work_recv, op, dense)
 
     def send(self, buf, dest: int, *, tag: int = _TAG) -> None:
         self._mover(buf).send(buf, dest, tag)
@@ -202,6 +219,12 @@ def of(comm_or_transport, backend: str | None = None) -> Transport:
     if isinstance(comm_or_transport, Transport):
         return comm_or_transport
     return Transport(comm_or_transport, backend)
+
+
+def op_named(mpi_op) -> str | None:
+    """The verbs' name (sum, min, max, product) of MPI reduction ``mpi_op``; None for another
+    (a logical or bitwise op, which only MPI has)."""
+    return next((name for name, op in _MPI_OPS.items() if op == mpi_op), None)
 
 
 def uses_nccl(tensor, backend: str | None = None) -> bool:
@@ -257,12 +280,15 @@ class _HostMPI:
     def alltoall(self, send, recv, dense):
         self.comm.Alltoall(self._buf(send), self._buf(recv))
 
+    def alltoallv(self, send, send_counts, recv, recv_counts, dense):
+        self.comm.Alltoallv([self._buf(send), send_counts], [self._buf(recv), recv_counts])
+
     def allgather(self, send, recv, dense):
         s, r = self._buf(send), self._buf(recv)
         self.comm.Allgather(MPI.IN_PLACE if _aliases(s, r) else s, r)
 
-    def reduce_scatter(self, send, recv, dense):
-        self.comm.Reduce_scatter_block(self._buf(send), self._buf(recv), op=MPI.SUM)
+    def reduce_scatter(self, send, recv, op, dense):
+        self.comm.Reduce_scatter_block(self._buf(send), self._buf(recv), op=_MPI_OPS[op])
 
     def send(self, buf, dest, tag):
         self.comm.Send(self._buf(buf), dest=dest, tag=tag)
@@ -304,6 +330,7 @@ class _DeviceMPI(_HostMPI):
     reduce_ = _wrap("reduce_")
     broadcast_ = _wrap("broadcast_")
     alltoall = _wrap("alltoall")
+    alltoallv = _wrap("alltoallv")
     allgather = _wrap("allgather")
     reduce_scatter = _wrap("reduce_scatter")
     send = _wrap("send")
@@ -359,14 +386,20 @@ class _StagedMPI:
         self.host.alltoall(self._out(send, "send", dense), host_recv, dense)
         self._in(recv, host_recv)
 
+    def alltoallv(self, send, send_counts, recv, recv_counts, dense):
+        host_recv = self._recv_buffer(recv, "recv")
+        self.host.alltoallv(self._out(send, "send", dense), send_counts, host_recv,
+                            recv_counts, dense)
+        self._in(recv, host_recv)
+
     def allgather(self, send, recv, dense):
         host_recv = self._recv_buffer(recv, "recv")
         self.host.allgather(self._out(send, "send", dense), host_recv, dense)
         self._in(recv, host_recv)
 
-    def reduce_scatter(self, send, recv, dense):
+    def reduce_scatter(self, send, recv, op, dense):
         host_recv = self._recv_buffer(recv, "recv")
-        self.host.reduce_scatter(self._out(send, "send", dense), host_recv, dense)
+        self.host.reduce_scatter(self._out(send, "send", dense), host_recv, op, dense)
         self._in(recv, host_recv)
 
     def send(self, buf, dest, tag):
@@ -403,14 +436,19 @@ class _Group:
     def alltoall(self, send, recv, dense):
         self.group.alltoall(_bytes(send), _bytes(recv))
 
+    def alltoallv(self, send, send_counts, recv, recv_counts, dense):
+        size = _itemsize(send)  # the libraries split the bytes along dimension 0
+        self.group.alltoall(_bytes(send), _bytes(recv), [c * size for c in send_counts],
+                            [c * size for c in recv_counts])
+
     def allgather(self, send, recv, dense):
         s, r = _bytes(send), _bytes(recv)
         if _aliases(s, r):  # the libraries read and write separate buffers
             s = s.clone()
         self.group.allgather(s, r)
 
-    def reduce_scatter(self, send, recv, dense):
-        self.group.reduce_scatter(_flat(send), _flat(recv))
+    def reduce_scatter(self, send, recv, op, dense):
+        self.group.reduce_scatter(_flat(send), _flat(recv), op)
 
     def send(self, buf, dest, tag):
         self.group.send(_bytes(buf), dest, tag)
@@ -455,6 +493,19 @@ def _summable(buf, mover):
 
 def _numel(buf) -> int:
     return buf.numel() if isinstance(buf, torch.Tensor) else int(buf.size)
+
+
+def _itemsize(buf) -> int:
+    return buf.element_size() if isinstance(buf, torch.Tensor) else buf.dtype.itemsize
+
+
+def _counts(counts, size: int) -> list[int]:
+    """``counts`` as ``size`` non-negative Python ints (one per rank), or ValueError."""
+    out = [int(c) for c in counts]
+    if len(out) != size or min(out, default=0) < 0:
+        raise ValueError(f"alltoallv over {size} ranks needs {size} non-negative counts, got "
+                         f"{list(counts)}")
+    return out
 
 
 def _nbytes(buf) -> int:

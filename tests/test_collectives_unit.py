@@ -4,9 +4,11 @@ multi-rank suites cannot see from outside."""
 import pytest
 import torch
 
+from mpi4py import MPI
+
 import bagua_mpi as bm
-from bagua_mpi import consistency
-from bagua_mpi.collectives import _allreduce, _allreduce_backends, _core
+from bagua_mpi import backends, consistency
+from bagua_mpi.collectives import _allreduce, _allreduce_backends, _core, _group_movement
 
 
 @pytest.fixture
@@ -87,6 +89,42 @@ def test_nccl_is_chosen_for_cuda_tensors_on_the_library_communicator(initialized
         is _allreduce_backends.mpi_allreduce_
     assert not _allreduce_backends.uses_nccl_allreduce(FakeCudaTensor(), object())
     assert asked == []
+
+
+class CudaLooking(torch.Tensor):
+    """A host tensor that says it is on a GPU, for the route choice only."""
+    is_cuda = True
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_data_movement_takes_a_process_group_where_the_transport_would(initialized,
+                                                                        monkeypatch, backend):
+    """``group_wire`` follows the transport's carrier: a CUDA tensor where the device carrier
+    is NCCL (not where it is MPI), a host torch tensor under gloo; never a NumPy array or a
+    process set's communicator. The signature names the library only off MPI."""
+    monkeypatch.setattr(backends, "_default", backend)
+    topo = bm.runtime.get().topo
+    host = torch.ones(2)
+    wire = _group_movement.group_wire(host, topo)
+    assert (wire is not None) == (backend == "gloo")
+    assert _group_movement.wire_field(wire, host) == ((("wire", "gloo"),) if wire else ())
+    assert _group_movement.group_wire(host.numpy(), topo) is None
+    assert _group_movement.group_wire(host, object()) is None
+    device = torch.ones(2).as_subclass(CudaLooking)
+    for carrier, routed in (("nccl", True), ("mpi_device", False), ("mpi_staged", False)):
+        monkeypatch.setattr(backends, "device_carrier", lambda name, c=carrier: c)
+        wire = _group_movement.group_wire(device, topo)
+        assert (wire is not None) == routed, carrier
+        assert _group_movement.wire_field(wire, device) == ((("wire", "nccl"),) if routed
+                                                            else ())
+
+
+def test_a_reducescatter_the_libraries_cannot_reduce_stays_on_mpi():
+    assert _group_movement.reduction_name("float32", MPI.SUM) == "sum"
+    assert _group_movement.reduction_name("int8", MPI.PROD) == "product"
+    assert _group_movement.reduction_name("int16", MPI.SUM) is None  # no int16 in NCCL
+    assert _group_movement.reduction_name("bool", MPI.LAND) is None
+    assert _group_movement.reduction_name("int32", MPI.BAND) is None
 
 
 @pytest.mark.parametrize("grouped", [False, True])

@@ -12,6 +12,10 @@ machine without a GPU:
   where centralized, first-step checks, and a check that no payload took MPI);
 * exact resume through gloo: a job trains and checkpoints every algorithm, a new job resumes,
   and every rank's model and state digests match the uninterrupted run's;
+* the user-facing collectives (``collectives_suite.py``, and Horovod's API with its gradients:
+  ``horovod_suite.py``): allgather, broadcast, alltoall and reducescatter of torch tensors
+  through the gloo group, as NCCL carries CUDA tensors' (the suite's ``movement-wire`` check
+  says which wire each call took), at 1-4 ranks;
 * ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``);
 * every algorithm with its exchanges as the first use of a group made for it (an unpaired rank
   once left the others waiting in the group's set-up), ZeRO stages 1 and 2, elastic restores,
@@ -25,6 +29,8 @@ import pytest
 
 import adasum_suite
 import algorithms_suite
+import collectives_suite
+import horovod_suite
 import elastic_suite
 import optimizer_suite
 import options_suite
@@ -61,6 +67,29 @@ def test_transport_stages_simulated_device_payloads(backend):
     result = run_mpi("transport_suite.py", 2, env={"BAGUA_MPI_BACKEND": backend,
                                                     "NUMBA_ENABLE_CUDASIM": "1"})
     assert_mpi_ok(result, f"transport suite OK on 2 ranks, backend {backend}, simulator True")
+
+
+collectives_run = suite_job("collectives_suite.py", env=gloo_env)
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+@pytest.mark.parametrize("check", list(collectives_suite.CHECKS))
+def test_collectives_through_gloo(check, nprocs):
+    """Every check of the collectives suite under backend gloo, against its NumPy simulation:
+    the data movement of torch tensors takes the process group, the allreduces stay on MPI."""
+    assert_check_passed(collectives_run(nprocs), check)
+
+
+HOROVOD_MODES = [mode for mode in horovod_suite.MODES if mode not in horovod_suite.ALONE]
+horovod_run = suite_job("horovod_suite.py", *HOROVOD_MODES, env=gloo_env)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+@pytest.mark.parametrize("mode", HOROVOD_MODES)
+def test_horovod_api_through_gloo(mode, nprocs):
+    """Horovod's API under backend gloo, gradients of the collectives included (their
+    backward runs the data movement too)."""
+    assert_check_passed(horovod_run(nprocs), mode)
 
 
 gloo_run = suite_job("algorithms_suite.py", env=gloo_env, timeout=900)

@@ -78,14 +78,11 @@ def hierarchical_allreduce_(topo, buf, mop) -> None:
     topo.node_broadcast_(buf)
 
 
-_NCCL_OPS = ((MPI.SUM, "sum"), (MPI.MIN, "min"), (MPI.MAX, "max"), (MPI.PROD, "product"))
-
-
 def nccl_allreduce_(topo, buf, mop, hierarchical: bool) -> None:
     """In place on a CUDA tensor with the NCCL backend (``hierarchical`` is left to the
     backend: ``nccl_hierarchical``)."""
     work = buf if buf.is_contiguous() else buf.contiguous()
-    op = next((name for m, name in _NCCL_OPS if m == mop), f"MPI op {mop!r}")
+    op = transport.op_named(mop) or f"MPI op {mop!r}"
     transport.nccl_allreduce_(work, topo, op=op)
     if work is not buf:
         buf.copy_(work)

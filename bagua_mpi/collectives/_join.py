@@ -71,7 +71,7 @@ def _add_zeros(topo, wire_dt: str, numel: int, mop, hierarchical: bool, route: t
 
     device = "cuda" if kind == "nccl" else route[2]
     zeros = torch.zeros(numel, dtype=getattr(torch, wire_dt), device=device)
-    op = next((name for m, name in _OPS if m == mop), None)
+    op = transport.op_named(mop)
     if op is None:
         raise BaguaMPIError(f"join(): no {route[0]} reduction for MPI op {mop!r}")
     if kind == "nccl":
@@ -79,5 +79,3 @@ def _add_zeros(topo, wire_dt: str, numel: int, mop, hierarchical: bool, route: t
     else:
         transport.Transport(topo.comm, route[1]).allreduce_(zeros, op)
 
-
-_OPS = ((MPI.SUM, "sum"), (MPI.MIN, "min"), (MPI.MAX, "max"), (MPI.PROD, "product"))

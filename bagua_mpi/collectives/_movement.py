@@ -1,6 +1,11 @@
 """Data movement without autograd: allgather, broadcast, alltoall and reducescatter, with their
 grouped, in-place and asynchronous forms.
 
+Each runs on MPI (``transport.mpi_buffer``: host memory, a CUDA-aware MPI, or a pinned host
+copy), or on a process group where the tensor's carrier is one (NCCL for a CUDA tensor, gloo
+for a host tensor under backend ``gloo``): ``_group_movement.py``. The agreement check and the
+header of sizes go over MPI either way.
+
 The ``plain_*`` functions are the out-of-place forms for tensors that need no gradient: the
 public functions (``_public.py``) and the differentiable versions (``_autograd.py``) both come
 here.
@@ -18,6 +23,7 @@ from ..buffers import (contiguous, copy_into, dtype_name, empty_like, reduce_dty
 from ..exceptions import BaguaMPIError
 from ..ops import Average, ReduceOp
 from ..worker import Handle
+from . import _group_movement as group
 from ._core import (agree, check_factor, check_list, global_process_set, name_and_op, reduction,
                     root_of, row_elems, run_now, start, topo_of)
 
@@ -30,7 +36,9 @@ def allgather_run(rt, topo, tensor):
     x = tensor if tensor.ndim > 0 else tensor.reshape(1)
     shape = tuple(x.shape)
     row = row_elems(shape)
-    signature = ("allgather", ("dtype", dt), ("trailing_shape", shape[1:]))
+    wire = group.group_wire(x, topo)
+    signature = ("allgather", ("dtype", dt), ("trailing_shape", shape[1:])) + group.wire_field(
+        wire, x)
 
     def run():
         agree(topo.comm, signature)  # the check message also tells a joined rank what runs
@@ -40,6 +48,9 @@ def allgather_run(rt, topo, tensor):
         consistency.verify_hashes(topo.comm, table[:, 0], signature)
         counts = table[:, 1]
         out = empty_like(x, (int(counts.sum()),) + shape[1:])
+        if wire is not None:
+            group.allgather(wire, contiguous(x), counts, out)
+            return out, counts
         src, dst = transport.mpi_buffer(contiguous(x)), transport.mpi_buffer(out, load=False)
         topo.comm.Allgatherv(src.obj, [dst.obj, counts * row])
         dst.writeback()
@@ -113,12 +124,17 @@ def grouped_allgather_async(tensors: Sequence, name=None,
 
 def _broadcast_run(rt, topo, tensor, out, root):
     dt = dtype_name(tensor)
-    signature = ("broadcast", ("root", root), ("dtype", dt), ("shape", tuple(tensor.shape)))
+    wire = group.group_wire(tensor, topo)
+    signature = ("broadcast", ("root", root), ("dtype", dt),
+                 ("shape", tuple(tensor.shape))) + group.wire_field(wire, tensor)
 
     def run():
         agree(topo.comm, signature)
         if out is not tensor and topo.rank == root:
             copy_into(out, tensor)
+        if wire is not None:
+            group.broadcast_(wire, out, root)
+            return out
         buf = transport.mpi_buffer(out, load=topo.rank == root)
         topo.comm.Bcast(buf.obj, root=root)
         buf.writeback()
@@ -186,7 +202,9 @@ def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
     shape = tuple(tensor.shape)
     send_splits = _normalize_splits(splits, shape[0], topo.size)
     row = row_elems(shape)
-    signature = ("alltoall", ("dtype", dt), ("trailing_shape", shape[1:]))
+    wire = group.group_wire(tensor, topo)
+    signature = ("alltoall", ("dtype", dt), ("trailing_shape", shape[1:])) + group.wire_field(
+        wire, tensor)
 
     def run():
         agree(topo.comm, signature)
@@ -198,10 +216,13 @@ def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
         consistency.verify_hashes(topo.comm, received[:, 0], signature)
         recv_splits = received[:, 1].copy()
         out = empty_like(tensor, (int(recv_splits.sum()),) + shape[1:])
-        src = transport.mpi_buffer(contiguous(tensor))
-        dst = transport.mpi_buffer(out, load=False)
-        topo.comm.Alltoallv([src.obj, send_splits * row], [dst.obj, recv_splits * row])
-        dst.writeback()
+        if wire is not None:
+            group.alltoall(wire, contiguous(tensor), send_splits * row, out, recv_splits * row)
+        else:
+            src = transport.mpi_buffer(contiguous(tensor))
+            dst = transport.mpi_buffer(out, load=False)
+            topo.comm.Alltoallv([src.obj, send_splits * row], [dst.obj, recv_splits * row])
+            dst.writeback()
         if not with_splits:
             return out
         if isinstance(tensor, torch.Tensor):  # Horovod returns an int32 tensor
@@ -254,23 +275,32 @@ def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
     rows = reducescatter_rows(shape[0], topo.size)
     row = row_elems(shape)
     out = empty_like(tensor, (rows[topo.rank],) + shape[1:])
-    signature = ("reducescatter", ("op", op.name), ("dtype", dt), ("shape", shape))
+    wire_dt = reduce_dtype(dt)
+    wire = group.group_wire(tensor, topo)
+    group_op = None if wire is None else group.reduction_name(wire_dt, mop)
+    if group_op is None:  # an op or dtype the libraries do not reduce: MPI, as for host tensors
+        wire = None
+    signature = ("reducescatter", ("op", op.name), ("dtype", dt),
+                 ("shape", shape)) + group.wire_field(wire, tensor)
 
     def run():
         agree(topo.comm, signature)
-        wire = reduce_dtype(dt)
-        if wire != dt:  # 16-bit floats: a float32 copy, scaled in float32
-            work = to_dtype(tensor, wire)
+        if wire_dt != dt:  # 16-bit floats: a float32 copy, scaled in float32
+            work = to_dtype(tensor, wire_dt)
             scale_(work, pre)
         elif pre != 1.0:  # a scaled copy: the caller's tensor stays as it was (integers are
             work = empty_like(tensor)  # scaled in float64 and truncated, as Horovod)
             scaled_copy(work, contiguous(tensor), pre)
         else:
             work = contiguous(tensor)
-        result = out if wire == dt else empty_like(out, dtype=wire)
-        src, dst = transport.mpi_buffer(work), transport.mpi_buffer(result, load=False)
-        topo.comm.Reduce_scatter(src.obj, dst.obj, recvcounts=[r * row for r in rows], op=mop)
-        dst.writeback()
+        result = out if wire_dt == dt else empty_like(out, dtype=wire_dt)
+        if wire is not None:
+            group.reducescatter(wire, work, rows, result, group_op)
+        else:
+            src, dst = transport.mpi_buffer(work), transport.mpi_buffer(result, load=False)
+            topo.comm.Reduce_scatter(src.obj, dst.obj, recvcounts=[r * row for r in rows],
+                                     op=mop)
+            dst.writeback()
         scale_(result, post)
         if result is not out:
             copy_into(out, result)

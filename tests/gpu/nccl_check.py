@@ -1,11 +1,13 @@
 """NCCL at world size 1 on a one-GPU machine (NCCL refuses two ranks on one GPU, so its
 multi-rank path cannot run here; this checks the bootstrap over MPI, the collectives and the
-optimizer's dense steps through ``ProcessGroupNCCL``, that the choice really took NCCL, and
-that every registered algorithm trains on it with no payload byte through the host and no host
+optimizer's dense steps through ``ProcessGroupNCCL``, that the choice really took NCCL, that
+the data-movement collectives of CUDA tensors stay on the device, and that every registered
+algorithm trains on it with no payload byte through the host and no host
 wait for the device in its exchanges).
 
 Run by ``tests/gpu/run.sh`` as ``mpiexec -n 1 python tests/gpu/nccl_check.py OUT``.
 """
+import collections
 import json
 import sys
 
@@ -75,6 +77,7 @@ def main():
         print(f"NCCL backend {name!r} at world size 1: OK ({len(calls)} NCCL allreduces in "
               f"30 steps, loss {first:.4f} -> {loss.item():.4f})", flush=True)
     results["point_to_point"] = point_to_point_on_nccl(topo.comm)
+    results["data_movement"] = data_movement_on_nccl()
     results["algorithms"] = every_algorithm_on_nccl()
     with open(out, "w") as fh:
         json.dump(results, fh, indent=1)
@@ -100,6 +103,35 @@ def point_to_point_on_nccl(comm) -> dict:
     return {"ok": True, "bytes": send.numel() * 4,
             "nccl_timeout_s": None if timeout is None else timeout.total_seconds(),
             "stall_abort_s": bm.runtime.get().watchdog.abort_after}
+
+
+def data_movement_on_nccl() -> dict:
+    """``bm.allgather``, ``broadcast``, ``alltoall`` and ``reducescatter`` of CUDA tensors on
+    NCCL at world size 1 (a strided tensor, the asynchronous and gradient forms among them):
+    each gives its input back, no byte goes through the host, and NCCL carried them (a
+    one-rank broadcast or reduce-scatter is the transport's own copy, so the library sees the
+    allgathers and alltoalls)."""
+    x = torch.randn(3, 1000, device="cuda").t()  # strided
+    staging.reset()
+    before = collections.Counter(transport.carried)
+    got = {"allgather": bm.allgather(x),
+           "allgather_async": bm.synchronize(bm.allgather_async(x)),
+           "broadcast": bm.broadcast(x, 0),
+           "alltoall": bm.alltoall(x, [x.shape[0]])[0],
+           "reducescatter": bm.reducescatter(x, op=bm.Sum),
+           "grouped_allgather": bm.grouped_allgather([x, x])[1]}
+    leaf = x.detach().clone().requires_grad_()
+    bm.allgather(leaf).sum().backward()
+    got["allgather_grad"] = leaf.grad - 1 + x  # the gradient of a sum is ones
+    torch.cuda.synchronize()
+    used = dict(transport.carried - before)
+    wrong = [name for name, value in got.items() if not torch.equal(value, x)]
+    snap = staging.snapshot()
+    ok = not wrong and snap["d2h_bytes"] == 0 and set(used) == {"nccl"}
+    print(f"NCCL data movement at world size 1: {'OK' if ok else 'FAIL'} (carried {used}, "
+          f"{snap['d2h_bytes']} bytes to the host, wrong: {wrong})", flush=True)
+    assert ok, (wrong, snap, used)
+    return {"ok": ok, "carried": used, "d2h_bytes": snap["d2h_bytes"]}
 
 
 def every_algorithm_on_nccl() -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
+from bagua_mpi import backends, transport
 from checks import run_suite
 from simulate import ALL_DTYPES, FLOATS, assert_same, rank_input, reduce_all
 
@@ -151,6 +152,96 @@ def check_data_movement(rank, size, counts):
             got = bm.reducescatter(inputs[rank], OPS[op_name])
             assert_same(got, full[start:start + split[rank]], f"reducescatter {op_name} {dtype}")
             counts["reducescatter"] += 1
+
+
+def small_ints(seed, rank, shape, dtype: str) -> torch.Tensor:
+    """Rank ``rank``'s integers of a dtype ``rank_input`` has no case for (int8, int16): 1-3,
+    so a product over four ranks stays in int8."""
+    values = np.random.default_rng([seed, rank]).integers(1, 4, size=shape)
+    return torch.from_numpy(values.astype(dtype))
+
+
+def inputs_of(seed, size, shape, dtype: str, op: str = "sum") -> list:
+    make = small_ints if dtype in ("int8", "int16") else rank_input
+    return [make(seed, r, shape, dtype, **({} if make is small_ints else {"op": op}))
+            for r in range(size)]
+
+
+def check_movement_wire(rank, size, counts):
+    """Allgather, broadcast, alltoall and reducescatter on the wire the backend gives them: a
+    process group under ``BAGUA_MPI_BACKEND=gloo`` (the code NCCL runs for CUDA tensors),
+    else MPI; strided inputs, uneven rows (none on some ranks), grouped and asynchronous
+    forms, every op, and the dtypes and ops the libraries cannot reduce (16-bit integers,
+    bool), which stay on MPI. Each call's carriers (``transport.carried``) are checked, and
+    its result against every rank's input."""
+    group = {"gloo"} if backends.resolve() == "gloo" else set()
+    # one rank: a broadcast or reduce-scatter is the transport's own copy, no library call
+    reducing = group if size > 1 else set()
+
+    def on(expected: set, what: str, call):
+        before = collections.Counter(transport.carried)
+        result = call()
+        used = set(transport.carried - before)
+        assert used == expected, f"{what}: carried by {used or 'MPI'}, expected {expected}"
+        counts[what.split()[0]] += 1
+        return result
+
+    for dtype in ("float32", "bfloat16", "bool", "int8", "int16"):
+        # allgather of strided rows: rank r has r rows (rank 0 none), or all the same count
+        for rows_of in (lambda r: r, lambda r: 2):
+            everyone = [inputs_of(SEED, size, (3, rows_of(r)), dtype)[r].t()
+                        for r in range(size)]
+            assert not everyone[rank].is_contiguous() or rows_of(rank) <= 1
+            moved = group if sum(rows_of(r) for r in range(size)) else set()  # else no call
+            got = on(moved, f"allgather {dtype}", lambda: bm.allgather(everyone[rank]))
+            assert_same(got, torch.cat(everyone), f"allgather strided {dtype}")
+        pair = [inputs_of(SEED + k, size, (rank + k, 2), dtype)[rank] for k in (1, 2)]
+        got = on(group, f"grouped_allgather {dtype}", lambda: bm.grouped_allgather(pair))
+        for k, g in zip((1, 2), got):
+            want = torch.cat([inputs_of(SEED + k, size, (r + k, 2), dtype)[r]
+                              for r in range(size)])
+            assert_same(g, want, f"grouped_allgather {dtype} {k}")
+        # broadcast into a strided view, in place and asynchronously
+        for root in range(size):
+            inputs = inputs_of(SEED + root, size, (2, 5), dtype)
+            mine = inputs[rank].new_empty((5, 2)).t().copy_(inputs[rank])  # strided
+            assert not mine.is_contiguous()
+            on(reducing, f"broadcast_ {dtype}", lambda: bm.broadcast_(mine, root))
+            assert_same(mine, inputs[root], f"broadcast_ strided {dtype}")
+            got = on(reducing, f"broadcast_async {dtype}",
+                     lambda: bm.synchronize(bm.broadcast_async(inputs[rank], root)))
+            assert_same(got, inputs[root], f"broadcast_async {dtype}")
+        # alltoall of strided rows: rank r sends (r * (j + 1)) % 3 rows to rank j (rank 0
+        # none; what a rank sends differs from what it receives)
+        splits = [[(r * (j + 1)) % 3 for j in range(size)] for r in range(size)]
+        sent = [inputs_of(SEED, size, (2, sum(splits[r])), dtype)[r].t() for r in range(size)]
+        pieces = [sent[r][sum(splits[r][:rank]):sum(splits[r][:rank + 1])] for r in range(size)]
+        got, received = on(group, f"alltoall {dtype}",
+                           lambda: bm.synchronize(bm.alltoall_async(sent[rank], splits[rank])))
+        assert_same(got, torch.cat(pieces), f"alltoall strided {dtype}")
+        assert received.tolist() == [splits[r][rank] for r in range(size)], received
+    # reducescatter: rows more than, fewer than, and a multiple of the ranks
+    for rows in (2 * size + 1, size - 1, 3 * size):
+        split = bm.collectives.reducescatter_rows(rows, size)
+        mine = slice(sum(split[:rank]), sum(split[:rank + 1]))
+        for dtype in ("float32", "float64", "float16", "int32", "int64", "uint8", "int8",
+                      "int16", "bool"):
+            for op_name, op in OPS.items():
+                if not valid(op_name, dtype) or (dtype == "int16" and op_name == "product"):
+                    continue
+                inputs = inputs_of(SEED + rows, size, (rows, 3), dtype, op_name)
+                full = reduce_all(inputs, op_name)
+                wire = set() if dtype in ("int16", "bool") or rows == 0 else reducing
+                strided = inputs[rank].t().contiguous().t()
+                got = on(wire, f"reducescatter {op_name} {dtype}",
+                         lambda: bm.reducescatter(strided, op))
+                assert_same(got, full[mine], f"reducescatter {op_name} {dtype} {rows} rows")
+        pair = [inputs_of(SEED + k, size, (rows, 2), "float32")[rank] for k in (1, 2)]
+        got = on(reducing if rows else set(), "grouped_reducescatter",
+                 lambda: bm.synchronize(bm.grouped_reducescatter_async(pair, op=bm.Sum)))
+        for k, g in zip((1, 2), got):
+            full = reduce_all(inputs_of(SEED + k, size, (rows, 2), "float32"), "sum")
+            assert_same(g, full[mine], f"grouped_reducescatter {rows} rows {k}")
 
 
 def complex_input(rank, shape, salt=0):

@@ -64,9 +64,22 @@ def as_if_on_nccl(fn):
         _allreduce.reducer_for, _allreduce.join_route = saved
 
 
+def under_gloo(fn):
+    """``fn()`` on this rank under backend gloo (a rank started with
+    ``BAGUA_MPI_BACKEND=gloo``): its torch tensors' data movement takes the gloo group."""
+    from bagua_mpi import backends
+    saved = backends._default
+    backends._default = "gloo"
+    try:
+        return fn()
+    finally:
+        backends._default = saved
+
+
 def mode_mismatch(rank, size):
     last = size - 1
     on_nccl = as_if_on_nccl if rank == last else (lambda fn: fn())
+    on_gloo = under_gloo if rank == last else (lambda fn: fn())
     cases = {
         "shape": (lambda: bm.allreduce(torch.zeros(3 + rank)), ["shape=(3,)", f"shape=({3 + last},)"]),
         "dtype": (lambda: bm.allreduce(torch.zeros(4, dtype=torch.float64 if rank else torch.float32)),
@@ -90,6 +103,11 @@ def mode_mismatch(rank, size):
                                                       prescale_factor=2.0)), ["wire=nccl"]),
         "grouped_wire": (lambda: on_nccl(lambda: bm.grouped_allreduce([torch.zeros(2)])),
                          ["grouped_allreduce(", "wire=nccl"]),
+        # data movement on a process group on one rank, MPI on the others
+        "movement_wire": (lambda: on_gloo(lambda: bm.allgather(torch.zeros(2, 2))),
+                          ["allgather(", "wire=gloo"]),
+        "reducescatter_wire": (lambda: on_gloo(lambda: bm.reducescatter(torch.zeros(size))),
+                               ["reducescatter(", "wire=gloo"]),
         # MPI's two-level form on one rank, flat on the others: their calls never meet
         "hierarchical": (lambda: bm.allreduce(torch.zeros(4), bm.Sum,
                                               hierarchical=rank == last), ["hierarchical=True"]),

@@ -120,13 +120,52 @@ def check_reduce_scatter(rank, size):
     assert np.array_equal(out.float().numpy(), expected), "bfloat16 reduce_scatter"
 
 
+def check_reduce_scatter_ops(rank, size):
+    """Min, max and product: the op reaches every carrier (MPI's Reduce_scatter_block, the
+    process group's options)."""
+    n = data(0).size
+    everyone = np.stack([np.concatenate([data(r + k) for k in range(size)])
+                         for r in range(size)])
+    oracles = {"min": everyone.min(0), "max": everyone.max(0), "product": everyone.prod(0)}
+    for op, whole in oracles.items():
+        for kind, buf in forms(everyone[rank]):
+            recv = next(b for k, b in forms(np.zeros(n, np.float32)) if k == kind)
+            wire().reduce_scatter(buf, recv, op)
+            assert np.array_equal(as_numpy(recv), whole[rank * n:(rank + 1) * n]), (op, kind)
+
+
+def check_alltoallv(rank, size):
+    """Rank r sends (r + 2k) % 3 + k elements to rank k (none at all from some ranks to some),
+    so what a rank sends differs from what it receives; against NumPy."""
+    def counts_from(r):
+        return [(r + 2 * k) % 3 + k for k in range(size)]
+
+    def sent_by(r):
+        return (np.arange(sum(counts_from(r))) + 100 * r).astype(np.float32)
+
+    recv_counts = [counts_from(j)[rank] for j in range(size)]
+    want = np.concatenate([np.split(sent_by(j), np.cumsum(counts_from(j))[:-1])[rank]
+                           for j in range(size)])
+    for kind, buf in forms(sent_by(rank)):
+        recv = next(b for k, b in forms(np.zeros(sum(recv_counts), np.float32)) if k == kind)
+        wire().alltoallv(buf, counts_from(rank), recv, recv_counts)
+        assert np.array_equal(as_numpy(recv), want), kind
+    try:
+        wire().alltoallv(sent_by(rank), counts_from(rank)[:-1] + [99], np.zeros(
+            sum(recv_counts), np.float32), recv_counts)
+    except ValueError as e:
+        assert "send_counts" in str(e), e
+    else:
+        raise AssertionError("alltoallv took counts its send buffer does not hold")
+
+
 def check_every_verb_checked(rank, size):
     """Every public verb of Transport has a check here (a new verb fails until it has)."""
     verbs = {name for name, value in vars(transport.Transport).items()
              if callable(value) and not name.startswith("_") and name[0].islower()
              and name not in ("carrier",)}
-    checked = {"allreduce_", "reduce_", "broadcast_", "alltoall", "allgather", "reduce_scatter",
-               "send", "recv", "exchange"}
+    checked = {"allreduce_", "reduce_", "broadcast_", "alltoall", "alltoallv", "allgather",
+               "reduce_scatter", "send", "recv", "exchange"}
     assert verbs == checked, f"verbs without a check: {sorted(verbs - checked)}"
 
 
@@ -199,6 +238,8 @@ def main():
                            "reduce_broadcast": check_reduce_and_broadcast,
                            "alltoall": check_alltoall, "allgather": check_allgather,
                            "reduce_scatter": check_reduce_scatter,
+                           "reduce_scatter_ops": check_reduce_scatter_ops,
+                           "alltoallv": check_alltoallv,
                            "every_verb_checked": check_every_verb_checked,
                            "send_recv": check_send_recv, "exchange": check_exchange,
                            "moves_every_dtype": check_moves_every_dtype,
