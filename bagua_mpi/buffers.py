@@ -14,7 +14,8 @@ import math
 import numpy as np
 import torch
 
-# Canonical dtype names the collectives accept, with their NumPy storage dtype for MPI.
+# Canonical names of the dtypes the collectives accept: Horovod's, int8 and int16 included for
+# torch tensors (as Horovod); NumPy arrays keep seven of the original eight (no bfloat16).
 _TORCH_DTYPES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
     torch.float64: "float64", torch.int32: "int32", torch.int64: "int64",
@@ -25,10 +26,6 @@ _NUMPY_DTYPES = {
     np.dtype(np.float64): "float64", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
     np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool",
 }
-# Horovod's dtypes. int8 and int16 are accepted for torch tensors (as Horovod); NumPy arrays keep
-# seven of the original eight (NumPy has no bfloat16).
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8",
-                    "int16", "bool")
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 HALF = frozenset({"float16", "bfloat16"})
 INTEGER = frozenset({"int32", "int64", "uint8", "int8", "int16"})
@@ -50,13 +47,15 @@ def host_pieces(n: int):
 def dtype_name(x) -> str:
     """The canonical dtype name of a tensor/array; ``TypeError`` for anything unsupported."""
     if isinstance(x, torch.Tensor):
-        name = _TORCH_DTYPES.get(x.dtype)
+        known = _TORCH_DTYPES
     elif isinstance(x, np.ndarray):
-        name = _NUMPY_DTYPES.get(x.dtype)
+        known = _NUMPY_DTYPES
     else:
         raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    name = known.get(x.dtype)
     if name is None:
-        raise TypeError(f"unsupported dtype {x.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
+        raise TypeError(f"unsupported dtype {x.dtype} for a {type(x).__name__}; supported: "
+                        f"{', '.join(known.values())}")
     return name
 
 
