@@ -9,8 +9,8 @@ gtopk 263 ms a step, ``algorithms_sweep.md``). This benchmark calls the primitiv
 * ``topk``: ``topk_allgather_`` (compress, all-gather every rank's k pairs, decode all);
 * ``gtopk``: ``gtopk_allreduce_`` (compress, binomial tree of top-k merges to rank 0, broadcast,
   restore dropped pairs into the residual, decode);
-* ``compress``: the local top-k compression that both start with (``_compress``, i.e.
-  ``numba_kernels.compress_topk`` with the residual fused), so that total - compress is the rest;
+* ``compress``: the local top-k compression that both start with
+  (``numba_kernels.compress_topk`` with the residual fused), so that total - compress is the rest;
 * breakdown, on a payload compressed beforehand: ``allgather`` (Top-k's MPI Allgather alone),
   ``tree`` (gTop-k's binomial tree: the sends, receives and merges of ``gtopk_allreduce_``,
   until rank 0 holds the global top-k) and ``bcast`` (the binomial broadcast after it; at
@@ -65,8 +65,15 @@ def inner(args) -> None:
     import numba_kernels as nk
     from bagua_mpi.buffers import host_view
     from bagua_mpi.accounting import WireStats
-    from bagua_mpi.primitives.sparse import (_compress, binomial_broadcast, gtopk_allreduce_,
+    from bagua_mpi.primitives.codecs import fit_kernel_threads
+    from bagua_mpi.primitives.sparse import (binomial_broadcast, gtopk_allreduce_,
                                              gtopk_tree_reduce, topk_allgather_, topk_count)
+
+    def compress(flat, k, residual):
+        """The primitives' first step: top-k of the host gradient with the residual fused."""
+        fit_kernel_threads()
+        return nk.compress_topk(host_view(flat), k, index_dtype="int32",
+                                residual=host_view(residual))
 
     bm.init()
     bm.set_consistency_check(False)
@@ -116,7 +123,7 @@ def inner(args) -> None:
     for d in densities:
         k = topk_count(n, d)
         reset()
-        mine = _compress(flat, k, residual, "int32")
+        mine = compress(flat, k, residual)
         mine = nk.Payload(mine.format, mine.buffer.copy())
         payload_bytes[d] = (k, mine.nbytes)
         gathered = np.empty((size, mine.nbytes), dtype=np.uint8)
@@ -131,8 +138,7 @@ def inner(args) -> None:
                 others.append(nk.compress_topk(g, k))
 
         def tree_bcast(mine=mine, k=k):
-            root = gtopk_tree_reduce(mine.buffer, [(mine.format, slice(0, mine.nbytes), k)],
-                                     comm, None)
+            root = gtopk_tree_reduce(mine.buffer, [nk.TopKSegment(0, n, k, 0)], comm, None)
             t1 = time.perf_counter()
             glob = root if rank == 0 else np.empty(mine.nbytes, dtype=np.uint8)
             binomial_broadcast(glob, comm)
@@ -145,7 +151,7 @@ def inner(args) -> None:
                     acc = nk.merge_topk(acc, other, acc.format.k)
 
         items += [
-            (("compress", d), reset, lambda k=k: _compress(flat, k, residual, "int32"), 1),
+            (("compress", d), reset, lambda k=k: compress(flat, k, residual), 1),
             (("topk", d), reset, with_stats(topk_allgather_, k, d, "topk"), 1),
             (("gtopk", d), reset, with_stats(gtopk_allreduce_, k, d, "gtopk"), 1),
             (("allgather", d), None, lambda m=mine, g=gathered: comm.Allgather(m.buffer, g), 1),

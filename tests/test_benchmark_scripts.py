@@ -57,3 +57,17 @@ def test_lgreco_comparison_prints_its_assignment(tmp_path):
     text = table.read_text()
     assert "| L-GreCo (default" in text, text
     assert "last assignment (tensor (elements): level): tok.weight (" in text, text
+
+
+def test_sparse_timing_runs_every_variant(tmp_path):
+    """One small round of ``sparse_timing.py``'s ranks at 3 ranks (no shaped link): its gTop-k
+    tree variant once handed the tree a segment in a form the primitive no longer took."""
+    out = tmp_path / "samples.json"
+    result = run_mpi("../../benchmarks/sparse_timing.py", 3, "--inner", "--json", str(out),
+                     "--numel", "20000", "--densities", "0.01", "--rounds", "1", "--warmup", "0",
+                     "--dense-rounds", "1", timeout=240)
+    assert_mpi_ok(result)
+    samples = json.loads(out.read_text())["samples"]
+    assert set(samples) == {"dense@0", *(f"{name}@0.01" for name in (
+        "compress", "topk", "gtopk", "allgather", "tree_bcast", "merges", "decode"))}, samples
+    assert all(samples.values()), samples

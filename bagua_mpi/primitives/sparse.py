@@ -33,7 +33,6 @@ import numba_kernels as nk
 
 from .. import transport
 from ..accounting import WireStats
-from ..buffers import host_view
 from . import device_arrays
 from .codecs import fit_kernel_threads
 
@@ -53,17 +52,6 @@ class SparseSegment:
     flat: torch.Tensor
     k: int
     residual: torch.Tensor
-
-
-def _compress(flat: torch.Tensor, k: int, residual: torch.Tensor, index_dtype: str, out=None):
-    """Top-k selection of one host segment with the residual fused in: the primitives' first
-    step, for benchmarks (the primitives call the kernels directly)."""
-    _check_segment(SparseSegment(flat, k, residual))
-    if flat.is_cuda or residual.is_cuda:
-        raise ValueError(f"expected host tensors, got {flat.device} and {residual.device}")
-    fit_kernel_threads()
-    return nk.compress_topk(host_view(flat), k, index_dtype=index_dtype,
-                            residual=host_view(residual), out=out)
 
 
 def topk_allgather_(flat: torch.Tensor, comm: MPI.Intracomm, k: int, residual: torch.Tensor, *,
