@@ -104,9 +104,13 @@ def inner(args) -> None:
 
 
 def shaped_run(gbit: float | None, latency_ms: float, args, json_path: str) -> list[dict]:
-    """Run ``inner`` in a fresh network namespace with a shaped loopback (None: unshaped)."""
+    """Run ``inner`` in a fresh network namespace with a shaped loopback (None: unshaped).
+    Every rank is its own node there, as on a cluster with one rank per node: node-shared
+    buckets would otherwise reduce the dense (and fp16) gradients through memory, past the
+    link and past the fp16 wire."""
     with shaped_link(gbit, latency_ms, burst=args.burst) as link:
         link.run([
+            "BAGUA_MPI_RANKS_PER_NODE=1",
             "mpiexec", "-n", str(args.np), sys.executable, __file__, "--inner",
             "--json", json_path, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--hidden", str(args.hidden), "--layers", str(args.layers),
