@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 
+from . import config
 from .consistency import ranks_text
 from .exceptions import BaguaMPIError
 
@@ -78,7 +79,6 @@ def resolve(name: str | None = None) -> str:
     if name is None:
         name = _default
     if name is None:
-        from . import config
         return config.backend()  # ConfigError naming BAGUA_MPI_BACKEND when malformed
     if not isinstance(name, str) or name.lower() not in BACKENDS:
         raise BackendError(f"backend={name!r} is not a backend; valid: {', '.join(BACKENDS)}")
