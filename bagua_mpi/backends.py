@@ -36,9 +36,9 @@ come to the same library (``wire``): ``DistributedOptimizer`` compares them at w
 that differ with ``MismatchError``; an allreduce that runs on NCCL says so in its agreement
 check (``collectives._allreduce``), so ranks whose routes differ raise there instead of hang.
 
-The user-facing collectives (``bagua_mpi.allreduce`` and friends) of CUDA tensors on the global
-set follow the same device rule; host tensors go through MPI there, except the data movement
-(allgather, broadcast, alltoall, reducescatter) of torch tensors under ``gloo``.
+The user-facing collectives (``bagua_mpi.allreduce`` and friends) of CUDA tensors follow the
+same device rule, on process sets too; host tensors go through MPI there, except the data
+movement (allgather, broadcast, alltoall, reducescatter) of torch tensors under ``gloo``.
 """
 from __future__ import annotations
 

@@ -198,6 +198,15 @@ def group(comm, library: str = "nccl") -> ProcessGroup:
     return found
 
 
+def forget(comms) -> None:
+    """Drop the groups over ``comms``, communicators about to be freed (a removed process
+    set's): each group keeps its communicator, store and library resources alive until then."""
+    ids = {id(c) for c in comms}
+    with _lock:
+        for key in [key for key in _groups if key[1] in ids]:
+            del _groups[key]
+
+
 def groups() -> list[ProcessGroup]:
     """The groups made so far (tests and the GPU check look at them)."""
     with _lock:

@@ -23,7 +23,7 @@ import weakref
 
 from mpi4py import MPI
 
-from . import runtime, topology
+from . import process_groups, runtime, topology
 
 _registry: dict[int, "_Entry"] = {}  # process_set_id -> entry (this rank's view)
 _by_ranks: dict[tuple, int] = {}
@@ -271,7 +271,9 @@ def remove_process_set(process_set) -> bool:
     process_set.process_set_id = None
     process_set.topology = None
     if entry.topology is not None:
-        rt.worker.run(entry.topology.free, ("remove_process_set",))
+        topo = entry.topology
+        process_groups.forget((topo.comm, topo.intra, topo.inter))  # leaders: inter or None
+        rt.worker.run(topo.free, ("remove_process_set",))
     return True
 
 

@@ -83,11 +83,11 @@ def test_nccl_is_chosen_for_cuda_tensors_on_the_library_communicator(initialized
     assert asked == ["nccl"]
     assert _allreduce_backends.reducer_for(FakeCudaTensor(), topo) \
         is _allreduce_backends.nccl_allreduce_
-    # host tensors, and a process set's own communicator, stay on MPI without asking
+    # a process set's topology asks the same question; host tensors stay on MPI unasked
+    assert _allreduce_backends.uses_nccl_allreduce(FakeCudaTensor(), object())
     asked.clear()
     assert _allreduce_backends.reducer_for(torch.ones(1), topo) \
         is _allreduce_backends.mpi_allreduce_
-    assert not _allreduce_backends.uses_nccl_allreduce(FakeCudaTensor(), object())
     assert asked == []
 
 
@@ -100,8 +100,8 @@ class CudaLooking(torch.Tensor):
 def test_data_movement_takes_a_process_group_where_the_transport_would(initialized,
                                                                         monkeypatch, backend):
     """``group_wire`` follows the transport's carrier: a CUDA tensor where the device carrier
-    is NCCL (not where it is MPI), a host torch tensor under gloo; never a NumPy array or a
-    process set's communicator. The signature names the library only off MPI."""
+    is NCCL (not where it is MPI), a host torch tensor under gloo; never a NumPy array. The
+    signature names the library only off MPI."""
     monkeypatch.setattr(backends, "_default", backend)
     topo = bm.runtime.get().topo
     host = torch.ones(2)
@@ -109,7 +109,6 @@ def test_data_movement_takes_a_process_group_where_the_transport_would(initializ
     assert (wire is not None) == (backend == "gloo")
     assert _group_movement.wire_field(wire, host) == ((("wire", "gloo"),) if wire else ())
     assert _group_movement.group_wire(host.numpy(), topo) is None
-    assert _group_movement.group_wire(host, object()) is None
     device = torch.ones(2).as_subclass(CudaLooking)
     for carrier, routed in (("nccl", True), ("mpi_device", False), ("mpi_staged", False)):
         monkeypatch.setattr(backends, "device_carrier", lambda name, c=carrier: c)

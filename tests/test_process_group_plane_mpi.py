@@ -15,7 +15,7 @@ machine without a GPU:
 * the user-facing collectives (``collectives_suite.py``, and Horovod's API with its gradients:
   ``horovod_suite.py``): allgather, broadcast, alltoall and reducescatter of torch tensors
   through the gloo group, as NCCL carries CUDA tensors' (the suite's ``movement-wire`` check
-  says which wire each call took), at 1-4 ranks;
+  says which wire each call took), at 1-4 ranks, on process sets too;
 * ``join()``, sparse gradients and complex parameters through gloo (``optimizer_suite.py``);
 * every algorithm with its exchanges as the first use of a group made for it (an unpaired rank
   once left the others waiting in the group's set-up), ZeRO stages 1 and 2, elastic restores,
@@ -90,6 +90,16 @@ def test_horovod_api_through_gloo(mode, nprocs):
     """Horovod's API under backend gloo, gradients of the collectives included (their
     backward runs the data movement too)."""
     assert_check_passed(horovod_run(nprocs), mode)
+
+
+@pytest.mark.parametrize("nprocs", [3, 4])
+def test_process_sets_through_gloo(nprocs):
+    """Horovod's process sets (from ranks, from a communicator, node-local and cross-node, added
+    and removed) under backend gloo, on two simulated nodes: their data movement takes a group
+    over each set's own communicator."""
+    result = run_mpi("horovod_suite.py", nprocs, "process_sets", timeout=180,
+                     env=gloo_env(nprocs, BAGUA_MPI_RANKS_PER_NODE="2"))
+    assert_mpi_ok(result, f"horovod process_sets OK on {nprocs} ranks")
 
 
 gloo_run = suite_job("algorithms_suite.py", env=gloo_env, timeout=900)

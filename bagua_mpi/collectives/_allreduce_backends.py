@@ -15,17 +15,16 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .. import runtime, transport
+from .. import transport
 from ..buffers import fast_cpu_view
 
 
 def uses_nccl_allreduce(tensor, topo, backend: str | None = None) -> bool:
-    """Whether a dense allreduce of ``tensor`` over ``topo`` runs on NCCL: a CUDA tensor, on
-    the library's own communicator (a process set's stays on MPI), with a NCCL backend
-    (``backend``, default the process-wide choice: ``transport.uses_nccl``). An explicit NCCL
-    choice that cannot run raises ``BackendUnavailableError``."""
-    return (getattr(tensor, "is_cuda", False) and topo is runtime.get().topo
-            and transport.uses_nccl(tensor, backend))
+    """Whether a dense allreduce of ``tensor`` over ``topo`` (the global set's or a process
+    set's) runs on NCCL: a CUDA tensor with a NCCL backend (``backend``, default the
+    process-wide choice: ``transport.uses_nccl``). An explicit NCCL choice that cannot run
+    raises ``BackendUnavailableError``."""
+    return getattr(tensor, "is_cuda", False) and transport.uses_nccl(tensor, backend)
 
 
 def join_route(tensor, topo, backend: str | None = None, comm=None) -> tuple:

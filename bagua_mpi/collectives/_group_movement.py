@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import backends, process_groups, runtime, transport
+from .. import backends, process_groups, transport
 
 # wire dtypes that both NCCL and gloo reduce (NCCL has no 16-bit integers, and neither reduces
 # bool); 16-bit floats arrive here as float32, as the MPI path reduces them
@@ -28,11 +28,11 @@ _REDUCIBLE = frozenset({"float32", "float64", "int32", "int64", "int8", "uint8"}
 
 def group_wire(tensor, topo) -> transport.Transport | None:
     """The transport for a data-movement collective of ``tensor`` over ``topo``, when its
-    carrier is a process group; None when MPI carries it (``transport.mpi_buffer``). A torch
-    tensor on the global set only, as the allreduces (a process set stays on MPI). An explicit
-    NCCL choice that cannot run raises ``BackendUnavailableError`` here, when the operation is
+    carrier is a process group (a torch tensor; on a process set, the group over the set's
+    communicator); None when MPI carries it (``transport.mpi_buffer``). An explicit NCCL
+    choice that cannot run raises ``BackendUnavailableError`` here, when the operation is
     built."""
-    if not isinstance(tensor, torch.Tensor) or topo is not runtime.get().topo:
+    if not isinstance(tensor, torch.Tensor):
         return None
     backend = backends.resolve()
     if transport.carrier_of(tensor, backend) not in process_groups.LIBRARIES:

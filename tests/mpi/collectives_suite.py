@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
-from bagua_mpi import backends, transport
+from bagua_mpi import backends, process_groups, transport
 from checks import run_suite
 from simulate import ALL_DTYPES, FLOATS, assert_same, rank_input, reduce_all
 
@@ -242,6 +242,48 @@ def check_movement_wire(rank, size, counts):
         for k, g in zip((1, 2), got):
             full = reduce_all(inputs_of(SEED + k, size, (rows, 2), "float32"), "sum")
             assert_same(g, full[mine], f"grouped_reducescatter {rows} rows {k}")
+    if size >= 3:
+        on_process_set(rank, size, group, on, counts)
+
+
+def on_process_set(rank, size, group: set, on, counts):
+    """The same four on a process set of ranks 1..size-1 (set ranks differ from global ones):
+    a group over the set's communicator; removing the set drops that group."""
+    members = list(range(1, size))
+    groups_before = len(process_groups.groups())
+    ps = bm.add_process_set(members)
+    if rank in members:
+        me, n = members.index(rank), len(members)
+        inputs = {r: inputs_of(SEED, size, (r, 3), "float32")[r] for r in members}
+        got = on(group, "allgather set", lambda: bm.allgather(inputs[rank], process_set=ps))
+        assert_same(got, torch.cat([inputs[r] for r in members]), "allgather on a set")
+        root = members[-1]  # a global rank
+        got = on(group, "broadcast set", lambda: bm.broadcast(inputs[root].clone() if
+                                                              rank == root else
+                                                              torch.zeros_like(inputs[root]),
+                                                              root, process_set=ps))
+        assert_same(got, inputs[root], "broadcast on a set")
+        splits = [(me + j) % 3 for j in range(n)]
+        sent = torch.arange(sum(splits) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+        got, received = on(group, "alltoall set",
+                           lambda: bm.alltoall(sent, splits, process_set=ps))
+        assert received.tolist() == [(j + me) % 3 for j in range(n)], received
+        want = torch.cat([(torch.arange(sum((j + i) % 3 for i in range(n)) * 2,
+                                        dtype=torch.float32).reshape(-1, 2) + 100 * members[j])
+                          [sum((j + i) % 3 for i in range(me)):][:(j + me) % 3]
+                          for j in range(n)])
+        assert_same(got, want, "alltoall on a set")
+        tall = inputs_of(SEED + 1, size, (2 * n + 1, 3), "float64")
+        full = reduce_all([tall[r] for r in members], "sum")
+        split = bm.collectives.reducescatter_rows(2 * n + 1, n)
+        got = on(group, "reducescatter set",
+                 lambda: bm.reducescatter(tall[rank], op=bm.Sum, process_set=ps))
+        assert_same(got, full[sum(split[:me]):sum(split[:me + 1])], "reducescatter on a set")
+    else:  # rank 0 is no member: its cases are the others' four (the suite compares counts)
+        for what in ("allgather", "broadcast", "alltoall", "reducescatter"):
+            counts[what] += 1
+    assert bm.remove_process_set(ps)
+    assert len(process_groups.groups()) == groups_before, "the set's group outlived it"
 
 
 def complex_input(rank, shape, salt=0):
