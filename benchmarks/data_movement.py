@@ -4,9 +4,11 @@ in the same run.
     mpiexec -n 2 python benchmarks/data_movement.py [--sizes 64 65536 4194304] [--rounds 5]
         [--backends mpi gloo] [--markdown out.md]
 
-For each collective and payload size (bytes of float32 per rank), interleaved rounds time:
+For each collective and payload size (bytes of float32 per rank; a grouped allgather splits it
+among 8 tensors), interleaved rounds time:
 
-  raw    mpi4py on preallocated NumPy arrays (Allgatherv, Bcast, Alltoallv, Reduce_scatter)
+  raw    mpi4py on preallocated NumPy arrays (Allgatherv, Bcast, Alltoallv, Reduce_scatter; one
+         Allgatherv per tensor of a group)
   mpi    bagua_mpi's call on a CPU tensor under backend ``mpi`` (agreement check on)
   gloo   the same under backend ``gloo``: the process-group wire NCCL gives CUDA tensors
          (allgather padded to equal blocks, alltoall with per-rank counts, reducescatter
@@ -58,6 +60,10 @@ def cases(nbytes: int, comm):
     kept = bm.collectives.reducescatter_rows(total, size)
     scattered = np.empty(kept[rank], np.float32)
     shared = torch.ones(max(1, nbytes // 4))  # broadcast: the same length on every rank
+    # a group of 8 tensors, the payload split among them (raw: one Allgatherv each)
+    eighth = [torch.ones(max(1, rows[rank] // 8)) for _ in range(8)]
+    eighth_rows = [max(1, r // 8) for r in rows]
+    eighth_out = [np.empty(sum(eighth_rows), np.float32) for _ in range(8)]
     return {
         "allgather": (lambda: comm.Allgatherv(mine, [gathered, rows]),
                       lambda: bm.allgather(tensor)),
@@ -65,6 +71,10 @@ def cases(nbytes: int, comm):
                       lambda: bm.broadcast_(shared, 0)),
         "alltoall": (lambda: comm.Alltoallv([sent.numpy(), send_splits], [recv, rows]),
                      lambda: bm.alltoall(sent, send_splits)),
+        "grouped_allgather x8": (
+            lambda: [comm.Allgatherv(t.numpy(), [o, eighth_rows])
+                     for t, o in zip(eighth, eighth_out)],
+            lambda: bm.grouped_allgather(eighth)),
         "reducescatter": (lambda: comm.Reduce_scatter(whole.numpy(), scattered,
                                                       recvcounts=kept),
                           lambda: bm.reducescatter(whole, op=bm.Sum)),

@@ -24,6 +24,7 @@ from ..exceptions import BaguaMPIError
 from ..ops import Average, ReduceOp
 from ..worker import Handle
 from . import _group_movement as group
+from ._grouped_allgather import grouped_allgather_run
 from ._core import (agree, check_factor, check_list, global_process_set, name_and_op, reduction,
                     root_of, row_elems, run_now, start, topo_of)
 
@@ -84,13 +85,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
 
 
 def _grouped_allgather_run(rt, topo, tensors):
-    check_list(tensors, "grouped_allgather")
-    runs = [allgather_run(rt, topo, t)[0] for t in tensors]
-
-    def run():
-        return [r() for r in runs]
-
-    return run, ("grouped_allgather", len(tensors))
+    return grouped_allgather_run(topo, tensors, lambda t: allgather_run(rt, topo, t)[0])
 
 
 def grouped_allgather_with_rows(tensors: Sequence, process_set=global_process_set,

@@ -220,6 +220,7 @@ def check_movement_wire(rank, size, counts):
                            lambda: bm.synchronize(bm.alltoall_async(sent[rank], splits[rank])))
         assert_same(got, torch.cat(pieces), f"alltoall strided {dtype}")
         assert received.tolist() == [splits[r][rank] for r in range(size)], received
+    grouped_allgather_in_one_exchange(rank, size, group, counts)
     # reducescatter: rows more than, fewer than, and a multiple of the ranks
     for rows in (2 * size + 1, size - 1, 3 * size):
         split = bm.collectives.reducescatter_rows(rows, size)
@@ -244,6 +245,40 @@ def check_movement_wire(rank, size, counts):
             assert_same(g, full[mine], f"grouped_reducescatter {rows} rows {k}")
     if size >= 3:
         on_process_set(rank, size, group, on, counts)
+
+
+def grouped_allgather_in_one_exchange(rank, size, group: set, counts):
+    """A group of mixed dtypes, shapes and row counts (none on some ranks, a 0-d tensor, a
+    strided one) travels as one message per rank, each tensor cut out again aligned for its
+    dtype: one library call on a process group; NumPy arrays come back as NumPy arrays; a
+    group mixing kinds is gathered tensor by tensor."""
+    def tensors_of(r):
+        return [inputs_of(SEED + 7, size, (r + 1, 3), "float64")[r],
+                inputs_of(SEED + 8, size, (r % 2, 5), "bool")[r],
+                inputs_of(SEED + 9, size, (2, r + 1), "int8")[r].t(),
+                inputs_of(SEED + 10, size, (), "bfloat16")[r],
+                inputs_of(SEED + 11, size, (r,), "float16")[r]]
+
+    def expected(i):
+        return torch.cat([tensors_of(r)[i].reshape((-1,) + tuple(tensors_of(r)[i].shape[1:]))
+                          for r in range(size)])
+
+    before = collections.Counter(transport.carried)
+    got = bm.grouped_allgather(tensors_of(rank))
+    calls = dict(transport.carried - before)
+    assert calls == ({"gloo": 1} if group else {}), f"grouped allgather: {calls}"
+    for i, g in enumerate(got):
+        assert_same(g, expected(i), f"grouped allgather of mixed dtypes, tensor {i}")
+    as_arrays = (0, 1, 4)  # the dtypes NumPy arrays may have (not int8, not bfloat16)
+    got = bm.grouped_allgather([tensors_of(rank)[i].numpy() for i in as_arrays])
+    assert all(isinstance(g, np.ndarray) for g in got), [type(g) for g in got]
+    for i, g in zip(as_arrays, got):
+        assert_same(torch.from_numpy(g), expected(i), f"grouped allgather of arrays, {i}")
+    got = bm.grouped_allgather([tensors_of(rank)[0], tensors_of(rank)[1].numpy()])
+    assert isinstance(got[1], np.ndarray)
+    assert_same(got[0], expected(0), "grouped allgather of mixed kinds, tensor")
+    assert_same(torch.from_numpy(got[1]), expected(1), "grouped allgather of mixed kinds, array")
+    counts["grouped_allgather"] += 3
 
 
 def on_process_set(rank, size, group: set, on, counts):
