@@ -14,6 +14,9 @@ equal blocks, so uneven rows travel as follows:
 * reducescatter: the first ``rows % size`` ranks keep one row more, so a block is padded by one
   row at most (zeros), one reduce-scatter;
 * broadcast: the tensor as it is (a contiguous copy of a strided one).
+
+A grouped allgather packs the whole group into one exchange on the same wire
+(``_grouped_allgather.py``).
 """
 from __future__ import annotations
 
