@@ -293,19 +293,19 @@ def on_process_set(rank, size, group: set, on, counts):
         got = on(group, "allgather set", lambda: bm.allgather(inputs[rank], process_set=ps))
         assert_same(got, torch.cat([inputs[r] for r in members]), "allgather on a set")
         root = members[-1]  # a global rank
-        got = on(group, "broadcast set", lambda: bm.broadcast(inputs[root].clone() if
-                                                              rank == root else
-                                                              torch.zeros_like(inputs[root]),
-                                                              root, process_set=ps))
+        mine = inputs[root].clone() if rank == root else torch.zeros_like(inputs[root])
+        got = on(group, "broadcast set", lambda: bm.broadcast(mine, root, process_set=ps))
         assert_same(got, inputs[root], "broadcast on a set")
-        splits = [(me + j) % 3 for j in range(n)]
-        sent = torch.arange(sum(splits) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+
+        def sent_by(m):  # set rank m's splits and rows: what it sends differs from what it gets
+            splits = [(m * (j + 1) + 1) % 3 for j in range(n)]
+            return splits, torch.arange(sum(splits) * 2.0).reshape(-1, 2) + 100 * m
+
+        splits, sent = sent_by(me)
         got, received = on(group, "alltoall set",
                            lambda: bm.alltoall(sent, splits, process_set=ps))
-        assert received.tolist() == [(j + me) % 3 for j in range(n)], received
-        want = torch.cat([(torch.arange(sum((j + i) % 3 for i in range(n)) * 2,
-                                        dtype=torch.float32).reshape(-1, 2) + 100 * members[j])
-                          [sum((j + i) % 3 for i in range(me)):][:(j + me) % 3]
+        assert received.tolist() == [sent_by(j)[0][me] for j in range(n)], received
+        want = torch.cat([sent_by(j)[1][sum(sent_by(j)[0][:me]):][:sent_by(j)[0][me]]
                           for j in range(n)])
         assert_same(got, want, "alltoall on a set")
         tall = inputs_of(SEED + 1, size, (2 * n + 1, 3), "float64")
