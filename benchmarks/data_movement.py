@@ -4,11 +4,11 @@ in the same run.
     mpiexec -n 2 python benchmarks/data_movement.py [--sizes 64 65536 4194304] [--rounds 5]
         [--backends mpi gloo] [--markdown out.md]
 
-For each collective and payload size (bytes of float32 per rank; a grouped allgather splits it
+For each collective and payload size (bytes of float32 per rank; the grouped forms split it
 among 8 tensors), interleaved rounds time:
 
   raw    mpi4py on preallocated NumPy arrays (Allgatherv, Bcast, Alltoallv, Reduce_scatter; one
-         Allgatherv per tensor of a group)
+         call per tensor of a group)
   mpi    bagua_mpi's call on a CPU tensor under backend ``mpi`` (agreement check on)
   gloo   the same under backend ``gloo``: the process-group wire NCCL gives CUDA tensors
          (allgather padded to equal blocks, alltoall with per-rank counts, reducescatter
@@ -64,6 +64,9 @@ def cases(nbytes: int, comm):
     eighth = [torch.ones(max(1, rows[rank] // 8)) for _ in range(8)]
     eighth_rows = [max(1, r // 8) for r in rows]
     eighth_out = [np.empty(sum(eighth_rows), np.float32) for _ in range(8)]
+    eighth_whole = [torch.ones(max(size, total // 8)) for _ in range(8)]
+    eighth_kept = bm.collectives.reducescatter_rows(max(size, total // 8), size)
+    eighth_scattered = [np.empty(eighth_kept[rank], np.float32) for _ in range(8)]
     return {
         "allgather": (lambda: comm.Allgatherv(mine, [gathered, rows]),
                       lambda: bm.allgather(tensor)),
@@ -75,6 +78,10 @@ def cases(nbytes: int, comm):
             lambda: [comm.Allgatherv(t.numpy(), [o, eighth_rows])
                      for t, o in zip(eighth, eighth_out)],
             lambda: bm.grouped_allgather(eighth)),
+        "grouped_reducescatter x8": (
+            lambda: [comm.Reduce_scatter(t.numpy(), o, recvcounts=eighth_kept)
+                     for t, o in zip(eighth_whole, eighth_scattered)],
+            lambda: bm.grouped_reducescatter(eighth_whole, op=bm.Sum)),
         "reducescatter": (lambda: comm.Reduce_scatter(whole.numpy(), scattered,
                                                       recvcounts=kept),
                           lambda: bm.reducescatter(whole, op=bm.Sum)),

@@ -15,8 +15,8 @@ equal blocks, so uneven rows travel as follows:
   row at most (zeros), one reduce-scatter;
 * broadcast: the tensor as it is (a contiguous copy of a strided one).
 
-A grouped allgather packs the whole group into one exchange on the same wire
-(``_grouped_allgather.py``).
+A grouped allgather or reducescatter packs the whole group into one exchange on the same wire
+(``_grouped_allgather.py``, ``_grouped_reducescatter.py``).
 """
 from __future__ import annotations
 

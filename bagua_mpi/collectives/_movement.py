@@ -25,6 +25,7 @@ from ..ops import Average, ReduceOp
 from ..worker import Handle
 from . import _group_movement as group
 from ._grouped_allgather import grouped_allgather_run
+from ._grouped_reducescatter import grouped_reducescatter_run
 from ._core import (agree, check_factor, check_list, global_process_set, name_and_op, reduction,
                     root_of, row_elems, run_now, start, topo_of)
 
@@ -254,54 +255,78 @@ def reducescatter_rows(rows: int, size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
-def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
-    dt = dtype_name(tensor)
-    if tensor.ndim == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    if ReduceOp.parse(op) is ReduceOp.Adasum:  # Horovod's core refuses it too
-        raise BaguaMPIError("reducescatter does not support op=Adasum (Horovod's reducescatter "
-                            "takes Sum and Average only); use allreduce(op=Adasum)")
-    op, mop, int_average = reduction(op, dt)
-    pre = check_factor("prescale_factor", prescale_factor, dt)
-    post = check_factor("postscale_factor", postscale_factor, dt)
-    if op is Average:
-        post /= topo.size
-    shape = tuple(tensor.shape)
-    rows = reducescatter_rows(shape[0], topo.size)
-    row = row_elems(shape)
-    out = empty_like(tensor, (rows[topo.rank],) + shape[1:])
-    wire_dt = reduce_dtype(dt)
-    wire = group.group_wire(tensor, topo)
-    group_op = None if wire is None else group.reduction_name(wire_dt, mop)
-    if group_op is None:  # an op or dtype the libraries do not reduce: MPI, as for host tensors
-        wire = None
-    signature = ("reducescatter", ("op", op.name), ("dtype", dt),
-                 ("shape", shape)) + group.wire_field(wire, tensor)
+class ReducescatterPlan:
+    """One tensor's reducescatter, checked and sized when the call is made: ``work()`` gives
+    the buffer to reduce (in its wire dtype, prescaled), ``exchange`` reduces it on its wire,
+    ``finish(result)`` postscales this rank's rows into the output. ``wire`` is the process
+    group's transport, or None for MPI; a group packs several plans into one exchange
+    (``_grouped_reducescatter.py``)."""
 
-    def run():
-        agree(topo.comm, signature)
-        if wire_dt != dt:  # 16-bit floats: a float32 copy, scaled in float32
-            work = to_dtype(tensor, wire_dt)
+    def __init__(self, topo, tensor, op, prescale_factor, postscale_factor):
+        self.dt = dt = dtype_name(tensor)
+        if tensor.ndim == 0:
+            raise ValueError("reducescatter needs a tensor with at least one dimension")
+        if ReduceOp.parse(op) is ReduceOp.Adasum:  # Horovod's core refuses it too
+            raise BaguaMPIError("reducescatter does not support op=Adasum (Horovod's "
+                                "reducescatter takes Sum and Average only); use "
+                                "allreduce(op=Adasum)")
+        self.op, self.mop, _ = reduction(op, dt)
+        self.pre = check_factor("prescale_factor", prescale_factor, dt)
+        self.post = check_factor("postscale_factor", postscale_factor, dt)
+        if self.op is Average:
+            self.post /= topo.size
+        self.topo, self.tensor, self.shape = topo, tensor, tuple(tensor.shape)
+        self.rows = reducescatter_rows(self.shape[0], topo.size)
+        self.row = row_elems(self.shape)
+        self.out = empty_like(tensor, (self.rows[topo.rank],) + self.shape[1:])
+        self.wire_dt = reduce_dtype(dt)
+        wire = group.group_wire(tensor, topo)
+        self.group_op = None if wire is None else group.reduction_name(self.wire_dt, self.mop)
+        # an op or dtype the libraries do not reduce: MPI, as for host tensors
+        self.wire = wire if self.group_op is not None else None
+        self.signature = ("reducescatter", ("op", self.op.name), ("dtype", dt),
+                          ("shape", self.shape)) + group.wire_field(self.wire, tensor)
+
+    def work(self):
+        tensor, dt, pre = self.tensor, self.dt, self.pre
+        if self.wire_dt != dt:  # 16-bit floats: a float32 copy, scaled in float32
+            work = to_dtype(tensor, self.wire_dt)
             scale_(work, pre)
         elif pre != 1.0:  # a scaled copy: the caller's tensor stays as it was (integers are
             work = empty_like(tensor)  # scaled in float64 and truncated, as Horovod)
             scaled_copy(work, contiguous(tensor), pre)
         else:
             work = contiguous(tensor)
-        result = out if wire_dt == dt else empty_like(out, dtype=wire_dt)
-        if wire is not None:
-            group.reducescatter(wire, work, rows, result, group_op)
-        else:
-            src, dst = transport.mpi_buffer(work), transport.mpi_buffer(result, load=False)
-            topo.comm.Reduce_scatter(src.obj, dst.obj, recvcounts=[r * row for r in rows],
-                                     op=mop)
-            dst.writeback()
-        scale_(result, post)
-        if result is not out:
-            copy_into(out, result)
-        return out
+        return work
 
-    return run, ("reducescatter", op.name, dt, shape)
+    def result_buffer(self):
+        return self.out if self.wire_dt == self.dt else empty_like(self.out, dtype=self.wire_dt)
+
+    def exchange(self, work, result) -> None:
+        if self.wire is not None:
+            group.reducescatter(self.wire, work, self.rows, result, self.group_op)
+            return
+        src, dst = transport.mpi_buffer(work), transport.mpi_buffer(result, load=False)
+        self.topo.comm.Reduce_scatter(src.obj, dst.obj,
+                                      recvcounts=[r * self.row for r in self.rows], op=self.mop)
+        dst.writeback()
+
+    def finish(self, result):
+        scale_(result, self.post)
+        if result is not self.out:
+            copy_into(self.out, result)
+        return self.out
+
+    def run(self):
+        agree(self.topo.comm, self.signature)
+        work, result = self.work(), self.result_buffer()
+        self.exchange(work, result)
+        return self.finish(result)
+
+
+def _reducescatter_run(rt, topo, tensor, op, prescale_factor, postscale_factor):
+    plan = ReducescatterPlan(topo, tensor, op, prescale_factor, postscale_factor)
+    return plan.run, ("reducescatter", plan.op.name, plan.dt, plan.shape)
 
 
 def plain_reducescatter(tensor, name=None, op=Average, process_set=global_process_set,
@@ -324,13 +349,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 def _grouped_reducescatter_run(rt, topo, tensors, op, prescale_factor, postscale_factor):
     check_list(tensors, "grouped_reducescatter")
-    runs = [_reducescatter_run(rt, topo, t, op, prescale_factor, postscale_factor)[0]
-            for t in tensors]
-
-    def run():
-        return [r() for r in runs]
-
-    return run, ("grouped_reducescatter", len(tensors))
+    plans = [ReducescatterPlan(topo, t, op, prescale_factor, postscale_factor) for t in tensors]
+    return grouped_reducescatter_run(topo, plans), ("grouped_reducescatter", len(tensors))
 
 
 def plain_grouped_reducescatter(tensors: Sequence, name=None, op=Average,

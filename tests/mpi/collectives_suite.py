@@ -243,8 +243,42 @@ def check_movement_wire(rank, size, counts):
         for k, g in zip((1, 2), got):
             full = reduce_all(inputs_of(SEED + k, size, (rows, 2), "float32"), "sum")
             assert_same(g, full[mine], f"grouped_reducescatter {rows} rows {k}")
+    grouped_reducescatter_in_one_exchange(rank, size, group, counts)
     if size >= 3:
         on_process_set(rank, size, group, on, counts)
+
+
+def grouped_reducescatter_in_one_exchange(rank, size, group: set, counts):
+    """Tensors of one wire dtype (float32, and float16 reduced in float32) with their own row
+    counts (fewer rows than ranks among them) and shapes, Average with pre- and postscaling:
+    one library call on a process group, each tensor's rows right; a group whose wire dtypes
+    differ (int32 beside float32) is one call per tensor."""
+    def calls_of(call):
+        before = collections.Counter(transport.carried)
+        result = call()
+        return result, dict(transport.carried - before)
+
+    one = {"gloo": 1} if group and size > 1 else {}  # one rank: the transport's own copy
+    shapes, dtypes = [(2 * size + 1, 3), (size - 1, 2), (3 * size,)], ["float32", "float16",
+                                                                       "float32"]
+    inputs = [inputs_of(SEED + 20 + i, size, s, d) for i, (s, d) in enumerate(zip(shapes,
+                                                                                  dtypes))]
+    got, calls = calls_of(lambda: bm.grouped_reducescatter(
+        [x[rank] for x in inputs], op=bm.Average, prescale_factor=0.5, postscale_factor=3.0))
+    assert calls == one, f"grouped reducescatter of one wire dtype: {calls}"
+    for i, (g, x) in enumerate(zip(got, inputs)):
+        split = bm.collectives.reducescatter_rows(shapes[i][0], size)
+        want = reduce_all(x, "average", prescale=0.5, postscale=3.0)
+        assert_same(g, want[sum(split[:rank]):sum(split[:rank + 1])],
+                    f"packed grouped reducescatter, tensor {i}")
+    mixed = [inputs[0], inputs_of(SEED + 30, size, (size + 1, 2), "int32")]
+    got, calls = calls_of(lambda: bm.grouped_reducescatter([x[rank] for x in mixed], op=bm.Sum))
+    assert calls == {k: 2 for k in one}, f"grouped reducescatter of two wire dtypes: {calls}"
+    for i, (g, x) in enumerate(zip(got, mixed)):
+        split = bm.collectives.reducescatter_rows(x[0].shape[0], size)
+        assert_same(g, reduce_all(x, "sum")[sum(split[:rank]):sum(split[:rank + 1])],
+                    f"grouped reducescatter of mixed wire dtypes, tensor {i}")
+    counts["grouped_reducescatter"] += 2
 
 
 def grouped_allgather_in_one_exchange(rank, size, group: set, counts):
