@@ -107,8 +107,8 @@ def point_to_point_on_nccl(comm) -> dict:
 
 def data_movement_on_nccl() -> dict:
     """``bm.allgather``, ``broadcast``, ``alltoall`` and ``reducescatter`` of CUDA tensors on
-    NCCL at world size 1 (a strided tensor, the asynchronous and gradient forms among them):
-    each gives its input back, no byte goes through the host, and NCCL carried them (a
+    NCCL at world size 1 (a strided tensor, the asynchronous, grouped and gradient forms among
+    them): each gives its input back, no byte goes through the host, and NCCL carried them (a
     one-rank broadcast or reduce-scatter is the transport's own copy, so the library sees the
     allgathers and alltoalls)."""
     x = torch.randn(3, 1000, device="cuda").t()  # strided
@@ -119,7 +119,8 @@ def data_movement_on_nccl() -> dict:
            "broadcast": bm.broadcast(x, 0),
            "alltoall": bm.alltoall(x, [x.shape[0]])[0],
            "reducescatter": bm.reducescatter(x, op=bm.Sum),
-           "grouped_allgather": bm.grouped_allgather([x, x])[1]}
+           "grouped_allgather": bm.grouped_allgather([x, x])[1],
+           "grouped_reducescatter": bm.grouped_reducescatter([x, x], op=bm.Sum)[1]}
     leaf = x.detach().clone().requires_grad_()
     bm.allgather(leaf).sum().backward()
     got["allgather_grad"] = leaf.grad - 1 + x  # the gradient of a sum is ones
