@@ -40,6 +40,18 @@ def agree(comm, signature: tuple, join=None, check: bool | None = None) -> None:
         consistency.verify(comm, signature, join)
 
 
+def rows_of_every_rank(comm, signature: tuple, rows) -> np.ndarray:
+    """The agreement check, then every rank's ``rows`` (a count per tensor, dimension 0) in one
+    allgather whose header also carries the signature's hash: ``(ranks, tensors)`` counts.
+    How an allgather learns the sizes only each caller knows."""
+    agree(comm, signature)  # the check message also tells a joined rank what runs
+    header = np.concatenate([[consistency.signature_hash(signature)], rows]).astype(np.int64)
+    table = np.empty((comm.Get_size(), header.size), dtype=np.int64)
+    comm.Allgather(header, table)
+    consistency.verify_hashes(comm, table[:, 0], signature)
+    return table[:, 1:]
+
+
 # -- handing operations to the executor --------------------------------------------------------
 
 # Names of asynchronous operations not yet synchronized (Horovod refuses a duplicate name).

@@ -81,12 +81,6 @@ def broadcast_(wire, buf, root: int) -> None:
         buf.copy_(work)
 
 
-def alltoall(wire, send, send_counts, out, recv_counts) -> None:
-    """``out`` <- from each rank j its next ``recv_counts[j]`` elements; ``send`` (contiguous)
-    gives each rank k its next ``send_counts[k]``."""
-    wire.alltoallv(send, send_counts, out, recv_counts)
-
-
 def reducescatter(wire, work, rows: list[int], result, op: str) -> None:
     """``result`` <- ``op`` over ranks of their rows of ``work`` that this rank keeps:
     ``rows[k]`` rows for rank k, in order (``reducescatter_rows``)."""

@@ -27,10 +27,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import consistency
 from ..buffers import contiguous, dtype_name, empty_like
 from . import _group_movement as group
-from ._core import agree, check_list, row_elems
+from ._core import check_list, row_elems, rows_of_every_rank
 
 _ALIGN = 8  # bytes: the widest dtype gathered
 
@@ -54,12 +53,7 @@ def grouped_allgather_run(topo, tensors, one_by_one):
                  ("trailing_shapes", tuple(trailing))) + group.wire_field(wire, xs[0])
 
     def run():
-        agree(topo.comm, signature)
-        header = np.concatenate([[consistency.signature_hash(signature)], rows]).astype(np.int64)
-        table = np.empty((topo.size, len(xs) + 1), dtype=np.int64)
-        topo.comm.Allgather(header, table)
-        consistency.verify_hashes(topo.comm, table[:, 0], signature)
-        counts = table[:, 1:]  # (ranks, tensors)
+        counts = rows_of_every_rank(topo.comm, signature, rows)  # (ranks, tensors)
         chunks = -(-counts * row_bytes // _ALIGN) * _ALIGN  # each tensor's bytes, padded
         most = int(chunks.sum(axis=1).max())
         gathered = torch.empty(topo.size * most, dtype=torch.uint8, device=xs[0].device)

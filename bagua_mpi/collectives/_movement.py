@@ -27,7 +27,7 @@ from . import _group_movement as group
 from ._grouped_allgather import grouped_allgather_run
 from ._grouped_reducescatter import grouped_reducescatter_run
 from ._core import (agree, check_factor, check_list, global_process_set, name_and_op, reduction,
-                    root_of, row_elems, run_now, start, topo_of)
+                    root_of, row_elems, rows_of_every_rank, run_now, start, topo_of)
 
 
 # -- allgather ---------------------------------------------------------------------------------
@@ -43,12 +43,7 @@ def allgather_run(rt, topo, tensor):
         wire, x)
 
     def run():
-        agree(topo.comm, signature)  # the check message also tells a joined rank what runs
-        header = np.array([consistency.signature_hash(signature), shape[0]], dtype=np.int64)
-        table = np.empty((topo.size, 2), dtype=np.int64)
-        topo.comm.Allgather(header, table)
-        consistency.verify_hashes(topo.comm, table[:, 0], signature)
-        counts = table[:, 1]
+        counts = rows_of_every_rank(topo.comm, signature, [shape[0]])[:, 0]
         out = empty_like(x, (int(counts.sum()),) + shape[1:])
         if wire is not None:
             group.allgather(wire, contiguous(x), counts, out)
@@ -213,7 +208,7 @@ def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
         recv_splits = received[:, 1].copy()
         out = empty_like(tensor, (int(recv_splits.sum()),) + shape[1:])
         if wire is not None:
-            group.alltoall(wire, contiguous(tensor), send_splits * row, out, recv_splits * row)
+            wire.alltoallv(contiguous(tensor), send_splits * row, out, recv_splits * row)
         else:
             src = transport.mpi_buffer(contiguous(tensor))
             dst = transport.mpi_buffer(out, load=False)
