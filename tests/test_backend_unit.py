@@ -366,6 +366,53 @@ def test_async_exchange_buffers_follow_the_model_only_when_its_payloads_leave_fr
     assert exchange_device(gpu, "nccl") == gpu
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_async_on_nccl_starts_an_exchange_without_a_host_wait_and_averages_the_new_snapshot():
+    """On a GPU, one rank: ``async`` in lockstep on NCCL. A ~50 ms sleep queued before a step
+    holds back the optimizer's update and the snapshot's copies behind it; the step must return
+    well before that (the exchange thread's stream waits for the copies on the device, not the
+    training thread on the host), and the model must end as plain SGD's, bit for bit: at one
+    rank every exchange's delta is zero, unless the exchange read the buffer before the
+    training thread's copies had landed (a stale snapshot gives a nonzero delta)."""
+    import time
+
+    import bagua_mpi as bm
+    from bagua_mpi.algorithms import AsyncModelAverage
+
+    bm.init(abort_on_exception=False)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(512, 512).cuda()
+        plain = torch.nn.Linear(512, 512).cuda()
+        plain.load_state_dict(model.state_dict())
+        opt = bm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            algorithm=AsyncModelAverage(sync_interval_ms=0, max_staleness=1), backend="nccl")
+        reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+        x = torch.randn(64, 512, device="cuda")
+        held = []
+        for step in range(6):
+            for net, optimizer in ((model, opt), (plain, reference)):
+                optimizer.zero_grad()
+                net(x).square().mean().backward()
+            reference.step()
+            torch.cuda.synchronize()
+            time.sleep(0.05)   # the exchange started at the step before has ended
+            torch.cuda._sleep(100_000_000)   # ~50 ms before this step's update
+            began = time.perf_counter()
+            opt.step()
+            held.append(time.perf_counter() - began)
+        torch.cuda.synchronize()
+        opt.close()   # the last exchange applied, then the final average (of one rank)
+        # steps 0 and 1 may wait for the exchange thread's first call (its NCCL group's setup)
+        assert max(held[2:]) < 0.025, f"opt.step() held the caller {held} s"
+        for mine, theirs in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(mine, theirs), "an exchange averaged a stale snapshot"
+    finally:
+        bm.shutdown()
+
+
 def test_per_bucket_launches_and_waits_reach_communication_stats(monkeypatch):
     """The framework reads the counters around each bucket's exchange: a CPU model makes no
     kernel launch and no host wait, and a counted wait inside an exchange shows up in that

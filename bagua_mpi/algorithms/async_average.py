@@ -6,7 +6,8 @@ copies at step boundaries:
 
 1. after a step, if no exchange is in flight and ``sync_interval_ms`` has passed since the last
    one started, the training thread copies its parameters into the exchange buffer (a
-   snapshot) and wakes the thread;
+   snapshot) and wakes the thread; on a GPU it queues the copies and records an event that
+   the exchange thread's stream waits for, so it never waits for the device itself;
 2. the thread allreduces [snapshot, continue-flag] and computes delta = average - snapshot;
 3. after a later step, the training thread applies ``params += delta`` (the average of the
    snapshots, plus whatever local progress was made since). With ``max_staleness=k`` an
@@ -69,6 +70,7 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._buffer: torch.Tensor | None = None  # [flat params of every bucket..., flag]
         self._snapshot: torch.Tensor | None = None
         self._delta: torch.Tensor | None = None
+        self._filled = None  # on a GPU: recorded after the training thread filled the buffer
         self._model_device = torch.device("cpu")
         self._wake = threading.Event()  # a snapshot is ready for the thread
         self._done = threading.Event()  # the thread finished an exchange; delta is ready
@@ -140,8 +142,11 @@ class AsyncAverageImpl(AlgorithmImpl):
                 staging.d2h(self._snapshot.numel() * 4, dense=True)
             self._buffer[:-1].copy_(self._snapshot)
             self._buffer[-1:].fill_(continue_flag)
-        if self._buffer.is_cuda:  # the exchange thread reads it on a stream of its own
-            torch.cuda.current_stream(self._buffer.device).synchronize()
+        if self._buffer.is_cuda:
+            # the exchange thread reads the buffer on a stream of its own: it waits on the
+            # device for this event, so the training thread does not wait for its own stream
+            self._filled = torch.cuda.Event()
+            self._filled.record(torch.cuda.current_stream(self._buffer.device))
         self._done.clear()
         self._in_flight = True
         self._started_step = self.step
@@ -216,6 +221,8 @@ class AsyncAverageImpl(AlgorithmImpl):
                 self._wake.clear()
                 with (torch.cuda.stream(stream) if stream is not None
                       else contextlib.nullcontext()):
+                    if stream is not None:  # the snapshot the training thread queued
+                        stream.wait_event(self._filled)
                     wire.allreduce_(self._buffer)
                     self.wire.allreduce(self._buffer.numel() * 4, n)
                     everyone_continues = self._buffer[-1].item() == n
