@@ -91,8 +91,8 @@ staging = StagingStats()
 
 class HostOverhead:
     """The host's cost of driving the device, process-wide: the times the library made the host
-    wait for the device (``syncs``), the compression kernels launched (``launches``) and their
-    scratch allocations, both counted by ``numba_kernels`` (whose kernels never wait).
+    wait for the device (``syncs``), the compression kernels launched (``launches``) and the
+    device arrays they allocated, both counted by ``numba_kernels`` (whose kernels never wait).
 
     ``AlgorithmImpl.communicate_bucket`` reads the counters around each bucket's exchange, so
     ``DistributedOptimizer.communication_stats()`` can report launches and syncs per bucket.
@@ -114,11 +114,12 @@ class HostOverhead:
 
     @staticmethod
     def allocations() -> int:
-        """Device allocations the compression kernels made for scratch arrays so far (none
-        once each thread's scratch exists: ``numba_kernels.scratch_allocations``)."""
+        """Device arrays the compression kernels allocated so far, for scratch or a result
+        (none once each thread's scratch exists, since the primitives give every kernel its
+        output: ``numba_kernels.device_allocations``)."""
         import numba_kernels as nk
 
-        return getattr(nk, "scratch_allocations", lambda: 0)()
+        return getattr(nk, "device_allocations", lambda: 0)()
 
 
 overhead = HostOverhead()

@@ -487,7 +487,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``shared_memory_bytes`` is the part that node-shared buckets moved without MPI;
         ``launches_per_bucket`` / ``syncs_per_bucket`` / ``allocations_per_bucket``: the
         compression kernels launched, the times the host waited for the device and the device
-        allocations the kernels made for scratch in each bucket's last exchange (by bucket
+        allocations the kernels made (scratch or results) in each bucket's last exchange (by bucket
         index: the host cost of driving a GPU, zero waits and, after the first step, zero
         allocations being the aim); ``wait_seconds``: the
         time the training thread spent blocked on communication, summed over steps (waiting

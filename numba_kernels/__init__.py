@@ -24,9 +24,10 @@ with gTop-k's merge and decode (``compress_topk_segments``, ``merge_topk_segment
 in one message.
 
 Every CUDA kernel launch is counted: ``launch_count()`` and
-``scratch_allocations()`` (kernel scratch arrays are cached per thread and
-stream, so only the first calls allocate; ``release_scratch()`` frees them)
-give the host overhead of a bucket's compression (no call makes the host wait
+``device_allocations()`` (every device array the package allocates: kernel
+scratch arrays, cached per thread and stream, so only the first calls
+allocate, and ``release_scratch()`` frees them; and the result of a call
+given no ``out=``) give the host overhead of a bucket's compression (no call makes the host wait
 for the device); ``reset_launch_count()`` zeroes both.
 Each compressor documents its launches ("Device launches: ...").
 
@@ -45,7 +46,7 @@ import importlib
 # every rank, and most ranks of a job that compresses nothing never touch a kernel.
 _HOMES = {
     "launch_count": "._counters", "release_scratch": "._counters",
-    "reset_launch_count": "._counters", "scratch_allocations": "._counters",
+    "reset_launch_count": "._counters", "device_allocations": "._counters",
     "row_seed": "._scalar",
     "compress_cast": ".casts", "sum_halves": ".casts",
     "decompress": ".dispatch", "decompress_many": ".dispatch", "decompress_rows": ".dispatch",

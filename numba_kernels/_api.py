@@ -13,6 +13,8 @@ from .wire import ALIGN, Payload, check_aligned, check_buffer
 
 # The row forms put the partition index on the grid's y axis, whose limit is 65535 blocks.
 MAX_ROWS = 65535
+# Checked layouts kept per segment form (``functools.lru_cache``), kilobytes each
+LAYOUTS_KEPT = 1024
 
 
 def prepare(x, residual, out, make_format, stream):

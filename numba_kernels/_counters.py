@@ -1,13 +1,14 @@
-"""Process-wide counts of the kernel launches and scratch allocations that numba_kernels
+"""Process-wide counts of the kernel launches and device allocations that numba_kernels
 makes.
 
 bagua_mpi's "host overhead per bucket" accounting reads these: most of the host
 time a compressed collective spends is kernel launches, and an allocation is a
 cudaMalloc whose cudaFree later waits for the whole device.  ``_cuda/launch.py``
-bumps the launches, because every launch goes through it, and ``_cuda/scratch.py``
-the allocations.  No numba_kernels function waits for the device (reads device
-memory on the host), so there is no wait to count; the simulator tests check
-that no call copies device memory to the host or synchronises.
+bumps the launches, because every launch goes through it, and ``_device.empty``
+the allocations (kernel scratch, and results of calls given no ``out=``).  No
+numba_kernels function waits for the device (reads device memory on the host),
+so there is no wait to count; the simulator tests check that no call copies
+device memory to the host or synchronises.
 
 Pure Python (no numba.cuda), so the package exports the readers without
 loading the CUDA driver.
@@ -54,7 +55,7 @@ def count_launch():
 
 
 def count_allocation():
-    """Record one device allocation of a scratch array (``_cuda/scratch.py``)."""
+    """Record one device allocation (``_device.empty``)."""
     _allocations.add()
 
 
@@ -63,9 +64,10 @@ def launch_count() -> int:
     return _launches.value()
 
 
-def scratch_allocations() -> int:
-    """Device allocations of kernel scratch arrays since the last reset: each is a cudaMalloc
-    (and later a cudaFree, which waits for the whole device); none in a steady state."""
+def device_allocations() -> int:
+    """Device arrays allocated since the last reset (kernel scratch, and the result of a call
+    given no ``out=``): each is a cudaMalloc, and later a cudaFree, which waits for the whole
+    device. None in a caller's steady state that keeps its outputs."""
     return _allocations.value()
 
 

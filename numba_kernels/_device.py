@@ -8,6 +8,7 @@ data is seen, so the package imports on machines without a GPU.
 """
 import numpy as np
 
+from . import _counters
 from ._numpy_compat import ensure_numba_cuda_can_load
 from .errors import (CudaUnavailableError, DeviceMismatchError, KernelTypeError,
                      LayoutError)
@@ -103,7 +104,9 @@ def stream_of(stream):
 
 
 def empty(shape, dtype, dev, stream=0):
-    """Uninitialised array on the host or the device."""
+    """Uninitialised array on the host or the device; a device array is counted
+    (``numba_kernels.device_allocations()``)."""
     if dev:
+        _counters.count_allocation()
         return cuda().device_array(shape, dtype=dtype, stream=stream)
     return np.empty(shape, dtype=dtype)

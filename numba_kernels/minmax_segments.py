@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _segment_table as T
-from ._api import payload_matrix, refuse_overlaps
+from ._api import LAYOUTS_KEPT, payload_matrix, refuse_overlaps
 from ._device import flat, same_place, stream_of
 from ._disk_cache import cached_njit
 from ._scalar import SEGMENT
@@ -181,7 +181,10 @@ class _Layout:
         return max(1, min(blocks, GRID_LIMIT // (len(part) * self.payload_rows)))
 
 
-@functools.lru_cache(maxsize=64)   # an exchange's layout recurs every step: checked once
+# an exchange's layout recurs every step: checked once. Room for every bucket's layouts of a
+# large model (a bucket takes two to four): an evicted layout's device table is copied again
+# at its next use, a copy from ordinary host memory that makes the host wait for the device
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
 def _layout(segments, rows, chunk, width, kind, size, error_size):
     """The ``_Layout`` of ``segments`` (a tuple) for a call of ``kind``: "encode" and "decode"
     (a tensor of ``length`` cut into ``rows`` partitions), or "sum" (a payload of ``length``

@@ -31,7 +31,7 @@ from numba import prange
 
 from . import _sparse_rules
 from . import _topk_segment_table as T
-from ._api import refuse_overlaps
+from ._api import LAYOUTS_KEPT, refuse_overlaps
 from ._device import as_array, flat, same_place, stream_of
 from ._disk_cache import cached_njit
 from ._scalar import rng_key
@@ -242,7 +242,10 @@ class _Layout:
         return made
 
 
-@functools.lru_cache(maxsize=64)   # an exchange's layout recurs every step: checked once
+# an exchange's layout recurs every step: checked once. Room for every bucket's layouts of a
+# large model (a bucket takes two to four): an evicted layout's device table is copied again
+# at its next use, a copy from ordinary host memory that makes the host wait for the device
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
 def _layout(segments, width, size, residual_size, index_dtype, approx_min_n):
     """The ``_Layout`` of ``segments`` (a tuple): checks that every segment lies inside the
     base array (of ``size`` elements; None: a merge, which reads messages only) and its

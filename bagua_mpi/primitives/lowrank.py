@@ -75,11 +75,13 @@ def initial_q(cols: int, max_rank: int, seed: int) -> torch.Tensor:
     return torch.randn(cols, max_rank, generator=gen, dtype=torch.float32)
 
 
-def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> torch.Tensor:
+def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple,
+                           batches: list | None = None) -> torch.Tensor:
     """``orthonormalize`` of every P in ``packed`` (P_k: a row-major ``shapes[k]`` = (n_k, r_k)
     block, one after another) in torch float64 where they live (a GPU), in place, many at
     once; returns which columns of the P^'s are nonzero, as one bool vector of sum_k r_k
-    entries (P_0's columns, then P_1's...).
+    entries (P_0's columns, then P_1's...). ``batches``: ``packed_batches(shapes, device)``,
+    which a caller running the same shapes every step makes once (made here when None).
 
     P's whose row counts have the same bit length form a batch (so padding at most doubles a
     P), and per batch:
@@ -97,7 +99,9 @@ def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> torch.Tensor:
     runs the same batches, so every rank gets the same P^s."""
     wide = packed.to(torch.float64)
     lives = torch.empty(sum(r for _, r in shapes), dtype=torch.bool, device=packed.device)
-    for src, dst, col_src, col_dst, batch_shape in _batches(shapes, str(packed.device)):
+    if batches is None:
+        batches = packed_batches(shapes, packed.device)
+    for src, dst, col_src, col_dst, batch_shape in batches:
         out = torch.zeros(batch_shape, dtype=torch.float64, device=packed.device)
         out.view(-1).index_copy_(0, dst, wide.index_select(0, src))
         for j in range(batch_shape[2]):
@@ -117,13 +121,14 @@ def orthonormalize_packed_(packed: torch.Tensor, shapes: tuple) -> torch.Tensor:
     return lives
 
 
-@functools.lru_cache(maxsize=32)
-def _batches(shapes: tuple, device: str) -> list[tuple]:
+def packed_batches(shapes: tuple, device: torch.device) -> list[tuple]:
     """``orthonormalize_packed_``'s batches: (where their P's elements are in the packed
     buffer, where they go in the zero-padded (B, n_max, r_max) batch, where their P's columns
     are in the batch's (B, r_max) rows, where they go in the vector of live columns, the
-    batch's shape), the positions as tensors on ``device`` (made once per layout: it is the
-    same every step)."""
+    batch's shape), the positions as tensors on ``device``. A plan makes them once and keeps
+    them (not a cache shared by every plan: a model with more buckets than such a cache held
+    copied them to the device again every step, and a copy from ordinary host memory makes
+    the host wait for the device)."""
     starts = np.concatenate([[0], np.cumsum([n * r for n, r in shapes])]).astype(np.int64)
     col_starts = np.concatenate([[0], np.cumsum([r for _, r in shapes])]).astype(np.int64)
     by_length: dict = {}
@@ -331,8 +336,10 @@ class LowRankExchange:
         self.views = [batch.views(segments, self.p_buf, p_off, self.q_buf, q_off)
                       for batch in self.batches]
         self.shapes = tuple((seg.rows, seg.rank) for seg in segments)
-        self.orthonormalize_ = (orthonormalize_packed_ if _on_device(self.p_buf)
-                                else orthonormalize_packed_host_)
+        self.orthonormalize_ = (
+            functools.partial(orthonormalize_packed_,
+                              batches=packed_batches(self.shapes, self.p_buf.device))
+            if _on_device(self.p_buf) else orthonormalize_packed_host_)
         self.warm_start = _WarmStart(segments, cols, self.q_buf)
 
     def run(self, comm, *, scale: float = 1.0, stats: WireStats | None = None) -> None:

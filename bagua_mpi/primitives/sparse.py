@@ -95,7 +95,11 @@ def _topk_arrays(x, res, k: int, comm, scale: float, index_dtype: str,
     """Top-k all-gather on 1-D float32 arrays, NumPy (host) or Numba device arrays (device;
     ``NUMBA_ENABLE_CUDASIM=1`` runs this path on the CPU in the tests): the same bytes."""
     wire = transport.of(comm)
-    mine = nk.compress_topk(x, k, index_dtype=index_dtype, residual=res)
+    # the payload kept from call to call too: a fresh device array per call would be a
+    # cudaMalloc, and Numba's deferred cudaFree of the old ones waits for the whole device
+    nbytes = nk.TopKFormat(x.size, k, index_dtype).nbytes
+    mine = nk.compress_topk(x, k, index_dtype=index_dtype, residual=res,
+                            out=device_arrays.kept("topk mine", nbytes, np.uint8, device))
     n = wire.size
     gathered = device_arrays.kept("topk gathered", (n, mine.nbytes), np.uint8, device)
     wire.allgather(mine.buffer, gathered)

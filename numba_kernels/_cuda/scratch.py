@@ -12,14 +12,13 @@ host thread keeps two threads that launch on the same stream (their launches
 interleave) from sharing one.  Arrays that must start zeroed are zeroed when
 allocated only, and their users leave them zeroed (the selection's histogram
 and ticket), so a steady state allocates and launches nothing here.
-``numba_kernels.scratch_allocations()`` counts the allocations;
+``numba_kernels.device_allocations()`` counts the allocations;
 ``release_scratch()`` drops every cached array.
 """
 import threading
 
 import numpy as np
 
-from .. import _counters
 from .._device import empty
 
 _cache = {}
@@ -48,8 +47,7 @@ def scratch(name, shape, dtype, stream, on_allocate=None):
     key = (threading.get_ident(), _stream_key(stream), name, np.dtype(dtype))
     arr = _cache.get(key)
     if arr is None or arr.size < max(size, 1):
-        arr = empty(max(size, 1), dtype, True, stream)
-        _counters.count_allocation()
+        arr = empty(max(size, 1), dtype, True, stream)   # counted there
         if on_allocate is not None:
             on_allocate(arr)
         _cache[key] = arr

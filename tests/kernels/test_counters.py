@@ -7,16 +7,16 @@ from numba_kernels import _counters
 
 def test_counts_read_without_disturbing_and_reset_together():
     nk.reset_launch_count()
-    assert (nk.launch_count(), nk.scratch_allocations()) == (0, 0)
+    assert (nk.launch_count(), nk.device_allocations()) == (0, 0)
     for _ in range(3):
         _counters.count_launch()
     _counters.count_allocation()
-    assert (nk.launch_count(), nk.scratch_allocations()) == (3, 1)
-    assert (nk.launch_count(), nk.scratch_allocations()) == (3, 1)      # reading takes nothing away
+    assert (nk.launch_count(), nk.device_allocations()) == (3, 1)
+    assert (nk.launch_count(), nk.device_allocations()) == (3, 1)      # reading takes nothing away
     _counters.count_launch()
     assert nk.launch_count() == 4
     nk.reset_launch_count()
-    assert (nk.launch_count(), nk.scratch_allocations()) == (0, 0)
+    assert (nk.launch_count(), nk.device_allocations()) == (0, 0)
 
 
 def test_concurrent_launches_are_all_counted():

@@ -66,3 +66,18 @@ def test_segments_that_do_not_fit_are_refused():
                                            chunk=32)
     with pytest.raises(KernelParameterError):
         nk.compress_minmax_rows_segments(x, [nk.MinMaxSegment(0, 50, 9, 8)], mat, chunk=32)
+
+
+def test_the_layouts_of_a_large_models_buckets_stay_checked():
+    """A call's layout is checked once and kept: 256 buckets' layouts, over two steps, are
+    checked 256 times and found 256 times (with room for 64, as before, every one was checked
+    again at every step, and on a GPU its table copied to the device again)."""
+    from numba_kernels import minmax_segments
+    minmax_segments._layout.cache_clear()
+    x, out = np.ones(300, np.float32), np.zeros((1, 512), np.uint8)
+    for _ in range(2):
+        for bucket in range(256):
+            nk.compress_minmax_rows_segments(x, [nk.MinMaxSegment(0, 1 + bucket, 8, 0)], out,
+                                             chunk=64)
+    info = minmax_segments._layout.cache_info()
+    assert (info.misses, info.hits) == (256, 256), info

@@ -91,3 +91,15 @@ def test_segments_that_do_not_fit_are_refused():
     with pytest.raises(PayloadError):
         nk.merge_topk_segments(msg, msg, [one], np.zeros(264, np.uint8))
     assert not msg.any() and not x.any() and not e.any()
+
+
+def test_the_layouts_of_a_large_models_buckets_stay_checked():
+    """As min-max's: 256 buckets' layouts over two steps are checked 256 times."""
+    from numba_kernels import topk_segments
+    topk_segments._layout.cache_clear()
+    x, message = np.ones(300, np.float32), np.zeros(64, np.uint8)
+    for _ in range(2):
+        for bucket in range(256):
+            nk.compress_topk_segments(x, [nk.TopKSegment(0, 1 + bucket, 1, 0)], message)
+    info = topk_segments._layout.cache_info()
+    assert (info.misses, info.hits) == (256, 256), info

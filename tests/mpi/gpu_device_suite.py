@@ -169,7 +169,7 @@ def check_topk(comm, aware: bool):
         _topk_arrays(host, host_res, k, comm, 1.0 / n, "int32", None, False)
         staging.reset()
         launches, syncs = overhead.snapshot()
-        scratch_before = overhead.allocations()
+        allocated_before = overhead.allocations()
         _topk_arrays(dev, dev_res, k, comm, 1.0 / n, "int32", None, True)
         snap = staging.snapshot()
         waits = overhead.snapshot()[1] - syncs  # the selection itself never waits
@@ -178,8 +178,8 @@ def check_topk(comm, aware: bool):
         # values (none at n = 1), the decode zeroes out and one block scatters every row
         launched = overhead.snapshot()[0] - launches
         assert launched == 1 + (n > 1) + 2, f"{launched} kernel launches for top-k on {n} ranks"
-        if step:   # the selection's scratch arrays exist after the first step
-            assert overhead.allocations() == scratch_before, "top-k allocated scratch again"
+        if step:   # the selection's scratch and the payload exist after the first step
+            assert overhead.allocations() == allocated_before, "top-k allocated device memory"
         assert np.array_equal(dev.copy_to_host(), host), f"topk result step {step}"
         assert np.array_equal(dev_res.copy_to_host(), host_res), f"topk residual step {step}"
         if not aware:

@@ -357,6 +357,36 @@ def check_batches_in_common_memory(rank, size):
     assert counted[32] == counted[4], f"operations by layers in common memory: {counted}"
 
 
+def check_plans_keep_their_batches(rank, size):
+    """On the device route, each plan makes its Gram-Schmidt batches' positions once, when it
+    is made, and its runs reuse them: 40 plans of their own shapes (a model of 40 buckets; the
+    module-wide cache that held these had 32 places, and a GPU then copied every plan's
+    positions to the device again each step), each run twice, make them 40 times."""
+    comm = bm.runtime.get().topo.comm
+    made = []
+    original = lowrank.packed_batches
+
+    def counted(shapes, device):
+        made.append(shapes)
+        return original(shapes, device)
+    lowrank.packed_batches = counted
+    try:
+        plans = []
+        for k in range(40):
+            rows, cols = 3 + k, 4
+            segment = LowRankSegment(torch.zeros(rows * cols), rows, 2, initial_q(cols, 2, k))
+            plans.append((lowrank.LowRankExchange([segment]), segment, rows, cols))
+        assert len(made) == 40, f"{len(made)} batches made for 40 plans"
+        for step in range(2):
+            for k, (plan, segment, rows, cols) in enumerate(plans):
+                segment.flat.copy_(torch.from_numpy(grads(step, k, size, rows, cols)[rank])
+                                   .reshape(-1))
+                plan.run(comm, scale=1.0 / size)
+        assert len(made) == 40, f"runs made batches again: {len(made) - 40} times in 80 runs"
+    finally:
+        lowrank.packed_batches = original
+
+
 def check_bad_input(rank, size):
     comm = bm.runtime.get().topo.comm
     for r in (0, 5, 6):  # 4 x 5 matrix: min(n, m) = 4
@@ -590,6 +620,7 @@ def suite_checks() -> dict:
     return {**primitive,
             **{f"{name}_device_route": on_the_device_route(check)
                for name, check in primitive.items()},
+            "plans_keep_their_batches": on_the_device_route(check_plans_keep_their_batches),
             "bad_input": check_bad_input, "first_step": check_first_step,
             "training": check_training, "bytes": check_bytes,
             "state_round_trip": check_state_round_trip}
