@@ -357,8 +357,11 @@ class _StagedMPI:
         return host
 
     def _in(self, buf, host) -> None:
+        """Device ``buf`` <- its host copy (counted, and counted as a host wait: the copy
+        returns once it has landed, so the pool buffer is free again)."""
         _copy(buf, host)
         staging.h2d(_nbytes(buf))
+        overhead.sync()
 
     def _recv_buffer(self, buf, role: str):
         return pinned_pool.like(buf, (role, self.tid))
