@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from shaped_link import shaped_link
+from shaped_link import one_rank_per_node, shaped_link
 
 ALGORITHMS = ["gradient_allreduce", "gradient_allreduce+fp16", "qsgd", "bytegrad",
               "onebit_adam", "decentralized", "low_precision_decentralized", "local_sgd",
@@ -105,12 +105,11 @@ def inner(args) -> None:
 
 def shaped_run(gbit: float | None, latency_ms: float, args, json_path: str) -> list[dict]:
     """Run ``inner`` in a fresh network namespace with a shaped loopback (None: unshaped).
-    Every rank is its own node there, as on a cluster with one rank per node: node-shared
-    buckets would otherwise reduce the dense (and fp16) gradients through memory, past the
-    link and past the fp16 wire."""
+    Every rank is its own node there (``one_rank_per_node``), as on a cluster with one rank per
+    node: node-shared buckets would otherwise reduce the dense (and fp16) gradients through
+    memory, past the link and past the fp16 wire."""
     with shaped_link(gbit, latency_ms, burst=args.burst) as link:
-        link.run([
-            "BAGUA_MPI_RANKS_PER_NODE=1",
+        link.run(one_rank_per_node(args.np) + [
             "mpiexec", "-n", str(args.np), sys.executable, __file__, "--inner",
             "--json", json_path, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--hidden", str(args.hidden), "--layers", str(args.layers),

@@ -32,6 +32,17 @@ PASSED_PREFIXES = ("MPIR_", "FI_", "OMP_", "PYTHONPATH")
 _count = itertools.count()
 
 
+def one_rank_per_node(ranks: int) -> list[str]:
+    """``env`` assignments under which each of ``ranks`` ranks on this machine poses as its own
+    node, as on a cluster with one rank per node: bagua_mpi's node-shared buckets would
+    otherwise reduce through memory, past the shaped link. A rank alone on its node gives its
+    CPU kernels every core, so their threads are set to one rank's share of this machine's
+    (4 ranks of 2 kernel threads each on 2 cores made qsgd's and 1-bit Adam's steps 1.9x
+    slower in ``algorithms.py --sweep``)."""
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    return ["BAGUA_MPI_RANKS_PER_NODE=1", f"BAGUA_MPI_KERNEL_THREADS={threads}"]
+
+
 @dataclass
 class ShapedLink:
     """A live shaped namespace: ``prefix + argv`` runs argv inside it with ``env`` set."""

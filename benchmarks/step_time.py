@@ -207,11 +207,10 @@ def launch(python: str, variant: str, ranks: int, args, link=None) -> dict:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     cmd = ["mpiexec", "-n", str(ranks), python, HERE, "--job", variant, "--model", args.model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--device", args.device]
-    if link is not None:
-        # every rank its own node, as on a cluster with one rank per node: bagua_mpi's
-        # node-shared buckets would otherwise reduce through memory, past the shaped link
-        env["BAGUA_MPI_RANKS_PER_NODE"] = "1"
-        cmd = link.prefix + ["OMP_NUM_THREADS=" + env["OMP_NUM_THREADS"]] + cmd
+    if link is not None:   # every rank its own node
+        from shaped_link import one_rank_per_node
+        cmd = (link.prefix + ["OMP_NUM_THREADS=" + env["OMP_NUM_THREADS"]]
+               + one_rank_per_node(ranks) + cmd)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

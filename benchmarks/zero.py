@@ -90,9 +90,10 @@ def run_job(args, variant: str, ranks: int, link) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
     cmd = ["mpiexec", "-n", str(ranks), sys.executable, HERE, "--worker", "--variant", variant,
            "--steps", str(args.steps)]
-    if link is not None:
-        env = dict(env, **link.env, BAGUA_MPI_RANKS_PER_NODE="1")
-        cmd = link.prefix + [f"BAGUA_MPI_RANKS_PER_NODE=1"] + cmd
+    if link is not None:   # every rank its own node
+        from shaped_link import one_rank_per_node
+        env = dict(env, **link.env)
+        cmd = link.prefix + one_rank_per_node(ranks) + cmd
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
