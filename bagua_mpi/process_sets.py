@@ -193,7 +193,6 @@ def _build_topology(rt, ranks: tuple):
 def _register(sets: list, *, duplicates_error: bool) -> None:
     """Register ``sets`` (collective: every rank passes its own list, possibly different sets
     built from communicators); all ranks create the union of distinct sets in one order."""
-    global _next_id
     rt = runtime.get()
     size = rt.topo.size
     _install_hook()
