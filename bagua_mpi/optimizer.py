@@ -769,14 +769,22 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
     """Give every rank ``root_rank``'s optimizer state (tensors broadcast, scalars pickled in
-    transit only); ranks whose optimizer has no state yet get it created."""
+    transit only); ranks whose optimizer has no state yet get it created.
+
+    Each rank receives a state tensor where the root keeps it: on this rank's copy of the
+    parameter's device (Adam's moments of a CUDA model), or on the host (its ``step``), so that
+    every rank's tensor takes the same wire (NCCL for a CUDA tensor, where the root's would)."""
     opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
     state = opt.state_dict()
     is_root = runtime.get().topo.rank == root_rank
+    # the state dict's parameter ids, in the param_groups' order, name these parameters
+    param_of = {pid: p for saved, group in zip(state["param_groups"], opt.param_groups)
+                for pid, p in zip(saved["params"], group["params"])}
     layout = None
     if is_root:
-        layout = {pid: {k: (("tensor", tuple(v.shape), str(v.dtype)) if torch.is_tensor(v)
-                            else ("value", v)) for k, v in s.items()}
+        layout = {pid: {k: (("tensor", tuple(v.shape), str(v.dtype),
+                             pid in param_of and v.device == param_of[pid].device)
+                            if torch.is_tensor(v) else ("value", v)) for k, v in s.items()}
                   for pid, s in state["state"].items()}
     layout, groups = collectives.broadcast_object((layout, state["param_groups"]), root_rank)
     new_state = {}
@@ -787,9 +795,13 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
             if kind == "value":
                 entry[key] = info[0]
                 continue
-            shape, dtype = info
-            t = (state["state"][pid][key] if is_root else
-                 torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", ""))))
+            shape, dtype, with_parameter = info
+            if is_root:
+                t = state["state"][pid][key]
+            else:
+                device = param_of[pid].device if with_parameter and pid in param_of else "cpu"
+                t = torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")),
+                                device=device)
             entry[key] = collectives.broadcast_(t, root_rank)
         new_state[pid] = entry
     if not is_root:

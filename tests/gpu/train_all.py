@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import bagua_mpi as bm
+from bagua_mpi import backends
 from bagua_mpi.accounting import staging
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "mpi"))
@@ -74,6 +75,36 @@ def sync(device):
 
 def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def optimizer_state_broadcast(comm, device) -> list[str]:
+    """``broadcast_optimizer_state`` of an Adam's state on ``device``, which only rank 0 has,
+    under the run's backend and under gloo (where a CUDA tensor takes MPI and a host tensor
+    gloo: a rank receiving a CUDA state into a host tensor would take another wire than the
+    root's). Every rank must end with rank 0's moments on its parameters' device. Returns the
+    problems found (none: passed)."""
+    problems = []
+    for backend in (None, "gloo"):
+        backends.set_default(backend)
+        try:
+            torch.manual_seed(comm.Get_rank())   # every rank's model and moments its own
+            model = torch.nn.Linear(16, 4).to(device)
+            opt = torch.optim.Adam(model.parameters())
+            if comm.Get_rank() == 0:
+                model(torch.randn(8, 16, device=device)).square().sum().backward()
+                opt.step()
+            bm.broadcast_optimizer_state(opt, root_rank=0)
+            moments = [opt.state[p]["exp_avg"] for p in model.parameters()]
+            mine = b"".join(m.cpu().numpy().tobytes() for m in moments)
+            where = {str(m.device) for m in moments} == {str(device)}
+            if comm.allgather(mine) != [comm.bcast(mine, root=0)] * comm.Get_size() or not where:
+                problems.append(f"backend {backend or 'of the run'}: the moments differ from "
+                                f"rank 0's or left {device} ({[str(m.device) for m in moments]})")
+        except Exception as exc:  # noqa: BLE001 - reported with the others
+            problems.append(f"backend {backend or 'of the run'}: {type(exc).__name__}: {exc}")
+        finally:
+            backends.set_default(None)
+    return problems
 
 
 def run_one(name, comm, device, mode, width=256, timing_only=False, profile_steps=0):
@@ -198,6 +229,11 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)  # every rank of this check shares the one GPU
     failed = False
+    problems = optimizer_state_broadcast(comm, device)
+    if comm.Get_rank() == 0:
+        print(f"{args.mode:>10} broadcast_optimizer_state {'FAIL' if problems else 'OK'} "
+              f"{'; '.join(problems)}", flush=True)
+    failed |= bool(problems)
     rows = []
     for name in args.only or bm.algorithms.names():
         try:
