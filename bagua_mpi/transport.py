@@ -616,14 +616,21 @@ def mpi_buffer(x, *, load: bool = True) -> MPIBuffer:
     t = x.detach()
     if t.is_contiguous():
         return MPIBuffer(x, host_view(t), None)
-    tmp = t.contiguous() if load else torch.empty(t.shape, dtype=t.dtype)
+    tmp = _contiguous_twin(t, load)
     return MPIBuffer(x, host_view(tmp), lambda: t.copy_(tmp))
+
+
+def _contiguous_twin(t: torch.Tensor, load: bool) -> torch.Tensor:
+    """A row-major tensor like the strided ``t``, on its device, holding its values when
+    ``load``. (``empty_like`` would keep a transposed or channels-last tensor's strides: MPI
+    would then fill it in the wrong order, or refuse it.)"""
+    return t.contiguous() if load else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _cuda_buffer(x: torch.Tensor, load: bool) -> MPIBuffer:
     t = x.detach()
     if mpi_is_cuda_aware():
-        dev = t if t.is_contiguous() else (t.contiguous() if load else torch.empty_like(t))
+        dev = t if t.is_contiguous() else _contiguous_twin(t, load)
         obj = dev.view(torch.int16) if dev.dtype == torch.bfloat16 else dev
         device_ready()  # MPI reads outside torch's stream
         back = None if dev is t else (lambda: t.copy_(dev))
