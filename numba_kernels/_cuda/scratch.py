@@ -3,8 +3,11 @@
 Top-k's selection state, histogram, per-tile counts and candidates, gTop-k's
 union and the partials of long chunks used to be fresh ``device_array``s on
 every call: a cudaMalloc each, and a cudaFree when the array died, which waits
-for the whole device.  ``scratch`` keeps one array per (host thread, stream,
-name, dtype), grown to the largest size asked for, and returns a view of it.
+for the whole device.  ``scratch`` keeps one array per (device, host thread,
+stream, name, dtype), grown to the largest size asked for, and returns a view
+of it.  The device is part of the key because one thread launches on several:
+the communication thread runs each bucket with its own GPU current, and the
+default stream's handle is the same on every device.
 
 Why reuse is safe: every user of a scratch array launches its kernels on one
 stream, so the next call's kernels run after this call's finish; keying by
@@ -19,7 +22,7 @@ import threading
 
 import numpy as np
 
-from .._device import empty
+from .._device import cuda, empty
 
 _cache = {}
 
@@ -35,6 +38,11 @@ def _stream_key(stream):
         return id(stream)
 
 
+def _device_id():
+    """The current device's id (None under the simulator, which has one device)."""
+    return getattr(cuda().current_context().device, "id", None)
+
+
 def scratch(name, shape, dtype, stream, on_allocate=None):
     """A device array of ``shape`` and ``dtype`` for this thread's calls on ``stream``.
 
@@ -44,7 +52,7 @@ def scratch(name, shape, dtype, stream, on_allocate=None):
     """
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     size = int(np.prod(shape, dtype=np.int64))
-    key = (threading.get_ident(), _stream_key(stream), name, np.dtype(dtype))
+    key = (_device_id(), threading.get_ident(), _stream_key(stream), name, np.dtype(dtype))
     arr = _cache.get(key)
     if arr is None or arr.size < max(size, 1):
         arr = empty(max(size, 1), dtype, True, stream)   # counted there

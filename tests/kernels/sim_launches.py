@@ -294,11 +294,13 @@ def test_row_forms_of_chunks_longer_than_a_segment_take_three_launches(compress)
     assert counts() == (3, 0)
 
 
-def test_scratch_arrays_are_kept_per_thread_and_stream_and_grow():
+def test_scratch_arrays_are_kept_per_thread_and_stream_and_grow(monkeypatch):
     """A thread's calls on one stream reuse one array per name (a view of the largest asked
-    for); another thread, or another stream, gets its own, since its launches could interleave."""
+    for); another thread, or another stream, gets its own, since its launches could interleave;
+    another device too (the simulator has one: its id stands in)."""
     import threading
 
+    from numba_kernels._cuda import scratch as scratch_module
     from numba_kernels._cuda.scratch import scratch
 
     def pointer(arr):   # the simulator's device arrays wrap NumPy arrays
@@ -319,7 +321,11 @@ def test_scratch_arrays_are_kept_per_thread_and_stream_and_grow():
     assert pointer(scratch("test.a", 10, np.int64, cuda.stream())) != pointer(first)
     assert pointer(scratch("test.a", 10, np.float32, 0)) != pointer(first)
     assert nk.device_allocations() == 5
+    monkeypatch.setattr(scratch_module, "_device_id", lambda: 1)   # the same thread on GPU 1
+    assert pointer(scratch("test.a", 10, np.int64, 0)) != pointer(first)
+    assert nk.device_allocations() == 6
+    monkeypatch.undo()
     nk.release_scratch()                                  # dropped: allocated again
     scratch("test.a", 10, np.int64, 0)
-    assert nk.device_allocations() == 6
+    assert nk.device_allocations() == 7
     warm()                                                # for the tests that may follow
