@@ -14,7 +14,12 @@ hands, with waits in stream order (no host synchronisation):
 2. ``caller_waits_for_library(device)``, when its handle is waited for: the waiting thread's
    stream waits for the default stream before the result is used;
 3. ``on_the_library_stream(device)``, for an operation run at once on the caller's thread: the
-   default stream current for its duration, with both waits around it.
+   default stream current for its duration, with both waits around it;
+4. ``caller_takes(device, result)``, after 2 or 3: the CUDA tensors of the result are marked as
+   used on the caller's stream (``Tensor.record_stream``). Those the library allocated came
+   from the default stream's pool, to which the caching allocator returns a freed block at
+   once; unmarked, a tensor the caller frees while its own stream still reads it could be
+   handed to the library's next allocation and overwritten under that read.
 
 Each does nothing where the caller's stream is the default one (the common case), for a host
 device, and where torch has not initialized CUDA. Nothing here imports torch or initializes CUDA.
@@ -62,6 +67,25 @@ def caller_waits_for_library(device) -> None:
     streams = _cuda_streams(device)
     if streams is not None:
         streams[0].wait_stream(streams[1])
+
+
+def caller_takes(device, result) -> None:
+    """Mark the CUDA tensors of ``result`` (a tensor, or a tuple, list or dict holding them)
+    as used on the calling thread's stream, where it is not the default one."""
+    streams = _cuda_streams(device)
+    if streams is not None:
+        _used_on(result, streams[0])
+
+
+def _used_on(result, stream) -> None:
+    if isinstance(result, (tuple, list)):
+        for item in result:
+            _used_on(item, stream)
+    elif isinstance(result, dict):
+        for item in result.values():
+            _used_on(item, stream)
+    elif getattr(result, "is_cuda", False) and hasattr(result, "record_stream"):
+        result.record_stream(stream)
 
 
 @contextlib.contextmanager

@@ -81,6 +81,7 @@ class Handle:
             raise CommunicationError(f"operation {self.name!r} failed: {err!r}") from err
         # what it wrote on the default stream comes before the waiting thread's next kernels
         streams.caller_waits_for_library(self._device)
+        streams.caller_takes(self._device, self._result)
         if self._finish_lock is not None:
             with self._finish_lock:
                 if self._finish is not None:
@@ -203,6 +204,7 @@ class CommWorker:
                     else:  # on the default stream, as on the communication thread
                         with streams.on_the_library_stream(device):
                             result = fn()
+                        streams.caller_takes(device, result)
                     failed = False
                     return result
                 finally:

@@ -285,6 +285,51 @@ class FakeCudaStreams:
     def current(self):
         return getattr(self.local, "stream", self.default)
 
+    @classmethod
+    def on_device_zero(cls, monkeypatch, log):
+        """The fakes, with CUDA initialized and device 0 current."""
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+        return cls(monkeypatch, log)
+
+
+def test_a_caller_on_another_stream_takes_the_cuda_tensors_of_a_result(monkeypatch):
+    """What the library allocated on the default stream is marked as used on the caller's
+    stream (``record_stream``), queued or run at once: every CUDA tensor of the result, in
+    tuples, lists and dicts, and nothing else; on the default stream nothing is marked."""
+    log = []
+    side = FakeCudaStreams.on_device_zero(monkeypatch, log).Stream("side", log)
+
+    class OnCuda:
+        is_cuda = True
+
+        def __init__(self, name):
+            self.name = name
+
+        def record_stream(self, stream):
+            log.append((self.name, "used on", stream.name))
+
+    def result():
+        return OnCuda("a"), [OnCuda("b"), torch.zeros(1)], {"c": OnCuda("c")}, 7
+
+    def marked():
+        return [entry for entry in log if entry[1] == "used on"]
+    worker = CommWorker()
+    try:
+        with torch.cuda.stream(side):
+            worker.submit(result, ("queued",)).wait(5)
+            assert marked() == [(name, "used on", "side") for name in "abc"], log
+            log.clear()
+            worker.run(result, ("inline",))
+            assert marked() == [(name, "used on", "side") for name in "abc"], log
+            log.clear()
+        worker.submit(result, ("q",)).wait(5)
+        worker.run(result, ("i",))
+        assert not marked(), log
+    finally:
+        worker.close(5)
+
 
 def test_worker_orders_its_device_work_with_a_caller_on_another_stream(monkeypatch):
     """A training loop under ``torch.cuda.stream(side)`` puts its kernels on a stream that
@@ -294,11 +339,7 @@ def test_worker_orders_its_device_work_with_a_caller_on_another_stream(monkeypat
     run at once on the caller's thread, the operation runs with the default stream current,
     between the same two waits; on the default stream nothing is recorded or waited for."""
     log = []
-    cuda = FakeCudaStreams(monkeypatch, log)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    side = cuda.Stream("side", log)
+    side = FakeCudaStreams.on_device_zero(monkeypatch, log).Stream("side", log)
     worker = CommWorker()
 
     def op(name):
