@@ -13,7 +13,10 @@ from .wire import ALIGN, Payload, check_aligned, check_buffer
 
 # The row forms put the partition index on the grid's y axis, whose limit is 65535 blocks.
 MAX_ROWS = 65535
-# Checked layouts kept per segment form (``functools.lru_cache``), kilobytes each
+# Checked layouts kept per segment form (``functools.lru_cache``), kilobytes each: room for
+# every bucket's layouts of a large model (a bucket takes two to four), since an evicted
+# layout's device table is copied again at its next use, a copy from ordinary host memory that
+# makes the host wait for the device
 LAYOUTS_KEPT = 1024
 
 

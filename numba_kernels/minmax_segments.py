@@ -181,10 +181,7 @@ class _Layout:
         return max(1, min(blocks, GRID_LIMIT // (len(part) * self.payload_rows)))
 
 
-# an exchange's layout recurs every step: checked once. Room for every bucket's layouts of a
-# large model (a bucket takes two to four): an evicted layout's device table is copied again
-# at its next use, a copy from ordinary host memory that makes the host wait for the device
-@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)   # an exchange's layout recurs every step: checked once
 def _layout(segments, rows, chunk, width, kind, size, error_size):
     """The ``_Layout`` of ``segments`` (a tuple) for a call of ``kind``: "encode" and "decode"
     (a tensor of ``length`` cut into ``rows`` partitions), or "sum" (a payload of ``length``

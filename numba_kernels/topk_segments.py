@@ -242,10 +242,7 @@ class _Layout:
         return made
 
 
-# an exchange's layout recurs every step: checked once. Room for every bucket's layouts of a
-# large model (a bucket takes two to four): an evicted layout's device table is copied again
-# at its next use, a copy from ordinary host memory that makes the host wait for the device
-@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)   # an exchange's layout recurs every step: checked once
 def _layout(segments, width, size, residual_size, index_dtype, approx_min_n):
     """The ``_Layout`` of ``segments`` (a tuple): checks that every segment lies inside the
     base array (of ``size`` elements; None: a merge, which reads messages only) and its
