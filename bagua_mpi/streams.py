@@ -11,15 +11,16 @@ hands, with waits in stream order (no host synchronisation):
 
 1. ``entry_event(device)``, when an operation is queued: an event on the caller's stream, which
    the default stream waits for (``wait_for_entry``) before the operation runs;
-2. ``caller_waits_for_library(device)``, when its handle is waited for: the waiting thread's
-   stream waits for the default stream before the result is used;
+2. ``caller_waits_for_library(device, result)``, when its handle is waited for: the waiting
+   thread's stream waits for the default stream before the result is used;
 3. ``on_the_library_stream(device)``, for an operation run at once on the caller's thread: the
-   default stream current for its duration, with both waits around it;
-4. ``caller_takes(device, result)``, after 2 or 3: the CUDA tensors of the result are marked as
-   used on the caller's stream (``Tensor.record_stream``). Those the library allocated came
-   from the default stream's pool, to which the caching allocator returns a freed block at
-   once; unmarked, a tensor the caller frees while its own stream still reads it could be
-   handed to the library's next allocation and overwritten under that read.
+   default stream current for its duration, with both waits around it.
+
+After 2, and at the end of 3 (the function it yields), the CUDA tensors of the result are marked
+as used on the caller's stream (``Tensor.record_stream``). Those the library allocated came from
+the default stream's pool, to which the caching allocator returns a freed block at once;
+unmarked, a tensor the caller frees while its own stream still reads it could be handed to the
+library's next allocation and overwritten under that read.
 
 Each does nothing where the caller's stream is the default one (the common case), for a host
 device, and where torch has not initialized CUDA. Nothing here imports torch or initializes CUDA.
@@ -62,22 +63,22 @@ def wait_for_entry(device, event) -> None:
         torch.cuda.default_stream(device).wait_event(event)
 
 
-def caller_waits_for_library(device) -> None:
-    """The calling thread's stream waits for everything queued on the default stream so far."""
+def caller_waits_for_library(device, result=None) -> None:
+    """The calling thread's stream waits for everything queued on the default stream so far,
+    and takes the CUDA tensors of ``result`` (``_used_on``)."""
     streams = _cuda_streams(device)
     if streams is not None:
         streams[0].wait_stream(streams[1])
-
-
-def caller_takes(device, result) -> None:
-    """Mark the CUDA tensors of ``result`` (a tensor, or a tuple, list or dict holding them)
-    as used on the calling thread's stream, where it is not the default one."""
-    streams = _cuda_streams(device)
-    if streams is not None:
         _used_on(result, streams[0])
 
 
+def _taken_by_nobody(result) -> None:
+    """``on_the_library_stream``'s function where there is no other stream to mark."""
+
+
 def _used_on(result, stream) -> None:
+    """Mark the CUDA tensors of ``result`` (a tensor, or a tuple, list or dict holding them)
+    as used on ``stream``."""
     if isinstance(result, (tuple, list)):
         for item in result:
             _used_on(item, stream)
@@ -91,10 +92,11 @@ def _used_on(result, stream) -> None:
 @contextlib.contextmanager
 def on_the_library_stream(device):
     """Run the enclosed work with the default stream current, ordered after the caller's stream
-    and before the caller's later work."""
+    and before the caller's later work. Yields the function that marks the work's result as
+    used on the caller's stream."""
     streams = _cuda_streams(device)
     if streams is None:
-        yield
+        yield _taken_by_nobody
         return
     import torch
 
@@ -102,6 +104,6 @@ def on_the_library_stream(device):
     default.wait_stream(current)
     try:
         with torch.cuda.stream(default):
-            yield
+            yield lambda result: _used_on(result, current)
     finally:
         current.wait_stream(default)

@@ -80,8 +80,7 @@ class Handle:
                 raise err
             raise CommunicationError(f"operation {self.name!r} failed: {err!r}") from err
         # what it wrote on the default stream comes before the waiting thread's next kernels
-        streams.caller_waits_for_library(self._device)
-        streams.caller_takes(self._device, self._result)
+        streams.caller_waits_for_library(self._device, self._result)
         if self._finish_lock is not None:
             with self._finish_lock:
                 if self._finish is not None:
@@ -202,9 +201,9 @@ class CommWorker:
                     if device is None:
                         result = fn()
                     else:  # on the default stream, as on the communication thread
-                        with streams.on_the_library_stream(device):
+                        with streams.on_the_library_stream(device) as caller_takes:
                             result = fn()
-                        streams.caller_takes(device, result)
+                            caller_takes(result)
                     failed = False
                     return result
                 finally:

@@ -6,6 +6,8 @@ views, never copied) or anything exposing ``__cuda_array_interface__``
 ``cuda.as_cuda_array`` views).  ``numba.cuda`` is imported only when device
 data is seen, so the package imports on machines without a GPU.
 """
+import functools
+
 import numpy as np
 
 from . import _counters
@@ -101,6 +103,21 @@ def stream_of(stream):
     if handle is not None:
         return c.external_stream(handle)
     return stream
+
+
+def current_device_id():
+    """The id of the CUDA device current in this thread: what a cache of device memory is kept
+    per. 0 where the process sees one device (the simulator too), without asking the driver:
+    the question takes a lock and two driver calls, and the kernels' scratch asks it at every
+    lookup."""
+    if _one_device():
+        return 0
+    return cuda().current_context().device.id
+
+
+@functools.cache
+def _one_device() -> bool:
+    return len(cuda().gpus) == 1
 
 
 def empty(shape, dtype, dev, stream=0):

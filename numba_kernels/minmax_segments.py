@@ -161,8 +161,8 @@ class _Layout:
     def on_device(self):
         """(the table on the current device, blocks on the grid's x axis), made on first use
         on each device."""
-        from ._device import cuda
-        device = getattr(cuda().current_context().device, "id", None)  # None: the simulator
+        from ._device import cuda, current_device_id
+        device = current_device_id()
         made = self._on.get(device)
         if made is None:
             made = self._on[device] = (cuda().to_device(self.table), self._blocks())

@@ -227,8 +227,8 @@ class _Layout:
         segments it cannot; the entries of a merge's scratch the first need), made on first
         use on each device."""
         from ._cuda import select
-        from ._device import cuda
-        device = getattr(cuda().current_context().device, "id", None)  # None: the simulator
+        from ._device import cuda, current_device_id
+        device = current_device_id()
         key = (device, kind, select.ONE_BLOCK_KEYS)   # the tests patch the limit
         made = self._on.get(key)
         if made is None:

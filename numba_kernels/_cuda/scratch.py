@@ -22,7 +22,8 @@ import threading
 
 import numpy as np
 
-from .._device import cuda, empty
+from .. import _device
+from .._device import empty
 
 _cache = {}
 
@@ -38,11 +39,6 @@ def _stream_key(stream):
         return id(stream)
 
 
-def _device_id():
-    """The current device's id (None under the simulator, which has one device)."""
-    return getattr(cuda().current_context().device, "id", None)
-
-
 def scratch(name, shape, dtype, stream, on_allocate=None):
     """A device array of ``shape`` and ``dtype`` for this thread's calls on ``stream``.
 
@@ -52,7 +48,8 @@ def scratch(name, shape, dtype, stream, on_allocate=None):
     """
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     size = int(np.prod(shape, dtype=np.int64))
-    key = (_device_id(), threading.get_ident(), _stream_key(stream), name, np.dtype(dtype))
+    key = (_device.current_device_id(), threading.get_ident(), _stream_key(stream), name,
+           np.dtype(dtype))
     arr = _cache.get(key)
     if arr is None or arr.size < max(size, 1):
         arr = empty(max(size, 1), dtype, True, stream)   # counted there

@@ -300,7 +300,7 @@ def test_scratch_arrays_are_kept_per_thread_and_stream_and_grow(monkeypatch):
     another device too (the simulator has one: its id stands in)."""
     import threading
 
-    from numba_kernels._cuda import scratch as scratch_module
+    from numba_kernels import _device
     from numba_kernels._cuda.scratch import scratch
 
     def pointer(arr):   # the simulator's device arrays wrap NumPy arrays
@@ -321,7 +321,7 @@ def test_scratch_arrays_are_kept_per_thread_and_stream_and_grow(monkeypatch):
     assert pointer(scratch("test.a", 10, np.int64, cuda.stream())) != pointer(first)
     assert pointer(scratch("test.a", 10, np.float32, 0)) != pointer(first)
     assert nk.device_allocations() == 5
-    monkeypatch.setattr(scratch_module, "_device_id", lambda: 1)   # the same thread on GPU 1
+    monkeypatch.setattr(_device, "current_device_id", lambda: 1)   # the same thread on GPU 1
     assert pointer(scratch("test.a", 10, np.int64, 0)) != pointer(first)
     assert nk.device_allocations() == 6
     monkeypatch.undo()
