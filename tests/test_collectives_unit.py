@@ -81,14 +81,46 @@ def test_nccl_is_chosen_for_cuda_tensors_on_the_library_communicator(initialized
     topo = bm.runtime.get().topo
     assert _allreduce_backends.uses_nccl_allreduce(FakeCudaTensor(), topo, "nccl")
     assert asked == ["nccl"]
-    assert _allreduce_backends.reducer_for(FakeCudaTensor(), topo) \
+    assert _allreduce_backends.reducer_for(FakeCudaTensor(), topo, [("float32", MPI.SUM)]) \
         is _allreduce_backends.nccl_allreduce_
     # a process set's topology asks the same question; host tensors stay on MPI unasked
     assert _allreduce_backends.uses_nccl_allreduce(FakeCudaTensor(), object())
     asked.clear()
-    assert _allreduce_backends.reducer_for(torch.ones(1), topo) \
+    assert _allreduce_backends.reducer_for(torch.ones(1), topo, [("float32", MPI.SUM)]) \
         is _allreduce_backends.mpi_allreduce_
     assert asked == []
+
+
+@pytest.mark.parametrize("dtype,op", [(torch.int16, bm.Sum), (torch.bool, bm.Max),
+                                      (torch.bool, bm.Min)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_an_allreduce_nccl_cannot_reduce_takes_mpi_on_the_nccl_backend(initialized, monkeypatch,
+                                                                       dtype, op, grouped):
+    """NCCL has no int16 and no logical reduction (torch raises ``TypeError`` and the library
+    ``BackendError``), where MPI reduces both: such an allreduce, or a group holding one such
+    tensor beside float32 ones, stays on MPI under the NCCL backend and gives MPI's result;
+    a float32 group still takes NCCL."""
+    monkeypatch.setattr(_allreduce_backends.transport, "uses_nccl",
+                        lambda tensor, backend=None: True)
+    picked = []
+    real = _allreduce.reducer_for
+
+    def recording(tensor, topo, reductions):
+        picked.append(real(tensor.as_subclass(CudaLooking), topo, reductions))
+        return _allreduce_backends.mpi_allreduce_   # the host tensors below take MPI to run
+
+    monkeypatch.setattr(_allreduce, "reducer_for", recording)
+    x = (torch.arange(6) % 3 == 0) if dtype is torch.bool else torch.arange(6, dtype=dtype)
+    if grouped:
+        got = bm.grouped_allreduce([torch.ones(3), x], op=op)[1]
+        bm.grouped_allreduce([torch.ones(3), torch.ones(2)], op=op)
+        assert picked == [_allreduce_backends.mpi_allreduce_,
+                          _allreduce_backends.nccl_allreduce_]
+    else:
+        got = bm.allreduce(x, op=op, name="not the fast path")
+        assert picked == [_allreduce_backends.mpi_allreduce_]
+    want = x if dtype is torch.bool else x * bm.size()
+    assert torch.equal(got, want)
 
 
 class CudaLooking(torch.Tensor):
@@ -136,7 +168,7 @@ def test_allreduce_and_grouped_allreduce_share_the_chooser(initialized, monkeypa
         used.append(tuple(buf.shape))
         _allreduce_backends.mpi_allreduce_(topo, buf, mop, hierarchical)
 
-    monkeypatch.setattr(_allreduce, "reducer_for", lambda tensor, topo: recording)
+    monkeypatch.setattr(_allreduce, "reducer_for", lambda tensor, topo, reductions: recording)
     x = torch.arange(4.0)
     if grouped:
         got = bm.grouped_allreduce([x, x[:2]], op=bm.Sum)

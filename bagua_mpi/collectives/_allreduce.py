@@ -77,7 +77,7 @@ def _allreduce_run(rt, topo, tensor, out, op, prescale_factor, postscale_factor,
     hier = rt.hierarchical if hierarchical is None else bool(hierarchical)
     shape = tuple(tensor.shape)
     numel = math.prod(shape)
-    reduce_ = reducer_for(tensor, topo)
+    reduce_ = reducer_for(tensor, topo, [(reduce_dtype(dt), mop)])
     route = join_route(tensor, topo) if reduce_ is nccl_allreduce_ else ("mpi",)
 
     def run():
@@ -256,7 +256,8 @@ def _grouped_run(rt, topo, tensors, outs, op, prescale_factor, postscale_factor,
         mop = MPI.SUM if int_average else mpi_op(op, wire_dt)
         plan.append((wire_dt, idx, mop, post,
                      sum(math.prod(tuple(tensors[i].shape)) for i in idx)))
-    reduce_ = reducer_for(tensors[0], topo)  # one kind and device: one reducer for all
+    # one kind and device: one reducer for every message
+    reduce_ = reducer_for(tensors[0], topo, [(wire_dt, mop) for wire_dt, _, mop, _, _ in plan])
     route = join_route(tensors[0], topo) if reduce_ is nccl_allreduce_ else ("mpi",)
     signature += _route_fields(route, hier)
     join_info = (tuple((w, n, m) for w, _, m, _, n in plan), None, hier, route)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from .. import transport
 from ..buffers import fast_cpu_view
+from ._group_movement import reduction_name
 
 
 def uses_nccl_allreduce(tensor, topo, backend: str | None = None) -> bool:
@@ -42,10 +43,16 @@ def join_route(tensor, topo, backend: str | None = None, comm=None) -> tuple:
     return ("transport", backend, "cuda" if getattr(tensor, "is_cuda", False) else "cpu")
 
 
-def reducer_for(tensor, topo):
-    """``nccl_allreduce_`` or ``mpi_allreduce_`` for ``tensor`` (or a buffer made from it).
-    Chosen in the caller, when the operation is built, so a backend error raises there."""
-    return nccl_allreduce_ if uses_nccl_allreduce(tensor, topo) else mpi_allreduce_
+def reducer_for(tensor, topo, reductions):
+    """``nccl_allreduce_`` or ``mpi_allreduce_`` for ``tensor`` (or a buffer made from it),
+    whose messages reduce ``reductions``, (wire dtype, MPI op) pairs: MPI where NCCL cannot
+    reduce one of them (``reduction_name``: 16-bit integers, bool, a logical op), as for a
+    reducescatter. Chosen in the caller, when the operation is built, so a backend error
+    raises there."""
+    if uses_nccl_allreduce(tensor, topo) and all(reduction_name(wire_dtype, mop) is not None
+                                                 for wire_dtype, mop in reductions):
+        return nccl_allreduce_
+    return mpi_allreduce_
 
 
 def mpi_allreduce_(topo, buf, mop, hierarchical: bool) -> None:

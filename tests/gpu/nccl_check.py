@@ -43,6 +43,13 @@ def main():
         assert torch.equal(bm.allreduce(x, op=bm.Sum), x)
         assert torch.equal(bm.allreduce(x, op=bm.Max), x)
         torch.testing.assert_close(bm.allreduce(x), x)
+        # what NCCL cannot reduce (int16; bool's logical ops) takes MPI, alone or grouped
+        i16 = torch.arange(-500, 500, dtype=torch.int16, device="cuda")
+        flags = torch.arange(1000, device="cuda") % 3 == 0
+        assert torch.equal(bm.allreduce(i16, op=bm.Sum), i16)
+        assert torch.equal(bm.allreduce(flags, op=bm.Max), flags)
+        assert torch.equal(bm.allreduce(flags, op=bm.Min), flags)
+        assert torch.equal(bm.grouped_allreduce([x, i16], op=bm.Sum)[1], i16)
         process_groups.ProcessGroup.allreduce_ = original_group_allreduce
         assert used == ["sum", "max", "sum"], used
         # the optimizer's dense steps through NCCL (gradient_allreduce and a warm-up stage)

@@ -56,7 +56,7 @@ def as_if_on_nccl(fn):
     check must stop the call before any reduction starts."""
     from bagua_mpi.collectives import _allreduce
     saved = _allreduce.reducer_for, _allreduce.join_route
-    _allreduce.reducer_for = lambda tensor, topo: _allreduce.nccl_allreduce_
+    _allreduce.reducer_for = lambda tensor, topo, reductions: _allreduce.nccl_allreduce_
     _allreduce.join_route = lambda tensor, topo, *args, **kwargs: ("nccl", None)
     try:
         return fn()
