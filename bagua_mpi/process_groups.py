@@ -10,8 +10,8 @@ Groups are made once per (library, communicator), on first use: the first call i
 over the communicator, which holds because every use is inside a collective over it (a peer
 exchange counts: every rank calls it, one without peers that step too). Each
 group keeps its communicator alive, so the ``id`` that keys it cannot be reused while it lives.
-A NCCL group makes its NCCL communicator as it is built and takes the job's stall limit as
-torch's NCCL watchdog timeout; point-to-point transfers go out in batches
+A NCCL group makes its NCCL communicator as it is built; every group takes the job's stall
+limit as its timeout (``set_timeout``); point-to-point transfers go out in batches
 (``ProcessGroup.point_to_point``).
 """
 from __future__ import annotations
@@ -25,17 +25,19 @@ LIBRARIES = ("nccl", "gloo")
 _lock = threading.Lock()
 _groups: dict = {}  # (library, id of the MPI communicator) -> ProcessGroup
 made = 0  # groups made in this process (a test reads it: one per communicator and library)
-_nccl_timeout_s = 0.0  # set_nccl_timeout
+_timeout = datetime.timedelta(minutes=10)  # set_timeout
+NEVER = datetime.timedelta(days=3650)  # a stall limit of 0 ("never") as a group's timeout
 
 
-def set_nccl_timeout(seconds: float) -> None:
-    """Seconds NCCL groups made from now on give a collective before torch's NCCL watchdog
-    ends the process (0: torch's own default, 10 minutes). ``init`` passes the stall abort
-    (``BAGUA_MPI_STALL_ABORT_S``): a NCCL collective returns to the host at once and waits on
-    the device, so the library's watchdog, which watches the host, never sees it hang, and
-    torch's is the one that must keep the job's limit."""
-    global _nccl_timeout_s
-    _nccl_timeout_s = float(seconds)
+def set_timeout(seconds: float) -> None:
+    """Seconds groups made from now on give an operation before it fails (0: never).
+    ``init`` passes the stall abort (``BAGUA_MPI_STALL_ABORT_S``). A NCCL collective returns
+    to the host at once and waits on the device, so the library's watchdog, which watches the
+    host, never sees it hang: torch's NCCL watchdog, which ends the process, must keep the
+    job's limit. A gloo operation blocks the host, where the library's watchdog sees it; its
+    own timeout (torch's default 30 minutes) must not cut a longer limit short."""
+    global _timeout
+    _timeout = datetime.timedelta(seconds=seconds) if seconds > 0 else NEVER
 
 
 class ProcessGroup:
@@ -67,11 +69,10 @@ class ProcessGroup:
         prefixed = dist.PrefixStore(f"bagua_mpi/{library}/", store)
         self.comm = comm
         if library == "gloo":
-            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size)
+            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size, _timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
-            if _nccl_timeout_s > 0:
-                options._timeout = datetime.timedelta(seconds=_nccl_timeout_s)
+            options._timeout = _timeout
             self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size, options)
             # NCCL's communicator for the group, made now while every rank is here: a batch
             # of point-to-point transfers between some of the ranks may then use it, where as

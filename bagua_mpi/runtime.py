@@ -82,7 +82,7 @@ def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None
     worker = CommWorker(rank=topo.rank)
     warn = stall_warning_s if stall_warning_s is not None else config.stall_warning_s()
     abort = stall_abort_s if stall_abort_s is not None else config.stall_abort_s()
-    process_groups.set_nccl_timeout(abort)  # NCCL waits on the device, out of the watchdog's view
+    process_groups.set_timeout(abort)  # NCCL waits on the device, out of the watchdog's view
     monitor = faults.ExitMonitor(topo.comm) if topo.size > 1 else None
     # The watchdog asks the monitor from its own thread while the comm thread is in MPI.
     watched = monitor if topo.thread_level == MPI.THREAD_MULTIPLE else None

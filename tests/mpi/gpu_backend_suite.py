@@ -220,6 +220,36 @@ def check_nccl_bootstrap_meets_in_one_store(rank, size):
         bm.shutdown()
 
 
+def check_groups_take_the_jobs_stall_limit_as_their_timeout(rank, size):
+    """NCCL's and gloo's groups both time out at the job's stall limit, and never where it is
+    0 ("never"): torch's NCCL watchdog would end the job at its 10-minute default, and a gloo
+    operation would fail at 30 minutes, past which the library aborts the job."""
+    missing = object()  # a CPU build of torch has no ProcessGroupNCCL
+    saved = getattr(dist, "ProcessGroupNCCL", missing)
+    dist.ProcessGroupNCCL = MeetingPoint
+    try:
+        for limit, want in ((3600.0, datetime.timedelta(hours=1)),
+                            (0.0, process_groups.NEVER), (45.0, datetime.timedelta(seconds=45))):
+            MeetingPoint.timeouts.clear()
+            bm.init(stall_abort_s=limit)
+            try:
+                comm = bm.runtime.get().topo.comm
+                process_groups.group(comm, "nccl")
+                gloo = process_groups.group(comm, "gloo").pg
+                assert MeetingPoint.timeouts == [want], (limit, MeetingPoint.timeouts)
+                assert gloo.options._timeout == want, (limit, gloo.options._timeout)
+            finally:
+                MPI.COMM_WORLD.Barrier()  # rank 0 of each group serves its store
+                backends.reset()
+                bm.shutdown()
+        assert process_groups.NEVER >= datetime.timedelta(days=365)
+    finally:
+        if saved is missing:
+            del dist.ProcessGroupNCCL
+        else:
+            dist.ProcessGroupNCCL = saved
+
+
 # every check_ function above, by name
 CHECKS = {name.removeprefix("check_").replace("_", "-"): fn
           for name, fn in list(globals().items()) if name.startswith("check_")}
