@@ -200,17 +200,16 @@ def use_model_gpus(node_gpus: list) -> None:
 
 def off_current_device(model_gpus: set, current: int | None) -> str:
     """Why a CUDA model's GPUs (device indices) leave out the calling thread's current CUDA
-    device, in words; "" where they include it, or for a CPU model. The library's work for
-    the model follows the current device (the kernels' scratch, the context they launch in,
-    and what the communication thread takes for work submitted from this thread), so a
-    model moved to ``cuda:k`` without ``torch.cuda.set_device(k)`` would have it on
-    another GPU."""
+    device, in words; "" where they include it, or for a CPU model. The library runs each of
+    its operations with its tensors' device current, but whatever asks for the current
+    device (``torch.empty(..., device="cuda")``, a CUDA context made at first use) would get
+    another GPU than the model's, moved to ``cuda:k`` without ``torch.cuda.set_device(k)``."""
     if not model_gpus or current is None or current in model_gpus:
         return ""
     on = ", ".join(f"cuda:{i}" for i in sorted(model_gpus))
     return (f"the model is on {on} but this thread's current CUDA device is cuda:{current}; "
             f"call torch.cuda.set_device({min(model_gpus)}) before wrapping the optimizer "
-            f"(the library's scratch memory and kernels follow the current device)")
+            f"(whatever asks for the current device would get another GPU than the model's)")
 
 
 def sharing_text() -> str:

@@ -307,6 +307,17 @@ class _HostMPI:
         MPI.Request.Waitall(reqs)
 
 
+def _on_the_device_of(args) -> contextlib.AbstractContextManager:
+    """The device of the first CUDA tensor among a verb's arguments (lists too) made current
+    for the call, where the caller's is another (torch exports a tensor to MPI only from its
+    own device); nothing where there is no CUDA tensor."""
+    for arg in args:
+        for x in (arg if isinstance(arg, list) else (arg,)):
+            if isinstance(x, torch.Tensor) and x.is_cuda:
+                return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
 class _DeviceMPI(_HostMPI):
     """A CUDA-aware MPI on device memory: the host waits for the device once per call, every
     verb alike (a receive too: MPI writes outside every stream, and a kernel queued before it
@@ -321,8 +332,9 @@ class _DeviceMPI(_HostMPI):
 
     def _wrap(name):  # noqa: N805 - builds the methods below
         def verb(self, *args):
-            device_ready()  # MPI reads and writes outside torch's and Numba's streams
-            return getattr(_HostMPI, name)(self, *args)
+            with _on_the_device_of(args):
+                device_ready()  # MPI reads and writes outside torch's and Numba's streams
+                return getattr(_HostMPI, name)(self, *args)
         verb.__name__ = name
         return verb
 

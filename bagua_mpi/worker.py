@@ -178,16 +178,23 @@ class CommWorker:
             f"waiting for it there deadlocks. Call the synchronous form instead (allreduce_ "
             f"rather than allreduce_async_ + synchronize, ...): nested, it runs at once, inline.")
 
-    def run(self, fn: Callable[[], Any], describe):
-        """Run ``fn`` now in this thread if the queue is idle, else behind the queued work.
+    def run(self, fn: Callable[[], Any], describe, device=None):
+        """Run ``fn`` now in this thread if the queue is idle, else behind the queued work;
+        either way with CUDA ``device`` current (a torch device or an index), by default the
+        one current here, as ``submit``'s work runs.
 
         Called from inside a running operation (an algorithm composing collectives, on the
         communication thread or inline), it runs ``fn`` at once: that operation already holds
-        the executor.
+        the executor (and ``device``, where given, is made current for it).
         """
+        if getattr(device, "type", "cuda") != "cuda":
+            device = None  # a host tensor's device: nothing to make current
         me = threading.get_ident()
-        if self._active == me:
-            return fn()  # nested in an operation that already holds the executor
+        if self._active == me:  # nested in an operation that already holds the executor
+            if device is None:
+                return fn()
+            with using_cuda_device(device):
+                return fn()
         with self._exec_lock:
             if self._pending == 0:
                 started = time.monotonic()
@@ -197,11 +204,12 @@ class CommWorker:
                 seq = recorder.begin(describe, started) if recorder is not None else 0
                 failed = True
                 try:
-                    device = _current_cuda_device()
-                    if device is None:
+                    on = _current_cuda_device() if device is None else device
+                    if on is None:
                         result = fn()
                     else:  # on the default stream, as on the communication thread
-                        with streams.on_the_library_stream(device) as caller_takes:
+                        with using_cuda_device(device), \
+                                streams.on_the_library_stream(on) as caller_takes:
                             result = fn()
                             caller_takes(result)
                     failed = False
@@ -214,7 +222,7 @@ class CommWorker:
                     log = self.comm_log  # read once: another thread may switch it off
                     if log is not None and not failed:
                         log.record(describe, started, time.monotonic())
-        return self.submit(fn, describe).wait()
+        return self.submit(fn, describe, device=device).wait()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has run. False on timeout."""

@@ -397,6 +397,73 @@ def test_an_asynchronous_collective_returns_without_waiting_for_the_callers_stre
     assert guarded == [torch.device("cuda", 1)]
 
 
+def test_a_synchronous_collective_runs_with_its_buffers_device_current(monkeypatch, initialized):
+    """As an asynchronous one does, inline and queued behind other work alike: torch exports a
+    CUDA tensor to a CUDA-aware MPI only from its own device, and the caller's current device
+    may be another GPU of the node. A stand-in buffer on cuda:1, with cuda:3 current; a host
+    buffer changes nothing."""
+    from bagua_mpi.collectives import _core
+
+    guarded = []
+    FakeCudaStreams(monkeypatch, [])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device",
+                        lambda d: guarded.append(d) or contextlib.nullcontext())
+
+    class OnCuda1:
+        device = torch.device("cuda", 1)
+
+    buffer = OnCuda1()
+    monkeypatch.setattr(_core, "is_cuda", lambda t: t is buffer)
+    rt = bm.runtime.get()
+    assert _core.run_now(rt, lambda: "inline", ("allreduce", "stand-in"),
+                         (torch.ones(1), buffer)) == "inline"
+    assert guarded == [torch.device("cuda", 1)]
+    guarded.clear()
+    release = threading.Event()
+    busy = rt.worker.submit(lambda: release.wait(5), ("busy",))
+    threading.Timer(0.2, release.set).start()
+    assert _core.run_now(rt, lambda: "queued", ("allreduce", "stand-in"), (buffer,)) == "queued"
+    busy.wait(5)
+    assert torch.device("cuda", 1) in guarded, guarded
+    guarded.clear()
+    assert _core.run_now(rt, lambda: "host", ("allreduce", "host"), (torch.ones(1),)) == "host"
+    assert guarded == [], guarded
+
+
+def test_a_cuda_aware_mpi_verb_runs_with_its_buffers_device_current(monkeypatch):
+    """The transport's verbs on device memory make the first CUDA tensor's device current
+    (lists of buffers too) while the host waits for it and MPI reads it: model averaging and
+    the sparse allgather reach them from the caller's thread. With no CUDA tensor (Numba
+    device arrays, host arrays) nothing is made current."""
+    from bagua_mpi import transport
+
+    current, seen = [3], []
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(d.index)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(transport, "device_ready", lambda: seen.append(("ready", current[-1])))
+    monkeypatch.setattr(transport._HostMPI, "exchange",
+                        lambda self, *args: seen.append(("exchange", current[-1])))
+
+    class OnCuda1(torch.Tensor):
+        is_cuda = True
+        device = torch.device("cuda", 1)
+
+    wire = transport._DeviceMPI(None)
+    wire.exchange(np.ones(2), [torch.ones(1), torch.ones(2).as_subclass(OnCuda1)], [1], 0)
+    assert seen == [("ready", 1), ("exchange", 1)] and current == [3], (seen, current)
+    seen.clear()
+    wire.exchange(np.ones(2), [np.ones(2)], [1], 0)
+    assert seen == [("ready", 3), ("exchange", 3)], seen
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 def test_an_asynchronous_allreduce_on_a_side_stream_returns_at_once_and_reads_the_write(

@@ -52,7 +52,7 @@ class ModelAveragingImpl(AlgorithmImpl):
 
             for i, bucket in enumerate(self.buckets):
                 worker.run(lambda b=bucket, first=i == 0: average(b, first),
-                           ("average", bucket.index))
+                           ("average", bucket.index), bucket.device)
 
     def check_hyperparameters(self) -> None:
         """Comm thread: with the ring neighbours only (``hyperparameters.check_ring_neighbours``),

@@ -177,7 +177,7 @@ def plain_allreduce(tensor, op, name=None, prescale_factor=1.0, postscale_factor
             return out
     run, d = _allreduce_run(rt, topo_of(rt, process_set), tensor, empty_like(tensor), op,
                             prescale_factor, postscale_factor, hierarchical, check)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, (tensor,), name)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -196,7 +196,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
         return tensor
     run, d = _allreduce_run(rt, topo_of(rt, process_set), tensor, tensor, op, prescale_factor,
                             postscale_factor, hierarchical, check)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, (tensor,), name)
 
 
 _complex_allreduce_ = complex_as_real(allreduce_, allreduce_op)  # its real view, in place
@@ -286,7 +286,7 @@ def plain_grouped_allreduce(tensors: Sequence, op, name=None, prescale_factor=1.
     outs = [empty_like(t) for t in tensors]
     run, d = _grouped_run(rt, topo_of(rt, process_set), tensors, outs, op, prescale_factor,
                           postscale_factor, hierarchical, check)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, tuple(tensors), name)
 
 
 def grouped_allreduce_(tensors: Sequence, average=None, name=None, op=None, prescale_factor=1.0,
@@ -297,7 +297,7 @@ def grouped_allreduce_(tensors: Sequence, average=None, name=None, op=None, pres
     rt = runtime.get()
     run, d = _grouped_run(rt, topo_of(rt, process_set), tensors, tensors, op, prescale_factor,
                           postscale_factor, hierarchical, check)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, tuple(tensors), name)
 
 
 def grouped_allreduce_async(tensors: Sequence, average=None, name=None, op=None,

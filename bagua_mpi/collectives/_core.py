@@ -59,16 +59,18 @@ _pending_names: dict[str, Handle] = {}
 _handle_names: dict[int, str] = {}
 
 
-def run_now(rt, run, describe, name=None):
+def run_now(rt, run, describe, tensors: tuple = (), name=None):
     """Run a synchronous operation on the executor and return its result (inline when nothing
-    is queued, else behind the queued work)."""
+    is queued, else behind the queued work), with the first CUDA tensor's device current, as
+    ``start``'s operations run: a CUDA-aware MPI takes a tensor only from its own device."""
+    device = _first_cuda_device(tensors)
     if name is None and timeline._collective is None:  # the common case, kept short
-        return rt.worker.run(run, describe)
+        return rt.worker.run(run, describe, device)
     if timeline._collective is not None:
         run = timeline._collective.wrap(run, name, describe)
     if name is not None and name in _pending_names:
         _reserve_name(name)  # raises: an operation of that name is still in flight
-    return rt.worker.run(run, describe)
+    return rt.worker.run(run, describe, device)
 
 
 def start(rt, run, describe, owned: tuple = (), name=None) -> Handle:
@@ -80,7 +82,7 @@ def start(rt, run, describe, owned: tuple = (), name=None) -> Handle:
     thread's stream, a CUDA-aware MPI after ``transport.device_ready``)."""
     if timeline._collective is not None:
         run = timeline._collective.wrap(run, name, describe)
-    device = next((t.device for t in owned if is_cuda(t)), None)
+    device = _first_cuda_device(owned)
     if name is None:
         return rt.worker.submit(run, describe, owned, device=device)
     _reserve_name(name)
@@ -88,6 +90,11 @@ def start(rt, run, describe, owned: tuple = (), name=None) -> Handle:
     _pending_names[name] = handle
     _handle_names[id(handle)] = name
     return handle
+
+
+def _first_cuda_device(tensors):
+    """The device of the first CUDA tensor among ``tensors``; None where there is none."""
+    return next((t.device for t in tensors if is_cuda(t)), None)
 
 
 def _reserve_name(name) -> None:

@@ -64,14 +64,14 @@ def allgather_with_rows(tensor, process_set=global_process_set, name=None):
     """``(gathered, rows of every rank)``: the allgather a gradient needs the rows of."""
     rt = runtime.get()
     run, d = allgather_run(rt, topo_of(rt, process_set), tensor)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, (tensor,), name)
 
 
 def plain_allgather(tensor, name=None, process_set=global_process_set):
     """``allgather`` of a tensor that needs no gradient."""
     rt = runtime.get()
     run, d = allgather_run(rt, topo_of(rt, process_set), tensor)
-    return run_now(rt, _gathered(run), d, name)
+    return run_now(rt, _gathered(run), d, (tensor,), name)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
@@ -89,7 +89,7 @@ def grouped_allgather_with_rows(tensors: Sequence, process_set=global_process_se
     """``[(gathered, rows of every rank), ...]``, one pair per tensor."""
     rt = runtime.get()
     run, d = _grouped_allgather_run(rt, topo_of(rt, process_set), tensors)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, tuple(tensors), name)
 
 
 def _all_gathered(run):
@@ -101,7 +101,7 @@ def plain_grouped_allgather(tensors: Sequence, name=None,
     """``grouped_allgather`` of tensors that need no gradient."""
     rt = runtime.get()
     run, d = _grouped_allgather_run(rt, topo_of(rt, process_set), tensors)
-    return run_now(rt, _all_gathered(run), d, name)
+    return run_now(rt, _all_gathered(run), d, tuple(tensors), name)
 
 
 def grouped_allgather_async(tensors: Sequence, name=None,
@@ -139,7 +139,7 @@ def plain_broadcast(tensor, root_rank: int = 0, name=None, process_set=global_pr
     rt = runtime.get()
     run, d = _broadcast_run(rt, topo_of(rt, process_set), tensor, empty_like(tensor),
                             root_of(rt, root_rank, process_set))
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, (tensor,), name)
 
 
 def broadcast_(tensor, root_rank: int = 0, name=None, process_set=global_process_set):
@@ -147,7 +147,7 @@ def broadcast_(tensor, root_rank: int = 0, name=None, process_set=global_process
     rt = runtime.get()
     run, d = _broadcast_run(rt, topo_of(rt, process_set), tensor, tensor,
                             root_of(rt, root_rank, process_set))
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, (tensor,), name)
 
 
 def broadcast_async(tensor, root_rank: int = 0, name=None,
@@ -229,7 +229,7 @@ def plain_alltoall(tensor, splits=None, name=None, process_set=global_process_se
     ``with_splits``, else the tensor."""
     rt = runtime.get()
     run, d = _alltoall_run(rt, topo_of(rt, process_set), tensor, splits, with_splits)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, (tensor,), name)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
@@ -330,7 +330,7 @@ def plain_reducescatter(tensor, name=None, op=Average, process_set=global_proces
     rt = runtime.get()
     run, d = _reducescatter_run(rt, topo_of(rt, process_set), tensor, op, prescale_factor,
                                 postscale_factor)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, (tensor,), name)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
@@ -355,7 +355,7 @@ def plain_grouped_reducescatter(tensors: Sequence, name=None, op=Average,
     rt = runtime.get()
     run, d = _grouped_reducescatter_run(rt, topo_of(rt, process_set), tensors, op,
                                         prescale_factor, postscale_factor)
-    return run_now(rt, run, d, name)
+    return run_now(rt, run, d, tuple(tensors), name)
 
 
 def grouped_reducescatter_async(tensors: Sequence, name=None, op=Average,

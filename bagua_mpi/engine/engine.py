@@ -393,7 +393,7 @@ class Engine:
             p.grad = self.worker.run(
                 lambda grad=grad: sparse_allgather(grad, wire, scale=impl.scale,
                                                    stats=impl.wire),
-                ("sparse gradient", self.names[i], tuple(p.shape)))
+                ("sparse gradient", self.names[i], tuple(p.shape)), p.device)
         self.wait_seconds += time.perf_counter() - started
 
     @property
