@@ -88,12 +88,14 @@ from bagua_mpi import cuda; lib = MPI.Get_library_version().splitlines()[0]; \
 print(cuda.mpi_is_cuda_aware(), cuda.how_decided(), '; loaded:', lib)" 2>&1 | tail -1)
         note "Intel MPI: CUDA-aware: $WHY"
         case "$WHY" in
-        True*)
-            timeout $(( T - 60 )) mpiexec -n 2 python3 tests/gpu/train_all.py \
-                --mode cuda-aware-impi \
-                --out "$RES/train.jsonl" 2>&1 | tail -14
+        True*)  # the answer given to both ranks, which would otherwise each probe again
+            BAGUA_MPI_CUDA_AWARE=1 timeout $(( T - 60 )) mpiexec -n 2 python3 \
+                tests/gpu/train_all.py --mode cuda-aware-impi --out "$RES/train.jsonl" 2>&1 \
+                | tee "$RES/train_impi.log" | tail -14
             exit ${PIPESTATUS[0]} ;;
-        *)  echo "{\"mode\": \"cuda-aware-impi\", \"skipped\": \"$WHY\"}" >> "$RES/train.jsonl"
+        *)  WHY=${WHY//\\/}   # the row is a JSON line: no quote or backslash of the answer's
+            echo "{\"mode\": \"cuda-aware-impi\", \"skipped\": \"${WHY//\"/}\"}" \
+                >> "$RES/train.jsonl"
             exit 0 ;;
         esac
     )
@@ -132,6 +134,7 @@ elif [[ "$AWARE" == True* ]]; then
 else
     AWARE=${AWARE:-False, no answer within 40 s}
     note "(b) CUDA-aware run skipped: $MPIVER is not CUDA-aware: $AWARE"
+    AWARE=${AWARE//\\/}
     echo "{\"mode\": \"cuda-aware\", \"skipped\": \"not CUDA-aware: ${AWARE//\"/}\"}" \
         >> "$RES/train.jsonl"
 fi
