@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 import bagua_mpi as bm
 from bagua_mpi import buffers, config, consistency, ops, topology
+from bagua_mpi.collectives import _core
 from bagua_mpi.exceptions import ConfigError, NestedAsyncError
 from bagua_mpi.worker import CommWorker
 from mpi_harness import skip_unless_mpi_cuda_aware
@@ -364,17 +365,10 @@ def test_worker_orders_its_device_work_with_a_caller_on_another_stream(monkeypat
         worker.close(5)
 
 
-def test_an_asynchronous_collective_returns_without_waiting_for_the_callers_stream(
-        monkeypatch, initialized):
-    """``allreduce_async`` and its kin hand the caller a handle at once, as Horovod's do: the
-    operation is ordered after the caller's stream on the device (an event on the stream of the
-    buffer's device, which the default stream waits for), never by a host wait, which would hold
-    the caller (a backward hook, say) until the GPU had caught up. A stand-in buffer on cuda:1,
-    with cuda:3 current, shows whose device the executor orders."""
-    from bagua_mpi.collectives import _core
-
-    log, guarded = [], []
-    cuda = FakeCudaStreams(monkeypatch, log)
+def on_cuda1_with_cuda3_current(monkeypatch, log):
+    """The stream fakes with cuda:3 current, the devices made current recorded in a list, and
+    a stand-in buffer on cuda:1 that the collectives take for a CUDA tensor."""
+    cuda, guarded = FakeCudaStreams(monkeypatch, log), []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "device",
@@ -385,6 +379,18 @@ def test_an_asynchronous_collective_returns_without_waiting_for_the_callers_stre
 
     buffer = OnCuda1()
     monkeypatch.setattr(_core, "is_cuda", lambda t: t is buffer)
+    return cuda, guarded, buffer
+
+
+def test_an_asynchronous_collective_returns_without_waiting_for_the_callers_stream(
+        monkeypatch, initialized):
+    """``allreduce_async`` and its kin hand the caller a handle at once, as Horovod's do: the
+    operation is ordered after the caller's stream on the device (an event on the stream of the
+    buffer's device, which the default stream waits for), never by a host wait, which would hold
+    the caller (a backward hook, say) until the GPU had caught up. A stand-in buffer on cuda:1,
+    with cuda:3 current, shows whose device the executor orders."""
+    log = []
+    cuda, guarded, buffer = on_cuda1_with_cuda3_current(monkeypatch, log)
     side = cuda.Stream("side", log)
     rt = bm.runtime.get()
     with torch.cuda.stream(side):
@@ -402,20 +408,7 @@ def test_a_synchronous_collective_runs_with_its_buffers_device_current(monkeypat
     CUDA tensor to a CUDA-aware MPI only from its own device, and the caller's current device
     may be another GPU of the node. A stand-in buffer on cuda:1, with cuda:3 current; a host
     buffer changes nothing."""
-    from bagua_mpi.collectives import _core
-
-    guarded = []
-    FakeCudaStreams(monkeypatch, [])
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "device",
-                        lambda d: guarded.append(d) or contextlib.nullcontext())
-
-    class OnCuda1:
-        device = torch.device("cuda", 1)
-
-    buffer = OnCuda1()
-    monkeypatch.setattr(_core, "is_cuda", lambda t: t is buffer)
+    _, guarded, buffer = on_cuda1_with_cuda3_current(monkeypatch, [])
     rt = bm.runtime.get()
     assert _core.run_now(rt, lambda: "inline", ("allreduce", "stand-in"),
                          (torch.ones(1), buffer)) == "inline"
