@@ -64,6 +64,21 @@ def test_profile_of_the_communication_thread_runs_on_cpu_and_reaches_the_summary
     assert "## cProfile of qsgd's communication thread" in summary
 
 
+def test_nccl_checks_group_verbs_run_under_gloo():
+    """``nccl_check.py``'s direct calls of the group's verbs (step (c): NCCL at world size 1,
+    where the transport's shortcuts skip the reductions) under gloo on CPU tensors: the
+    script's own logic, and each verb for each dtype of its list."""
+    code = ("import sys; sys.path.insert(0, 'tests/gpu'); import nccl_check; "
+            "from mpi4py import MPI; from bagua_mpi import process_groups; "
+            "print(nccl_check.group_verbs_at_world_size_one("
+            "process_groups.group(MPI.COMM_SELF, 'gloo'), 'cpu'))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gloo group verbs at world size 1: OK (80 calls over 8 dtypes" in result.stdout, \
+        result.stdout
+
+
 def test_kernel_benchmark_gpu_section_runs_in_the_simulator():
     """``benchmarks/kernels.py``'s GPU section (step (d) of the check) end to end on Numba's
     CUDA simulator at a tiny size: every row with its device, idle-device and host times."""

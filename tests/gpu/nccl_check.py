@@ -84,6 +84,8 @@ def main():
         print(f"NCCL backend {name!r} at world size 1: OK ({len(calls)} NCCL allreduces in "
               f"30 steps, loss {first:.4f} -> {loss.item():.4f})", flush=True)
     results["point_to_point"] = point_to_point_on_nccl(topo.comm)
+    results["group_verbs"] = group_verbs_at_world_size_one(
+        process_groups.group(topo.comm, "nccl"), "cuda")
     results["data_movement"] = data_movement_on_nccl()
     results["algorithms"] = every_algorithm_on_nccl()
     with open(out, "w") as fh:
@@ -110,6 +112,44 @@ def point_to_point_on_nccl(comm) -> dict:
     return {"ok": True, "bytes": send.numel() * 4,
             "nccl_timeout_s": None if timeout is None else timeout.total_seconds(),
             "stall_abort_s": bm.runtime.get().watchdog.abort_after}
+
+
+# the dtypes the library's payloads take to a group: float32 and float64 values, 16-bit words,
+# indices, quantized bytes
+VERB_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+               torch.int32, torch.int8, torch.uint8)
+
+
+def group_verbs_at_world_size_one(group, device) -> dict:
+    """Each verb of the library's process group called on the group itself, for every dtype
+    of ``VERB_DTYPES``: at world size 1 each gives its input back. The transport skips the
+    reductions, the broadcast and the reduce-scatter at world size 1 (its own copy), so this
+    is where they meet the library (NCCL on a GPU; CI runs it under gloo on the host)."""
+    wrong, calls = [], 0
+    for dtype in VERB_DTYPES:
+        x = (torch.arange(4096, device=device) % 100).to(dtype)
+        in_place = {f"allreduce_ {op}": lambda t, op=op: group.allreduce_(t, op)
+                    for op in process_groups.REDUCE_OPS}
+        in_place.update({"reduce_": lambda t: group.reduce_(t, 0),
+                         "broadcast_": lambda t: group.broadcast_(t, 0)})
+        into = {"allgather": group.allgather, "alltoall": group.alltoall,
+                "alltoall with splits": lambda s, r: group.alltoall(s, r, [s.numel()],
+                                                                    [r.numel()]),
+                "reduce_scatter": group.reduce_scatter}
+        got = {}
+        for name, verb in in_place.items():
+            got[name] = x.clone()
+            verb(got[name])
+        for name, verb in into.items():
+            got[name] = torch.zeros_like(x)
+            verb(x, got[name])
+        calls += len(got)
+        wrong += [f"{name} {dtype}" for name, t in got.items() if not torch.equal(t, x)]
+    ok = not wrong
+    print(f"{group.pg.name()} group verbs at world size 1: {'OK' if ok else 'FAIL'} ({calls} "
+          f"calls over {len(VERB_DTYPES)} dtypes; wrong: {wrong})", flush=True)
+    assert ok, wrong
+    return {"ok": ok, "calls": calls, "wrong": wrong}
 
 
 def data_movement_on_nccl() -> dict:
