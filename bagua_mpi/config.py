@@ -51,6 +51,9 @@ BAGUA_MPI_HANG_DIR              (unset)  directory every rank can read where ran
 BAGUA_MPI_COMM_LOG              0        communication log: per-operation and per-bucket
                                          calls, bytes, time and bus bandwidth; rank 0 prints the
                                          table at shutdown (``docs/comm_log.md``)
+BAGUA_MPI_STORE_ADDR            (auto)   address of rank 0's host where the NCCL and gloo
+                                         groups' ranks meet (its TCP store); default: the
+                                         loopback on one host, else its outward interface's
 ==============================  =======  =========================================================
 
 Flags accept 1/0, true/false, yes/no, on/off (any case); an empty value means the default.
@@ -75,6 +78,7 @@ KNOWN = (
     "BAGUA_MPI_TIMELINE", "BAGUA_MPI_CHECKPOINT_SCHEME", "BAGUA_MPI_CHECKPOINT_FAULT",
     "BAGUA_MPI_ELASTIC_DIR", "BAGUA_MPI_BACKEND", "BAGUA_MPI_SHARED_BUCKETS",
     "BAGUA_MPI_FLIGHT_RECORDER_SIZE", "BAGUA_MPI_HANG_DIR", "BAGUA_MPI_COMM_LOG",
+    "BAGUA_MPI_STORE_ADDR",
 )
 TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
 
@@ -247,6 +251,13 @@ def comm_log() -> bool:
     return env_flag("BAGUA_MPI_COMM_LOG", False)
 
 
+def store_address() -> str | None:
+    """``BAGUA_MPI_STORE_ADDR``: where the process groups' ranks reach rank 0's store, or None
+    (the library picks: ``process_groups._host_address``)."""
+    value = _raw("BAGUA_MPI_STORE_ADDR")
+    return None if value is None else value.strip()
+
+
 def timeline_prefix() -> str | None:
     """``BAGUA_MPI_TIMELINE``: path prefix of the per-rank timeline files, or None."""
     value = _raw("BAGUA_MPI_TIMELINE")
@@ -290,7 +301,7 @@ _ACCESSORS = {
     "BAGUA_MPI_CHECKPOINT_FAULT": checkpoint_fault, "BAGUA_MPI_ELASTIC_DIR": elastic_dir,
     "BAGUA_MPI_BACKEND": backend, "BAGUA_MPI_SHARED_BUCKETS": shared_buckets,
     "BAGUA_MPI_FLIGHT_RECORDER_SIZE": flight_recorder_size, "BAGUA_MPI_HANG_DIR": hang_dir,
-    "BAGUA_MPI_COMM_LOG": comm_log,
+    "BAGUA_MPI_COMM_LOG": comm_log, "BAGUA_MPI_STORE_ADDR": store_address,
 }
 assert set(_ACCESSORS) == set(KNOWN)
 

@@ -62,6 +62,7 @@ _REEXPORTS = {
     "UnsupportedOptionError": "bagua_mpi.algorithms.base",
     "BackendError": "bagua_mpi.backends",
     "BackendUnavailableError": "bagua_mpi.backends",
+    "StoreUnreachableError": "bagua_mpi.process_groups",
     "CheckpointError": "bagua_mpi.checkpoint.errors",
     "CheckpointNotFoundError": "bagua_mpi.checkpoint.errors",
     "CheckpointCorruptError": "bagua_mpi.checkpoint.errors",

@@ -20,13 +20,23 @@ import datetime
 import socket
 import threading
 
+from . import config
+from .exceptions import CommunicationError
+
 LIBRARIES = ("nccl", "gloo")
+STORE_CONNECT_S = 60.0  # how long a rank tries to reach rank 0's store before the group fails
 
 _lock = threading.Lock()
 _groups: dict = {}  # (library, id of the MPI communicator) -> ProcessGroup
 made = 0  # groups made in this process (a test reads it: one per communicator and library)
 _timeout = datetime.timedelta(minutes=10)  # set_timeout
 NEVER = datetime.timedelta(days=3650)  # a stall limit of 0 ("never") as a group's timeout
+
+
+class StoreUnreachableError(CommunicationError):
+    """A process group's ranks could not meet in rank 0's store: no address of rank 0's host
+    serves the other hosts, or some ranks could not reach it. Raised on every rank of the
+    group, naming the address and the ranks; ``BAGUA_MPI_STORE_ADDR`` sets the address."""
 
 
 def set_timeout(seconds: float) -> None:
@@ -56,17 +66,9 @@ class ProcessGroup:
                   if library == "nccl" and torch.cuda.is_available() else torch.device("cpu"))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        host = _host_address(comm)  # collective: every rank takes part
-        store = address = None
-        if self.rank == 0:
-            store = dist.TCPStore(host, 0, self.size, is_master=True, wait_for_workers=False)
-            address = (host, store.port)
-        address = comm.bcast(address, root=0)
-        if store is None:
-            store = dist.TCPStore(address[0], address[1], self.size, is_master=False)
-        self.store = store  # kept alive: the group's rendezvous lives in it
+        self.store = _meet_in_store(comm, library)  # kept alive: the group's rendezvous
         # a store of its own per group (rank 0 of each group serves it): no prefix clash
-        prefixed = dist.PrefixStore(f"bagua_mpi/{library}/", store)
+        prefixed = dist.PrefixStore(f"bagua_mpi/{library}/", self.store)
         self.comm = comm
         if library == "gloo":
             self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size, _timeout)
@@ -164,13 +166,62 @@ class ProcessGroup:
 REDUCE_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "product": "PRODUCT"}
 
 
-def _host_address(comm) -> str:
-    """An address rank 0's store is reachable at from every rank of ``comm``: the loopback
-    when all ranks share rank 0's host, else the address of rank 0's outward interface (the
-    one its default route uses; ``gethostbyname`` often answers 127.0.1.1)."""
+def _meet_in_store(comm, library: str):
+    """Every rank of ``comm`` connected to one ``TCPStore``, which rank 0 serves; collective.
+
+    1. rank 0 picks the address (``_host_address``) and starts the store on a free port;
+    2. the address goes out with mpi4py;
+    3. every other rank connects, for at most ``STORE_CONNECT_S``;
+    4. the ranks agree on who failed: a store that some rank cannot reach fails every rank
+       alike with ``StoreUnreachableError`` (one rank's torch error after minutes, while the
+       others waited in NCCL's set-up, would otherwise be the first sign)."""
+    import torch.distributed as dist
+
+    host = _host_address(comm)  # collective: every rank takes part
+    store = address = None
+    if comm.Get_rank() == 0 and host is not None:
+        store = dist.TCPStore(host, 0, comm.Get_size(), is_master=True, wait_for_workers=False)
+        address = (host, store.port)
+    address = comm.bcast(address, root=0)
+    rank, where = comm.Get_rank(), "the address " + (f"{address[0]}:{address[1]}" if address
+                                                    else "of no interface")
+    if address is None:
+        raise StoreUnreachableError(
+            f"bagua_mpi rank {rank}: the {library} group's ranks run on several hosts, and rank "
+            f"0's host has no address but the loopback (no default route; its name resolves "
+            f"to 127.x); set BAGUA_MPI_STORE_ADDR to an address of rank 0's host that the "
+            f"other hosts reach")
+    failed = ""
+    if store is None:
+        try:
+            store = dist.TCPStore(address[0], address[1], comm.Get_size(), is_master=False,
+                                  timeout=datetime.timedelta(seconds=STORE_CONNECT_S))
+            store.set_timeout(_timeout)  # then the group's own limit for its rendezvous
+        except Exception as exc:  # noqa: BLE001 - torch's store errors have no common base
+            failed = f"{type(exc).__name__}: {exc}"[:300]
+    unreachable = {r: why for r, why in enumerate(comm.allgather(failed)) if why}
+    if unreachable:
+        first = min(unreachable)
+        raise StoreUnreachableError(
+            f"bagua_mpi rank {rank}: rank(s) {sorted(unreachable)} of the {library} group could "
+            f"not reach rank 0's store at {where} within {STORE_CONNECT_S:g} s (rank {first}: "
+            f"{unreachable[first]}); set BAGUA_MPI_STORE_ADDR to an address of rank 0's host "
+            f"that every host reaches, and check that no firewall closes its ports")
+    return store
+
+
+def _host_address(comm) -> str | None:
+    """An address rank 0's store is reachable at from every rank of ``comm``:
+    ``BAGUA_MPI_STORE_ADDR`` when set; else the loopback when all ranks share rank 0's host;
+    else the address of rank 0's outward interface (the one its default route uses), or what
+    its host name resolves to (``gethostbyname`` often answers 127.0.1.1); None where that is
+    a loopback address too. Collective."""
     from mpi4py import MPI
 
     hosts = comm.allgather(MPI.Get_processor_name())
+    configured = config.store_address()
+    if configured is not None:
+        return configured
     if all(h == hosts[0] for h in hosts):
         return "127.0.0.1"
     try:
@@ -181,7 +232,11 @@ def _host_address(comm) -> str:
             return address
     except OSError:
         pass
-    return socket.gethostbyname(socket.gethostname())
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
 
 
 def group(comm, library: str = "nccl") -> ProcessGroup:

@@ -250,6 +250,82 @@ def check_groups_take_the_jobs_stall_limit_as_their_timeout(rank, size):
             dist.ProcessGroupNCCL = saved
 
 
+def _group_over(comm, library="gloo"):
+    """The library's group over ``comm``, or the exception that building it raised."""
+    try:
+        return process_groups.group(comm, library)
+    except Exception as exc:  # noqa: BLE001 - handed back for the check to look at
+        return exc
+
+
+def check_a_store_no_other_host_can_reach_fails_every_rank(rank, size):
+    """Ranks on several hosts whose rank 0 has only a loopback address (no default route, its
+    name resolving to 127.0.1.1) raise ``StoreUnreachableError`` on every rank, naming
+    ``BAGUA_MPI_STORE_ADDR``, instead of waiting to connect there; with the variable set they
+    meet at its address. One host: the loopback serves."""
+    import socket
+    saved = (MPI.Get_processor_name, socket.socket, socket.gethostbyname,
+             os.environ.get("BAGUA_MPI_STORE_ADDR"))
+
+    def no_route(*args, **kwargs):
+        raise OSError("stand-in: Network is unreachable")
+
+    MPI.Get_processor_name = lambda: f"host{rank}"   # every rank on a host of its own
+    socket.socket, socket.gethostbyname = no_route, lambda name: "127.0.1.1"
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        got = _group_over(comm)
+        if size == 1:   # one host: the loopback
+            assert isinstance(got, process_groups.ProcessGroup), got
+        else:
+            assert isinstance(got, process_groups.StoreUnreachableError), got
+            assert "BAGUA_MPI_STORE_ADDR" in str(got) and f"rank {rank}:" in str(got), got
+            os.environ["BAGUA_MPI_STORE_ADDR"] = "127.0.0.1"   # where these hosts meet
+            got = _group_over(comm)
+            assert isinstance(got, process_groups.ProcessGroup), got
+        x = torch.full((3,), float(rank + 1))
+        got.allreduce_(x)
+        assert torch.equal(x, torch.full((3,), size * (size + 1) / 2)), x
+    finally:
+        MPI.Get_processor_name, socket.socket, socket.gethostbyname, addr = saved
+        os.environ.pop("BAGUA_MPI_STORE_ADDR", None)
+        if addr is not None:
+            os.environ["BAGUA_MPI_STORE_ADDR"] = addr
+        MPI.COMM_WORLD.Barrier()   # rank 0 serves the store until every rank is done
+        process_groups.forget([comm])
+        comm.Free()
+
+
+def check_a_rank_that_cannot_reach_the_store_fails_every_rank(rank, size):
+    """The last rank's connection to rank 0's store fails (a stand-in for a firewall or a
+    wrong address): every rank raises ``StoreUnreachableError`` naming that rank and its
+    error, rather than the others going on into NCCL's set-up to wait for it."""
+    real = dist.TCPStore
+    last = size - 1
+
+    def store(host, port, world, is_master, **kwargs):
+        if not is_master and rank == last:
+            raise RuntimeError(f"stand-in: connect to {host}:{port} timed out")
+        return real(host, port, world, is_master=is_master, **kwargs)
+
+    dist.TCPStore = store
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        got = _group_over(comm)
+        if size == 1:   # rank 0 serves its own store: nothing to reach
+            assert isinstance(got, process_groups.ProcessGroup), got
+        else:
+            assert isinstance(got, process_groups.StoreUnreachableError), got
+            text = str(got)
+            assert f"rank(s) [{last}]" in text and "stand-in: connect" in text, text
+            assert f"rank {rank}:" in text, text
+    finally:
+        dist.TCPStore = real
+        MPI.COMM_WORLD.Barrier()
+        process_groups.forget([comm])
+        comm.Free()
+
+
 # every check_ function above, by name
 CHECKS = {name.removeprefix("check_").replace("_", "-"): fn
           for name, fn in list(globals().items()) if name.startswith("check_")}
