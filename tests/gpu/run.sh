@@ -79,7 +79,10 @@ if [ -f .whl/impi-slim.tar.xz ] && [ "$T" -ge 120 ]; then
     rm -rf /tmp/impi && mkdir -p /tmp/impi && tar -xJf .whl/impi-slim.tar.xz -C /tmp/impi
     ln -sf mpiexec.hydra /tmp/impi/bin/mpiexec
     (   # its own environment: Intel MPI and MPICH both ship libmpi.so.12 and mpiexec
-        export PATH=/tmp/impi/bin:${PATH#/tmp/mpich/bin:} LD_LIBRARY_PATH=/tmp/impi/lib
+        # the image's own library path after Intel's (libcuda may be found only through it)
+        IMAGE_LD=${LD_LIBRARY_PATH:-}; IMAGE_LD=${IMAGE_LD#/tmp/mpich/lib}; IMAGE_LD=${IMAGE_LD#:}
+        export PATH=/tmp/impi/bin:${PATH#/tmp/mpich/bin:}
+        export LD_LIBRARY_PATH=/tmp/impi/lib${IMAGE_LD:+:$IMAGE_LD}
         export I_MPI_ROOT=/tmp/impi FI_PROVIDER_PATH=/tmp/impi/lib
         export MPI4PY_LIBMPI=/tmp/impi/lib/libmpi.so.12  # not whichever libmpi it finds first
         export I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda I_MPI_OFFLOAD_CUDA_LIBRARY=libcuda.so.1
