@@ -145,6 +145,68 @@ def test_rng_states_round_trip(tmp_path):
     assert want[2:] == got[2:]
 
 
+class FakeCudaGenerators:
+    """torch.cuda's generator functions for a machine without a GPU: ``count`` devices, each
+    with a state (a uint8 tensor) kept by index, and ``current`` the current one."""
+
+    def __init__(self, monkeypatch, count, current):
+        self.states = {i: torch.full((8,), i, dtype=torch.uint8) for i in range(count)}
+        self.current = current
+
+        def set_one(state, device):
+            self.states[device] = state.clone()
+
+        def set_all(states):
+            assert len(states) == len(self.states)
+            for i, state in enumerate(states):
+                set_one(state, i)
+        for name, fn in {"is_available": lambda: True, "is_initialized": lambda: True,
+                         "device_count": lambda: len(self.states),
+                         "current_device": lambda: self.current,
+                         "get_rng_state_all": lambda: [self.states[i].clone()
+                                                       for i in sorted(self.states)],
+                         "get_rng_state": lambda device: self.states[device].clone(),
+                         "set_rng_state_all": set_all, "set_rng_state": set_one}.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def values(self):
+        return {i: int(state[0]) for i, state in self.states.items()}
+
+
+@pytest.mark.parametrize("count,current,want,restored", [
+    (4, 2, {0: 0, 1: 1, 2: 92, 3: 3}, True),    # the same GPUs: every generator by its index
+    (1, 0, {0: 92}, True),                       # one visible now (bind_gpu.sh): the rank's own
+    (4, 1, {0: 50, 1: 92, 2: 52, 3: 53}, True),  # another GPU current: it continues cuda:2's
+])
+def test_the_current_gpus_generator_continues_where_the_gpus_changed(tmp_path, monkeypatch,
+                                                                     count, current, want,
+                                                                     restored):
+    """Saved on 4 visible GPUs with cuda:2 current (its generator advanced to 92): resumed on
+    the same GPUs every state goes back by index; on other GPUs the current device's generator
+    continues cuda:2's, where restoring by index would hand it a state never advanced (or skip
+    them all, reporting a restore)."""
+    saving = FakeCudaGenerators(monkeypatch, 4, 2)
+    saving.states[2].fill_(92)
+    state = tree_round_trip(tmp_path, rng_state.capture())
+    resuming = FakeCudaGenerators(monkeypatch, count, current)
+    for i in resuming.states:
+        resuming.states[i].fill_(50 + i)
+    assert rng_state.restore(state) is restored
+    assert resuming.values() == want
+
+
+def test_cuda_generators_that_cannot_continue_are_reported_not_restored(tmp_path, monkeypatch):
+    """A tree from before ``cuda_current`` resumed on other GPUs, or any CUDA state where CUDA
+    is missing: nothing is set and ``restore`` says so (``info.rng_restored`` False)."""
+    FakeCudaGenerators(monkeypatch, 4, 2)
+    state = rng_state.capture()
+    del state["cuda_current"]
+    resuming = FakeCudaGenerators(monkeypatch, 2, 0)
+    assert rng_state.restore(state) is False and resuming.values() == {0: 0, 1: 1}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rng_state.restore(state) is False
+
+
 # -- save / load in one process ----------------------------------------------------------------
 
 def make(seed=0, algorithm="gradient_allreduce"):

@@ -191,8 +191,7 @@ def _apply(parts: dict, meta: dict, model, named: dict | None, algorithms: dict,
                 saved = optimizers.meta_entry(meta, name)["algorithm"]
                 optimizer.steps = int(saved["steps"])  # the step count goes on
     if restore_rng and "rng" in parts:
-        rng_state.restore(parts["rng"])
-        return True
+        return rng_state.restore(parts["rng"])
     return False
 
 
