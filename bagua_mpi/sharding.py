@@ -330,7 +330,8 @@ class ShardedOptimizer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The logical (unsharded) state dict: the same on every rank; collective."""
+        """The logical (unsharded) state dict, its tensors in host memory: the same on every
+        rank; collective."""
         groups = self.user.state_dict()["param_groups"]
         if self.inner is None:  # before the first step: nothing sharded yet
             held = self._held or {}
@@ -348,7 +349,10 @@ class ShardedOptimizer:
                             f"elementwise; use zero_stage=0")
                     entry[key] = ("tensor", str(value.dtype))
                 else:
-                    entry[key] = ("value", value.clone() if torch.is_tensor(value) else value)
+                    # a 0-d tensor goes to the others in an MPI message: as a host tensor, or
+                    # it would be rebuilt on the sender's GPU index (Adam's fused ``step``)
+                    entry[key] = ("value", value.detach().to("cpu", copy=True)
+                                  if torch.is_tensor(value) else value)
         def gather_layout():
             consistency.check_called_everywhere(
                 self.topo.comm, "opt.state_dict",
@@ -375,8 +379,10 @@ class ShardedOptimizer:
                 yield pc, piece_state
 
     def _gather_tensors(self, layout: dict, state: dict) -> None:
-        """Each elementwise state entry, whole: per bucket and entry, this rank's slice in place
-        in a padded flat buffer, then an in-place allgather."""
+        """Each elementwise state entry, whole, in host memory: per bucket and entry, this
+        rank's slice in place in a padded flat buffer on the bucket's device, an in-place
+        allgather, then one copy to the host, so that a GPU holds one bucket's entry at a time
+        beside the shards, never the whole state."""
         mine = {(id(pc.bucket), pc.position): pc for pc, _ in self._piece_states()}
         for bucket in self.buckets:
             positions = [self.position[id(p)] for p in bucket.params]
@@ -393,11 +399,12 @@ class ShardedOptimizer:
                         flat[pc.start:pc.stop] = self.inner.state[pc.tensor][key]
                 runtime.get().worker.run(
                     lambda flat=flat, part=bucket.part: self._allgather_slices(flat, part),
-                    ("zero state gather", key))
+                    ("zero state gather", key), bucket.device)
+                whole = flat.cpu()
                 for i, pos in enumerate(positions):
                     if key in {name for name, (kind, _) in layout.get(pos, {}).items()
                                if kind == "tensor"}:
-                        state[pos][key] = bucket.param_view(flat, i).clone()
+                        state[pos][key] = bucket.param_view(whole, i).clone()
 
     def local_state_dict(self) -> dict:
         """This rank's own part, not gathered (no communication, 1/n of the state): the user's
