@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 import bagua_mpi as bm
-from bagua_mpi import backends, transport
+from mpi4py import MPI
+
+from bagua_mpi import backends, process_groups, topology, transport
 from bagua_mpi.accounting import staging
 from bagua_mpi.primitives.decentralized import random_peers, ring_peers
 from checks import run_checks
@@ -232,6 +234,31 @@ def check_staging_counted(rank, size):
     assert snap["d2h_bytes"] == staged and snap["dense_d2h_bytes"] == 0, snap
 
 
+def check_nccl_hierarchical_form(rank, size):
+    """``transport.nccl_allreduce_``'s two-level form (NCCL inside each node, MPI among the
+    node leaders, NCCL's broadcast back), with gloo groups standing in for NCCL's, on nodes of
+    one rank and of two: every op and float dtype against the oracle. Otherwise only a job of
+    several nodes with GPUs runs this code (a one-GPU machine runs NCCL at world size 1)."""
+    if backends.resolve() != "gloo":
+        return   # the stand-in is the gloo group
+    real = process_groups.group
+    process_groups.group = lambda comm, library="nccl": real(comm, "gloo")
+    everyone = np.stack([data(r) for r in range(size)]).astype(np.float64)
+    oracles = {"sum": everyone.sum(0), "max": everyone.max(0), "min": everyone.min(0),
+               "product": everyone.prod(0)}
+    try:
+        for per_node in (1, 2):
+            topo = topology.build(MPI.COMM_WORLD, per_node)
+            for op, expected in oracles.items():
+                for dtype in (torch.float32, torch.float16, torch.float64):
+                    t = torch.from_numpy(data(rank)).to(dtype)
+                    transport.nccl_allreduce_(t, topo, "nccl_hierarchical", op)
+                    assert np.array_equal(t.double().numpy(), expected), \
+                        (per_node, op, dtype, t, expected)
+    finally:
+        process_groups.group = real
+
+
 def main():
     bm.init()
     failures = run_checks({"allreduce": check_allreduce,
@@ -243,7 +270,8 @@ def main():
                            "every_verb_checked": check_every_verb_checked,
                            "send_recv": check_send_recv, "exchange": check_exchange,
                            "moves_every_dtype": check_moves_every_dtype,
-                           "staging_counted": check_staging_counted})
+                           "staging_counted": check_staging_counted,
+                           "nccl_hierarchical_form": check_nccl_hierarchical_form})
     if bm.rank() == 0 and not failures:
         print(f"transport suite OK on {bm.size()} ranks, backend {backends.resolve()}, "
               f"simulator {SIM}", flush=True)
