@@ -29,7 +29,8 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     the cast scatter-reduce (sums in float32). A host tensor that MPI carries, on the library's
     own communicator, goes through the collectives' allreduce (its zero-copy fast path); every
     other case through the transport (``transport.py``): NCCL or gloo in the tensor's own
-    dtype, MPI with 16-bit floats summed in float32; then scaled where the tensor lives.
+    dtype, MPI with 16-bit floats summed in float32; scaled by ``prescale`` before the sum and
+    by ``postscale`` after it, where the tensor lives.
 
     ``shared`` (no rank inside ``join()``): a bucket in node-shared memory is reduced in place
     (``node_shared.py``; full precision inside a node, ``wire_dtype`` for what crosses nodes),
@@ -63,6 +64,10 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
                                hierarchical=False, check=False)
     else:
         work = t if t.is_contiguous() else t.contiguous()
+        # scaled before the sum as well as after, as on every other path: NCCL and gloo sum
+        # 16-bit floats in their own dtype, and a gradient_predivide_factor is what keeps
+        # that sum in range
+        scale_(work, prescale)
         # the global communicator: the collectives' chooser (NCCL flat or in the node); a
         # process set's communicator: its own group through the transport below
         if comm is library_comm and comm is topo.comm and collectives.uses_nccl_allreduce(
@@ -72,7 +77,7 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
             wire.allreduce_(work)
         if work is not t:
             t.copy_(work)
-        scale_(t, prescale * postscale)
+        scale_(t, postscale)
     stats.allreduce(t.numel() * t.element_size(), n)
 
 

@@ -1467,6 +1467,28 @@ def check_compression(size: int) -> int:
     return checks
 
 
+def check_predivide_keeps_16_bit_sums_in_range(rank: int, size: int) -> int:
+    """float16 parameters whose gradient is 40000 on every rank (fp16's largest value is
+    65504): with ``gradient_predivide_factor=size`` the ranks sum 40000 / size each, and the
+    average, 40000, comes back exact on every carrier. Scaled only after the sum (gloo and
+    NCCL did), the sum of 40000 x size overflowed to inf; without the predivide, the MPI
+    carriers sum in float32 and round once, and the exact average still comes back."""
+    checks = 0
+    for predivide in (float(size), 1.0):
+        p = torch.nn.Parameter(torch.ones(8, dtype=torch.float16))
+        opt = bm.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("p", p)],
+                                      gradient_predivide_factor=predivide)
+        opt.zero_grad()
+        (p * 40000.0).sum().backward()
+        opt.step()
+        opt.close()
+        if predivide > 1.0 or bm.backends.resolve() == "mpi":
+            assert torch.equal(p.grad, torch.full((8,), 40000.0, dtype=torch.float16)), \
+                (predivide, p.grad)
+            checks += 1
+    return checks
+
+
 def check_bucket_order_and_overlap_in_tmp(rank: int, size: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = bm.broadcast_object(tmp if rank == 0 else None)
@@ -1506,6 +1528,7 @@ def suite_checks() -> dict:
         "mismatched_settings": check_mismatched_settings,
         "auto_that_decides_differently": check_auto_that_decides_differently,
         "bucket_order_and_overlap": check_bucket_order_and_overlap_in_tmp,
+        "predivide_keeps_16_bit_sums_in_range": check_predivide_keeps_16_bit_sums_in_range,
     }
 
 
