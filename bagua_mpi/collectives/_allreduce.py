@@ -45,11 +45,13 @@ def _route_fields(route: tuple, hier: bool) -> tuple:
     """What the signature says of how the allreduce runs, where that is not the flat MPI
     allreduce (whose signature says nothing of it): ``("wire", "nccl")`` on NCCL, so ranks
     whose ``auto`` decided differently (a node with a GPU per rank and one without) disagree
-    in the check by name instead of each waiting in a library the other never calls; else
-    ``("hierarchical", True)`` for MPI's two-level form (node, leaders, node), whose calls
-    never meet a flat allreduce's. NCCL picks its own form, so there ``hier`` is not said."""
+    in the check by name instead of each waiting in a library the other never calls, and
+    ``("wire", "nccl_hierarchical")`` for NCCL's two-level form, whose groups are the node's,
+    not the job's; else ``("hierarchical", True)`` for MPI's two-level form (node, leaders,
+    node), whose calls never meet a flat allreduce's. NCCL's form is the backend's, so there
+    ``hier`` is not said."""
     if route[0] == "nccl":
-        return (("wire", "nccl"),)
+        return (("wire", route[1]),)
     return (("hierarchical", True),) if hier else ()
 
 

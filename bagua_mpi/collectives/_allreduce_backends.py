@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .. import transport
+from .. import backends, transport
 from ..buffers import fast_cpu_view
 from ._group_movement import reduction_name
 
@@ -31,12 +31,14 @@ def uses_nccl_allreduce(tensor, topo, backend: str | None = None) -> bool:
 def join_route(tensor, topo, backend: str | None = None, comm=None) -> tuple:
     """How a rank inside ``join()`` must add its zeros to a dense allreduce of ``tensor`` over
     ``comm`` (default ``topo.comm``) so that it meets the training ranks on the same wire:
-    ``("mpi",)``; ``("nccl", backend)`` (``transport.nccl_allreduce_``); or ``("transport",
+    ``("mpi",)``; ``("nccl", form)`` (``transport.nccl_allreduce_`` in that form: ``nccl``,
+    flat, or ``nccl_hierarchical``); or ``("transport",
     backend, device type)`` (a process group, or MPI on device memory). Sent to the joined
     rank in the agreement message."""
     comm = topo.comm if comm is None else comm
     if comm is topo.comm and uses_nccl_allreduce(tensor, topo, backend):
-        return ("nccl", backend)
+        hierarchical = backends.resolve(backend) == "nccl_hierarchical"
+        return ("nccl", "nccl_hierarchical" if hierarchical else "nccl")
     wire = transport.Transport(comm, backend)
     if wire.carrier(tensor) == "mpi":
         return ("mpi",)

@@ -50,14 +50,15 @@ def expect(exc_type, fn, *needles):
     raise AssertionError(f"{fn} did not raise {exc_type.__name__}")
 
 
-def as_if_on_nccl(fn):
-    """``fn()`` on this rank as if its dense allreduces ran on NCCL (a node whose ``auto``
-    took NCCL while the others' took MPI): only the route is changed, since the agreement
-    check must stop the call before any reduction starts."""
+def as_if_on_nccl(fn, form="nccl"):
+    """``fn()`` on this rank as if its dense allreduces ran on NCCL in ``form`` (``nccl`` or
+    ``nccl_hierarchical``; a node whose ``auto`` took NCCL while the others' took MPI): only
+    the route is changed, since the agreement check must stop the call before any reduction
+    starts."""
     from bagua_mpi.collectives import _allreduce
     saved = _allreduce.reducer_for, _allreduce.join_route
     _allreduce.reducer_for = lambda tensor, topo, reductions: _allreduce.nccl_allreduce_
-    _allreduce.join_route = lambda tensor, topo, *args, **kwargs: ("nccl", None)
+    _allreduce.join_route = lambda tensor, topo, *args, **kwargs: ("nccl", form)
     try:
         return fn()
     finally:
@@ -103,6 +104,11 @@ def mode_mismatch(rank, size):
                                                       prescale_factor=2.0)), ["wire=nccl"]),
         "grouped_wire": (lambda: on_nccl(lambda: bm.grouped_allreduce([torch.zeros(2)])),
                          ["grouped_allreduce(", "wire=nccl"]),
+        # every rank on NCCL, the last in its two-level form (groups of the node, not the job)
+        "nccl_form": (lambda: as_if_on_nccl(lambda: bm.allreduce(torch.zeros(4), bm.Sum,
+                                                                 prescale_factor=2.0),
+                                            "nccl_hierarchical" if rank == last else "nccl"),
+                      ["wire=nccl_hierarchical", "wire=nccl"]),
         # data movement on a process group on one rank, MPI on the others
         "movement_wire": (lambda: on_gloo(lambda: bm.allgather(torch.zeros(2, 2))),
                           ["allgather(", "wire=gloo"]),
