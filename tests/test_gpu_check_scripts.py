@@ -20,7 +20,11 @@ def test_train_all_profiles_and_summarizes_on_cpu(tmp_path):
                      "--out", str(out), timeout=300)
     assert_mpi_ok(result)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["algorithm"] for r in rows] == ["gradient_allreduce", "topk"]
+    checks = ["(check) broadcast_optimizer_state", "(check) checkpoint resume"]
+    assert [r["algorithm"] for r in rows] == checks + ["gradient_allreduce", "topk"]
+    for r in rows[:2]:   # the checks on the device (here, the host), before the training
+        assert r["ok"], r["problems"]
+    rows = rows[2:]
     for r in rows:
         assert r["ok"], r["problems"]
         assert set(r["allocations_per_bucket"]) == set(r["launches_per_bucket"])
@@ -44,7 +48,7 @@ def test_train_all_profiles_and_summarizes_on_cpu(tmp_path):
     lines = summary.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| mode | algorithm | ok "))
     table = lines[start:lines.index("", start)]     # header, rule and one row per algorithm
-    assert "first step ms" in table[0] and len(table) == 4, table
+    assert "first step ms" in table[0] and len(table) == 6, table   # two checks, two trainings
     assert len({line.count("|") for line in table}) == 1, table   # every row fills the columns
     assert "- cpu topk: " in summary        # its step against gradient_allreduce's
 

@@ -7,7 +7,8 @@
 #       buffers where the MPI is CUDA-aware (MPIX_Query_cuda_support, then the probe where the
 #       MPI does not say; skipped with the reason if not);
 #       centralized algorithms must end identical on both ranks, every loss must fall, and the
-#       compressed algorithms must copy no dense tensor to the host
+#       compressed algorithms must copy no dense tensor to the host; before them, an optimizer
+#       state's broadcast and a checkpoint's bit-exact resume on the device
 #       and again with a 21.5M-parameter MLP (timing only): compressed steps against
 #       gradient_allreduce's over staged MPI; the small model's staged run then samples the
 #       host's stacks for 30 more steps (tests/gpu/stack_sampler.py): where the time goes;

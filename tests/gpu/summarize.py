@@ -58,6 +58,10 @@ def main():
         if "skipped" in r:
             out.append(f"| {r['mode']} | (all) | skipped | | | | | | | | | | {r['skipped']} |")
             continue
+        if r["algorithm"].startswith("(check)"):   # train_all.py's checks before the training
+            out.append(f"| {r['mode']} | {r['algorithm']} | {'yes' if r['ok'] else 'NO'} | "
+                       f"| | | | | | | | | {'; '.join(r['problems'])} |")
+            continue
         st = r.get("staging", {})
         if r["algorithm"] == "gradient_allreduce" and "step_ms_median" in r:
             base[r["mode"]] = r["step_ms_median"]

@@ -20,13 +20,17 @@ device buffers handed to MPI where the MPI is CUDA-aware. Per algorithm it check
 and records the step time, so a compressed algorithm's step can be set against
 ``gradient_allreduce``'s on the same run, and the CUDA kernels of one more step (torch's
 profiler: every thread's, the library's own and Numba's and NCCL's included). Rank 0 appends
-one JSON line per algorithm to ``--out`` and prints a table. Exit status 1 if any check failed
+one JSON line per algorithm to ``--out`` and prints a table. Before the algorithms, two checks
+on the device: a broadcast of an optimizer's state (``optimizer_state_broadcast``) and a
+checkpoint's exact resume (``checkpoint_resume``). Exit status 1 if any check failed
 (all algorithms still run).
 """
 import argparse
 import json
 import math
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -104,6 +108,83 @@ def optimizer_state_broadcast(comm, device) -> list[str]:
             problems.append(f"backend {backend or 'of the run'}: {type(exc).__name__}: {exc}")
         finally:
             backends.set_default(None)
+    return problems
+
+
+# what the resume check trains: per-rank error feedback, PowerSGD's Q, 1-bit Adam past its
+# warm-up, and ZeRO over optimizers whose 0-d state lives with the parameters (a fused Adam's
+# step; ASGD's eta and mu)
+RESUMES = {
+    "qsgd": lambda params, device: (torch.optim.SGD(params, lr=0.05, momentum=0.9),
+                                    {"algorithm": "qsgd"}),
+    "powersgd": lambda params, device: (torch.optim.SGD(params, lr=0.05),
+                                        {"algorithm": bm.algorithms.create("powersgd", rank=2)}),
+    "onebit_adam": lambda params, device: (
+        torch.optim.Adam(params, lr=1e-3),
+        {"algorithm": bm.algorithms.create("onebit_adam", warmup_steps=2, chunk=1024)}),
+    "zero1 fused Adam": lambda params, device: (torch.optim.Adam(params, lr=1e-3, fused=True),
+                                                {"zero_stage": 1}),
+    "zero1 ASGD": lambda params, device: (torch.optim.ASGD(params, lr=0.01), {"zero_stage": 1}),
+}
+
+
+def checkpoint_resume(comm, device) -> list[str]:
+    """Each of ``RESUMES`` saved at step 3 of 6, rebuilt, loaded (every generator reseeded
+    first) and run to step 6 on ``device``: the parameters must equal an uninterrupted run's
+    bit for bit, with dropout drawing from the restored generators, and ``rng_restored`` be
+    True. Returns the problems found (none: passed)."""
+    folder = comm.bcast(tempfile.mkdtemp(prefix="bagua_mpi_resume_") if comm.Get_rank() == 0
+                        else None, root=0)
+    try:
+        return _resume_each(comm, device, folder)
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _resume_each(comm, device, folder) -> list[str]:
+    problems = []
+    x, y = (t[:64] for t in shard(comm.Get_rank(), device))
+
+    def build(make):
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                    torch.nn.Dropout(0.2), torch.nn.Linear(128, 8)).to(device)
+        inner, options = make(model.parameters(), device)
+        return model, bm.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                              **options)
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    for label, make in RESUMES.items():
+        try:
+            model, opt = build(make)
+            train(model, opt, 6)
+            want = [p.detach().cpu().clone() for p in model.parameters()]
+            opt.close()
+            model, opt = build(make)
+            train(model, opt, 3)
+            saved = bm.checkpoint.save(f"{folder}/{label.replace(' ', '_')}", model, opt,
+                                       step=3)
+            opt.close()
+            model, opt = build(make)
+            torch.manual_seed(12345)   # only a restored generator gives the same dropout
+            info = bm.checkpoint.load(saved, model, opt)
+            train(model, opt, 3)
+            opt.close()
+            got = [p.detach().cpu() for p in model.parameters()]
+            if not all(torch.equal(a, b) for a, b in zip(want, got)):
+                problems.append(f"{label}: the resumed parameters differ from the "
+                                f"uninterrupted run's")
+            if not info.rng_restored:
+                problems.append(f"{label}: rng_restored is False")
+        except Exception as exc:  # noqa: BLE001 - reported with the others
+            problems.append(f"{label}: {type(exc).__name__}: {exc}")
     return problems
 
 
@@ -229,11 +310,18 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)  # every rank of this check shares the one GPU
     failed = False
-    problems = optimizer_state_broadcast(comm, device)
-    if comm.Get_rank() == 0:
-        print(f"{args.mode:>10} broadcast_optimizer_state {'FAIL' if problems else 'OK'} "
-              f"{'; '.join(problems)}", flush=True)
-    failed |= bool(problems)
+    checks = {} if args.timing_only else {"(check) broadcast_optimizer_state":
+                                          optimizer_state_broadcast,
+                                          "(check) checkpoint resume": checkpoint_resume}
+    for label, check in checks.items():   # a row each in --out, for the summary's table
+        problems = check(comm, device)
+        failed |= bool(problems)
+        if comm.Get_rank() == 0:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps({"algorithm": label, "mode": args.mode,
+                                     "ok": not problems, "problems": problems}) + "\n")
+            print(f"{args.mode:>10} {label} {'FAIL' if problems else 'OK'} "
+                  f"{'; '.join(problems)}", flush=True)
     rows = []
     for name in args.only or bm.algorithms.names():
         try:
