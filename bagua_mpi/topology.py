@@ -82,6 +82,11 @@ class Topology:
         if self.intra.Get_size() > 1:
             self.intra.Bcast(buf, root=0)
 
+    def node_leaders(self) -> list[int]:
+        """Each rank's node, as the rank of that node's leader (local rank 0), in rank order:
+        the same list on every rank; collective."""
+        return self.comm.allgather(self.intra.bcast(self.rank, root=0))
+
     def free(self) -> None:
         for c in (self.inter, self.intra, self.comm):
             if c != MPI.COMM_NULL:

@@ -223,6 +223,13 @@ def test_resume_on_another_world_size(jobs):
     assert_mpi_ok(run_mpi("checkpoint_suite.py", 2, "world", shared, per_rank), "world OK")
 
 
+def test_per_rank_algorithm_state_on_other_nodes_is_refused_on_every_rank(tmp_path):
+    """Two ranks saved as two nodes, loaded as one node of two: the error feedback is refused
+    on both ranks (one rank refusing while the other stepped on was a hang), with a reset
+    offered; on the saving layout it loads."""
+    assert_mpi_ok(run_mpi("checkpoint_suite.py", 2, "nodes", str(tmp_path)), "nodes OK")
+
+
 def test_sigkill_in_the_middle_of_per_rank_writes(tmp_path):
     d = str(tmp_path)
     result = run_mpi("checkpoint_suite.py", 3, "crash", d, "rank_write@2", timeout=120)

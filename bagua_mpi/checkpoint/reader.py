@@ -67,10 +67,10 @@ def _agree_error(comm, rank: int, size: int, error: str | None) -> str | None:
 
 
 def _plan(meta: dict, path: str, size: int, model, named: dict | None,
-          reset_algorithm_state: bool):
+          reset_algorithm_state: bool, node_leaders: list[int]):
     """Which trees this job loads, and what becomes of each optimizer's algorithm state
-    (``{name: "loaded" | "reset" | "none"}``), from ``/meta`` alone; raises on an impossible
-    resume."""
+    (``{name: "loaded" | "reset" | "none"}``), from ``/meta`` and this job's nodes
+    (``Topology.node_leaders``) alone; raises on an impossible resume."""
     trees = meta["trees"]
     same_size = meta["world_size"] == size
     wanted = []
@@ -103,7 +103,8 @@ def _plan(meta: dict, path: str, size: int, model, named: dict | None,
             f"{path} was saved by {meta['world_size']} ranks whose {' and '.join(per_rank)} "
             f"state differs from rank to rank (e.g. decentralized training); it cannot be "
             f"loaded by {size} ranks. Resume with {meta['world_size']} ranks.")
-    algorithms = {name: _algorithm_plan(meta, path, size, name, opt, reset_algorithm_state)
+    algorithms = {name: _algorithm_plan(meta, path, size, name, opt, reset_algorithm_state,
+                                        node_leaders)
                   for name, opt in (named or {}).items()}
     if "loaded" in algorithms.values():
         wanted.append("algorithm")
@@ -114,9 +115,18 @@ def _plan(meta: dict, path: str, size: int, model, named: dict | None,
     return wanted, algorithms
 
 
+def _node_sizes(leaders: list[int]) -> list[int]:
+    """Ranks per node, nodes in the order of their leaders' ranks."""
+    return [leaders.count(leader) for leader in sorted(set(leaders))]
+
+
 def _algorithm_plan(meta: dict, path: str, size: int, name, optimizer,
-                    reset_algorithm_state: bool) -> str:
-    """What becomes of one optimizer's saved algorithm state: "loaded", "reset" or "none"."""
+                    reset_algorithm_state: bool, node_leaders: list[int]) -> str:
+    """What becomes of one optimizer's saved algorithm state: "loaded", "reset" or "none".
+
+    Per-rank state loads where the ranks and their nodes are the ones that saved it (a file
+    from before the nodes were recorded counts as the same nodes): a node leader's exchange
+    state (a hierarchical exchange, node-shared buckets) belongs to the node it led."""
     from ..optimizer import DistributedOptimizer
 
     entry = optimizers.meta_entry(meta, name)
@@ -135,8 +145,25 @@ def _algorithm_plan(meta: dict, path: str, size: int, name, optimizer,
                               f"{optimizer.algorithm.name!r}")
     if reset_algorithm_state:
         return "reset"
-    if not per_rank or meta["world_size"] == size:
+    saved_nodes = meta.get("node_leaders")
+    same_nodes = saved_nodes is None or list(saved_nodes) == node_leaders
+    if not per_rank or (meta["world_size"] == size and same_nodes):
         return "loaded"
+    if meta["world_size"] == size:   # the same ranks, on other nodes
+        if optimizer.zero_stage or saved_zero_stage:
+            logger.warning(
+                "bagua_mpi checkpoint: %s was saved on nodes of %s ranks, loaded on nodes of "
+                "%s: the per-rank state of algorithm %r of %s belongs to the old nodes and was "
+                "reset; the model and the optimizer state continue", path,
+                _node_sizes(list(saved_nodes)), _node_sizes(node_leaders), saved_name, which)
+            return "reset"
+        raise WorldSizeMismatchError(
+            f"{path} was saved by {size} ranks on nodes of {_node_sizes(list(saved_nodes))} "
+            f"ranks and holds per-rank state of algorithm {saved_name!r} for {which}, which "
+            f"belongs to those nodes (a node leader's exchange state); this job's nodes hold "
+            f"{_node_sizes(node_leaders)}. Resume on the same nodes, or pass "
+            f"reset_algorithm_state=True to start the algorithm's state afresh (training "
+            f"continues, but not bit-identically).")
     if optimizer.zero_stage or saved_zero_stage:
         # sharded training is where a requeued job often gets fewer nodes: its logical
         # optimizer state reshards, and what belongs to another partition starts afresh
@@ -242,6 +269,7 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
     not_found, candidates = comm.bcast(found, root=0)
     if not_found:
         raise CheckpointNotFoundError(not_found)
+    node_leaders = rt.topo.node_leaders()
 
     skipped: list[tuple[str, str]] = []
     for candidate in candidates:
@@ -260,7 +288,7 @@ def load(path: str, model=None, optimizer=None, *, fallback: bool = True,
             raise CheckpointFormatError(problem[len("format: "):])
         if problem is None:
             wanted, algorithms = _plan(meta, candidate, size, model, named,
-                                       reset_algorithm_state)
+                                       reset_algorithm_state, node_leaders)
             parts = None
             try:
                 parts = _read(candidate, meta, rank, size, wanted)

@@ -478,6 +478,7 @@ def save(directory: str, model=None, optimizer=None, *, step: int, epoch: int | 
     write_scheme = scheme()
     meta = _meta(step, epoch, size, write_scheme, trees, replicated_map, named, algorithms,
                  algorithm_state, per_rank_by_optimizer)
+    meta["node_leaders"] = rt.topo.node_leaders()
     shared, mine = _split(trees, meta)
 
     directory = os.path.abspath(directory)

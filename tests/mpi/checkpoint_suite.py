@@ -566,6 +566,39 @@ def world(shared_dir: str, per_rank_dir: str) -> None:
     print(f"world OK on {size} ranks", flush=True)
 
 
+def nodes(directory: str) -> None:
+    """The same ranks on other nodes: saved with every rank a node of its own, loaded with the
+    ranks two to a node. Per-rank algorithm state (a node leader's exchange state belongs to
+    the node it led) is refused on every rank, naming both layouts; reset_algorithm_state
+    loads the rest; on the saving layout it loads. Replicated state loads either way."""
+    bm.shutdown()
+    bm.init(ranks_per_node=1)
+    model, opt, sched = build("ckpt_ef16", init_seed=9)
+    train(model, opt, sched, 2)
+    ckpt.save(directory, model=model, optimizer=opt, step=2)
+    opt.close()
+    bm.shutdown()
+    bm.init(ranks_per_node=2)
+    model, opt, sched = build("ckpt_ef16", init_seed=9)
+    layouts = f"nodes of {[1] * bm.size()} ranks", f"this job's nodes hold [{bm.size()}]"
+    try:
+        ckpt.load(directory, model=model, optimizer=opt)
+    except ckpt.WorldSizeMismatchError as exc:
+        assert all(text in str(exc) for text in layouts), exc
+        assert "reset_algorithm_state=True" in str(exc), exc
+    else:
+        raise AssertionError("per-rank algorithm state was loaded on other nodes")
+    info = ckpt.load(directory, model=model, optimizer=opt, reset_algorithm_state=True)
+    assert info.algorithm_state == "reset" and info.step == 2, info
+    opt.close()
+    bm.shutdown()
+    bm.init(ranks_per_node=1)
+    model, opt, sched = build("ckpt_ef16", init_seed=9)
+    assert ckpt.load(directory, model=model, optimizer=opt).algorithm_state == "loaded"
+    opt.close()
+    print(f"nodes OK on {bm.size()} ranks", flush=True)
+
+
 def crash(directory: str, fault: str) -> None:
     seed_everything(bm.rank())
     model, opt, sched = build("ckpt_ef16")
@@ -619,6 +652,8 @@ def main() -> None:
         batchnorm_load(args[0], int(args[1]))
     elif mode == "world":
         world(args[0], args[1])
+    elif mode == "nodes":
+        nodes(args[0])
     elif mode == "crash":
         crash(args[0], args[1])
     elif mode == "on_one_rank":
