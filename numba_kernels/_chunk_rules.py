@@ -18,6 +18,9 @@ from numba import njit
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _TWO23 = np.float32(2.0 ** 23)
+# The one NaN a min-max payload stores (bits 0x7FC00000): arithmetic's NaN is the target's own
+# (x86 keeps an operand's payload or makes 0xFFC00000, a GPU makes 0x7FFFFFFF).
+_NAN = np.float32(np.nan)
 
 
 def minmax_params_py(mn, mx, levels):
@@ -25,11 +28,18 @@ def minmax_params_py(mn, mx, levels):
 
     scale = (mx - mn) / levels; inv = 1 / scale, 0 for a constant chunk (as
     ``minmax_inverse_py``, written out because one ``_py`` cannot call another).
+    A NaN mn or scale (a chunk holding a NaN, whose range is NaN, or only infinities of one
+    sign, inf - inf) is stored as ``_NAN``, so that both targets write the same bytes; inv
+    is then 0 and every code 0 (``quantize``), and the chunk decodes to NaN.
     """
     mn = mn + _ZERO
     mx = mx + _ZERO
     scale = (mx - mn) / np.float32(levels)
     inv = _ONE / scale if scale > _ZERO else _ZERO
+    if mn != mn:
+        mn = _NAN
+    if scale != scale:
+        scale = _NAN
     return mn, scale, inv
 
 

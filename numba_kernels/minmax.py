@@ -9,7 +9,15 @@ c = x + e under error feedback, v = float32(c):
   5. with error feedback, e <- c - x_hat (in c's dtype), in the same pass.
 Payload: ``MinMaxFormat`` (per-chunk (mn, scale) float32 pairs, then the
 codes packed LSB-first).  ``chunk`` must be a multiple of 32 so each chunk's
-codes fill whole words.  Inputs must be finite.
+codes fill whole words.
+
+Non-finite values: a NaN anywhere in a chunk makes its range NaN (``_scalar.range_min``,
+whatever the position or the order of the reduction), so the chunk's mn and scale are NaN
+(stored as the quiet NaN 0x7FC00000, ``minmax_params``), every code of the chunk is 0 (the
+clamp of step 3 maps a NaN level to 0) and every element decodes to NaN: the averaged
+gradient is not finite, so a loss scaler skips the step, as it would without compression.
+An infinity gives an infinite or NaN scale and a NaN decode in the same way; the payload
+bytes are the same on both targets.
 """
 
 import numpy as np
@@ -20,7 +28,7 @@ from ._bits import read_code
 from ._chunk_rules import minmax_params
 from ._disk_cache import cached_njit
 from ._host_chunks import chunk_source
-from ._scalar import fma32, greater, lesser
+from ._scalar import fma32, greater, lesser, range_max, range_min
 from .errors import KernelParameterError
 from .wire import MinMaxFormat
 
@@ -29,26 +37,27 @@ _MASK32 = _U64(0xFFFFFFFF)
 _S32 = _U64(32)
 
 
-@njit(nogil=True, fastmath={"nnan", "nsz"})
+@njit(nogil=True)
 def value_range(a):
-    """(min, max) of float32(a) for a chunk view.  The fast-math flags let the
-    reductions vectorise; they only matter for NaN (not accepted) and for the
-    sign of a zero result, which ``minmax_params`` canonicalises."""
+    """(min, max) of float32(a) for a chunk view: (NaN, NaN) where an element is NaN.  No
+    fast math: nnan would let LLVM assume the NaN away (the min() it used dropped NaNs)."""
     mn = np.float32(np.inf)
     mx = np.float32(-np.inf)
     for i in range(a.size):
         v = np.float32(a[i])
-        mn = min(mn, v)
-        mx = max(mx, v)
+        mn = range_min(mn, v)
+        mx = range_max(mx, v)
     return mn, mx
 
 
 @njit(nogil=True, inline="always")
 def quantize(v, mn, inv, levels):
-    """Nearest level of v as a float32 integer in [0, levels].
+    """Nearest level of v as a float32 integer in [0, levels]; 0 where the level is NaN (a
+    NaN v or mn, or an infinite v with inv 0): ``greater`` returns its bound for a NaN.
 
-    (The device rounds with ``math.floor``: Numba's CUDA target has no
-    ``np.floor``.  Both give the same integer for every finite input.)"""
+    (The device clamps before it rounds with ``math.floor`` (Numba's CUDA target has no
+    ``np.floor``), so that the floor never takes a NaN, which the simulator's refuses: the
+    same integer for every input.)"""
     q = np.floor(fma32(v - mn, inv, np.float32(0.5)))
     return lesser(greater(q, np.float32(0.0)), np.float32(levels))
 

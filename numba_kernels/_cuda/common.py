@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from .._scalar import (LANES, SEGMENT, add_or_replace_py, greater_py, hash32_py, lesser_py,
-                       row_key_py, uniform24_py)
+                       range_max_py, range_min_py, row_key_py, uniform24_py)
 from .geometry import GROUP, GROUPS, ILP, NL, SIM, SIM_SHAPES, THREADS, WARP
 from .launch import launch_over
 
@@ -21,6 +21,11 @@ uniform24 = cuda.jit(device=True)(uniform24_py)
 # Numba versions fails to compile; these are plain comparisons.
 lesser = cuda.jit(device=True)(lesser_py)
 greater = cuda.jit(device=True)(greater_py)
+# A range's min/max, NaN where either operand is (the CPU twin's ``range_min``): the
+# reductions below fold a chunk's range with them, so that a NaN reaches every lane whatever
+# lane and order it starts from (``lesser`` passed it on to some lanes of a butterfly only).
+range_min = cuda.jit(device=True)(range_min_py)
+range_max = cuda.jit(device=True)(range_max_py)
 hash32 = cuda.jit(device=True)(hash32_py)
 add_or_replace = cuda.jit(device=True)(add_or_replace_py)
 row_key = cuda.jit(device=True)(row_key_py)
@@ -85,15 +90,16 @@ if SIM_SHAPES:
     @cuda.jit(device=True)
     def warp_range(mn, mx, shmin, shmax):
         """(min, max) of (mn, mx) over the caller's WARP threads, through shared memory (no
-        warp shuffles in the simulator's shapes); every thread of the block must call it."""
+        warp shuffles in the simulator's shapes), NaN if any is; every thread of the block
+        must call it."""
         t = cuda.threadIdx.x
         shmin[t] = mn
         shmax[t] = mx
         cuda.syncthreads()
         first = t - t % WARP
         for j in range(WARP):
-            mn = lesser(mn, shmin[first + j])
-            mx = greater(mx, shmax[first + j])
+            mn = range_min(mn, shmin[first + j])
+            mx = range_max(mx, shmax[first + j])
         cuda.syncthreads()
         return mn, mx
 
@@ -129,10 +135,11 @@ else:
     @cuda.jit(device=True)
     def warp_range(mn, mx, shmin, shmax):
         """(min, max) of (mn, mx) over the caller's warp, by butterfly shuffles (the shared
-        arrays are the simulator's); every lane of the warp must call it."""
+        arrays are the simulator's), NaN on every lane if any lane's is; every lane of the
+        warp must call it."""
         for k in range(5):
-            mn = lesser(mn, cuda.shfl_xor_sync(0xFFFFFFFF, mn, 1 << k))
-            mx = greater(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1 << k))
+            mn = range_min(mn, cuda.shfl_xor_sync(0xFFFFFFFF, mn, 1 << k))
+            mx = range_max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1 << k))
         return mn, mx
 
     @cuda.jit(device=True)
@@ -325,8 +332,9 @@ def block_lane_combine(part, first, count, sh):
 def tree_range(mn, mx, shmin, shmax):
     """Block-wide (min, max) of every thread's (mn, mx), returned to every thread: each warp's
     by shuffles, then the warps' from shared memory, two barriers in all (a tree in shared
-    memory took one a level, nine).  Min and max are exact whatever the order, and the chunk
-    parameters turn -0.0 into +0.0, so the payload is the CPU twin's."""
+    memory took one a level, nine).  Min and max are exact whatever the order, NaN if any
+    operand is (``range_min``), and the chunk parameters turn -0.0 into +0.0 and store one NaN,
+    so the payload is the CPU twin's."""
     t = cuda.threadIdx.x
     mn, mx = warp_range(mn, mx, shmin, shmax)
     if t % WARP == 0:
@@ -336,8 +344,8 @@ def tree_range(mn, mx, shmin, shmax):
     mn = shmin[0]
     mx = shmax[0]
     for w in range(1, THREADS // WARP):
-        mn = lesser(mn, shmin[w])
-        mx = greater(mx, shmax[w])
+        mn = range_min(mn, shmin[w])
+        mx = range_max(mx, shmax[w])
     cuda.syncthreads()
     return mn, mx
 
@@ -364,14 +372,15 @@ else:
 
 @cuda.jit(device=True)
 def block_range(x, e, has_res, start, stop, shmin, shmax):
-    """(min, max) of float32(c) over [start, stop), returned to every thread."""
+    """(min, max) of float32(c) over [start, stop), returned to every thread; NaN if any
+    element is."""
     mn = np.float32(np.inf)
     mx = np.float32(-np.inf)
     j = start + cuda.threadIdx.x
     while j < stop:
         v = np.float32(load_c(x, e, has_res, j))
-        mn = lesser(mn, v)
-        mx = greater(mx, v)
+        mn = range_min(mn, v)
+        mx = range_max(mx, v)
         j += THREADS
     return tree_range(mn, mx, shmin, shmax)
 

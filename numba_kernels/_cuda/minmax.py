@@ -15,8 +15,9 @@ from numba import cuda
 from .. import _segment_table as T
 from .._chunk_rules import minmax_inverse_py, minmax_params_py
 from .._scalar import SEGMENT
-from .common import (at, block_range, fma32, greater, lane_group_or, lesser, load_c, segment,
-                     specialized, team_range, team_sync, tree_range, zero_tail)
+from .common import (at, block_range, fma32, greater, lane_group_or, lesser, load_c,
+                     range_max, range_min, segment, specialized, team_range, team_sync,
+                     tree_range, zero_tail)
 from .geometry import TEAM, TEAMS, THREADS
 from .launch import ChunkedEncoder, RowEncoder, decode_stack, launch, row_sections
 from .launch import decode_rows as decode_rows_launch
@@ -51,9 +52,12 @@ def _encode_rows(x, e, has_res, row, t, stride, bits, mn, scale, inv, words, buf
             team_sync()
         if i < t:
             c = load_c(x, e, has_res, i)
-            # math.floor: the CUDA target has no np.floor (the CPU's quantize); same integer
-            q = math.floor(fma32(np.float32(c) - mn, inv, np.float32(0.5)))
-            q = lesser(greater(q, np.float32(0.0)), levels)
+            # the CPU's quantize: clamp(floor(level)), 0 for a NaN level (a chunk of NaN
+            # range, an infinity times inv 0).  Clamped before math.floor (the CUDA target
+            # has no np.floor), the same integer, so that the floor never takes a NaN: the
+            # simulator's (Python's) refuses one
+            q = fma32(np.float32(c) - mn, inv, np.float32(0.5))
+            q = math.floor(lesser(greater(q, np.float32(0.0)), levels))
             if has_res:
                 e[at(i)] = c - fma32(np.float32(q), scale, mn)
             if bits == 8:
@@ -83,7 +87,9 @@ def _encode_rows(x, e, has_res, row, t, stride, bits, mn, scale, inv, words, buf
 def _team_chunk(x, e, has_res, size, chunk, bits, params, words, boff, buf):
     """The caller's team encodes its chunk (block b's team j: chunk b * TEAMS + j) of one
     payload of ``size`` elements (sections ``params``, ``words`` of ``buf``): its range by
-    ``team_range``, its parameters (every lane computes them; lane 0 stores them), its rows."""
+    ``team_range``, its parameters (every lane computes them; lane 0 stores them), its rows.
+    The range is NaN on every lane if an element is (``range_min``), so that every lane
+    encodes with the parameters lane 0 stores."""
     shmin = cuda.shared.array(THREADS, np.float32)
     shmax = cuda.shared.array(THREADS, np.float32)
     # the teams' words (TEAMS * 8 <= THREADS), and the simulator's lane_group_or scratch
@@ -98,8 +104,8 @@ def _team_chunk(x, e, has_res, size, chunk, bits, params, words, boff, buf):
     j = s + cuda.threadIdx.x % TEAM
     while j < t:
         v = np.float32(load_c(x, e, has_res, j))
-        lo = lesser(lo, v)
-        hi = greater(hi, v)
+        lo = range_min(lo, v)
+        hi = range_max(hi, v)
         j += TEAM
     lo, hi = team_range(lo, hi, shmin, shmax)
     mn, scale, inv = minmax_params(lo, hi, (1 << bits) - 1)
@@ -144,8 +150,8 @@ def _chunk_params_block(part, spc, chunk, n, bits, params):
     mn = np.float32(np.inf)
     mx = np.float32(-np.inf)
     for s in range(tid, nseg, THREADS):
-        mn = lesser(mn, part[ci * spc + s, 0])
-        mx = greater(mx, part[ci * spc + s, 1])
+        mn = range_min(mn, part[ci * spc + s, 0])
+        mx = range_max(mx, part[ci * spc + s, 1])
     mn, mx = tree_range(mn, mx, shmin, shmax)
     if tid == 0:
         lo, scale, inv = minmax_params(mn, mx, (1 << bits) - 1)

@@ -143,6 +143,44 @@ def check_minmax(cases, many=True):
             check_decode_many(ph)
 
 
+NAN_BITS = 0x7FC00000     # the quiet NaN a min-max payload stores for a NaN range
+
+
+def check_minmax_nan(n, chunk, positions, cases, many=False):
+    """One NaN at each of ``positions`` (one a chunk at most) in n elements, compressed at each
+    of the (bits, dtype, residual) ``cases``: the device's payload, residual and decode are
+    the CPU twin's, byte for byte (``_both``), the chunks holding a NaN storing NaN parameters
+    (0x7FC00000) and decoding to NaN on both, the others finite. With ``many``, the first
+    case's payload stacked and decoded as ``check_decode_many``."""
+    for j, (bits, dtype, res) in enumerate(cases):
+        x = _data(n + bits, n, dtype)
+        x[list(positions)] = np.nan
+        ph, _ = _both(lambda x, e: nk.compress_minmax(x, bits, chunk, residual=e), x, res)
+        params = ph.views()["params"].view(np.uint32).reshape(-1, 2)
+        bad = sorted({p // chunk for p in positions})
+        assert (params[bad] == NAN_BITS).all(), params[bad]
+        out = nk.decompress(ph)
+        mask = np.isin(np.arange(n) // chunk, bad)
+        assert np.isnan(out[mask]).all() and not np.isnan(out[~mask]).any()
+        if many and j == 0:
+            check_decode_many(ph)
+
+
+def check_minmax_infinities(bits, chunk=64):
+    """Infinities: a chunk with a +inf, one with a -inf, one with both and one of +inf alone
+    (a NaN scale, stored as 0x7FC00000) before a finite chunk: the device's payload and decode
+    are the CPU twin's (codes 0, every such chunk NaN)."""
+    x = _data(9, 5 * chunk, np.float32)
+    x[3] = np.inf
+    x[chunk + 5] = -np.inf
+    x[2 * chunk], x[3 * chunk - 1] = np.inf, -np.inf
+    x[3 * chunk:4 * chunk] = np.inf
+    ph, _ = _both(lambda x, e: nk.compress_minmax(x, bits, chunk, residual=e), x, True)
+    assert ph.views()["params"].view(np.uint32)[7] == NAN_BITS
+    out = nk.decompress(ph)
+    assert np.isnan(out[:4 * chunk]).all() and np.isfinite(out[4 * chunk:]).all()
+
+
 def check_signed_zero_minimum():
     """A chunk whose minimum is a zero of either sign stores +0.0 on both targets."""
     x = np.array([0.0, -0.0, 2.0] * 20, np.float32)
@@ -305,16 +343,19 @@ def check_rows(cases, dtype=np.float32):
                   f"device decompress_many: {what}")
 
 
-def check_minmax_segments(specs, rows, residual, chunk):
+def check_minmax_segments(specs, rows, residual, chunk, nans=()):
     """``numba_kernels.minmax_segments`` against the per-tensor calls on the host, byte for
     byte: the encoder's payloads (and nothing written between them) and error memories, the
     server's decode-sum of each segment's payloads in every row, and the decode of each
     segment's rows into its place (the gaps between places untouched); on the device, one
     launch each (chunks up to 4096); the host form too. ``specs``: (length, bits) of each
-    segment."""
-    what = f"segments {specs} rows={rows} residual={residual} chunk={chunk}"
+    segment; ``nans``: (segment, element) pairs set to NaN (their chunks then decode to NaN:
+    checked)."""
+    what = f"segments {specs} rows={rows} residual={residual} chunk={chunk} nans={nans}"
     segments, size, err_size, width, parts = segment_layout(specs, rows, chunk)
     x = _data(size + rows, size, np.float32) * np.float32(3)
+    for j, i in nans:
+        x[segments[j].offset + i] = np.nan
     e = _data(err_size, err_size, np.float32) * np.float32(0.1) if residual else None
     sentinel = np.full((rows, width), 0xAB, np.uint8)
     # the reference: compress_minmax_rows of each segment on its own slices
@@ -334,6 +375,11 @@ def check_minmax_segments(specs, rows, residual, chunk):
     for s, part in zip(segments, parts):
         nk.decompress_rows(ref, nk.MinMaxFormat(part, s.bits, chunk), col=s.col,
                            out=ref_out[s.offset:s.offset + s.length])
+    for j, i in nans:       # the NaN's chunk decodes to NaN: the rule holds in the reference
+        s, part = segments[j], parts[j]
+        k, r = divmod(i, part)      # its partition, and its place there
+        first, stop = k * part + r // chunk * chunk, k * part + min(part, (r // chunk + 1) * chunk)
+        assert np.isnan(ref_out[s.offset + first:s.offset + min(stop, s.length)]).all(), (j, i)
     copy = (lambda a: None if a is None else a.copy())                      # noqa: E731
     copy_to_device = (lambda a: None if a is None else cuda.to_device(a))   # noqa: E731
     for place, put in (("host", copy), ("device", copy_to_device)):

@@ -67,19 +67,34 @@ def bf16_bits(x):
 
 # ---- min-max ---------------------------------------------------------------
 
+# the one NaN a min-max payload stores for a NaN minimum or scale
+NAN32 = np.array([0x7FC00000], np.uint32).view(np.float32)[0]
+
+
 def minmax_payload(c, bits, chunk):
-    """(payload bytes, per-chunk scale per element) of min-max quantization."""
+    """(payload bytes, per-chunk scale per element) of min-max quantization.
+
+    Non-finite values, written out as rules (NumPy's own NaN arithmetic and NaN-to-integer
+    casts are not the kernels'): a chunk holding a NaN stores (NAN32, NAN32) and codes 0; a
+    NaN scale (a chunk of infinities of one sign) is stored as NAN32; a NaN level (an
+    infinity times inv 0) is code 0."""
     v = c.astype(np.float32)
     levels = (1 << bits) - 1
     params, codes, scale_of = [], np.zeros(v.size, np.uint32), np.zeros(v.size, np.float32)
     for s, t in chunks(v.size, chunk):
-        mn, mx = v[s:t].min() + np.float32(0), v[s:t].max() + np.float32(0)
-        scale = np.float32((mx - mn) / np.float32(levels))
-        inv = np.float32(1) / scale if scale > 0 else np.float32(0)
-        d = (v[s:t] - mn).astype(np.float64)
-        t32 = (d * np.float64(inv) + 0.5).astype(np.float32)
+        if np.isnan(v[s:t]).any():
+            params += [NAN32, NAN32]
+            scale_of[s:t] = np.nan
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            mn, mx = v[s:t].min() + np.float32(0), v[s:t].max() + np.float32(0)
+            scale = np.float32((mx - mn) / np.float32(levels))
+            inv = np.float32(1) / scale if scale > 0 else np.float32(0)
+            d = (v[s:t] - mn).astype(np.float64)
+            t32 = (d * np.float64(inv) + 0.5).astype(np.float32)
+        t32[np.isnan(t32)] = 0
         codes[s:t] = np.clip(np.floor(t32), 0, levels)
-        params += [mn, scale]
+        params += [mn, NAN32 if np.isnan(scale) else scale]
         scale_of[s:t] = scale
     head = np.array(params, np.float32).view(np.uint8)
     return pad8(np.concatenate([head, pack_codes(codes, bits)])), scale_of
@@ -90,7 +105,8 @@ def minmax_decode(payload, n, bits, chunk):
     params = payload[: 8 * nc].view(np.float32).reshape(nc, 2).astype(np.float64)
     codes = unpack_codes(payload[8 * nc:], n, bits).astype(np.float64)
     ci = np.arange(n) // chunk
-    return (codes * params[ci, 1] + params[ci, 0]).astype(np.float32)
+    with np.errstate(invalid="ignore"):     # 0 x an infinite scale: NaN, as the kernels'
+        return (codes * params[ci, 1] + params[ci, 0]).astype(np.float32)
 
 
 # ---- QSGD ------------------------------------------------------------------

@@ -84,6 +84,32 @@ def test_minmax_long_chunks():
     dc.check_minmax([(4200, 7, 4160, F32, True)], many=False)
 
 
+# One NaN a chunk of 1024: at its first element, in its middle, last in lane 0's and in lane
+# 31's fold (a team's lane l folds l, l + 32, ..., l + 992: the NaN some lanes of a warp kept
+# and others dropped), and the last element of a partial last chunk; chunk 4 has none
+MINMAX_NAN_POSITIONS = [0, 1024 + 517, 2048 + 992, 3072 + 1023, 5 * 1024 + 499]
+
+
+def test_minmax_nan_and_infinities():
+    """A NaN makes its chunk's range NaN on both targets, whatever its place and the order of
+    the reductions (lane folds, warp butterfly or shared memory, block tree of long chunks):
+    the payload, residual and decode are the CPU twin's, byte for byte; infinities too."""
+    dc.check_minmax_nan(5 * 1024 + 500, 1024, MINMAX_NAN_POSITIONS,
+                        [(8, F32, True), (1, F32, False), (2, F32, True), (4, F32, True),
+                         (3, F64, False)], many=True)
+    # chunks longer than a segment (three kernels): a NaN last in segment 0, and in segment 1
+    dc.check_minmax_nan(2 * 4160 + 100, 4160, [4095, 4160 + 4096 + 3], [(5, F32, True)])
+    dc.check_minmax_infinities(8)
+    dc.check_minmax_infinities(3)
+
+
+def test_minmax_segments_with_a_nan():
+    """The segmented encoder (one launch for every segment): a NaN at a chunk's first element,
+    last in lane 0's fold, a partition's last element, as the host's bytes."""
+    dc.check_minmax_segments([(300, 3), (129, 1), (1000, 8), (64, 2), (45, 4)], 2, True, 64,
+                             nans=[(0, 0), (1, 65 + 32), (2, 999), (3, 63)])
+
+
 def test_qsgd():
     dc.check_qsgd([(1, 127, 32, F32, True), (33, 127, 32, F32, False), (1025, 127, 256, F32, True)],
                   many=False)

@@ -55,6 +55,26 @@ def test_minmax(dc):
 
 
 @needs_gpu
+def test_minmax_nan_and_infinities(dc):
+    """One NaN in each of 32 chunks of 1024, last in lane c's fold in chunk c (lane l folds l,
+    l + 32, ..., l + 992), and at a chunk's first, middle and last (partial chunk) element;
+    long chunks (three kernels); infinities; the segmented encoder: the GPU's bytes are the
+    CPU twin's, its NaN parameters stored as 0x7FC00000, not its arithmetic's 0x7FFFFFFF."""
+    positions = [c * 1024 + 992 + c for c in range(32)] + [32 * 1024, 33 * 1024 + 517,
+                                                           35 * 1024 + 299]
+    dc.check_minmax_nan(35 * 1024 + 300, 1024, positions,
+                        [(bits, dt, res) for bits in (1, 2, 3, 4, 8) for dt in (F32, F64)
+                         for res in (False, True)], many=True)
+    dc.check_minmax_nan(BIG, 8192, [0, 4095, 8192 + 4096, BIG - 1], [(5, F32, True),
+                                                                     (8, F64, False)])
+    for bits in (1, 3, 8):
+        dc.check_minmax_infinities(bits)
+        dc.check_minmax_infinities(bits, chunk=1024)
+    dc.check_minmax_segments([(3000, 3), (1290, 1), (10000, 8), (640, 2), (450, 4)], 2, True,
+                             1024, nans=[(0, 0), (1, 645 + 640), (2, 9999), (3, 319)])
+
+
+@needs_gpu
 def test_qsgd(dc):
     dc.check_qsgd([(n, levels, chunk, dt, True) for n in (1, 1025, BIG) for levels in (1, 127)
                    for chunk in (100, 1023, 1024, 1 << 20) for dt in (F32, F64)])

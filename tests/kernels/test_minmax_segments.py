@@ -7,6 +7,7 @@ import pytest
 
 import numba_kernels as nk
 from numba_kernels.errors import KernelParameterError, LayoutError
+from kernel_refs import minmax_payload
 from row_refs import segment_layout
 
 
@@ -81,3 +82,74 @@ def test_the_layouts_of_a_large_models_buckets_stay_checked():
                                              chunk=64)
     info = minmax_segments._layout.cache_info()
     assert (info.misses, info.hits) == (256, 256), info
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_a_nan_makes_its_chunk_nan_in_every_segment(residual):
+    """One NaN in each of some segments (a chunk's first element, the last element of a warp
+    lane's fold, a partition's last): the chunk holding it stores NaN parameters (0x7FC00000)
+    and codes 0 and decodes to NaN, in every form (encode, decode-sum, row decode), byte for
+    byte the per-tensor calls' and the NumPy reference's; the other chunks and segments are
+    as without the NaN."""
+    rows, chunk = 2, 64
+    specs = [(300, 3), (129, 1), (1000, 8), (64, 2), (45, 4)]
+    segments, size, err_size, width, parts = segment_layout(specs, rows, chunk)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(size).astype(np.float32)
+    e_old = (rng.standard_normal(err_size) * 0.1).astype(np.float32) if residual else None
+    # (segment, element): chunk 0's first; in partition 1 of 65 elements, the last of lane 0's
+    # fold of a 64-element chunk (lanes fold l, l + 32); the last element of partition 1 (of
+    # 500) and of partition 1 of 32 (lane 31's); segment 4 untouched
+    nans = [(0, 0), (1, 65 + 32), (2, 999), (3, 63)]
+    y = x.copy()
+    for j, i in nans:
+        y[segments[j].offset + i] = np.nan
+    mats = []
+    for values in (x, y):
+        mat = np.full((rows, width), 0xAB, np.uint8)
+        e = None if e_old is None else e_old.copy()
+        nk.compress_minmax_rows_segments(values, segments, mat, chunk=chunk, residual=e)
+        ref_e, ref = (None if e_old is None else e_old.copy()), np.full((rows, width), 0xAB,
+                                                                      np.uint8)
+        for s, part in zip(segments, parts):
+            nk.compress_minmax_rows(values[s.offset:s.offset + s.length], ref, s.col,
+                                    bits=s.bits, chunk=chunk, residual=None if ref_e is None
+                                    else ref_e[s.error_offset:s.error_offset + rows * part])
+        np.testing.assert_array_equal(mat, ref)
+        if residual:
+            np.testing.assert_array_equal(e, ref_e)
+        mats.append(mat)
+    clean, mat = mats
+    outs = []
+    for m in (clean, mat):
+        out = np.zeros(size, np.float32)
+        nk.decompress_minmax_rows_segments(m, segments, out, chunk=chunk)
+        outs.append(out)
+    for j, (s, part) in enumerate(zip(segments, parts)):
+        seg = y[s.offset:s.offset + s.length]
+        padded = np.concatenate([seg, np.zeros(rows * part - s.length, np.float32)])
+        c = padded if e_old is None else padded + e_old[s.error_offset:s.error_offset
+                                                       + rows * part]
+        fmt = nk.MinMaxFormat(part, s.bits, chunk)
+        bad = np.zeros(s.length, bool)
+        for k in range(rows):
+            ref, _ = minmax_payload(c[k * part:(k + 1) * part], s.bits, chunk)
+            np.testing.assert_array_equal(mat[k, s.col:s.col + fmt.nbytes], ref,
+                                          err_msg=f"segment {j} row {k}")
+        for jj, i in nans:
+            if jj == j:
+                k, r = divmod(i, part)
+                first = k * part + r // chunk * chunk
+                bad[first:min(k * part + part, first + chunk, s.length)] = True
+        got, was = (o[s.offset:s.offset + s.length] for o in (outs[1], outs[0]))
+        assert np.isnan(got[bad]).all() and not np.isnan(got[~bad]).any(), j
+        np.testing.assert_array_equal(got[~bad], was[~bad])
+    sums = [nk.MinMaxSegment(sum(parts[:j]), part, s.bits, s.col)
+            for j, (s, part) in enumerate(zip(segments, parts))]
+    summed, ref_sum = (np.zeros(sum(parts), np.float32) for _ in range(2))
+    nk.decompress_minmax_segments(mat, sums, summed, chunk=chunk, factor=0.5)
+    for s in sums:
+        nk.decompress_many(mat, nk.MinMaxFormat(s.length, s.bits, chunk), col=s.col,
+                           out=ref_sum[s.offset:s.offset + s.length], factor=0.5)
+    np.testing.assert_array_equal(summed, ref_sum)
+    assert np.isnan(summed).any() and not np.isnan(summed[sums[4].offset:]).any()
