@@ -15,8 +15,9 @@
 would have made. Where the GPUs changed (another number visible, or the rank on another one:
 an all-visible launch resumed under ``slurm/bind_gpu.sh``), the current device's generator
 continues the saved current device's, the one a rank with one GPU draws from; restoring by
-index would give it another device's state, never advanced. Generators the user owns (``torch.Generator``, ``np.random.Generator``) are the
-user's to save, e.g. ``extras={"gen": gen.get_state()}`` / ``gen.bit_generator.state``.
+index would give it another device's state, never advanced. Generators the user owns
+(``torch.Generator``, ``np.random.Generator``) are the user's to save, e.g.
+``extras={"gen": gen.get_state()}`` / ``gen.bit_generator.state``.
 """
 from __future__ import annotations
 

@@ -32,9 +32,8 @@ def join_route(tensor, topo, backend: str | None = None, comm=None) -> tuple:
     """How a rank inside ``join()`` must add its zeros to a dense allreduce of ``tensor`` over
     ``comm`` (default ``topo.comm``) so that it meets the training ranks on the same wire:
     ``("mpi",)``; ``("nccl", form)`` (``transport.nccl_allreduce_`` in that form: ``nccl``,
-    flat, or ``nccl_hierarchical``); or ``("transport",
-    backend, device type)`` (a process group, or MPI on device memory). Sent to the joined
-    rank in the agreement message."""
+    flat, or ``nccl_hierarchical``); or ``("transport", backend, device type)`` (a process
+    group, or MPI on device memory). Sent to the joined rank in the agreement message."""
     comm = topo.comm if comm is None else comm
     if comm is topo.comm and uses_nccl_allreduce(tensor, topo, backend):
         hierarchical = backends.resolve(backend) == "nccl_hierarchical"
