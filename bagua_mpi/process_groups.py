@@ -178,19 +178,25 @@ def _meet_in_store(comm, library: str):
     import torch.distributed as dist
 
     host = _host_address(comm)  # collective: every rank takes part
+    rank = comm.Get_rank()
     store = address = None
-    if comm.Get_rank() == 0 and host is not None:
-        store = dist.TCPStore(host, 0, comm.Get_size(), is_master=True, wait_for_workers=False)
-        address = (host, store.port)
-    address = comm.bcast(address, root=0)
-    rank, where = comm.Get_rank(), "the address " + (f"{address[0]}:{address[1]}" if address
-                                                    else "of no interface")
+    problem = ""
+    if rank == 0 and host is None:
+        problem = ("its ranks run on several hosts, and rank 0's host has no address but the "
+                   "loopback (no default route; its name resolves to 127.x)")
+    elif rank == 0:
+        try:
+            store = dist.TCPStore(host, 0, comm.Get_size(), is_master=True,
+                                  wait_for_workers=False)
+            address = (host, store.port)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, which all raise
+            problem = f"rank 0 could not serve a store at {host}: {type(exc).__name__}: {exc}"
+    address, problem = comm.bcast((address, problem[:300]), root=0)
     if address is None:
         raise StoreUnreachableError(
-            f"bagua_mpi rank {rank}: the {library} group's ranks run on several hosts, and rank "
-            f"0's host has no address but the loopback (no default route; its name resolves "
-            f"to 127.x); set BAGUA_MPI_STORE_ADDR to an address of rank 0's host that the "
-            f"other hosts reach")
+            f"bagua_mpi rank {rank}: the {library} group has no store: {problem}; set "
+            f"BAGUA_MPI_STORE_ADDR to an address of rank 0's host that the other hosts reach")
+    where = f"{address[0]}:{address[1]}"
     failed = ""
     if store is None:
         try:

@@ -326,6 +326,31 @@ def check_a_rank_that_cannot_reach_the_store_fails_every_rank(rank, size):
         comm.Free()
 
 
+def check_a_store_rank_0_cannot_serve_fails_every_rank(rank, size):
+    """Rank 0 cannot start the store (a stand-in for an address not on its host, or no free
+    port): every rank raises ``StoreUnreachableError`` with rank 0's error, where the others
+    waited for an address that never came."""
+    real = dist.TCPStore
+
+    def store(host, port, world, is_master, **kwargs):
+        if is_master:
+            raise RuntimeError(f"stand-in: cannot bind {host}")
+        return real(host, port, world, is_master=is_master, **kwargs)
+
+    dist.TCPStore = store
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        got = _group_over(comm)
+        assert isinstance(got, process_groups.StoreUnreachableError), got
+        text = str(got)
+        assert "rank 0 could not serve" in text and "stand-in: cannot bind" in text, text
+        assert f"rank {rank}:" in text and "BAGUA_MPI_STORE_ADDR" in text, text
+    finally:
+        dist.TCPStore = real
+        process_groups.forget([comm])
+        comm.Free()
+
+
 # every check_ function above, by name
 CHECKS = {name.removeprefix("check_").replace("_", "-"): fn
           for name, fn in list(globals().items()) if name.startswith("check_")}
