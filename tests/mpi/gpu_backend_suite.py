@@ -296,59 +296,53 @@ def check_a_store_no_other_host_can_reach_fails_every_rank(rank, size):
         comm.Free()
 
 
-def check_a_rank_that_cannot_reach_the_store_fails_every_rank(rank, size):
-    """The last rank's connection to rank 0's store fails (a stand-in for a firewall or a
-    wrong address): every rank raises ``StoreUnreachableError`` naming that rank and its
-    error, rather than the others going on into NCCL's set-up to wait for it."""
+def _group_over_failing_store(fails, message):
+    """The gloo group over a duplicate of ``COMM_WORLD``, or the exception building it raised,
+    with ``TCPStore`` raising ``message`` (formatted with the host and port) wherever
+    ``fails(is_master)``."""
     real = dist.TCPStore
-    last = size - 1
 
     def store(host, port, world, is_master, **kwargs):
-        if not is_master and rank == last:
-            raise RuntimeError(f"stand-in: connect to {host}:{port} timed out")
+        if fails(is_master):
+            raise RuntimeError(message.format(host=host, port=port))
         return real(host, port, world, is_master=is_master, **kwargs)
 
     dist.TCPStore = store
     comm = MPI.COMM_WORLD.Dup()
     try:
-        got = _group_over(comm)
-        if size == 1:   # rank 0 serves its own store: nothing to reach
-            assert isinstance(got, process_groups.ProcessGroup), got
-        else:
-            assert isinstance(got, process_groups.StoreUnreachableError), got
-            text = str(got)
-            assert f"rank(s) [{last}]" in text and "stand-in: connect" in text, text
-            assert f"rank {rank}:" in text, text
+        return _group_over(comm)
     finally:
         dist.TCPStore = real
-        MPI.COMM_WORLD.Barrier()
+        MPI.COMM_WORLD.Barrier()   # rank 0 serves the store until every rank is done
         process_groups.forget([comm])
         comm.Free()
+
+
+def check_a_rank_that_cannot_reach_the_store_fails_every_rank(rank, size):
+    """The last rank's connection to rank 0's store fails (a stand-in for a firewall or a
+    wrong address): every rank raises ``StoreUnreachableError`` naming that rank and its
+    error, rather than the others going on into NCCL's set-up to wait for it."""
+    last = size - 1
+    got = _group_over_failing_store(lambda is_master: not is_master and rank == last,
+                                    "stand-in: connect to {host}:{port} timed out")
+    if size == 1:   # rank 0 serves its own store: nothing to reach
+        assert isinstance(got, process_groups.ProcessGroup), got
+    else:
+        assert isinstance(got, process_groups.StoreUnreachableError), got
+        text = str(got)
+        assert f"rank(s) [{last}]" in text and "stand-in: connect" in text, text
+        assert f"rank {rank}:" in text, text
 
 
 def check_a_store_rank_0_cannot_serve_fails_every_rank(rank, size):
     """Rank 0 cannot start the store (a stand-in for an address not on its host, or no free
     port): every rank raises ``StoreUnreachableError`` with rank 0's error, where the others
     waited for an address that never came."""
-    real = dist.TCPStore
-
-    def store(host, port, world, is_master, **kwargs):
-        if is_master:
-            raise RuntimeError(f"stand-in: cannot bind {host}")
-        return real(host, port, world, is_master=is_master, **kwargs)
-
-    dist.TCPStore = store
-    comm = MPI.COMM_WORLD.Dup()
-    try:
-        got = _group_over(comm)
-        assert isinstance(got, process_groups.StoreUnreachableError), got
-        text = str(got)
-        assert "rank 0 could not serve" in text and "stand-in: cannot bind" in text, text
-        assert f"rank {rank}:" in text and "BAGUA_MPI_STORE_ADDR" in text, text
-    finally:
-        dist.TCPStore = real
-        process_groups.forget([comm])
-        comm.Free()
+    got = _group_over_failing_store(lambda is_master: is_master, "stand-in: cannot bind {host}")
+    assert isinstance(got, process_groups.StoreUnreachableError), got
+    text = str(got)
+    assert "rank 0 could not serve" in text and "stand-in: cannot bind" in text, text
+    assert f"rank {rank}:" in text and "BAGUA_MPI_STORE_ADDR" in text, text
 
 
 # every check_ function above, by name
