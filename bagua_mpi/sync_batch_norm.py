@@ -1,8 +1,12 @@
 """``SyncBatchNorm`` (Horovod's ``hvd.SyncBatchNorm``): batch statistics over all ranks.
 
-In training mode each rank computes the count, sum and sum of squares of its batch per
-channel; one differentiable ``allreduce`` (Sum) of the three gives the global mean and biased
-variance, which normalise the local batch. The allreduce's backward is the allreduce of the
+In training mode each rank computes its batch's count, mean and biased variance per channel
+(``torch.var_mean``, which subtracts the mean before squaring); one differentiable
+``allreduce`` (Sum), in float64, of the count, count * mean and count * (variance + mean^2)
+gives the global mean and biased variance, which normalise the local batch. Squares are never
+summed in the input's precision: float32 sums of x^2 minus the squared mean lose every digit
+of the variance when the mean is much larger than the spread (a mean of 1000 and a spread of
+0.01), which torch's batch norm keeps. The allreduce's backward is the allreduce of the
 gradient, so gradients match ``torch.nn.BatchNorm`` applied to the concatenation of every
 rank's batch (loss summed over ranks). Running statistics use the unbiased global variance.
 Evaluation mode, or a single rank, is plain batch norm. Ranks may have different batch sizes.
@@ -41,8 +45,14 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0] + list(range(2, input.dim()))
         x = input if input.dtype == torch.float64 else input.float()
         local = input.numel() // c
-        count = torch.full((1,), float(local), dtype=x.dtype, device=input.device)
-        stats = torch.cat([count, x.sum(dims), (x * x).sum(dims)])
+        if local:
+            local_var, local_mean = torch.var_mean(x, dims, correction=0)
+        else:  # zeros that keep the graph: every rank must run the allreduce's backward
+            local_var = local_mean = x.sum(dims)
+        wide_mean = local_mean.double()
+        count = torch.full((1,), float(local), dtype=torch.float64, device=input.device)
+        stats = torch.cat([count, local * wide_mean,
+                           local * (local_var.double() + wide_mean * wide_mean)])
         total = collectives.allreduce(stats, op=Sum, process_set=ps)
         n = total[0]
         # the total is at least this rank's count, so only a rank with one value or none
@@ -51,16 +61,17 @@ class SyncBatchNorm(_BatchNorm):
         if local <= 1 and n.item() <= 1:
             raise ValueError(f"SyncBatchNorm needs more than one value per channel over all "
                              f"ranks, got input of size {tuple(input.shape)}")
-        mean = total[1:1 + c] / n
-        var = (total[1 + c:] / n - mean * mean).clamp_min(0)
+        wide_mean = total[1:1 + c] / n
+        wide_var = (total[1 + c:] / n - wide_mean * wide_mean).clamp_min(0)
+        mean, var = wide_mean.to(x.dtype), wide_var.to(x.dtype)
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 self.num_batches_tracked += 1
                 # momentum None: the cumulative average over the batches seen, as torch's
                 factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                           else self.momentum)
-                unbiased = var * (n / (n - 1))
-                self.running_mean.mul_(1 - factor).add_(factor * mean.detach()
+                unbiased = wide_var * (n / (n - 1))
+                self.running_mean.mul_(1 - factor).add_(factor * wide_mean.detach()
                                                         .to(self.running_mean.dtype))
                 self.running_var.mul_(1 - factor).add_(factor * unbiased.detach()
                                                        .to(self.running_var.dtype))

@@ -539,6 +539,23 @@ def mode_sync_batch_norm(rank, size):
             same(hvd.allreduce(p.grad, op=hvd.Sum), q.grad, f"step {step}: {name} grad")
     for name, buffer in net.named_buffers():
         same(buffer, dict(reference.named_buffers())[name], f"buffer {name}")
+    # float32 batches whose mean dwarfs their spread (and differs a little per rank): the
+    # statistics keep the variance (float32 sums of squares minus the squared mean lose it all)
+    shifts = torch.tensor([1e3, -5e2, 4e3], dtype=torch.float64).reshape(1, 3, 1)
+    xs = [(inp("wide", r, (sizes[r], 3, 5), "float64", -0.5, 0.5) + 0.1 * r + shifts).float()
+          for r in range(size)]
+    gs = [inp("wideg", r, (sizes[r], 3, 5), "float64") for r in range(size)]
+    layer, plain = hvd.SyncBatchNorm(3), torch.nn.BatchNorm1d(3).double()
+    x = xs[rank].clone().requires_grad_()
+    layer(x).backward(gs[rank].float())
+    full = torch.cat(xs).double().requires_grad_()
+    yf = plain(full)
+    yf.backward(torch.cat(gs))
+    mine = slice(start, start + sizes[rank])
+    torch.testing.assert_close(layer(xs[rank]).double(), yf.detach()[mine], rtol=0, atol=2e-3,
+                               msg="SyncBatchNorm forward, mean >> spread")
+    torch.testing.assert_close(x.grad.double(), full.grad[mine], rtol=2e-3, atol=5e-3,
+                               msg="SyncBatchNorm input grad, mean >> spread")
     # one value per channel over all ranks (rank 0's one row; the others none): refused alike
     layer = hvd.SyncBatchNorm(3).double()
     expect(ValueError, lambda: layer(torch.ones(1 if rank == 0 else 0, 3, dtype=torch.float64)),
