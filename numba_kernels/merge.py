@@ -16,7 +16,6 @@ Dense payloads are merged by decoding: ``decompress_many`` (in dispatch)
 sums a stack of payloads into one buffer in a single pass.
 """
 import numpy as np
-from numba import njit
 
 from ._api import output_buffer, payload_rows, require_same
 from ._device import flat, stream_of

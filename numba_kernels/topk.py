@@ -33,7 +33,6 @@ Two methods, one result:
 import logging
 
 import numpy as np
-from numba import njit
 
 from ._api import prepare
 from ._disk_cache import cached_njit
