@@ -29,5 +29,5 @@ def test_model_averaging_step_skipped_on_one_rank_ends_the_job(name):
     at once (the other rank hung in its exchange, or MPI failed on mismatched messages)."""
     result = run_mpi("amp_suite.py", 2, "--model-averaging-skip", name, timeout=120)
     assert not result.timed_out and result.returncode != 0, result.describe()
-    assert (f"MisuseError: rank 1: parameter" in result.output
+    assert ("MisuseError: rank 1: parameter" in result.output
             and f"{name} averages the models in step()" in result.output), result.describe()
