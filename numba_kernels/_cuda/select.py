@@ -204,12 +204,15 @@ def _scan(blk, nblk, state):
     per = (nblk + THREADS - 1) // THREADS
     lo = lesser(nblk, tid * per)
     hi = lesser(nblk, lo + per)
-    packed = np.int64(0)             # gt count in the low 32 bits, eq count above
+    gt_mine = np.int64(0)
+    eq_mine = np.int64(0)
     for b in range(lo, hi):
-        packed += np.int64(blk[b, 0]) + (np.int64(blk[b, 1]) << 32)
-    before, total = _block_scan(packed, sh)
-    gt_off = before & 0xFFFFFFFF
-    eq_off = before >> 32
+        gt_mine += blk[b, 0]
+        eq_mine += blk[b, 1]
+    # one scan per count, not both packed in one int64 as a tile's are: over the whole array
+    # the ties can pass 2^31 (a threshold of zero in a mostly zero gradient ties every zero)
+    gt_off, gt_total = _block_scan(gt_mine, sh)
+    eq_off, eq_total = _block_scan(eq_mine, sh)
     for b in range(lo, hi):
         g = blk[b, 0]
         q = blk[b, 1]
@@ -218,7 +221,7 @@ def _scan(blk, nblk, state):
         gt_off += g
         eq_off += q
     if tid == 0:
-        state[TAKEN] = (total & 0xFFFFFFFF) + lesser(total >> 32, state[R])
+        state[TAKEN] = gt_total + lesser(eq_total, state[R])
 
 
 @cuda.jit(device=True)

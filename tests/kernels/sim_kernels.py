@@ -249,6 +249,22 @@ def test_topk_exact_on_a_grid(grid_selection):
     dc.check_topk(EXACT_TOPK, many=False)
 
 
+def test_tile_scan_counts_past_2_31():
+    """The grid selection's scan turns the tiles' counts into offsets in int64: ties past 2^31
+    (a zero threshold over a mostly zero tensor of 3e9 elements ties every zero) give offsets
+    past 2^31 and take at most r of them. Hand-made counts stand in for such a tensor."""
+    from numba_kernels._cuda import select
+    from numba_kernels._cuda.geometry import THREADS
+    many = 2**31 + 7
+    counts = np.array([[3, many], [0, 2**32 + 1], [2, 5]], np.int64)
+    state = np.zeros(select.STATE_SLOTS, np.int64)
+    state[select.R] = 4
+    d_counts, d_state = cuda.to_device(counts), cuda.to_device(state)
+    select._scan[1, THREADS](d_counts, len(counts), d_state)
+    assert d_counts.copy_to_host().tolist() == [[0, 0], [3, many], [3, many + 2**32 + 1]]
+    assert int(d_state.copy_to_host()[select.TAKEN]) == 5 + 4
+
+
 def test_topk_approx(grid_selection):
     """The approximate method runs above ONE_BLOCK_KEYS only (below it one block selects
     exactly); with the limit at 0 it runs on these small tensors."""
