@@ -30,6 +30,7 @@ SAMPLE_SEED = 0x5EED
 
 _U64 = np.uint64
 _S32 = _U64(32)
+_LOW32 = _U64(0xFFFFFFFF)
 
 
 def uses_approx(method, n):
@@ -50,11 +51,20 @@ def stratum_position_py(h, j, n, strata):
     """Index in stratum j = [floor(j n / strata), floor((j + 1) n / strata)) for random bits h.
 
     The offset into the stratum is the high word of h * size: uniform over the
-    stratum for uniform h, without a division.
+    stratum for uniform h, without a division.  The bounds are j * (n // strata)
+    plus j * (n % strata) // strata, the same integers as j * n // strata
+    without forming j * n, which passes int64's range from n * strata >= 2^63
+    (3e9 elements at a density of one); strata must stay below 2^32.  The
+    offset takes the size's two 32-bit halves apart, so that a stratum of 2^32
+    elements or more (n / strata that large) does not wrap the product.
     """
-    lo = (j * n) // strata
-    hi = ((j + 1) * n) // strata
-    return lo + np.int64((_U64(h) * _U64(hi - lo)) >> _S32)
+    per = n // strata
+    rest = _U64(n - per * strata)
+    lo = j * per + np.int64((_U64(j) * rest) // _U64(strata))
+    hi = (j + 1) * per + np.int64((_U64(j + 1) * rest) // _U64(strata))
+    size = _U64(hi - lo)
+    offset = _U64(h) * (size >> _S32) + ((_U64(h) * (size & _LOW32)) >> _S32)
+    return lo + np.int64(offset)
 
 
 def keep_entry_py(idx, v, slot, out_idx, out_val, resid, has_res):

@@ -103,6 +103,8 @@ def _sparsify(x, k, index_dtype, residual, out, stream, seed, method):
     """Shared body of compress_topk (method 'exact'/'approx') and compress_randk ('random')."""
     if method not in ("exact", "approx", "random"):
         raise KernelParameterError(f"method must be 'exact' or 'approx', got {method!r}")
+    if method == "random" and k >= 1 << 32:   # the strata's bounds (_sparse_rules)
+        raise KernelParameterError(f"random-k keeps fewer than 2^32 entries, got k={k}")
     xa, ea, dev, fmt, buf, st = prepare(x, residual, out,
                                         lambda n: TopKFormat(n, k, index_dtype), stream)
     v = fmt.views(buf)

@@ -130,6 +130,25 @@ def test_randk_matches_numpy(dtype, n, rng):
     check_payload(p, x, randk_indices(n, k, 42))
 
 
+@pytest.mark.parametrize("n, strata", [(2**33, 2**32 - 1), (3_100_000_000, 3_000_000_000),
+                                       (2**40 + 3, 7), (1000, 3)])
+def test_stratum_bounds_of_sizes_past_int64_products(n, strata):
+    """A stratum's bounds are floor(j n / strata) for every j, also where j n passes int64's
+    range (random-k of 3e9 elements keeping almost all of them): against Python's integers,
+    the offsets h = 0 (the first index) and the largest h (the last)."""
+    from numba_kernels._sparse_rules import stratum_position
+    for j in (0, 1, strata // 2, strata - 2, strata - 1):
+        lo, hi = j * n // strata, (j + 1) * n // strata
+        assert stratum_position(0, j, n, strata) == lo, (j, n, strata)
+        last = stratum_position(2**32 - 1, j, n, strata)
+        assert lo <= last < hi and last == lo + ((2**32 - 1) * (hi - lo) >> 32), (j, n, strata)
+
+
+def test_randk_refuses_2_32_entries():
+    with pytest.raises(nk.KernelParameterError, match="fewer than 2\\^32 entries, got k=4294967296"):
+        nk.compress_randk(np.zeros(4, np.float32), 2**32)
+
+
 def test_randk_is_uniform_stratified_and_seeded():
     """One index per stratum of n/k = 8, each kept with probability k/n: over
     3000 seeds the count per index is Binomial(3000, 1/8), sd about 18; all 64
