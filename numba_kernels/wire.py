@@ -126,6 +126,9 @@ class _Format:
         return out
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _check_int(name, value, low, high=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise KernelParameterError(f"{name} must be an integer, got {value!r}")
@@ -203,6 +206,10 @@ class QSGDFormat(_Format):
         object.__setattr__(self, "n", _check_int("n", self.n, 0))
         object.__setattr__(self, "levels", _check_int("levels", self.levels, 1, 127))
         object.__setattr__(self, "chunk", _check_int("chunk", self.chunk, 1))
+        if self.nchunks > _INT32_MAX:   # the device decoders index chunks in int32
+            raise KernelParameterError(
+                f"QSGD of n = {self.n} in chunks of {self.chunk} makes {self.nchunks} chunks, "
+                f"more than {_INT32_MAX}; use a chunk of at least {_ceil_div(self.n, _INT32_MAX)}")
 
     @property
     def nchunks(self):
@@ -259,7 +266,7 @@ class TopKFormat(_Format):
         if self.index_dtype not in ("int32", "int64"):
             raise KernelParameterError(f"index_dtype must be 'int32' or 'int64', "
                                        f"got {self.index_dtype!r}")
-        if self.index_dtype == "int32" and self.n > np.iinfo(np.int32).max:
+        if self.index_dtype == "int32" and self.n > _INT32_MAX:
             raise KernelParameterError(f"n = {self.n} does not fit int32 indices; "
                                        "use index_dtype='int64'")
 

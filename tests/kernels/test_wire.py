@@ -46,6 +46,8 @@ def test_compression_ratios():
     (lambda: nk.MinMaxFormat(10, 8, 0), "chunk"),
     (lambda: nk.QSGDFormat(10, 0), "levels"),
     (lambda: nk.QSGDFormat(10, 128), "levels"),
+    (lambda: nk.QSGDFormat(2**31, 127, 1), "2147483648 chunks, more than 2147483647; "
+                                            "use a chunk of at least 2"),
     (lambda: nk.OneBitFormat(10, 100), "multiple of 32"),
     (lambda: nk.TopKFormat(10, 11), "k must be"),
     (lambda: nk.TopKFormat(2**31, 1, "int32"), "int64"),
