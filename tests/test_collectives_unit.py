@@ -1,6 +1,7 @@
 """Single-process checks of the collectives package's plumbing (MPI as a singleton): the
 per-call agreement-check switch and the NCCL-or-MPI choice of the allreduces, which the
 multi-rank suites cannot see from outside."""
+import numpy as np
 import pytest
 import torch
 
@@ -225,3 +226,13 @@ def test_grouped_allreduce_launches_do_not_grow_with_its_tensors(initialized, op
         for t, g in zip(tensors, got):
             assert g.dtype == t.dtype and torch.equal(g, t), f"{op} of one rank changed {t}"
     assert counted[64] == counted[4], f"operations by tensors per dtype: {counted}"
+
+
+def test_received_splits_are_int32_unless_a_split_passes_its_range():
+    """alltoall's received splits: int32 as Horovod's, int64 (not a wrapped negative count,
+    which the backward pass would refuse on one rank alone) from 2^31 rows."""
+    from bagua_mpi.collectives._movement import splits_tensor
+    small = splits_tensor(np.array([3, 0, 2**31 - 1], np.int64))
+    assert small.dtype == torch.int32 and small.tolist() == [3, 0, 2**31 - 1]
+    large = splits_tensor(np.array([2**31 + 16, 0], np.int64))
+    assert large.dtype == torch.int64 and large.tolist() == [2**31 + 16, 0]

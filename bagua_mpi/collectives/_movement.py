@@ -216,11 +216,18 @@ def _alltoall_run(rt, topo, tensor, splits, with_splits: bool):
             dst.writeback()
         if not with_splits:
             return out
-        if isinstance(tensor, torch.Tensor):  # Horovod returns an int32 tensor
-            recv_splits = torch.from_numpy(recv_splits.astype(np.int32))
+        if isinstance(tensor, torch.Tensor):
+            recv_splits = splits_tensor(recv_splits)
         return out, recv_splits
 
     return run, ("alltoall", dt, shape)
+
+
+def splits_tensor(splits: np.ndarray) -> torch.Tensor:
+    """Received splits as Horovod returns them, an int32 tensor, or int64 where a split is
+    2^31 rows or more (int32 would wrap it negative, and a backward pass given it refuses)."""
+    fits = splits.size == 0 or int(splits.max()) <= np.iinfo(np.int32).max
+    return torch.from_numpy(splits.astype(np.int32 if fits else np.int64))
 
 
 def plain_alltoall(tensor, splits=None, name=None, process_set=global_process_set,
