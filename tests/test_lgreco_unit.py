@@ -135,3 +135,25 @@ def test_lgreco_defaults_are_checked_and_integral_levels_coerced():
                         ("topk", 0), ("minmax", True)):
         with pytest.raises(ValueError, match=f"the {family} family's default"):
             LGreCo(family=family, default=bad)
+
+
+def test_topk_family_takes_int64_indices_only_for_a_layer_past_int32(monkeypatch):
+    """A layer of 2^31 elements or more (an embedding table on a large GPU) gets int64 payload
+    indices, which L-GreCo has no option to ask for; smaller buckets keep int32. The plan's
+    arguments are recorded (no 2^31-element tensor is made)."""
+    from types import SimpleNamespace
+
+    from bagua_mpi.lgreco import families
+    from bagua_mpi.primitives.sparse import index_dtype_for
+    assert index_dtype_for([]) == index_dtype_for([5, 2**31 - 1]) == "int32"
+    assert index_dtype_for([5, 2**31]) == "int64"
+    made = []
+    monkeypatch.setattr(families, "GTopKExchange", lambda segments, index_dtype:
+                        made.append((len(segments), index_dtype)))
+    monkeypatch.setattr(TopKDensity, "residual", lambda self, impl, name: None)
+    layer = SimpleNamespace(numel=lambda: 2**31)
+    small = SimpleNamespace(numel=lambda: 10)
+    impl = SimpleNamespace(assignment={"a": 0.01, "b": 0.01})
+    for grads in ([small, small], [small, layer]):
+        TopKDensity().plan(impl, SimpleNamespace(names=["a", "b"]), grads)
+    assert made == [(2, "int32"), (2, "int64")]

@@ -31,7 +31,7 @@ from ..primitives.codecs import MinMaxCodec, fit_kernel_threads
 from ..primitives.lowprec import CompressedExchange, Segment, padded_length, partition_length
 from ..primitives.lowrank import (LowRankExchange, LowRankSegment, initial_q, orthonormalize,
                                   prepare_host_route)
-from ..primitives.sparse import GTopKExchange, SparseSegment, topk_count
+from ..primitives.sparse import GTopKExchange, SparseSegment, index_dtype_for, topk_count
 
 
 def numel(shape) -> int:
@@ -174,10 +174,12 @@ class TopKDensity:
         exchange.run(transport, scale=impl.scale, stats=impl.wire)
 
     def plan(self, impl, bucket, grads) -> GTopKExchange:
-        """The bucket's gTopKAllReduce, each layer with its density's k and its residual."""
+        """The bucket's gTopKAllReduce, each layer with its density's k and its residual, the
+        indices int64 only where a layer needs them (2^31 elements or more)."""
         return GTopKExchange(
             [SparseSegment(g, topk_count(g.numel(), impl.assignment[name]),
-                           self.residual(impl, name)) for name, g in zip(bucket.names, grads)])
+                           self.residual(impl, name)) for name, g in zip(bucket.names, grads)],
+            index_dtype_for([g.numel() for g in grads]))
 
 
 @dataclass(frozen=True)

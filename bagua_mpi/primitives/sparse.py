@@ -44,6 +44,12 @@ def topk_count(numel: int, density: float) -> int:
     return min(numel, max(1, int(round(density * numel)))) if numel else 0
 
 
+def index_dtype_for(lengths) -> str:
+    """The narrowest payload index dtype for segments of ``lengths`` elements: int32, or int64
+    where one has 2^31 elements or more (an embedding table on a large GPU)."""
+    return "int64" if max(lengths, default=0) > np.iinfo(np.int32).max else "int32"
+
+
 @dataclass
 class SparseSegment:
     """One tensor of a packed gTop-k exchange: a contiguous 1-D float32 ``flat`` (host or
