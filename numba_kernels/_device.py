@@ -31,9 +31,14 @@ def cuda():
 
 def is_device(obj):
     """True for objects that live on a CUDA device."""
-    # Numba device arrays (real or simulated) carry __cuda_ndarray__; torch CPU
-    # tensors raise AttributeError for the interface, so hasattr is False there.
-    return bool(getattr(obj, "__cuda_ndarray__", False)) or hasattr(obj, "__cuda_array_interface__")
+    # Numba device arrays (real or simulated) carry __cuda_ndarray__; a torch tensor says
+    # is_cuda, where its interface would raise RuntimeError for one that requires grad
+    if getattr(obj, "__cuda_ndarray__", False):
+        return True
+    is_cuda = getattr(obj, "is_cuda", None)
+    if isinstance(is_cuda, bool):
+        return is_cuda
+    return hasattr(obj, "__cuda_array_interface__")
 
 
 def as_array(obj, name):
@@ -46,8 +51,9 @@ def as_array(obj, name):
         return obj, False
     if getattr(obj, "__cuda_ndarray__", False):
         return obj, True
-    if is_device(obj):
-        return cuda().as_cuda_array(obj), True
+    if is_device(obj):   # a tensor that requires grad exports no interface: detached first
+        return cuda().as_cuda_array(obj.detach() if getattr(obj, "requires_grad", False)
+                                    else obj), True
     if hasattr(obj, "numpy") and getattr(getattr(obj, "device", None), "type", None) == "cpu":
         try:
             return obj.detach().numpy(), False

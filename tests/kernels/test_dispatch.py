@@ -172,3 +172,37 @@ def test_decompress_many_scales_the_sum_by_a_factor(rng):
     with pytest.raises(nk.KernelParameterError, match="factor=0.3.*accumulate"):
         nk.decompress_many(stack, fmt, out=np.zeros(500, np.float32), accumulate=True,
                            factor=0.3)
+
+
+def test_a_cuda_tensor_that_requires_grad_is_taken_detached(monkeypatch):
+    """A CUDA tensor that requires grad (a model's parameter) goes to the kernels detached, as a
+    CPU one does: torch's __cuda_array_interface__ raises RuntimeError for it, which escaped
+    as torch's error. A stand-in with torch's behaviour (no GPU here) and a recording
+    as_cuda_array."""
+    from numba_kernels import _device
+
+    class CudaTensor:
+        is_cuda = True
+
+        def __init__(self, requires_grad):
+            self.requires_grad = requires_grad
+
+        @property
+        def __cuda_array_interface__(self):
+            if self.requires_grad:
+                raise RuntimeError("Can't get __cuda_array_interface__ on Variable that "
+                                   "requires grad. Use var.detach()...")
+            return {}
+
+        def detach(self):
+            return CudaTensor(False)
+
+    given = []
+    monkeypatch.setattr(_device, "cuda", lambda: type("Cuda", (), {
+        "as_cuda_array": staticmethod(lambda obj: given.append(obj) or obj)}))
+    param = CudaTensor(True)
+    assert _device.is_device(param) and _device.is_device(CudaTensor(False))
+    array, on_device = _device.as_array(param, "x")
+    assert on_device and given == [array] and array is not param and not array.requires_grad
+    plain = CudaTensor(False)
+    assert _device.as_array(plain, "x")[0] is plain   # no detach where none is needed
