@@ -127,7 +127,11 @@ def test_torch_cuda_tensors_and_streams():
     x = torch.randn(BIG, device="cuda")
     e = torch.zeros_like(x)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())   # the fills above, on the default stream
     with torch.cuda.stream(stream):
+        # ~50 ms before the add: a kernel launched on any other stream reads x before it
+        torch.cuda._sleep(100_000_000)
+        x.add_(1.0)
         p = nk.compress_minmax(x, bits=8, residual=e, stream=stream)
         out = torch.empty_like(x)
         nk.decompress(p, out=out, stream=stream)
