@@ -139,3 +139,29 @@ def test_torch_cuda_tensors_and_streams():
     host = nk.compress_minmax(x.cpu().numpy(), bits=8)
     np.testing.assert_array_equal(p.buffer.copy_to_host(), host.buffer)
     torch.testing.assert_close(out + e, x, rtol=0, atol=1e-5)
+
+
+@needs_gpu
+def test_topk_of_more_than_2_31_tied_zeros():
+    """Top-k over 2^31 + 2^16 zeros (8.6 GB): every key ties at a threshold of zero, so the
+    grid selection's tie offsets pass 2^31; both methods keep the first k positions. Where the
+    offsets wrapped, the compaction wrote before its output (an illegal address) or over kept
+    entries."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    free, _ = torch.cuda.mem_get_info()
+    n = 2**31 + 2**16
+    if free < 4 * n + (1 << 30):
+        pytest.skip(f"needs {4 * n + (1 << 30)} bytes of free device memory, has {free}")
+    import numba_kernels as nk
+    x = torch.zeros(n, device="cuda")
+    try:
+        for method in ("exact", "approx"):
+            p = nk.compress_topk(x, 1000, index_dtype="int64", method=method)
+            v = p.format.views(p.buffer.copy_to_host())
+            assert v["indices"].tolist() == list(range(1000)), method
+            assert not v["values"].any(), method
+    finally:
+        del x
+        torch.cuda.empty_cache()
