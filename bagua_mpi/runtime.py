@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -118,7 +119,9 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
     Collective: every rank calls it (at exit it is called for you). A rank that gets here while
     others still run waits for them up to ``BAGUA_MPI_EXIT_TIMEOUT_S`` (0: for ever), then aborts
     the job naming them; peers blocked in a collective that needs it abort sooner (see
-    ``watchdog.py``). ``timeout`` bounds the wait for this rank's own queued operations.
+    ``watchdog.py``). ``timeout`` bounds the wait for this rank's own queued operations, and
+    as long again for the communication thread to end; an operation still running then (one
+    the other ranks never called) aborts the job, naming it.
     """
     global _runtime
     rt = _runtime
@@ -132,12 +135,17 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
             logger.exception("bagua_mpi: a shutdown callback failed")
     _runtime = None
     topology.set_current(None)
+    began = time.monotonic()
     if not rt.worker.drain(timeout):
         logger.warning("bagua_mpi: operations still pending after %.0f s at shutdown", timeout)
     # The summary is collective: only when this rank leaves normally (a failing one would keep
     # the others waiting in it instead of in the exit agreement, which names it).
     comm_log.detach(report=_how != faults.LEFT_EXCEPTION and _code in (0, -1))
     rt.worker.close(timeout)
+    if rt.worker.thread_alive():
+        # still inside an operation: the steps below would use MPI beside it and free its
+        # groups and communicators under it (a crash, where this names the operation)
+        rt.watchdog.abort_stuck_at_shutdown(time.monotonic() - began)
     rt.watchdog.stop()
     if rt.exit_monitor is not None and not MPI.Is_finalized():
         _agree_on_leaving(rt, _how, _code)

@@ -129,6 +129,25 @@ class Watchdog:
             logger.error(msg)
         faults.abort_job(msg, STALL_EXIT_CODE)
 
+    def abort_stuck_at_shutdown(self, waited: float) -> None:
+        """Abort the job: ``shutdown`` waited ``waited`` s for the operation the communication
+        thread is in, and what comes next (the exit agreement, freeing the groups and
+        communicators under it) would crash the process instead of naming the operation."""
+        current = self.worker.current
+        describe = current[0] if current is not None else None
+        text = describe_text(describe) if describe is not None else "an operation"
+        seq, details = self._hang_report(describe) if describe is not None else (0, [])
+        where = f" [op #{seq} here]" if seq else ""
+        details.append(self._dump_everywhere(f"rank {self.rank} aborts the job at shutdown: "
+                                             f"{text}{where} still runs"))
+        msg = _indented(
+            f"bagua_mpi rank {self.rank}: {text}{where} still runs {waited:.0f} s after "
+            f"shutdown began waiting for it; another rank never joined it (an operation only "
+            f"some ranks called). Aborting the job.", details)
+        if logger.hasHandlers():
+            logger.error(msg)
+        faults.abort_job(msg, STALL_EXIT_CODE)
+
     def _abort_peer_left(self, describe, departed: dict) -> None:
         who = "; ".join(faults.describe_departure(r, how, code)
                         for r, (how, code) in sorted(departed.items()))

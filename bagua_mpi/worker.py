@@ -224,6 +224,10 @@ class CommWorker:
                         log.record(describe, started, time.monotonic())
         return self.submit(fn, describe, device=device).wait()
 
+    def thread_alive(self) -> bool:
+        """Whether the communication thread still runs (after ``close``: stuck in an operation)."""
+        return self._thread.is_alive()
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has run. False on timeout."""
         # not recorded: a local marker, not an operation the other ranks take part in

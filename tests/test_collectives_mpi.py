@@ -96,6 +96,21 @@ def test_stall_watchdog_warns_then_aborts():
     assert "another rank never joined it. Aborting the job." in result.output, result.describe()
 
 
+@pytest.mark.parametrize("thread_level", ["serialized", "multiple"])
+def test_an_operation_still_running_at_shutdown_is_named(thread_level):
+    """Rank 0 leaves an asynchronous allreduce the others never call and shuts down with a
+    2 s timeout: it aborts the job naming the operation (code 124), where its shutdown went on
+    to free the communicators under the running operation (a segmentation fault). Under
+    THREAD_SERIALIZED the watchdog cannot ask whether peers left, so this is the only path."""
+    result = run_mpi("faults_suite.py", 3, "pending", timeout=90,
+                     env={"MPI4PY_RC_THREAD_LEVEL": thread_level,
+                          "BAGUA_MPI_STALL_ABORT_S": "300"})
+    assert not result.timed_out and result.returncode == 124, result.describe()
+    assert re.search(r"bagua_mpi rank 0: allreduce\(Average, float32, \(3,\)\) \[op #2 here\] "
+                     r"still runs \d+ s after shutdown began waiting for it; another rank never "
+                     r"joined it", result.output), result.describe()
+
+
 # -- misuse guards: a rank that leaves or fails ends the job promptly, with its message ----------
 # (mode, expected exit code or None for "non-zero", lines the output must contain). Three ranks;
 # "rank 2" is the last one. The default stall watchdog (600 s) is far beyond the time limits

@@ -24,6 +24,13 @@ Modes:
   uneven-joined  the same loops, then bm.join() on every rank: a clean exit (code 0), with
              each rank's model equal to a NumPy replay of its own steps, whose averages take
              zeros from the ranks already joined
+  stall-in-gloo  rank 1 is 30 s late to a bucket's exchange over the gloo group (a peer stalled
+             inside an exchange, after its agreement check): the watchdog must abort the job
+             with its report (code 124) before gloo's own timeout raises a bare RuntimeError
+  pending    rank 0 leaves an asynchronous allreduce that the others never call, and every
+             rank calls shutdown(timeout=2): rank 0 must abort the job naming the operation
+             (before: its shutdown freed the communicators under the running operation, a
+             segmentation fault or gloo's terminate, where the MPI grants no THREAD_MULTIPLE)
   lr NAME    algorithm NAME (one that averages models with ring neighbours' check) whose last
              rank's learning rate halves after step 1: that rank and its ring neighbours raise
              MismatchError before the models are averaged at step 2, uncaught, and the job
@@ -332,6 +339,27 @@ def mode_uneven_joined(rank, size):
     print(f"uneven-joined OK on rank {rank}", flush=True)
 
 
+def mode_stall_in_gloo(rank, size):
+    from bagua_mpi import runtime
+    from bagua_mpi.transport import Transport
+    rt = runtime.get()
+    wire = Transport(rt.topo.comm, "gloo")
+    t = torch.ones(8)
+    rt.worker.run(lambda: wire.allreduce_(t), ("bucket", 0, 32))  # the group is made
+    if rank == 1:
+        time.sleep(30)
+    rt.worker.run(lambda: wire.allreduce_(t), ("bucket", 1, 32))
+
+
+def mode_pending(rank, size):
+    bm.allreduce(torch.ones(3), name="both")
+    if rank == 0:
+        bm.allreduce_async(torch.ones(3), name="only-rank-0")
+    print(f"rank {rank} shuts down", flush=True)
+    bm.shutdown(timeout=2)
+    time.sleep(30)  # not reached on rank 0; the others wait here to be ended with it
+
+
 def mode_lr(rank, size, name):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 2)
@@ -355,7 +383,8 @@ def main():
      "die": mode_die, "stall": mode_stall, "exit-code": mode_exit_code, "return": mode_return,
      "thread": mode_thread, "nested": mode_nested, "sync-twice": mode_sync_twice,
      "skew": mode_skew, "late": mode_late, "uneven": mode_uneven,
-     "uneven-joined": mode_uneven_joined,
+     "uneven-joined": mode_uneven_joined, "pending": mode_pending,
+     "stall-in-gloo": mode_stall_in_gloo,
      "lr": mode_lr}[mode](bm.rank(), bm.size(), *sys.argv[2:])
 
 
