@@ -40,14 +40,25 @@ class StoreUnreachableError(CommunicationError):
 
 
 def set_timeout(seconds: float) -> None:
-    """Seconds groups made from now on give an operation before it fails (0: never).
-    ``init`` passes the stall abort (``BAGUA_MPI_STALL_ABORT_S``). A NCCL collective returns
-    to the host at once and waits on the device, so the library's watchdog, which watches the
-    host, never sees it hang: torch's NCCL watchdog, which ends the process, must keep the
-    job's limit. A gloo operation blocks the host, where the library's watchdog sees it; its
-    own timeout (torch's default 30 minutes) must not cut a longer limit short."""
+    """Groups made from now on give an operation the job's stall limit ``seconds`` plus a
+    margin before they fail (0: never). ``init`` passes the stall abort
+    (``BAGUA_MPI_STALL_ABORT_S``). A NCCL collective returns to the host at once and waits
+    on the device, so the library's watchdog, which watches the host, never sees it hang:
+    torch's NCCL watchdog, which ends the process, must keep the job's limit. A gloo operation
+    blocks the host, where the library's watchdog sees it: its own timeout (torch's default
+    30 minutes) must not cut a longer limit short, and at the limit itself gloo's bare error
+    reached the exception hook before the watchdog's abort, with its hang report and flight
+    records, which takes the watchdog's next tick and the other ranks' dumps (a few seconds):
+    hence the margin."""
     global _timeout
-    _timeout = datetime.timedelta(seconds=seconds) if seconds > 0 else NEVER
+    _timeout = (datetime.timedelta(seconds=seconds + timeout_margin(seconds)) if seconds > 0
+                else NEVER)
+
+
+def timeout_margin(seconds: float) -> float:
+    """Seconds a group waits past the job's stall limit ``seconds``: the watchdog's abort
+    first (at least 10 s, 5% of long limits)."""
+    return max(10.0, 0.05 * seconds)
 
 
 class ProcessGroup:

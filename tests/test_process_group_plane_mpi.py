@@ -273,3 +273,17 @@ def test_adasum_through_gloo(check, nprocs):
     halves and partial sums take the transport's exchange, so gloo carries them here
     (``exchanges_take_the_transport`` counts the calls on each carrier)."""
     assert_check_passed(adasum_run(nprocs), check)
+
+
+def test_the_watchdog_ends_a_stall_inside_a_gloo_exchange_before_gloo_does():
+    """A rank 30 s late to an exchange over the gloo group, past a 6 s stall limit: the job
+    ends through the watchdog's abort, with its report and code 124. With gloo's timeout at
+    the limit itself, gloo's bare RuntimeError (``Timed out waiting 6000ms``) reached the
+    exception hook first and the job ended with code 1 and no report."""
+    result = run_mpi("faults_suite.py", 2, "stall-in-gloo", timeout=90,
+                     env={"BAGUA_MPI_STALL_WARNING_S": "60", "BAGUA_MPI_STALL_ABORT_S": "6"})
+    assert not result.timed_out and result.returncode == 124, result.describe()
+    assert ("bagua_mpi rank 0: bucket(1, 32) has waited" in result.output
+            and "another rank never joined it. Aborting the job." in result.output), \
+        result.describe()
+    assert "Timed out waiting" not in result.output, result.describe()

@@ -221,15 +221,16 @@ def check_nccl_bootstrap_meets_in_one_store(rank, size):
 
 
 def check_groups_take_the_jobs_stall_limit_as_their_timeout(rank, size):
-    """NCCL's and gloo's groups both time out at the job's stall limit, and never where it is
-    0 ("never"): torch's NCCL watchdog would end the job at its 10-minute default, and a gloo
-    operation would fail at 30 minutes, past which the library aborts the job."""
+    """NCCL's and gloo's groups both time out just past the job's stall limit (10 s, or 5%
+    of a long one, later: the library's abort, with its report, comes first), and never where
+    it is 0 ("never"): torch's NCCL watchdog would end the job at its 10-minute default, and
+    a gloo operation would fail at 30 minutes, past which the library aborts the job."""
     missing = object()  # a CPU build of torch has no ProcessGroupNCCL
     saved = getattr(dist, "ProcessGroupNCCL", missing)
     dist.ProcessGroupNCCL = MeetingPoint
     try:
-        for limit, want in ((3600.0, datetime.timedelta(hours=1)),
-                            (0.0, process_groups.NEVER), (45.0, datetime.timedelta(seconds=45))):
+        for limit, want in ((3600.0, datetime.timedelta(hours=1, minutes=3)),
+                            (0.0, process_groups.NEVER), (45.0, datetime.timedelta(seconds=55))):
             MeetingPoint.timeouts.clear()
             bm.init(stall_abort_s=limit)
             try:
