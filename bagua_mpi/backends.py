@@ -358,10 +358,11 @@ def _nccl_version() -> str:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-def reset() -> None:
-    """Forget ``init``'s choice and the process groups (``shutdown``)."""
+def reset(finish: bool = True) -> None:
+    """Forget ``init``'s choice and shut the process groups down (``shutdown``; ``finish``:
+    after their queued work, else at once)."""
     global _default, _node_ranks, _node_gpus
     from . import process_groups
 
-    process_groups.reset()
+    process_groups.reset(finish)
     _default = _node_ranks = _node_gpus = None

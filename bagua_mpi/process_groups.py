@@ -78,6 +78,10 @@ class ProcessGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.store = _meet_in_store(comm, library)  # kept alive: the group's rendezvous
+        self.device = device
+        # the same on every rank of the group and apart from every other live group's: the
+        # order groups are shut down in (``_close``)
+        self.order = (str(getattr(self.store, "host", "")), int(getattr(self.store, "port", 0)))
         # a store of its own per group (rank 0 of each group serves it): no prefix clash
         prefixed = dist.PrefixStore(f"bagua_mpi/{library}/", self.store)
         self.comm = comm
@@ -93,6 +97,17 @@ class ProcessGroup:
             # odd-sized random pairings leave ranks out)
             self.allreduce_(torch.zeros(1, device=device))
         made += 1
+
+    def close(self, finish: bool = True) -> None:
+        """Shut the group's library down (``_close``): with ``finish``, after the work queued
+        on its device; else at once (torch's ``abort``, as a failing process's exit)."""
+        if finish and self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+        # both are torch's since 2.2; a build without them leaves it to the destructor
+        stop = getattr(self.pg, "shutdown" if finish else "abort", None)
+        if stop is not None:
+            stop()
 
     def allreduce_(self, tensor, op: str = "sum") -> None:
         import torch.distributed as dist
@@ -272,12 +287,13 @@ def group(comm, library: str = "nccl") -> ProcessGroup:
 
 
 def forget(comms) -> None:
-    """Drop the groups over ``comms``, communicators about to be freed (a removed process
-    set's): each group keeps its communicator, store and library resources alive until then."""
+    """Shut down and drop the groups over ``comms``, communicators about to be freed (a
+    removed process set's, a closed asynchronous optimizer's); collective over each: each
+    group keeps its communicator, store and library resources alive until then."""
     ids = {id(c) for c in comms}
     with _lock:
-        for key in [key for key in _groups if key[1] in ids]:
-            del _groups[key]
+        gone = [_groups.pop(key) for key in [key for key in _groups if key[1] in ids]]
+    _close(gone)
 
 
 def groups() -> list[ProcessGroup]:
@@ -286,7 +302,19 @@ def groups() -> list[ProcessGroup]:
         return list(_groups.values())
 
 
-def reset() -> None:
-    """Forget every group (``shutdown``)."""
+def reset(finish: bool = True) -> None:
+    """Shut down and forget every group (``shutdown``; ``finish``: see ``ProcessGroup.close``)."""
     with _lock:
+        gone = list(_groups.values())
         _groups.clear()
+    _close(gone, finish)
+
+
+def _close(gone: list[ProcessGroup], finish: bool = True) -> None:
+    """Shut ``gone`` down, in the same order on every rank. A group that is only dropped
+    leaves it to torch's destructor, which aborts a NCCL communicator under collectives still
+    queued on the device and warns that the group was never destroyed. torch's own
+    ``destroy_process_group`` shuts groups down in an order every rank shares too: NCCL's abort
+    was collective in some versions."""
+    for found in sorted(gone, key=lambda g: g.order):
+        found.close(finish)

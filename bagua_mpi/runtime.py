@@ -140,7 +140,8 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
         logger.warning("bagua_mpi: operations still pending after %.0f s at shutdown", timeout)
     # The summary is collective: only when this rank leaves normally (a failing one would keep
     # the others waiting in it instead of in the exit agreement, which names it).
-    comm_log.detach(report=_how != faults.LEFT_EXCEPTION and _code in (0, -1))
+    leaving_well = _how != faults.LEFT_EXCEPTION and _code in (0, -1)
+    comm_log.detach(report=leaving_well)
     rt.worker.close(timeout)
     if rt.worker.thread_alive():
         # still inside an operation: the steps below would use MPI beside it and free its
@@ -150,7 +151,9 @@ def shutdown(timeout: float = 60.0, *, _how: int = faults.LEFT_SHUTDOWN, _code: 
     if rt.exit_monitor is not None and not MPI.Is_finalized():
         _agree_on_leaving(rt, _how, _code)
     faults.uninstall()
-    backends.reset()  # the process groups and init's choice belong to this runtime
+    # the process groups and init's choice belong to this runtime; a failing rank does not
+    # wait for the device's queued collectives before it takes its groups down
+    backends.reset(finish=leaving_well)
     if not MPI.Is_finalized():
         node_shared.free_all()  # collective on each node, like the communicators below
         rt.topo.free()

@@ -28,6 +28,7 @@ class MeetingPoint:
     made = []
     allreduced = []
     timeouts = []
+    stopped = []  # (rank, "shutdown" or "abort")
 
     class Options:  # ProcessGroupNCCL.Options: torch's default timeout is 10 minutes
         def __init__(self):
@@ -44,6 +45,12 @@ class MeetingPoint:
     def allreduce(self, tensors, opts):
         MeetingPoint.allreduced.append((self.rank, tuple(t.numel() for t in tensors)))
         return Done()
+
+    def shutdown(self):
+        MeetingPoint.stopped.append((self.rank, "shutdown"))
+
+    def abort(self):
+        MeetingPoint.stopped.append((self.rank, "abort"))
 
 
 class Done:
@@ -207,7 +214,8 @@ def check_nccl_bootstrap_meets_in_one_store(rank, size):
         assert MeetingPoint.allreduced == [(topo.rank, (1,)), (topo.local_rank, (1,))], \
             MeetingPoint.allreduced
         # torch's NCCL watchdog keeps the job's stall limit (the library's cannot see the device)
-        limit = datetime.timedelta(seconds=bm.runtime.get().watchdog.abort_after)
+        after = bm.runtime.get().watchdog.abort_after
+        limit = datetime.timedelta(seconds=after + process_groups.timeout_margin(after))
         assert MeetingPoint.timeouts == [limit, limit], (MeetingPoint.timeouts, limit)
     finally:
         # rank 0 of each group serves its store: it stays until every rank is done with it
@@ -344,6 +352,58 @@ def check_a_store_rank_0_cannot_serve_fails_every_rank(rank, size):
     text = str(got)
     assert "rank 0 could not serve" in text and "stand-in: cannot bind" in text, text
     assert f"rank {rank}:" in text and "BAGUA_MPI_STORE_ADDR" in text, text
+
+
+def check_groups_are_shut_down_in_one_order_on_every_rank(rank, size):
+    """shutdown and a removed set's forget shut the library's groups down (NCCL's and gloo's)
+    rather than leave them to torch's destructor, which aborts NCCL's communicator under queued
+    work and warns; in the order of their stores, whatever order each rank made them in (here
+    reversed on odd ranks), since NCCL's abort was collective in some versions. A clean leave
+    shuts down, a failing one aborts."""
+    missing = object()
+    saved = getattr(dist, "ProcessGroupNCCL", missing)
+    dist.ProcessGroupNCCL = MeetingPoint
+    closed = []
+    original = process_groups.ProcessGroup.close
+
+    def recording(group, finish=True):
+        closed.append(group.order)
+        return original(group, finish)
+
+    process_groups.ProcessGroup.close = recording
+    try:
+        for finish in (True, False):
+            MeetingPoint.stopped.clear()
+            closed.clear()
+            bm.init()
+            comm = bm.runtime.get().topo.comm
+            spare = comm.Dup()
+            made = [process_groups.group(c, library) for c in (comm, spare)
+                    for library in ("nccl", "gloo")]
+            if rank % 2:   # as if another thread had made them in another order here
+                with process_groups._lock:
+                    items = list(process_groups._groups.items())
+                    process_groups._groups.clear()
+                    process_groups._groups.update(reversed(items))
+            MPI.COMM_WORLD.Barrier()
+            process_groups.forget([spare])
+            left = {id(g) for g in process_groups.groups()}
+            assert len(closed) == 2 and left == {id(g) for g in made[:2]}, closed
+            spare.Free()
+            backends.reset(finish=finish)
+            assert len(closed) == 4 and not process_groups.groups(), closed
+            orders = MPI.COMM_WORLD.allgather(closed)
+            assert all(seen == orders[0] for seen in orders), orders
+            kind = "shutdown" if finish else "abort"
+            assert MeetingPoint.stopped == [(rank, "shutdown"), (rank, kind)], \
+                MeetingPoint.stopped
+            bm.shutdown()
+    finally:
+        process_groups.ProcessGroup.close = original
+        if saved is missing:
+            del dist.ProcessGroupNCCL
+        else:
+            dist.ProcessGroupNCCL = saved
 
 
 # every check_ function above, by name
