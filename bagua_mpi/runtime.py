@@ -11,8 +11,10 @@ half-finished collective, and no rank can leave while its peers wait for it in o
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -45,8 +47,14 @@ def on_shutdown(callback) -> None:
     """Run ``callback()`` at ``shutdown()`` (and so at exit), before the comm thread stops.
 
     Algorithms with background threads register their ``close`` here so that a job that
-    forgets to close its optimizer still stops cleanly on every rank."""
-    _shutdown_callbacks.append(callback)
+    forgets to close its optimizer still stops cleanly on every rank. A bound method is held
+    weakly: an object nothing else keeps (an optimizer closed and dropped, whose thread has
+    ended) goes with its buffers instead of living until shutdown."""
+    if inspect.ismethod(callback):
+        method = weakref.WeakMethod(callback)
+        _shutdown_callbacks.append(lambda: (method() or (lambda: None))())
+    else:
+        _shutdown_callbacks.append(callback)
 
 
 def init(comm: MPI.Intracomm | None = None, *, ranks_per_node: int | None = None,

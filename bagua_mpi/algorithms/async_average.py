@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
-from .. import backends, runtime
+from .. import backends, process_groups, runtime
 from ..accounting import staging
 from ..transport import Transport
 from .base import Algorithm, AlgorithmImpl
@@ -260,6 +260,7 @@ class AsyncAverageImpl(AlgorithmImpl):
         self._raise_background_error()
         # the final synchronisation: identical models everywhere
         self.dense_allreduce_([b.flat_param for b in self.buckets], average_models=True)
+        process_groups.forget([self._comm])  # the exchange thread's group, over this one
         self._comm.Free()
 
     # -- checkpoints ----------------------------------------------------------------------------

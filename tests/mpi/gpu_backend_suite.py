@@ -406,6 +406,44 @@ def check_groups_are_shut_down_in_one_order_on_every_rank(rank, size):
             dist.ProcessGroupNCCL = saved
 
 
+def check_a_closed_async_optimizer_leaves_no_group_or_buffers(rank, size):
+    """Asynchronous model averaging over gloo, made and closed three times: its exchange
+    thread's group (over a communicator of its own, which close frees) goes with it, and once
+    dropped the closed optimizer (three model-sized buffers) is collected, where shutdown's
+    callback list kept it alive until the end of the job."""
+    import gc
+    import weakref
+
+    from bagua_mpi.algorithms import AsyncModelAverage
+    bm.init(backend="gloo")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 4)
+        gone = []
+        for _ in range(3):
+            opt = bm.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.01),
+                named_parameters=model.named_parameters(),
+                algorithm=AsyncModelAverage(sync_interval_ms=0, max_staleness=1))
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(8, 16)).sum().backward()
+                opt.step()
+            own = opt.impl._comm
+            if size > 1:   # one rank exchanges nothing: no group
+                assert any(g.comm is own for g in process_groups.groups()), "no group of its own"
+            opt.close()
+            stale = [g for g in process_groups.groups() if g.comm is own or g.comm == MPI.COMM_NULL]
+            assert not stale, f"{len(stale)} group(s) over the closed optimizer's communicator"
+            gone.append(weakref.ref(opt.impl))
+            del opt
+        gc.collect()
+        alive = [ref for ref in gone if ref() is not None]
+        assert not alive, f"{len(alive)} closed optimizer(s) still held"
+    finally:
+        bm.shutdown()
+
+
 # every check_ function above, by name
 CHECKS = {name.removeprefix("check_").replace("_", "-"): fn
           for name, fn in list(globals().items()) if name.startswith("check_")}
