@@ -65,6 +65,11 @@ note "device: $DEVICE; MPI: $MPIVER; mpiexec: $(command -v mpiexec)"
 # are then the ones that measure nothing "done" asks for.
 step 90 "(c) NCCL at world size 1" nccl.log 16 \
     mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json"
+# torch's warning at exit for a NCCL group never shut down (bm.shutdown() shuts them down)
+if grep -q "destroy_process_group() was not called\|has NOT been destroyed" "$RES/nccl.log" 2>/dev/null; then
+    note "(c) FAILED: torch warned that a NCCL group was not shut down (nccl.log)"
+    status=1
+fi
 
 step 110 "(b) every algorithm at 2 ranks on one GPU, payloads staged" train_staged.log 40 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py \
