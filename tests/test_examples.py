@@ -5,6 +5,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -180,6 +181,91 @@ def test_main_job_trains_on_the_gpu_by_default(one_rank):
     optimizer.step()
     assert optimizer.backend.startswith("auto: ")
     optimizer.close()
+
+
+# -- checkpoint_resume.py: the example the sbatch templates run ---------------------------------
+RESUME_ARGS = ("--save-every", "10", "--inputs", "32", "--hidden", "64", "--batch", "16")
+
+
+def digest_of(out: str, steps: int) -> str:
+    found = re.search(rf"finished at step {steps}; parameters sha256 ([0-9a-f]{{64}})", out)
+    assert found, out
+    return found.group(1)
+
+
+def test_checkpoint_example_resumes_to_the_parameters_of_an_uninterrupted_run(tmp_path):
+    """20 steps, then a second run to 40 from ``latest``: the parameters of one 40-step run,
+    bit for bit (2 ranks, on the CPU here; ``--device auto`` picks it without a GPU)."""
+    ckpt, whole = str(tmp_path / "ckpt"), str(tmp_path / "whole")
+    run_example("checkpoint_resume.py", 2, "--checkpoint-dir", ckpt, "--steps", "20",
+                *RESUME_ARGS)
+    resumed = run_example("checkpoint_resume.py", 2, "--checkpoint-dir", ckpt, "--steps", "40",
+                          *RESUME_ARGS)
+    assert re.search(r"resumed from \S+ckpt-0000000020\.h5 at step 20 \(saved by 2 ranks\)",
+                     resumed), resumed
+    uninterrupted = run_example("checkpoint_resume.py", 2, "--checkpoint-dir", whole, "--steps",
+                                "40", "--device", "cpu", *RESUME_ARGS)
+    assert digest_of(resumed, 40) == digest_of(uninterrupted, 40)
+
+
+def _checkpoint_module(monkeypatch):
+    """``checkpoint_resume.py`` as a module; it imports ``train_mlp`` beside it, as a script
+    run from ``examples/`` does."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    spec = importlib.util.spec_from_file_location("checkpoint_resume",
+                                                  REPO / "examples" / "checkpoint_resume.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class DeviceTensor(torch.Tensor):
+    """A stand-in for a CUDA tensor (no GPU here): like one, it refuses ``.numpy()``, and
+    ``.cpu()`` gives a host copy."""
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to "
+                        "copy the tensor to host memory first.")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_checkpoint_example_digest_copies_device_tensors_to_the_host(monkeypatch):
+    """The final digest of a model on a GPU: the same as of its host copy (it called
+    ``.numpy()`` on the device tensors, which a CUDA tensor refuses)."""
+    job = _checkpoint_module(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    on_device = SimpleNamespace(state_dict=lambda: {
+        k: v.detach().as_subclass(DeviceTensor) for k, v in model.state_dict().items()})
+    assert job.parameter_digest(on_device) == job.parameter_digest(model)
+
+
+def test_checkpoint_example_uses_the_main_jobs_device_helper(monkeypatch):
+    """One rule for both examples: ``checkpoint_resume`` takes ``train_mlp``'s helper (the
+    rank's GPU by local rank % count, made current), and its host batches stay on the CPU."""
+    job = _checkpoint_module(monkeypatch)
+    assert job.training_device is sys.modules["train_mlp"].training_device
+    teacher = job.make_model(8, 4, 1, 1)
+    x, y = job.device_batch(3, 1, 5, 8, teacher, torch.device("cpu"))
+    assert x.shape == (5, 8) and y.shape == (5, 1) and x.device.type == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_checkpoint_example_trains_and_resumes_on_the_gpu(tmp_path):
+    """On a GPU (1 rank): the model trains on ``cuda``, a resume loads into it there, and the
+    parameters are those of an uninterrupted run on the GPU."""
+    ckpt, whole = str(tmp_path / "ckpt"), str(tmp_path / "whole")
+    args = ("--device", "cuda", *RESUME_ARGS)
+    run_example("checkpoint_resume.py", 1, "--checkpoint-dir", ckpt, "--steps", "20", *args)
+    resumed = run_example("checkpoint_resume.py", 1, "--checkpoint-dir", ckpt, "--steps", "40",
+                          *args)
+    assert "at step 20" in resumed, resumed
+    uninterrupted = run_example("checkpoint_resume.py", 1, "--checkpoint-dir", whole,
+                                "--steps", "40", *args)
+    assert digest_of(resumed, 40) == digest_of(uninterrupted, 40)
 
 
 def test_main_job_trains_with_onebit_adam():
