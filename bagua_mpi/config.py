@@ -57,8 +57,9 @@ BAGUA_MPI_STORE_ADDR            (auto)   address of rank 0's host where the NCCL
 ==============================  =======  =========================================================
 
 Flags accept 1/0, true/false, yes/no, on/off (any case); an empty value means the default.
-The test suite also reads ``BAGUA_MPI_PARALLEL_PYTHON`` and ``BAGUA_MPI_SLURM_DIR`` (see
-``tests/``); the library does not.
+The test suite also reads ``BAGUA_MPI_PARALLEL_PYTHON`` (see ``tests/``), and the launch
+scripts under ``slurm/`` read the ``LAUNCHER_ONLY`` names below (``docs/settings.md``); the
+library reads neither, and does not take them for typos.
 """
 from __future__ import annotations
 
@@ -80,7 +81,14 @@ KNOWN = (
     "BAGUA_MPI_FLIGHT_RECORDER_SIZE", "BAGUA_MPI_HANG_DIR", "BAGUA_MPI_COMM_LOG",
     "BAGUA_MPI_STORE_ADDR",
 )
-TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON", "BAGUA_MPI_SLURM_DIR")
+TEST_ONLY = ("BAGUA_MPI_PARALLEL_PYTHON",)
+# Read by the shell scripts under slurm/ (the sbatch templates, local_cluster.sh; the tests read
+# BAGUA_MPI_SLURM_DIR too): exported for the job, so the ranks see them in their environment.
+LAUNCHER_ONLY = (
+    "BAGUA_MPI_SRUN_MPI", "BAGUA_MPI_BIND_GPU",
+    "BAGUA_MPI_SLURM_DIR", "BAGUA_MPI_SLURM_CPUS", "BAGUA_MPI_SLURMCTLD_PORT",
+    "BAGUA_MPI_SLURMD_PORT",
+)
 
 CHECKPOINT_SCHEMES = ("auto", "mpio", "token")
 
@@ -312,10 +320,12 @@ def settings() -> dict:
 
 
 def unknown_variables(environ=None) -> list[str]:
-    """``BAGUA_MPI_*`` names in the environment that neither the library nor the tests read."""
+    """``BAGUA_MPI_*`` names in the environment that neither the library, the tests nor the
+    launch scripts read (``LAUNCHER_ONLY``: a job submitted with ``BAGUA_MPI_SRUN_MPI=pmix``
+    hands it to every rank, where it is no typo)."""
     env = os.environ if environ is None else environ
     return sorted(k for k in env if k.startswith("BAGUA_MPI_") and k not in KNOWN
-                  and k not in TEST_ONLY)
+                  and k not in TEST_ONLY and k not in LAUNCHER_ONLY)
 
 
 def check_environment() -> dict:

@@ -403,7 +403,9 @@ def launcher_checks() -> list[Check]:
 
 
 def slurm_checks(topo) -> list[Check]:
-    """The Slurm job variables seen, and whether Slurm's ranks agree with MPI's."""
+    """The Slurm job variables seen, and whether Slurm's ranks agree with MPI's: a FAIL where
+    ``init`` would refuse this process (a lone task of a ``srun`` step of several), else a
+    WARN for any disagreement (a ``srun`` inside ``mpiexec``, python run from the batch script)."""
     from . import topology
 
     seen = [f"{v}={os.environ[v]}" for v in SLURM_JOB_VARIABLES if v in os.environ]
@@ -416,9 +418,13 @@ def slurm_checks(topo) -> list[Check]:
     with warnings.catch_warnings(), _quiet(topology.logger):
         warnings.simplefilter("ignore")  # reported here as a line instead
         problems = topology.check_slurm_agreement(view)
-    if problems:
+    refusal = _slurm_step_refusal()
+    if refusal:
+        checks.append(fail("Slurm vs MPI", "; ".join(problems + [refusal]),
+                           f"launch with {topology.SRUN_MPI_FIX}"))
+    elif problems:
         checks.append(warn("Slurm vs MPI", "; ".join(problems),
-                           "launch with srun --mpi=pmi2 (or pmix), not srun inside mpiexec"))
+                           f"launch with {topology.SRUN_MPI_FIX}, not srun inside mpiexec"))
     else:
         local_compared = topo is not None and topo.simulated_ranks_per_node is None
         checks.append(ok("Slurm vs MPI", "SLURM_PROCID/SLURM_NTASKS"
@@ -483,6 +489,23 @@ def _variant_lines(variants: dict) -> list[Check]:
     lines = [Check(c.check, c.status, f"{c.value} [{ranks_text(ranks)}]", c.fix)
              for c, ranks in shown]
     rest = list(variants.items())[MAX_VARIANTS:]
+def _slurm_step_refusal() -> str | None:
+    """Why ``bagua_mpi.init()`` would refuse this process as a lone task of a ``srun`` step
+    (``topology.refuse_lone_task_of_a_slurm_step``: each task its own 1-rank MPI job), or
+    None. The doctor alone never calls ``init``, so the rule is asked here; its FAIL says what
+    a WARN would understate: training would not start."""
+    from . import topology
+    from .exceptions import MisuseError
+
+    try:
+        topology.refuse_lone_task_of_a_slurm_step(MPI.COMM_WORLD.Get_size())
+    except MisuseError:
+        tasks = os.environ["SLURM_STEP_NUM_TASKS"]
+        return (f"SLURM_STEP_NUM_TASKS={tasks}: srun started {tasks} tasks, each an MPI job "
+                f"of 1 rank, so bagua_mpi.init() refuses it")
+    return None
+
+
     if rest:
         worst = max((c for c, _ in rest), key=lambda c: _SEVERITY[c.status])
         ranks = sorted(r for _, rs in rest for r in rs)

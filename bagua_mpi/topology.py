@@ -97,6 +97,7 @@ def build(comm: MPI.Intracomm | None = None, ranks_per_node: int | None = None) 
     """Duplicate ``comm`` (default ``COMM_WORLD``) and split it into node groups."""
     if comm is None:
         refuse_lone_process_of_a_larger_job(MPI.COMM_WORLD.Get_size())
+        refuse_lone_task_of_a_slurm_step(MPI.COMM_WORLD.Get_size())
         comm = MPI.COMM_WORLD
     if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
         raise TypeError(f"init(comm=...) needs an mpi4py intracommunicator, got {comm!r}")
@@ -140,6 +141,33 @@ def refuse_lone_process_of_a_larger_job(world_size: int, environ: dict | None = 
         f"{raw} processes. bagua_mpi takes its ranks from MPI, so each process would train "
         f"alone. Launch with mpiexec -n {raw} python ... or srun --ntasks={raw} --mpi=pmi2 "
         f"python ...; to run this process alone on purpose, call init(comm=MPI.COMM_SELF)")
+
+
+# What to launch with under Slurm: pmi2 is what the PyPI MPICH wheel (the ``mpich`` extra) and
+# most MPIs speak; that wheel aborts in MPI_Init under pmix ("unsupported PMI version PMIx").
+SRUN_MPI_FIX = ("srun --mpi=pmi2 (--mpi=pmix only where the MPI was built with PMIx, "
+                "e.g. Open MPI)")
+
+
+def refuse_lone_task_of_a_slurm_step(world_size: int, environ: dict | None = None) -> None:
+    """Raise ``MisuseError`` when MPI sees a job of one rank inside a ``srun`` step of several
+    tasks (``SLURM_STEP_NUM_TASKS`` > 1): ``srun`` without a working ``--mpi`` plugin (Slurm's
+    default ``MpiDefault=none``) starts every task as an MPI job of its own, and each would
+    train alone, with no error. ``SLURM_STEP_NUM_TASKS`` is set only inside ``srun`` steps, so
+    Python started straight from a batch script (``SLURM_NTASKS`` > 1 there) is not refused;
+    nor is an explicit ``init(comm=MPI.COMM_SELF)``, which is a choice."""
+    env = os.environ if environ is None else environ
+    raw = env.get("SLURM_STEP_NUM_TASKS", "")
+    if world_size != 1 or not raw.isdigit() or int(raw) <= 1:
+        return
+    task = env.get("SLURM_PROCID", "?")
+    raise MisuseError(
+        f"bagua_mpi.init() on Slurm task SLURM_PROCID={task}: MPI sees a job of 1 rank, but "
+        f"SLURM_STEP_NUM_TASKS={raw} says srun started {raw} tasks. srun without a working "
+        f"--mpi plugin (Slurm's default is none) makes each task an MPI job of its own, so "
+        f"each would train alone. Launch with {SRUN_MPI_FIX}, e.g. srun --mpi=pmi2 "
+        f"--ntasks={raw} python ...; to run this process alone on purpose, call "
+        f"init(comm=MPI.COMM_SELF)")
 
 
 def check_slurm_agreement(topo: Topology, environ: dict | None = None) -> list[str]:

@@ -2,13 +2,17 @@
 # A real single-node Slurm on this machine, for tests and for trying the job templates.
 #
 #   slurm/local_cluster.sh start    # installs slurm-wlm + munge if missing (root, Debian), starts
-#                                   # munged, slurmctld and slurmd on localhost, waits until idle
+#                                   # munged, slurmctld and slurmd on localhost, waits until idle;
+#                                   # first removes this user's unused MPICH segments from /dev/shm
+#                                   # (slurm/clear_stale_shm.sh)
 #   slurm/local_cluster.sh status
 #   slurm/local_cluster.sh stop
 #   export SLURM_CONF=${BAGUA_MPI_SLURM_DIR:-/tmp/bagua_mpi_slurm}/slurm.conf   # for srun/sbatch
 #
 # The node advertises BAGUA_MPI_SLURM_CPUS CPUs (default 8) whatever the hardware has, so 4-task
 # jobs fit on a 2-core machine (config_overrides); no cgroups (containers rarely allow them).
+# BAGUA_MPI_SLURMCTLD_PORT / BAGUA_MPI_SLURMD_PORT (default 16817 / 16818) and
+# BAGUA_MPI_SLURM_DIR let a second cluster run beside the first (tests/test_slurm_harness.py).
 set -euo pipefail
 
 DIR=${BAGUA_MPI_SLURM_DIR:-/tmp/bagua_mpi_slurm}
@@ -66,6 +70,10 @@ CONF
 start() {
     install_packages
     write_config
+    # A fresh cluster (an empty state folder) numbers its jobs from 1 again, and MPICH names its
+    # /dev/shm segments after the job and step ids: a segment left by a killed step of an
+    # earlier cluster's job of the same id would fail this one's MPI_Init.
+    bash "$(dirname "${BASH_SOURCE[0]}")/clear_stale_shm.sh" >/dev/null || true
     if ! pgrep -x munged >/dev/null; then
         [ -s /etc/munge/munge.key ] || mungekey --create --keyfile=/etc/munge/munge.key
         chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge 2>/dev/null || true

@@ -190,6 +190,53 @@ def test_wrong_slurm_plugin_is_a_warning(monkeypatch):
     assert slurm == doctor.ok("Slurm", "SLURM_JOB_ID=42 SLURM_NTASKS=2")
     assert agreement.check == "Slurm vs MPI" and agreement.status == WARN
     assert "SLURM_NTASKS=2 but MPI world size is 1" in agreement.value
+    # pmi2, and pmix only where it is right: the mpich extra's MPICH aborts under pmix
+    assert agreement.fix == ("launch with srun --mpi=pmi2 (--mpi=pmix only where the MPI was "
+                             "built with PMIx, e.g. Open MPI), not srun inside mpiexec")
+
+
+def test_lone_task_of_a_srun_step_fails_with_the_plugin_to_use(monkeypatch):
+    """Inside a srun step of 2 tasks (SLURM_STEP_NUM_TASKS, set in steps only), a 1-rank MPI
+    job is what srun without a working --mpi plugin starts, and init refuses it: a FAIL with
+    the plugin to use, where the same variables without SLURM_STEP_NUM_TASKS (Python run from
+    the batch script) stay a WARN."""
+    for variable in [v for v in os.environ if v.startswith("SLURM_")]:
+        monkeypatch.delenv(variable)
+    for variable, value in (("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"),
+                            ("SLURM_STEP_NUM_TASKS", "2")):
+        monkeypatch.setenv(variable, value)
+    _, agreement = doctor.slurm_checks(None)  # this pytest process: a singleton MPI job
+    assert agreement.check == "Slurm vs MPI" and agreement.status == FAIL, agreement
+    assert agreement.value == ("SLURM_PROCID=1 but MPI world rank is 0; SLURM_NTASKS=2 but MPI "
+                               "world size is 1; SLURM_STEP_NUM_TASKS=2: srun started 2 tasks, "
+                               "each an MPI job of 1 rank, so bagua_mpi.init() refuses it")
+    assert agreement.fix == ("launch with srun --mpi=pmi2 (--mpi=pmix only where the MPI was "
+                             "built with PMIx, e.g. Open MPI)")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    assert doctor.slurm_checks(None)[1].status == WARN
+
+
+def test_lone_task_of_a_srun_step_makes_the_doctor_exit_1():
+    run = run_doctor("doctor", env=clean_env(SLURM_PROCID="0", SLURM_NTASKS="2",
+                                             SLURM_STEP_NUM_TASKS="2", SLURM_JOB_ID="42"))
+    status, value = run.line("Slurm vs MPI")
+    assert status == FAIL and "SLURM_STEP_NUM_TASKS=2: srun started 2 tasks" in value, \
+        run.describe()
+    assert "fix: launch with srun --mpi=pmi2 " in run.stdout and run.returncode == 1, \
+        run.describe()
+
+
+def test_launch_script_settings_are_not_taken_for_typos(monkeypatch):
+    """A job submitted with BAGUA_MPI_SRUN_MPI or BAGUA_MPI_BIND_GPU (read by the sbatch
+    templates) hands them to every rank: only a real unknown name is reported."""
+    for variable in [v for v in os.environ if v.startswith("BAGUA_MPI_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("BAGUA_MPI_SRUN_MPI", "pmix")
+    monkeypatch.setenv("BAGUA_MPI_BIND_GPU", "/x/slurm/bind_gpu.sh")
+    assert [c.check for c in doctor.settings_checks()] == ["settings"]
+    monkeypatch.setenv("BAGUA_MPI_CHEK", "0")
+    unknown = doctor.settings_checks()[1]
+    assert unknown.status == WARN and unknown.value.startswith("BAGUA_MPI_CHEK ("), unknown
 
 
 def test_agreeing_slurm_is_ok(monkeypatch):

@@ -640,6 +640,45 @@ def test_init_under_torchrun_alone_fails_and_comm_self_is_a_choice():
                                         "alone 1"], proc.stdout
 
 
+@pytest.mark.parametrize("environ,refused", [
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, True),  # srun --mpi=none -n 2
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, False),
+    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, False),  # python run from the batch script
+    ({}, False),
+    ({"SLURM_STEP_NUM_TASKS": "two"}, False),
+])
+def test_a_lone_mpi_process_of_a_srun_step_is_refused(environ, refused):
+    from bagua_mpi.exceptions import MisuseError
+    if refused:
+        with pytest.raises(MisuseError, match=r"SLURM_PROCID=1: MPI sees a job of 1 rank, but "
+                                              r"SLURM_STEP_NUM_TASKS=2 .*srun --mpi=pmi2 "
+                                              r"\(--mpi=pmix only where .*COMM_SELF"):
+            topology.refuse_lone_task_of_a_slurm_step(1, environ)
+    else:
+        topology.refuse_lone_task_of_a_slurm_step(1, environ)
+    topology.refuse_lone_task_of_a_slurm_step(2, environ)  # MPI's own job of 2: fine
+
+
+def test_init_as_a_lone_task_of_a_srun_step_fails_and_comm_self_is_a_choice():
+    """A task of a srun step of 2 that MPI sees as a job of one rank (srun without a working
+    --mpi plugin): init raises, leaving nothing initialized; init(comm=MPI.COMM_SELF) runs
+    it alone on purpose."""
+    import subprocess
+    import sys
+    code = ("import bagua_mpi as bm\nfrom mpi4py import MPI\n"
+            "try:\n    bm.init()\nexcept bm.MisuseError as e:\n"
+            "    print('refused', bm.is_initialized(), str(e)[:57])\n"
+            "bm.init(MPI.COMM_SELF)\nprint('alone', bm.size())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env.update(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1", SLURM_NTASKS="2")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "refused False bagua_mpi.init() on Slurm task SLURM_PROCID=1: MPI sees a",
+        "alone 1"], proc.stdout
+
+
 def test_cuda_awareness_override(monkeypatch):
     from bagua_mpi import cuda
 

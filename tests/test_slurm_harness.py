@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -58,12 +59,20 @@ def _inner_session(tmp_path):
 
 @pytest.mark.parametrize("up_before", [False, True])
 def test_a_session_stops_only_the_slurm_it_started(tmp_path, up_before):
+    # A fresh cluster numbers its jobs from 1 again: a killed step's MPICH segment left by an
+    # earlier cluster's job of the same id would fail MPI_Init, so start clears unused ones.
+    # (Non-hex letters in the name: MPICH's own never hold them.)
+    stale, stale_left = Path(f"/dev/shm/mpich_shm_baguatest{os.getpid()}_0"), False
     if up_before:
+        stale.write_bytes(bytes(4096))
         started = _cluster(tmp_path, "start")
+        stale_left = stale.exists()
+        stale.unlink(missing_ok=True)
         if started.returncode == 3:
             pytest.skip("Slurm is not installed and installing it needs root")
         assert started.returncode == 0, started.stderr
     try:
+        assert not stale_left, "local_cluster.sh start left a stale MPICH segment in /dev/shm"
         inner = _inner_session(tmp_path)
         if "installing it needs root" in inner.stdout:   # -rs prints the skip's reason
             pytest.skip("Slurm is not installed and installing it needs root")
