@@ -182,6 +182,63 @@ def numba_cuda_check(gpus: list[str]) -> Check:
     return ok("numba-cuda version", version)
 
 
+NVVM_CHECK = "libNVVM (numba-cuda)"
+NVVM_FIX = ("pip install 'bagua_mpi[cuda]' (it installs numba-cuda[cu12], whose CUDA 12 toolkit "
+            "wheels hold libNVVM; numba-cuda[cu13] for a CUDA 13 torch), or load a CUDA "
+            "toolkit (module load cuda) or point CUDA_HOME at one")
+
+
+def nvvm_checks(gpus: list[str]) -> list[Check]:
+    """Whether Numba finds libNVVM, the compiler of the GPU compression kernels. torch's CUDA
+    wheels do not ship it, so without a toolkit the first compressed step fails ("libNVVM
+    cannot be found") while gradient_allreduce, which compiles nothing, runs. Asked only where
+    a GPU is visible and numba-cuda installed: elsewhere nothing needs it, or the numba-cuda
+    line already says what to do."""
+    if not gpus:
+        return [ok(NVVM_CHECK, "not checked: no GPU visible (only GPU kernels need it)")]
+    try:
+        importlib.metadata.version("numba-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        return [ok(NVVM_CHECK, "not checked: numba-cuda is not installed (see its line)")]
+    from numba.core import config as numba_config
+
+    if numba_config.ENABLE_CUDASIM:  # numba.cuda is then the simulator, whose NVVM is a stub
+        return [ok(NVVM_CHECK, "not checked: NUMBA_ENABLE_CUDASIM=1 (Numba's CUDA simulator "
+                   "compiles nothing)")]
+    try:
+        version = find_libnvvm()
+    except Exception as exc:  # noqa: BLE001 - whatever numba raises, it found no usable one
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return [warn(NVVM_CHECK, f"numba.cuda cannot load it ({reason}): the compressed "
+                     "algorithms cannot compile their GPU kernels (gradient_allreduce runs)",
+                     NVVM_FIX)]
+    path = nvvm_path()
+    return [ok(NVVM_CHECK, f"libNVVM {version} loaded by numba.cuda"
+               + (f" from {path}" if path else ""))]
+
+
+def find_libnvvm() -> str:
+    """libNVVM's version by numba.cuda's own lookup: ``nvvm.NVVM()``, the object its compiler
+    uses, loads the library and asks its version. A host library: no kernel is compiled and no
+    CUDA context is made, so it is quick on any node. Raises what numba raises where it finds
+    none (``NvvmSupportError``, or the library loader's error)."""
+    from numba.cuda.cudadrv import nvvm
+
+    return ".".join(map(str, nvvm.NVVM().get_version()))
+
+
+def nvvm_path() -> str | None:
+    """The file numba.cuda's path search names for libNVVM, for the report; None where it
+    names only the bare library (left to the system loader) or cannot say."""
+    try:
+        from numba.cuda.cudadrv import libs
+
+        path = libs.get_cudalib("nvvm")
+    except Exception:  # noqa: BLE001 - the version alone answers the check
+        return None
+    return path if isinstance(path, str) and os.path.isabs(path) else None
+
+
 def mpi_checks() -> list[Check]:
     """The MPI library and the thread level it granted (the comm thread needs ``multiple``)."""
     major, minor = MPI.Get_version()
@@ -432,6 +489,23 @@ def slurm_checks(topo) -> list[Check]:
     return checks
 
 
+def _slurm_step_refusal() -> str | None:
+    """Why ``bagua_mpi.init()`` would refuse this process as a lone task of a ``srun`` step
+    (``topology.refuse_lone_task_of_a_slurm_step``: each task its own 1-rank MPI job), or
+    None. The doctor alone never calls ``init``, so the rule is asked here; its FAIL says what
+    a WARN would understate: training would not start."""
+    from . import topology
+    from .exceptions import MisuseError
+
+    try:
+        topology.refuse_lone_task_of_a_slurm_step(MPI.COMM_WORLD.Get_size())
+    except MisuseError:
+        tasks = os.environ["SLURM_STEP_NUM_TASKS"]
+        return (f"SLURM_STEP_NUM_TASKS={tasks}: srun started {tasks} tasks, each an MPI job "
+                f"of 1 rank, so bagua_mpi.init() refuses it")
+    return None
+
+
 @contextlib.contextmanager
 def _quiet(logger):
     """Silence ``logger`` for a moment (its warning becomes a report line instead)."""
@@ -451,6 +525,7 @@ def process_checks(topo) -> list[Check]:
         gpus, checks = [], [fail("GPUs", f"could not list: {type(exc).__name__}: {exc}",
                                  "check the CUDA driver (nvidia-smi) and torch's CUDA build")]
     checks += guarded("versions", version_checks, gpus)
+    checks += guarded(NVVM_CHECK, nvvm_checks, gpus)
     checks += guarded("MPI library", mpi_checks)
     checks += guarded("CUDA-aware MPI (used)", cuda_aware_checks, gpus)
     checks += guarded("NCCL", nccl_checks, gpus)
@@ -489,23 +564,6 @@ def _variant_lines(variants: dict) -> list[Check]:
     lines = [Check(c.check, c.status, f"{c.value} [{ranks_text(ranks)}]", c.fix)
              for c, ranks in shown]
     rest = list(variants.items())[MAX_VARIANTS:]
-def _slurm_step_refusal() -> str | None:
-    """Why ``bagua_mpi.init()`` would refuse this process as a lone task of a ``srun`` step
-    (``topology.refuse_lone_task_of_a_slurm_step``: each task its own 1-rank MPI job), or
-    None. The doctor alone never calls ``init``, so the rule is asked here; its FAIL says what
-    a WARN would understate: training would not start."""
-    from . import topology
-    from .exceptions import MisuseError
-
-    try:
-        topology.refuse_lone_task_of_a_slurm_step(MPI.COMM_WORLD.Get_size())
-    except MisuseError:
-        tasks = os.environ["SLURM_STEP_NUM_TASKS"]
-        return (f"SLURM_STEP_NUM_TASKS={tasks}: srun started {tasks} tasks, each an MPI job "
-                f"of 1 rank, so bagua_mpi.init() refuses it")
-    return None
-
-
     if rest:
         worst = max((c for c, _ in rest), key=lambda c: _SEVERITY[c.status])
         ranks = sorted(r for _, rs in rest for r in rs)

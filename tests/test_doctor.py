@@ -453,6 +453,99 @@ def test_numba_cuda_missing_matters_only_with_a_gpu(monkeypatch):
     assert with_gpu.status == WARN and with_gpu.fix == "pip install 'bagua_mpi[cuda]'"
 
 
+# -- libNVVM: whether numba.cuda can compile the GPU kernels (stand-ins: no GPU here) ----------
+
+@pytest.fixture
+def gpu_with_numba_cuda(monkeypatch):
+    """numba-cuda installed (whatever this machine has), and the lookup of libNVVM given by
+    the test: ``found(version)`` or ``missing(exception)``; the no-GPU line must not ask."""
+    import importlib.metadata
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.30.4"
+                        if name == "numba-cuda" else real_version(name))
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+
+    def answer(result):
+        def lookup():
+            if isinstance(result, Exception):
+                raise result
+            return result
+        monkeypatch.setattr(doctor, "find_libnvvm", lookup)
+    return answer
+
+
+def test_libnvvm_without_a_gpu_is_not_looked_for(gpu_with_numba_cuda):
+    gpu_with_numba_cuda(AssertionError("looked for libNVVM without a GPU"))
+    assert doctor.nvvm_checks([]) == [doctor.ok(
+        "libNVVM (numba-cuda)", "not checked: no GPU visible (only GPU kernels need it)")]
+
+
+def test_libnvvm_missing_with_a_gpu_warns_with_the_cuda_extra(gpu_with_numba_cuda):
+    """torch's CUDA wheels lack libNVVM: the first compressed step would fail to compile, so
+    the doctor says so, and names the extra that brings it (numba-cuda[cu12])."""
+    class NvvmSupportError(ImportError):
+        """numba's own (a stand-in: importing numba.cuda here would pick its target early)."""
+
+    gpu_with_numba_cuda(NvvmSupportError("libNVVM cannot be found.\nlibnvvm.so: cannot open"))
+    (check,) = doctor.nvvm_checks(["GPU A"])
+    assert check.check == "libNVVM (numba-cuda)" and check.status == WARN, check
+    assert "NvvmSupportError: libNVVM cannot be found. libnvvm.so: cannot open" in check.value
+    assert "gradient_allreduce runs" in check.value
+    assert "pip install 'bagua_mpi[cuda]'" in check.fix and "numba-cuda[cu12]" in check.fix
+
+
+def test_libnvvm_found_with_a_gpu_is_ok(gpu_with_numba_cuda, monkeypatch):
+    gpu_with_numba_cuda("2.0")
+    monkeypatch.setattr(doctor, "nvvm_path", lambda: "/opt/cuda/nvvm/lib64/libnvvm.so")
+    assert doctor.nvvm_checks(["GPU A"]) == [doctor.ok(
+        "libNVVM (numba-cuda)",
+        "libNVVM 2.0 loaded by numba.cuda from /opt/cuda/nvvm/lib64/libnvvm.so")]
+
+
+def test_libnvvm_is_not_looked_for_without_numba_cuda_or_under_the_simulator(
+        gpu_with_numba_cuda, monkeypatch):
+    """Without numba-cuda its own line WARNs already; under NUMBA_ENABLE_CUDASIM numba.cuda is
+    the simulator, whose NVVM is a stub that would always say no."""
+    import importlib.metadata
+
+    from numba.core import config as numba_config
+
+    gpu_with_numba_cuda(AssertionError("looked for libNVVM"))
+    monkeypatch.setattr(numba_config, "ENABLE_CUDASIM", 1)
+    (check,) = doctor.nvvm_checks(["GPU A"])
+    assert check.status == OK and "NUMBA_ENABLE_CUDASIM=1" in check.value
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    (check,) = doctor.nvvm_checks(["GPU A"])
+    assert check.status == OK and "numba-cuda is not installed" in check.value
+
+
+def test_libnvvm_lookup_runs_numbas_own_code_without_a_gpu():
+    """The real lookup (numba.cuda's ``NVVM()``) with a stand-in GPU, in a child process so
+    this one's numba.cuda stays unimported: it answers OK or WARN, quickly, and never
+    raises; a machine without a GPU has no CUDA driver to hang in."""
+    code = ("import importlib.metadata as m; real = m.version; "
+            "m.version = lambda n: '0' if n == 'numba-cuda' else real(n); "
+            "from bagua_mpi import doctor; (c,) = doctor.nvvm_checks(['GPU A']); "
+            "print(c.status, c.value)")
+    env = {k: v for k, v in clean_env().items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.match(r"(OK libNVVM \S+ loaded by numba\.cuda|WARN numba\.cuda cannot load it)",
+                    proc.stdout), proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the answers of a machine without a GPU")
+def test_without_a_gpu_the_doctor_does_not_look_for_libnvvm():
+    run = one_rank()
+    assert run.line("libNVVM (numba-cuda)") == (
+        OK, "not checked: no GPU visible (only GPU kernels need it)"), run.describe()
+
+
 @pytest.fixture
 def decided(monkeypatch):
     """Make ``cuda`` answer ``aware`` (as if decided ``how``) without probing anything."""

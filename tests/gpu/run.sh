@@ -70,6 +70,9 @@ if grep -q "destroy_process_group() was not called\|has NOT been destroyed" "$RE
     note "(c) FAILED: torch warned that a NCCL group was not shut down (nccl.log)"
     status=1
 fi
+# the doctor's GPU lines (GPUs, NCCL, CUDA-aware MPI, libNVVM) on a real GPU node: a few seconds
+timeout 40 python3 -m bagua_mpi doctor > "$RES/doctor.log" 2>&1
+note "doctor (rc $?): $(grep -E 'libNVVM|^FAIL|^WARN' "$RES/doctor.log" | head -4 | tr '\n' ' ')"
 
 step 110 "(b) every algorithm at 2 ranks on one GPU, payloads staged" train_staged.log 40 \
     env BAGUA_MPI_CUDA_AWARE=0 mpiexec -n 2 python3 tests/gpu/train_all.py \
