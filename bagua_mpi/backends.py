@@ -329,7 +329,9 @@ def describe(name: str, device_type: str) -> str:
     (pinned host staging)"``); logged once per distinct answer."""
     if device_type == "cuda":
         carrier = device_carrier(name)
-        text = "nccl" if carrier == "nccl" else f"mpi ({_mpi_device_form()})"
+        # the form too: nccl_hierarchical runs NCCL in each node and MPI among the leaders
+        form = name if name == "nccl_hierarchical" else "nccl"
+        text = form if carrier == "nccl" else f"mpi ({_mpi_device_form()})"
         if name == "auto":
             text = f"auto: {text}"
     else:

@@ -523,3 +523,17 @@ def test_wrapping_a_model_on_another_gpu_than_the_current_one_warns(caplog):
     finally:
         torch.cuda.set_device(previous)
         bm.shutdown()
+
+
+def test_opt_backend_names_the_nccl_form(monkeypatch):
+    """What ``opt.backend`` shows for a CUDA model: the NCCL form (``nccl_hierarchical`` was
+    shown as ``nccl``), auto's answer after ``auto:``, MPI's device form, and host models'
+    carriers."""
+    monkeypatch.setattr(bcuda, "mpi_is_cuda_aware", lambda: False)
+    monkeypatch.setattr(backends, "auto_backend", lambda: ("nccl", "stand-in"))
+    monkeypatch.setattr(backends, "nccl_missing", lambda: None)  # as on a GPU with NCCL
+    assert backends.describe("nccl", "cuda") == "nccl"
+    assert backends.describe("nccl_hierarchical", "cuda") == "nccl_hierarchical"
+    assert backends.describe("mpi", "cuda") == "mpi (pinned host staging)"
+    assert backends.describe("gloo", "cpu") == "gloo"
+    assert backends.describe("nccl_hierarchical", "cpu") == "mpi"
