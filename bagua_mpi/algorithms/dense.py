@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .. import collectives, node_shared, runtime, transport
+from .. import collectives, node_shared, process_groups, runtime, transport
 from ..accounting import WireStats
 from ..buffers import FusedTensors, scale_
 from ..ops import Sum
@@ -26,11 +26,12 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
     """In place: ``t <- postscale x sum over comm of (prescale x t)``.
 
     With ``wire_dtype`` (float16/bfloat16) a floating tensor travels as 16-bit words through
-    the cast scatter-reduce (sums in float32). A host tensor that MPI carries, on the library's
-    own communicator, goes through the collectives' allreduce (its zero-copy fast path); every
+    the cast scatter-reduce (sums in float32), and so does a 16-bit tensor that MPI carries
+    (``_sixteen_bit_words``). A host tensor that MPI carries, on the library's own
+    communicator, goes through the collectives' allreduce (its zero-copy fast path); every
     other case through the transport (``transport.py``): NCCL or gloo in the tensor's own
-    dtype, MPI with 16-bit floats summed in float32; scaled by ``prescale`` before the sum and
-    by ``postscale`` after it, where the tensor lives.
+    dtype; scaled by ``prescale`` before the sum and by ``postscale`` after it, where the
+    tensor lives.
 
     ``shared`` (no rank inside ``join()``): a bucket in node-shared memory is reduced in place
     (``node_shared.py``; full precision inside a node, ``wire_dtype`` for what crosses nodes),
@@ -51,8 +52,9 @@ def allreduce_(t: torch.Tensor, comm: MPI.Intracomm, *, prescale: float, postsca
         rows.allreduce_(prescale * postscale, wire_dtype=wire_dtype)
         stats.shared(*rows.bytes_moved(wire_dtype))
         return
-    if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
-        cast_allreduce_(t, wire, wire_dtype, prescale * postscale)
+    words = _sixteen_bit_words(t, wire, wire_dtype)
+    if words is not None:
+        cast_allreduce_(t, wire, words, prescale * postscale)
         stats.add(wire_bytes_cast_allreduce(t.numel(), n, 2))
         return
     topo = runtime.get().topo
@@ -90,14 +92,34 @@ def reduce_scatter_(padded: torch.Tensor, out: torch.Tensor, comm, *, prescale: 
     tensor travels as 16-bit words: an alltoall of 16-bit blocks summed in float32 where the
     data lives (``cast_reduce_scatter_``, the first half of the 16-bit allreduce)."""
     wire = Transport(comm, backend)
-    if wire_dtype is not None and padded.is_floating_point() and padded.dtype != wire_dtype:
-        cast_reduce_scatter_(padded, out, wire, wire_dtype, prescale * postscale)
-        stats.add((wire.size - 1) * out.numel() * torch.finfo(wire_dtype).bits // 8)
+    words = _sixteen_bit_words(padded, wire, wire_dtype)
+    if words is not None:
+        cast_reduce_scatter_(padded, out, wire, words, prescale * postscale)
+        stats.add((wire.size - 1) * out.numel() * torch.finfo(words).bits // 8)
         return
     scale_(padded, prescale)
     wire.reduce_scatter(padded, out)
     scale_(out, postscale)
     stats.add((wire.size - 1) * out.numel() * out.element_size())
+
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def _sixteen_bit_words(t: torch.Tensor, wire: Transport,
+                       wire_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The 16-bit words ``t`` travels as, summed in float32 where the data lives and rounded
+    once (``cast_allreduce_``), or None for its own dtype on the wire: ``wire_dtype`` where it
+    casts a floating tensor to another dtype; ``t``'s own dtype where ``t`` is 16-bit and MPI
+    carries it (host, staged or CUDA-aware), since MPI, which has no 16-bit sum, moved it as
+    float32, twice the bytes (and ``compression`` of its own dtype changed nothing). NCCL and
+    gloo sum 16-bit floats themselves."""
+    if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
+        return wire_dtype
+    if t.dtype in _SIXTEEN_BIT and wire.size > 1 \
+            and wire.carrier(t) not in process_groups.LIBRARIES:
+        return t.dtype
+    return None
 
 
 def fused_allreduce_(tensors: "list[torch.Tensor] | FusedTensors", comm, **kwargs) -> None:

@@ -1482,9 +1482,79 @@ def check_predivide_keeps_16_bit_sums_in_range(rank: int, size: int) -> int:
         (p * 40000.0).sum().backward()
         opt.step()
         opt.close()
-        if predivide > 1.0 or bm.backends.resolve() == "mpi":
+        if predivide > 1.0 or host_payloads_take_mpi():
             assert torch.equal(p.grad, torch.full((8,), 40000.0, dtype=torch.float16)), \
                 (predivide, p.grad)
+            checks += 1
+    return checks
+
+
+def host_payloads_take_mpi() -> bool:
+    """Whether MPI carries host tensors' payloads here (backend mpi or auto; gloo's own)."""
+    return bm.backends.host_carrier(bm.backends.resolve()) == "mpi"
+
+
+def check_sixteen_bit_models_send_their_own_words(rank: int, size: int) -> int:
+    """A bfloat16 or float16 parameter with a different gradient on each rank, averaged with no
+    compression and with its own dtype's: every rank gets round16(sum over ranks in float32 /
+    size), rounded once, against a NumPy replay; and on MPI the bytes sent are those of 16-bit
+    words (``cast_allreduce_``), where MPI, which has no 16-bit sum, moved float32, twice the
+    bytes, and a compression of the model's own dtype changed nothing."""
+    from bagua_mpi import transport
+    from bagua_mpi.collectives import _allreduce
+    from bagua_mpi.primitives.centralized import wire_bytes_cast_allreduce
+    checks = 0
+    n = 5000
+    carried = []  # the dtype of every buffer handed to MPI (the transport's or the collectives')
+    saved = {verb: getattr(transport._HostMPI, verb)
+             for verb in ("allreduce_", "alltoall", "allgather", "reduce_scatter")}
+    for verb, original in saved.items():
+        setattr(transport._HostMPI, verb, lambda self, buf, *a, _o=original, **k:
+                carried.append(buf.dtype) or _o(self, buf, *a, **k))
+    saved_reducer = _allreduce.reducer_for
+
+    def reducer_for(tensor, topo, reductions):
+        reduce = saved_reducer(tensor, topo, reductions)
+        return lambda topo, buf, *a: carried.append(buf.dtype) or reduce(topo, buf, *a)
+    _allreduce.reducer_for = reducer_for
+    try:
+        return checks + _sixteen_bit_exchanges(rank, size, n, carried,
+                                               wire_bytes_cast_allreduce)
+    finally:
+        for verb, original in saved.items():
+            setattr(transport._HostMPI, verb, original)
+        _allreduce.reducer_for = saved_reducer
+
+
+def _sixteen_bit_exchanges(rank, size, n, carried, wire_bytes_cast_allreduce) -> int:
+    checks = 0
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        for compression in (None, name):
+            grads = [torch.empty(n, dtype=torch.float64).uniform_(
+                -3, 3, generator=torch.Generator().manual_seed(1100 + r)).to(dtype)
+                for r in range(size)]
+            want = (sum(g.double().float() for g in grads) / size).to(dtype)
+            p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+            kwargs = {} if compression is None else {"compression": compression}
+            opt = bm.DistributedOptimizer(torch.optim.SGD([p], lr=0.0),
+                                          named_parameters=[("p", p)], **kwargs)
+            opt.zero_grad()
+            p.grad = None
+            carried.clear()
+            (p * grads[rank]).sum().backward()   # the bucket's exchange starts here
+            opt.step()
+            sent = opt.communication_stats()["bytes_sent"]
+            opt.close()
+            if host_payloads_take_mpi():
+                assert torch.equal(p.grad, want), (dtype, compression,
+                                                   int((p.grad != want).sum()))
+                if size > 1:
+                    assert sent == wire_bytes_cast_allreduce(n, size, 2), \
+                        (dtype, compression, sent)
+                    assert dtype in carried and torch.float32 not in carried, carried
+            else:   # gloo (NCCL's stand-in) sums 16-bit floats in their own dtype
+                eps = torch.finfo(dtype).eps
+                torch.testing.assert_close(p.grad, want, rtol=size * eps, atol=size * 3 * eps)
             checks += 1
     return checks
 
@@ -1524,6 +1594,7 @@ def suite_checks() -> dict:
         "same_start": check_same_start,
         "hyperparameters_that_differ": check_hyperparameters_that_differ,
         "compression": lambda rank, size: check_compression(size),
+        "sixteen_bit_models_send_their_own_words": check_sixteen_bit_models_send_their_own_words,
         "mismatched_models": check_mismatched_models,
         "mismatched_settings": check_mismatched_settings,
         "auto_that_decides_differently": check_auto_that_decides_differently,
