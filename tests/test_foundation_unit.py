@@ -909,3 +909,19 @@ def test_gtopk_on_cuda_tensors_matches_host(initialized, aware):
         assert torch.equal(dev.cpu(), host) and torch.equal(dev_res.cpu(), host_res)
     finally:
         cuda.set_cuda_aware(None)
+
+
+@pytest.mark.parametrize("factor", [1 / 3, 1 / 6, 0.1, 0.7, 3.0])
+def test_float16_is_scaled_by_the_factor_rounded_once(factor):
+    """A host float16 tensor scaled in place (a 16-bit gradient's prescale or postscale under
+    gloo, hierarchical or a process set) and scaled into a copy: the product correctly rounded
+    to float16, where NumPy multiplied by the factor rounded to float16 first (a third of the
+    products one step off)."""
+    x = np.random.default_rng(3).uniform(-100, 100, 4096).astype(np.float16)
+    want = (x.astype(np.float64) * factor).astype(np.float16)
+    scaled = torch.from_numpy(x.copy())
+    buffers.scale_(scaled, factor)
+    copied = torch.empty_like(scaled)
+    buffers.scaled_copy(copied, torch.from_numpy(x.copy()), factor)
+    np.testing.assert_array_equal(scaled.numpy(), want)
+    np.testing.assert_array_equal(copied.numpy(), want)
