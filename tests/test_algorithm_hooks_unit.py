@@ -390,3 +390,23 @@ def test_hyperparameter_digest_summary_and_differences():
         "param group 1: on rank 1 only"]
     assert hp.differences([summary(0.1), ((0, (("lr", 0.1),)),)]) == [
         "param group 0 'momentum': 0.9 on rank 0; (no such key) on rank 1"]
+
+
+def test_async_average_adds_its_float32_delta_to_a_16_bit_model_rounding_once():
+    """Asynchronous averaging applies the exchange's float32 delta (average - snapshot) to a
+    bfloat16 model rounded once, as one float32 sum: the delta cast to bfloat16 first rounded
+    twice, and ~1% of elements missed the average (the ranks then disagreed)."""
+    from types import SimpleNamespace
+
+    from bagua_mpi.algorithms.async_average import AsyncAverageImpl
+    gen = torch.Generator().manual_seed(5)
+    model = torch.randn(20000, generator=gen).to(torch.bfloat16)
+    average = model.float() + torch.randn(20000, generator=gen) * 0.01
+    delta = average - model.float()
+    flat = model.clone()
+    bucket = SimpleNamespace(flat_param=flat)
+    stand_in = SimpleNamespace(bucket_slices=lambda d: [(bucket, d)],
+                               _crosses_to_host=lambda: False, exchanges=0)
+    AsyncAverageImpl._apply_delta(stand_in, delta)
+    assert torch.equal(flat, (model.float() + delta).to(torch.bfloat16))
+    assert stand_in.exchanges == 1
