@@ -159,3 +159,22 @@ def test_cores_per_rank_uses_the_binding_when_the_launcher_bound_the_rank(monkey
     assert policy.cores_per_rank(4) == 4.0  # unbound: the node's cores shared by its ranks
     monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert policy.cores_per_rank(4) == 3.0  # bound to three cores: those are its own
+
+
+def test_plan_buckets_keeps_one_open_bucket_per_dtype():
+    """A bfloat16 model with float32 norms alternates dtypes at every layer: each dtype fills
+    its own bucket (two here, where closing at every change made one per layer), closed
+    against its own budget, and the buckets come in the order they complete."""
+    params = []
+    for _ in range(12):
+        params += [torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(256)]
+    order = list(range(len(params)))[::-1]   # readiness: the last layer's norm first
+    sixteen = [i for i in order if params[i].dtype == torch.bfloat16]
+    norms = [i for i in order if params[i].dtype == torch.float32]
+    # the first layer's matrix is ready last, after the first layer's norm
+    assert plan_buckets(params, order, 25 * 1024 * 1024) == [norms, sixteen]
+    # a budget of five bfloat16 matrices: the bfloat16 buckets close in turn, the norms'
+    # when the first layer's norm is ready
+    five = 5 * 256 * 256 * 2
+    assert plan_buckets(params, order, five) == [sixteen[:5], sixteen[5:10], norms,
+                                                 sixteen[10:]]
