@@ -92,6 +92,8 @@ class Engine:
         self.profiled_order: list[int] = []  # first-ready order seen on this rank
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         self._counts = [0] * len(params)  # hook calls since the last synchronize
+        # a gradient since the last synchronize, inside no_sync() too (find_unused_parameters)
+        self._used = [False] * len(params)
         self._remaining: list[int] = []  # per bucket: parameters not yet ready
         self._launched = 0  # buckets [0, _launched) have been handed to the comm thread
         self._handles: list = []
@@ -126,6 +128,7 @@ class Engine:
         return hook
 
     def _on_grad_ready(self, i: int) -> None:
+        self._used[i] = True  # before no_sync()'s return: its passes use parameters too
         if not self.communicating:
             return
         if self.awaiting_step:  # gradients were synchronized and their step() never came
@@ -332,6 +335,7 @@ class Engine:
     def _reset(self) -> None:
         self._generation += 1  # the buckets launched from now on belong to a new iteration
         self._counts = [0] * len(self.params)
+        self._used = [False] * len(self.params)
         self._remaining = [len(b.indices) for b in self.buckets]
         self._launched = 0
         self._handles = []
@@ -341,9 +345,9 @@ class Engine:
     def synchronize(self) -> None:
         """Finish this iteration's gradient communication (launch the rest, wait for all)."""
         if self.buckets is None:
-            counts = self._counts
+            counts, used = self._counts, self._used
             self._build_buckets()
-            self._counts = counts
+            self._counts, self._used = counts, used
         if not self.impl.communicates_gradients:
             self._tick()
             self._reset()
@@ -390,10 +394,14 @@ class Engine:
         for i in sorted(self.sparse):
             p = self.params[i]
             grad = _as_sparse(p)
-            p.grad = self.worker.run(
+            gathered = self.worker.run(
                 lambda grad=grad: sparse_allgather(grad, wire, scale=impl.scale,
                                                    stats=impl.wire),
                 ("sparse gradient", self.names[i], tuple(p.shape)), p.device)
+            # frozen after wrapping: exchanged with the others (every rank calls the same
+            # sequence), then no gradient, as the buckets' frozen parameters get; an empty
+            # sparse one would still move it (momentum, weight decay)
+            p.grad = gathered if p.requires_grad else None
         self.wait_seconds += time.perf_counter() - started
 
     @property
@@ -406,8 +414,11 @@ class Engine:
             self.clock.step += 1
 
     def _drop_globally_unused_grads(self) -> None:
-        """Parameters no rank used this iteration get ``grad = None``, as without wrapping."""
-        used = torch.from_numpy((np.asarray(self._counts) > 0).astype(np.uint8))
+        """Parameters no rank used this iteration get ``grad = None``, as without wrapping. A
+        parameter used only in ``no_sync()`` passes counts as used: its accumulated gradient
+        was exchanged with the bucket and must be stepped (it was dropped)."""
+        used = torch.from_numpy(((np.asarray(self._counts) > 0)
+                                 | np.asarray(self._used, dtype=bool)).astype(np.uint8))
         collectives.allreduce_(used, op=Max, **self._among())
         for i in np.flatnonzero(used.numpy() == 0):
             self.params[i].grad = None
@@ -499,6 +510,7 @@ class Engine:
                 handle.wait()  # launched on every rank: finish it (and drop what it did)
         if self.buckets is None:
             self._counts = [0] * len(self.params)
+            self._used = [False] * len(self.params)
         else:
             self._reset()
         self.awaiting_step = False

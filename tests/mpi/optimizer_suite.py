@@ -349,6 +349,83 @@ def check_sparse_gradients(size: int) -> int:
     return checks
 
 
+def check_sparse_embedding_frozen_after_wrapping(rank: int, size: int) -> int:
+    """A sparse embedding frozen after two steps, with SGD momentum: from then on its
+    gradient is None on every rank and it stays where it is, as in one process (an empty
+    sparse gradient kept momentum moving it); the dense head trains on."""
+    torch.manual_seed(0)
+    model = SparseNet()
+    opt = bm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters())
+    frozen_at = None
+    for step in range(5):
+        if step == 2:
+            model.emb.weight.requires_grad_(False)
+            frozen_at = model.emb.weight.detach().clone()
+        head = model.head.weight.detach().clone()
+        opt.zero_grad()
+        model(sparse_indices(step, rank)).square().sum().backward()
+        opt.step()
+        if frozen_at is not None:
+            assert model.emb.weight.grad is None, step
+            assert torch.equal(model.emb.weight.detach(), frozen_at), step
+            assert not torch.equal(model.head.weight.detach(), head), step
+    opt.close()
+    return 1
+
+
+class MultiHeadNet(torch.nn.Module):
+    """A shared body and three heads, one per micro-batch (multi-task accumulation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(5, 8)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(8, 2) for _ in range(3))
+
+    def forward(self, x, k):
+        return self.heads[k](torch.tanh(self.body(x)))
+
+
+def check_find_unused_counts_no_sync_passes(rank: int, size: int) -> int:
+    """find_unused_parameters=True with gradient accumulation: micro-batch k uses head k, the
+    first two inside no_sync(), the last one outside. Heads 0 and 1 got their gradients only
+    in no_sync() passes: they are used, their accumulated gradients exchanged and stepped, so
+    the model equals one process on every rank's micro-batches (they were set to None and
+    never moved)."""
+    def batch(step, k, r):
+        g = torch.Generator().manual_seed(100 * step + 10 * k + r)
+        return torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
+
+    def train(distributed):
+        torch.manual_seed(0)
+        net = MultiHeadNet()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        if distributed:
+            opt = bm.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
+                                          find_unused_parameters=True)
+        for step in range(3):
+            opt.zero_grad()
+            for k in range(3):
+                ranks = [rank] if distributed else range(size)
+                loss = sum(torch.nn.functional.mse_loss(net(batch(step, k, r)[0], k),
+                                                        batch(step, k, r)[1])
+                           for r in ranks) / (3 * len(ranks))
+                if distributed and k < 2:
+                    with opt.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            opt.step()
+        if distributed:
+            opt.close()
+        return net
+
+    ref = train(False)
+    assert_params_equal(train(True), {n: p.detach() for n, p in ref.named_parameters()},
+                        "find_unused_parameters with no_sync passes")
+    return 1
+
+
 def check_sparse_gradients_send_rows(rank: int, size: int) -> int:
     """A large embedding's sparse exchange sends the rows touched, not the table: far fewer
     bytes than sparse_as_dense=True."""
@@ -1590,6 +1667,8 @@ def suite_checks() -> dict:
         "complex_zero": check_complex_zero,
         "sparse_gradients": lambda rank, size: check_sparse_gradients(size),
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
+        "sparse_embedding_frozen_after_wrapping": check_sparse_embedding_frozen_after_wrapping,
+        "find_unused_counts_no_sync_passes": check_find_unused_counts_no_sync_passes,
         "join": check_join,
         "same_start": check_same_start,
         "hyperparameters_that_differ": check_hyperparameters_that_differ,
