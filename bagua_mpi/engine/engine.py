@@ -158,7 +158,9 @@ class Engine:
                 f"rank {self.worker_rank}: parameter {self.names[i]!r} got a gradient "
                 f"{count} times before step() (backward_passes_per_step={self.passes}); "
                 f"raise backward_passes_per_step, or run the extra backward passes inside "
-                f"opt.no_sync(){why}")
+                f"opt.no_sync(){why}. Within one backward pass, a parameter shared by "
+                f"several blocks under torch.utils.checkpoint(use_reentrant=True) gets one "
+                f"gradient per block: use use_reentrant=False")
         if self.keep_sparse and (i in self.sparse or self.buckets is None and _sparse_grad(
                 self.params[i])):
             self.sparse.add(i)  # new ones only while profiling: the buckets are fixed after

@@ -211,6 +211,53 @@ def check_activation_checkpointing(size: int) -> int:
     return checks
 
 
+def check_shared_block_under_reentrant_checkpointing(rank: int, size: int) -> int:
+    """A block applied twice, each application under reentrant checkpointing (ALBERT's shared
+    layers): its parameters get one gradient per application within one backward pass, which
+    the engine refuses; the error names the cause and use_reentrant=False (its advice was
+    about backward_passes_per_step alone), with which training matches one process."""
+    import torch.utils.checkpoint as checkpoint
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.block, self.out = (torch.nn.Linear(10, 8), torch.nn.Linear(8, 8),
+                                              torch.nn.Linear(8, 4))
+
+        def forward(self, x, reentrant):
+            h = torch.tanh(self.inp(x))
+            for _ in range(2):
+                h = checkpoint.checkpoint(lambda z: torch.tanh(self.block(z)), h,
+                                          use_reentrant=reentrant)
+            return self.out(h)
+
+    def train(reentrant, ranks):
+        torch.manual_seed(0)
+        net = Shared()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        if ranks is not None:
+            opt = bm.DistributedOptimizer(opt, named_parameters=net.named_parameters())
+        try:
+            for step in range(3):
+                opt.zero_grad()
+                x, y = (torch.cat(t) for t in zip(*[data(step, r, BATCH)
+                                                    for r in (ranks or range(size))]))
+                torch.nn.functional.mse_loss(net(x, reentrant), y).backward()
+                opt.step()
+        finally:
+            if ranks is not None:
+                opt.close()
+        return {n: p.detach() for n, p in net.named_parameters()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expect(MisuseError, lambda: train(True, [rank]), "use use_reentrant=False")
+        got, expected = train(False, [rank]), train(False, None)
+    for name, value in got.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5, msg=name)
+    return 2
+
+
 def check_no_sync_and_skip_synchronize(size: int) -> int:
     """no_sync() accumulates locally; the next communicating backward sends the sum."""
     expected = reference("sgd", size, passes=2)
@@ -1669,6 +1716,8 @@ def suite_checks() -> dict:
         "sparse_gradients_send_rows": check_sparse_gradients_send_rows,
         "sparse_embedding_frozen_after_wrapping": check_sparse_embedding_frozen_after_wrapping,
         "find_unused_counts_no_sync_passes": check_find_unused_counts_no_sync_passes,
+        "shared_block_under_reentrant_checkpointing":
+            check_shared_block_under_reentrant_checkpointing,
         "join": check_join,
         "same_start": check_same_start,
         "hyperparameters_that_differ": check_hyperparameters_that_differ,
