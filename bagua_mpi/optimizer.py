@@ -299,6 +299,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._sharded.load_state_dict(state_dict)  # this rank keeps its slices
         else:
             self.optimizer.load_state_dict(state_dict)
+            match_state_layouts(self.optimizer)  # a file's or a wire's state is row-major
         # loading replaces the param_groups dicts: algorithms holding them must see the new ones
         self.impl.bind_optimizer(self.optimizer)
 
@@ -767,16 +768,50 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         h.wait()
 
 
+def match_state_layouts(optimizer) -> None:
+    """Give each state tensor of ``optimizer`` that is shaped like its parameter the strides
+    torch's optimizers create it with (``torch.empty_like(param)``: the parameter's own when it
+    is dense, as ``channels_last``), keeping its dtype, device and values; others are left.
+
+    Why: state read from a file or received over the wire comes back row-major, and torch's
+    fused Adam/AdamW pair a parameter's elements with its moments' by memory position. On the
+    CPU a ``channels_last`` parameter would then step with other elements' moments (silently
+    wrong); on CUDA the step refuses ("same dtype, device, and layout"), and foreach leaves its
+    fast path. A tensor already so laid out is kept (no copy). With ``zero_stage`` the inner
+    optimizer holds flat slices in the buckets' (the parameters' memory) order: left alone."""
+    if isinstance(optimizer, DistributedOptimizer):
+        if optimizer._sharded is not None:
+            return
+        optimizer = optimizer.optimizer
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state or p.layout != torch.strided:
+                continue
+            want = layout.autograd_strides(p)
+            for key, value in list(state.items()):
+                if (torch.is_tensor(value) and value.layout == torch.strided
+                        and value.shape == p.shape and value.stride() != want):
+                    with torch.no_grad():
+                        state[key] = torch.empty_like(p, dtype=value.dtype,
+                                                      device=value.device).copy_(value)
+
+
 def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
     """Give every rank ``root_rank``'s optimizer state (tensors broadcast, scalars pickled in
     transit only); ranks whose optimizer has no state yet get it created.
 
     Each rank receives a state tensor where the root keeps it: on this rank's copy of the
     parameter's device (Adam's moments of a CUDA model), or on the host (its ``step``), so that
-    every rank's tensor takes the same wire (NCCL for a CUDA tensor, where the root's would)."""
+    every rank's tensor takes the same wire (NCCL for a CUDA tensor, where the root's would).
+    A state tensor shaped like its parameter gets the parameter's strides on every rank, the
+    root included (``match_state_layouts``): fused Adam needs them, and ranks whose state were
+    laid out differently could step differently."""
     opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    state = opt.state_dict()
     is_root = runtime.get().topo.rank == root_rank
+    if is_root:
+        match_state_layouts(opt)
+    state = opt.state_dict()
     # the state dict's parameter ids, in the param_groups' order, name these parameters
     param_of = {pid: p for saved, group in zip(state["param_groups"], opt.param_groups)
                 for pid, p in zip(saved["params"], group["params"])}
@@ -799,10 +834,17 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
             if is_root:
                 t = state["state"][pid][key]
             else:
-                device = param_of[pid].device if with_parameter and pid in param_of else "cpu"
-                t = torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")),
-                                device=device)
+                param = param_of.get(pid)
+                device = param.device if with_parameter and param is not None else "cpu"
+                dtype = getattr(torch, dtype.replace("torch.", ""))
+                if (param is not None and param.layout == torch.strided
+                        and tuple(param.shape) == tuple(shape)):
+                    # the parameter's strides (the broadcast carries values, not memory order)
+                    t = torch.empty_like(param, dtype=dtype, device=device)
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=device)
             entry[key] = collectives.broadcast_(t, root_rank)
         new_state[pid] = entry
     if not is_root:
         opt.load_state_dict({"state": new_state, "param_groups": groups})
+        match_state_layouts(opt)  # torch's load casts dtype and device only

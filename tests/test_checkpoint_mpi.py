@@ -154,6 +154,17 @@ def test_batchnorm_buffers_that_differ_per_rank_load_on_any_world_size(tmp_path)
             assert state == by_rank[rank if ranks == 3 else 0], (ranks, rank, loaded.output)
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_fused_adam_state_of_channels_last_resumes_exactly(tmp_path, ranks):
+    """A channels_last CNN with fused Adam and AdamW, resumed by bm.checkpoint (also at
+    ZeRO-1) and by Horovod's recipe (rank 0 loads, broadcast_optimizer_state; also with rank
+    0's state row-major): the state has its parameters' strides on every rank, and the run
+    ends bit for bit where an uninterrupted one does, the same on every rank. Row-major state
+    sent torch's CPU kernel, which pairs elements by memory position, elsewhere."""
+    assert_mpi_ok(run_mpi("checkpoint_suite.py", ranks, "channels_last", str(tmp_path),
+                          "3", "3", timeout=300), f"channels_last OK on {ranks} ranks")
+
+
 @pytest.mark.parametrize("algorithm, ranks", [("ckpt_ef16", 2), ("topk:density=0.2", 3)])
 def test_gan_with_two_optimizers_resumes_bit_identical(tmp_path, algorithm, ranks):
     """Two DistributedOptimizers in one file by name (a GAN; the discriminator's algorithm keeps

@@ -283,6 +283,65 @@ def test_exact_resume_in_one_process(tmp_path, restore_rng):
     opt.close()
 
 
+def channels_last_run(seed: int = 0):
+    """A channels_last conv with a plain (unwrapped) fused AdamW, and its steps."""
+    torch.manual_seed(seed)
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(conv.parameters(), lr=0.05, weight_decay=0.1, fused=True)
+
+    def steps(start: int, stop: int) -> None:
+        for step in range(start, stop):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(2, 3, 5, 5, generator=g).to(memory_format=torch.channels_last)
+            opt.zero_grad()
+            conv(x).square().mean().backward()
+            opt.step()
+    return conv, opt, steps
+
+
+def assert_state_laid_out_as_params(opt) -> None:
+    for p in opt.param_groups[0]["params"]:
+        for key, value in opt.state[p].items():
+            if value.shape == p.shape:
+                assert value.stride() == p.stride(), (key, value.stride(), p.stride())
+
+
+def test_plain_optimizer_state_gets_its_parameters_strides_back(tmp_path):
+    """The file holds tensors row-major; fused AdamW on the CPU pairs a parameter with its
+    moments by memory position, so a load that left them row-major resumed elsewhere."""
+    conv, opt, steps = channels_last_run()
+    steps(0, 5)
+    reference = conv.weight.detach().clone()
+    conv, opt, steps = channels_last_run()
+    steps(0, 3)
+    ckpt.save(str(tmp_path), model=conv, optimizer=opt, step=3)
+    conv, opt, steps = channels_last_run(seed=1)
+    ckpt.load(str(tmp_path), model=conv, optimizer=opt)
+    assert not conv.weight.is_contiguous()
+    assert_state_laid_out_as_params(opt)
+    steps(3, 5)
+    assert torch.equal(conv.weight, reference)
+
+
+def test_wrapper_load_state_dict_lays_row_major_state_out_as_params():
+    """``DistributedOptimizer.load_state_dict`` of a state dict held row-major (another tool's
+    checkpoint, or one of the run before it turned channels_last on)."""
+    conv, opt, steps = channels_last_run()
+    steps(0, 2)
+    saved = opt.state_dict()
+    for entry in saved["state"].values():
+        for key, value in entry.items():
+            entry[key] = value.contiguous()
+    conv2, inner, _ = channels_last_run(seed=1)
+    wrapped = bm.DistributedOptimizer(inner, named_parameters=conv2.named_parameters())
+    wrapped.load_state_dict(saved)
+    assert_state_laid_out_as_params(inner)
+    for p, q in zip(opt.param_groups[0]["params"], inner.param_groups[0]["params"]):
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], inner.state[q][key]), key
+    wrapped.close()
+
+
 def test_file_layout(tmp_path):
     model, opt = make()
     train(model, opt, 1)

@@ -212,6 +212,10 @@ def _apply(parts: dict, meta: dict, model, named: dict | None, algorithms: dict,
         algorithm_states = optimizers.unpack(named, parts.get("algorithm"))
         for name, optimizer in named.items():
             optimizer.load_state_dict(states[name])  # the wrapper's: it sees the new groups
+            # the file's tensors are row-major: give a plain optimizer's state its parameters'
+            # strides, as the wrapper's load does (fused Adam pairs them by memory position)
+            from ..optimizer import match_state_layouts
+            match_state_layouts(optimizer)
             if algorithms[name] == "loaded":
                 optimizer.load_algorithm_state_dict(algorithm_states[name])
             elif algorithms[name] == "reset":

@@ -3,7 +3,9 @@ with placeholders and one dataset per tensor (the layout is in ``format``).
 
 Tensors keep their exact bits: dtypes NumPy has are stored natively (float16/32/64, ints,
 bool, complex), bfloat16 as its uint16 words, other dtypes (float8, ...) as raw bytes; the
-placeholder records the torch dtype and shape. 0-d tensors are stored with shape (1,);
+placeholder records the torch dtype and shape, not the strides: a tensor is stored in its
+logical (row-major) order and read back row-major (the loader gives an optimizer's state its
+parameters' strides: ``optimizer.match_state_layouts``). 0-d tensors are stored with shape (1,);
 empty tensors have no dataset. Dicts with non-string keys, tuples, ``None``, bools, ints,
 floats, strings, bytes, torch dtypes, NumPy arrays and scalars round-trip; anything else is
 refused with the key path that holds it.

@@ -257,6 +257,7 @@ class _UnbucketedOptimizer(DistributedOptimizer):
     @optimizer_hooks.load_state_dict_hooks
     def load_state_dict(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+        _base.match_state_layouts(self.optimizer)  # as the bucketed class: fused Adam needs it
 
     def algorithm_state_dict(self) -> dict:
         return {"config": self.algorithm.config(), "steps": self.steps, "state": {}}

@@ -9,6 +9,7 @@
     python checkpoint_suite.py gan_train ALG DIR N M        # a GAN: two optimizers, one file
     python checkpoint_suite.py gan_resume ALG DIR M
     python checkpoint_suite.py gan_misuse ALG DIR M         # errors; another world size
+    python checkpoint_suite.py channels_last DIR N M        # fused Adam state of channels_last
     python checkpoint_suite.py crash DIR PHASE[@RANK]       # save, then die inside the next save
     python checkpoint_suite.py saveloop DIR                 # save until killed
 
@@ -182,8 +183,9 @@ def snapshot(model, opt):
 def assert_same(a, b, where: str) -> None:
     if torch.is_tensor(a):
         assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
-                           b.view(-1).view(torch.uint8) if b.numel() else b), where
+        # bits in logical order (reshape: a channels_last tensor is no row-major view)
+        assert torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() else a,
+                           b.reshape(-1).view(torch.uint8) if b.numel() else b), where
     elif isinstance(a, dict):
         assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} {list(b)}"
         for k in a:
@@ -343,6 +345,147 @@ def resume(algorithms: str, base: str, m: int, bucket_size_mb: float = 25.0) -> 
         print(f"RES {algorithm} rank {rank} {digest(model, opt)}", flush=True)
         print(f"RESMODEL {algorithm} rank {rank} {model_digest(model, opt)}", flush=True)
         opt.close()
+
+
+class ChannelsLastNet(torch.nn.Module):
+    """A small CNN whose conv weights are ``channels_last`` (the head stays row-major)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 6, 3)
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.conv2(torch.relu(self.conv1(x))).mean((2, 3)))
+
+
+# How the channels_last mode resumes: bm.checkpoint (also at ZeRO-1), or Horovod's recipe (rank
+# 0 loads a torch.save file, then broadcast_parameters + broadcast_optimizer_state) with rank 0
+# loading through the wrapper or, before wrapping, into the plain optimizer a state written
+# row-major (a checkpoint of the run before it turned channels_last on).
+CL_ROUTES = ("ckpt", "ckpt_zero1", "hvd", "hvd_row_major")
+
+
+def build_channels_last(kind: str, route: str, init_seed: int, load=None):
+    """Model and wrapped fused ``kind`` optimizer for ``route``; ``load(model, inner)`` runs
+    between building the plain optimizer and wrapping it."""
+    import bagua_mpi.horovod as hvd
+
+    torch.manual_seed(init_seed)
+    model = ChannelsLastNet().to(memory_format=torch.channels_last)
+    if kind == "adam":
+        inner = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, fused=True)
+    if load is not None:
+        load(model, inner)
+    named = model.named_parameters()
+    if route.startswith("hvd"):
+        opt = hvd.DistributedOptimizer(inner, named_parameters=named)
+    else:
+        opt = bm.DistributedOptimizer(inner, named_parameters=named,
+                                      zero_stage=1 if route == "ckpt_zero1" else 0)
+    return model, opt
+
+
+def train_channels_last(model, opt, start: int, stop: int) -> None:
+    """Steps ``start``..``stop - 1``; each rank's batch depends on its rank and the step only."""
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(1000 * bm.rank() + step)
+        x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.randn(4, 2, generator=g)).backward()
+        opt.step()
+
+
+def channels_last_state(model, opt) -> dict:
+    """Copies of the parameters and of the logical optimizer state (collective at ZeRO), each
+    parameter's state by sorted key (a broadcast state comes in that order)."""
+    state = opt.state_dict()
+    state["state"] = {pid: {k: entry[k] for k in sorted(entry)}
+                      for pid, entry in state["state"].items()}
+    return clone({"model": dict(model.named_parameters()), "optimizer": state})
+
+
+def check_state_layouts(model, opt, where: str) -> None:
+    """Every state tensor shaped like its parameter has the parameter's strides, as torch's
+    optimizer creates it. (With ZeRO the optimizer steps flat slices in the buckets' memory
+    order: there the bit-exact resume is the check.)"""
+    params = list(model.parameters())
+    assert any(p.dim() == 4 and not p.is_contiguous() for p in params), "not channels_last"
+    checked = 0
+    for index, p in enumerate(params):
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value) and value.shape == p.shape:
+                assert value.stride() == p.stride(), \
+                    f"{where}: state {key!r} of parameter {index} has strides " \
+                    f"{value.stride()}, the parameter {p.stride()}"
+                checked += 1
+    assert checked >= 2 * len(params), (where, checked)
+
+
+def channels_last(directory: str, n: int, m: int) -> None:
+    """A channels_last CNN with fused Adam and AdamW (torch's CPU kernels pair a parameter's
+    elements with its moments' by memory position, unchecked): each route resumes N steps into
+    a new optimizer and must end, after M more steps, bit for bit where an uninterrupted run
+    ends, on every rank, with state laid out as its parameters."""
+    import bagua_mpi.horovod as hvd
+
+    rank, size = bm.rank(), bm.size()
+    for kind in ("adam", "adamw"):
+        for route in CL_ROUTES:
+            where = f"{kind} {route}"
+            model, opt = build_channels_last(kind, route, init_seed=0)
+            train_channels_last(model, opt, 0, n + m)
+            reference = channels_last_state(model, opt)
+            opt.close()
+
+            model, opt = build_channels_last(kind, route, init_seed=0)
+            train_channels_last(model, opt, 0, n)
+            path = os.path.join(directory, f"{kind}_{route}")
+            if route.startswith("ckpt"):
+                ckpt.save(path, model=model, optimizer=opt, step=n)
+            else:
+                saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+                if route == "hvd_row_major":
+                    for entry in saved["optimizer"]["state"].values():
+                        for key, value in entry.items():
+                            entry[key] = value.contiguous()
+                if rank == 0:
+                    torch.save(saved, path + ".pt")
+            opt.close()
+            bm.barrier()
+
+            def load_plain(model, inner):
+                if rank == 0:
+                    saved = torch.load(path + ".pt")
+                    model.load_state_dict(saved["model"])
+                    inner.load_state_dict(saved["optimizer"])
+
+            # another initialisation: what the resumed run ends with comes from the load
+            model, opt = build_channels_last(kind, route, init_seed=7,
+                                             load=load_plain if route == "hvd_row_major"
+                                             else None)
+            if route.startswith("ckpt"):
+                ckpt.load(path, model=model, optimizer=opt)
+            else:
+                if rank == 0 and route == "hvd":
+                    saved = torch.load(path + ".pt")
+                    model.load_state_dict(saved["model"])
+                    opt.load_state_dict(saved["optimizer"])
+                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                hvd.broadcast_optimizer_state(opt, root_rank=0)
+            if route != "ckpt_zero1":
+                check_state_layouts(model, opt, where)
+            train_channels_last(model, opt, n, n + m)
+            assert_same(channels_last_state(model, opt), reference, where)
+            h = hashlib.sha256()
+            hash_tree(h, channels_last_state(model, opt))
+            digests = bm.allgather_object(h.hexdigest())
+            assert len(set(digests)) == 1, f"{where}: the ranks differ: {digests}"
+            opt.close()
+    print(f"channels_last OK on {size} ranks", flush=True)
 
 
 def build_gan(algorithm: str, init_seed: int = 0):
@@ -656,6 +799,8 @@ def main() -> None:
         nodes(args[0])
     elif mode == "crash":
         crash(args[0], args[1])
+    elif mode == "channels_last":
+        channels_last(args[0], int(args[1]), int(args[2]))
     elif mode == "on_one_rank":
         on_one_rank(args[0])
     elif mode == "saveloop":
