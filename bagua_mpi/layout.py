@@ -78,6 +78,22 @@ def describe(t: torch.Tensor) -> str:
     return f"strides {strides}"
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill the memory they span exactly once, in some order of its
+    dimensions (no gaps, no overlaps: row-major, ``channels_last``, a transpose): the tensors
+    ``flat_alias`` may view. Autograd's gradients of dense parameters are; a gradient set by
+    hand (``p.grad = g.expand(...)``, a slice with gaps) need not be."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(((size, stride) for size, stride in zip(t.shape, t.stride())
+                                if size != 1), key=lambda dim: dim[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def flat_alias(t: torch.Tensor) -> torch.Tensor:
     """A dense ``t`` (its strides are ``autograd_strides(t)``) as a 1-D view of its elements in
     memory order."""

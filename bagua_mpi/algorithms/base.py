@@ -92,6 +92,7 @@ from ..accounting import WireStats, overhead
 from ..buffers import FusedTensors, dtype_name, reduce_dtype
 from ..engine.clock import StepClock
 from ..exceptions import BaguaMPIError, MismatchError
+from ..layout import flat_alias, is_dense
 from ..transport import Transport
 from . import dense, hyperparameters
 from .state import AlgorithmState, StateVector, names_key
@@ -241,19 +242,22 @@ class AlgorithmImpl:
             dense.allreduce_(t, comm, **kwargs)
 
     def node_sum_(self, tensors: list[torch.Tensor]) -> None:
-        """Sum ``tensors`` into this node's leader (full precision)."""
+        """Sum ``tensors`` into this node's leader (full precision). Each may be any dense
+        tensor: a gradient that is not flattened has its parameter's strides
+        (``channels_last``), and goes through ``_as_flat``."""
         topo = self.ctx.topo
         node = Transport(topo.intra, self.backend)
         for t in tensors:
-            node.reduce_(t, 0, dense=True)
+            _as_flat(t, lambda flat: node.reduce_(flat, 0, dense=True))
             self.wire.node_reduce(t.numel() * t.element_size(), topo.local_rank, topo.local_size)
 
     def node_broadcast_(self, tensors: list[torch.Tensor]) -> None:
-        """Give every rank of the node its leader's ``tensors``."""
+        """Give every rank of the node its leader's ``tensors`` (any layout, as ``node_sum_``
+        takes them)."""
         topo = self.ctx.topo
         node = Transport(topo.intra, self.backend)
         for t in tensors:
-            node.broadcast_(t, 0, dense=True)
+            _as_flat(t, lambda flat: node.broadcast_(flat, 0, dense=True))
             self.wire.node_broadcast(t.numel() * t.element_size(), topo.local_rank,
                                      topo.local_size)
 
@@ -565,6 +569,21 @@ class AlgorithmImpl:
 
     def close(self) -> None:
         """Stop background work (threads) cleanly; called by ``DistributedOptimizer.close``."""
+
+
+def _as_flat(t: torch.Tensor, move: Callable[[torch.Tensor], None]) -> None:
+    """``move(flat)`` in place on a 1-D tensor holding ``t``'s elements, for a transport verb:
+    MPI, gloo and NCCL take contiguous buffers only (a ``channels_last`` gradient raised
+    ``BufferError`` through MPI). A dense ``t``, whatever its strides, is seen in memory order
+    (``layout.flat_alias``: the same memory, no copy). One with gaps (a gradient set by hand:
+    autograd's are dense) goes through a row-major copy, written back, as the dense allreduce
+    does; one with overlaps (expanded) cannot hold the result, and torch refuses the write."""
+    if is_dense(t):
+        move(flat_alias(t))
+        return
+    work = t.contiguous().view(-1)
+    move(work)
+    t.copy_(work.view(t.shape))
 
 
 @dataclass(frozen=True)

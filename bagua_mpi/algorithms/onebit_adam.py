@@ -28,6 +28,17 @@ gives every element of a chunk the chunk's scale, so its step would be that scal
 eps alone (1e8 times it for the default eps), and the model would diverge within steps. Its v is
 frozen as +inf, so its step is 0; the switch logs how many such elements there are.
 
+A parameter whose ``.grad`` is None at a compressed step (frozen with ``requires_grad_(False)``
+after wrapping, or used by no rank with ``find_unused_parameters=True``) is left where it is, as
+Adam leaves it: no step, no L2 term, no AdamW decay. The engine decides that set alike on every
+rank (the bucket's agreement check compares the frozen names; the unused ones come from one
+allreduce), so the ranks stay identical. Its elements of m still travel in its bucket's exchange:
+every rank sends the same sizes and chunks each step (the plans and error feedback are laid over
+them), and which parameters no rank used is known only after the exchange. So its m goes on as
+the averaged momentum of a zero gradient (with Adam's L2 form, plus its weight decay term), the
+same on every rank, and it resumes from that m when it trains again; Adam would resume from the
+m it had, which only a copy of the whole momentum at every step could keep here.
+
 Each rank then sends ~1/32 of the float32 bytes per step. The stage follows from the step
 (the optimizer's count), so a resumed job continues in the right one; m, v and the errors are
 per-rank state keyed by parameter. ``op=Sum`` sums the momenta (the momentum of the summed
@@ -179,7 +190,11 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
 
     def _frozen_variance_step(self, _optimizer, closure=None):
         """The compressed stage's update: p -= lr * m / (sqrt(v) + eps), with the averaged
-        momentum m and the variance v frozen at the switch (AdamW's decay first)."""
+        momentum m and the variance v frozen at the switch (AdamW's decay first).
+
+        A parameter whose ``.grad`` is None (see the module docstring) is skipped, decay
+        included, as Adam skips it; the engine gives every rank the same such set, so the
+        ranks stay alike."""
         loss = closure() if closure is not None else None
         for bucket in self.buckets:
             if _changed(self._grad_versions.get(bucket.index, ()), _versions(bucket)):
@@ -188,6 +203,8 @@ class OneBitAdamImpl(CompressedAllReduceImpl):
         by_group: dict = {}  # the parameters of each param group, with their m and v
         for bucket in self.buckets:
             for p, m_p, v_p in self.param_slices(bucket, *self.moments(bucket)):
+                if p.grad is None:
+                    continue
                 group = self._group_of[p]
                 # a complex parameter steps as pairs of reals, as in Adam
                 by_group.setdefault(id(group), (group, []))[1].append((real_view(p), m_p, v_p))
