@@ -116,35 +116,35 @@ class Watchdog:
             f"for the other ranks{where}", details))
 
     def _abort(self, describe, waited: float) -> None:
-        seq, details = self._hang_report(describe)
-        text = describe_text(describe)
-        where = f" [op #{seq} here]" if seq else ""
-        details.append(self._dump_everywhere(f"rank {self.rank} aborts the job: {text}{where} "
-                                             f"waited {waited:.1f} s"))
-        msg = _indented(
-            f"bagua_mpi rank {self.rank}: {text} has waited {waited:.1f} s (abort limit "
-            f"{self.abort_after:g} s, BAGUA_MPI_STALL_ABORT_S); another rank never joined it. "
-            f"Aborting the job.", details)
-        if logger.hasHandlers():  # else logging's last resort would print it a second time
-            logger.error(msg)
-        faults.abort_job(msg, STALL_EXIT_CODE)
+        self._abort_with_report(
+            describe, lambda text, where: f"aborts the job: {text}{where} waited {waited:.1f} s",
+            lambda text, where: (f"{text} has waited {waited:.1f} s (abort limit "
+                                 f"{self.abort_after:g} s, BAGUA_MPI_STALL_ABORT_S); another "
+                                 f"rank never joined it."))
 
     def abort_stuck_at_shutdown(self, waited: float) -> None:
         """Abort the job: ``shutdown`` waited ``waited`` s for the operation the communication
         thread is in, and what comes next (the exit agreement, freeing the groups and
         communicators under it) would crash the process instead of naming the operation."""
         current = self.worker.current
-        describe = current[0] if current is not None else None
-        text = describe_text(describe) if describe is not None else "an operation"
+        self._abort_with_report(
+            current[0] if current is not None else None,
+            lambda text, where: f"aborts the job at shutdown: {text}{where} still runs",
+            lambda text, where: (f"{text}{where} still runs {waited:.0f} s after shutdown began "
+                                 f"waiting for it; another rank never joined it (an operation "
+                                 f"only some ranks called)."))
+
+    def _abort_with_report(self, describe, dump_note, headline) -> None:
+        """Dump every rank's flight record and abort the job (``STALL_EXIT_CODE``) with this
+        rank's hang report; ``dump_note`` and ``headline`` make their text from the operation's
+        description and where it is in this rank's sequence."""
         seq, details = self._hang_report(describe) if describe is not None else (0, [])
+        text = describe_text(describe) if describe is not None else "an operation"
         where = f" [op #{seq} here]" if seq else ""
-        details.append(self._dump_everywhere(f"rank {self.rank} aborts the job at shutdown: "
-                                             f"{text}{where} still runs"))
-        msg = _indented(
-            f"bagua_mpi rank {self.rank}: {text}{where} still runs {waited:.0f} s after "
-            f"shutdown began waiting for it; another rank never joined it (an operation only "
-            f"some ranks called). Aborting the job.", details)
-        if logger.hasHandlers():
+        details.append(self._dump_everywhere(f"rank {self.rank} {dump_note(text, where)}"))
+        msg = _indented(f"bagua_mpi rank {self.rank}: {headline(text, where)} Aborting the job.",
+                        details)
+        if logger.hasHandlers():  # else logging's last resort would print it a second time
             logger.error(msg)
         faults.abort_job(msg, STALL_EXIT_CODE)
 
