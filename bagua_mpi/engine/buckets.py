@@ -6,9 +6,10 @@ alternates the two at every layer, and closing at each change made about two buc
 starting a new one of a kind when its budget is exceeded, and listing the buckets in the order
 they complete; it never closes a bucket still under ``MIN_BUCKET_BYTES`` (1 MiB, or 1/16 of a
 smaller budget): such a bucket's exchange costs a collective's latency and absorbs the ranks'
-skew, which delays the next bucket by more than starting a few hundred KiB early gains. Measured on a 1 Gbit link
-(MLP, fp16 wire): a lone 180 KB first bucket took 30-80 ms and held the 67 MB bucket behind it
-for ~23 ms; joined to it, steps went 795 -> 757 ms at 2 ranks and 2378 -> 2253 ms at 4.
+skew, which delays the next bucket by more than starting a few hundred KiB early gains. Measured
+on a 1 Gbit link (MLP, fp16 wire): a lone 180 KB first bucket took 30-80 ms and held the 67 MB
+bucket behind it for ~23 ms; joined to it, steps went 795 -> 757 ms at 2 ranks and 2378 -> 2253
+ms at 4.
 
 A ``Bucket`` with flattening owns one contiguous gradient buffer; each parameter's ``.grad`` is a
 view into it, so autograd accumulates straight into the buffer and the algorithm communicates

@@ -66,7 +66,8 @@ note "device: $DEVICE; MPI: $MPIVER; mpiexec: $(command -v mpiexec)"
 step 90 "(c) NCCL at world size 1" nccl.log 16 \
     mpiexec -n 1 python3 tests/gpu/nccl_check.py "$RES/nccl.json"
 # torch's warning at exit for a NCCL group never shut down (bm.shutdown() shuts them down)
-if grep -q "destroy_process_group() was not called\|has NOT been destroyed" "$RES/nccl.log" 2>/dev/null; then
+NEVER_DESTROYED="destroy_process_group() was not called\|has NOT been destroyed"
+if grep -q "$NEVER_DESTROYED" "$RES/nccl.log" 2>/dev/null; then
     note "(c) FAILED: torch warned that a NCCL group was not shut down (nccl.log)"
     status=1
 fi

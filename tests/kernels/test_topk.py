@@ -145,7 +145,8 @@ def test_stratum_bounds_of_sizes_past_int64_products(n, strata):
 
 
 def test_randk_refuses_2_32_entries():
-    with pytest.raises(nk.KernelParameterError, match="fewer than 2\\^32 entries, got k=4294967296"):
+    with pytest.raises(nk.KernelParameterError,
+                       match="fewer than 2\\^32 entries, got k=4294967296"):
         nk.compress_randk(np.zeros(4, np.float32), 2**32)
 
 
