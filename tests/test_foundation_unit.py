@@ -606,77 +606,68 @@ def test_slurm_cross_check_warns_on_disagreement(initialized):
                         "SLURM_LOCALID='x' is not an integer"]
 
 
-@pytest.mark.parametrize("environ,refused", [
-    ({"WORLD_SIZE": "4", "RANK": "2"}, True),   # torchrun --nproc_per_node=4: four singletons
-    ({"WORLD_SIZE": "1", "RANK": "0"}, False),
-    ({}, False),
-    ({"WORLD_SIZE": "four"}, False),
+TORCHRUN_REFUSAL = r"MPI sees a job of 1 rank, but WORLD_SIZE=4 .*RANK=2.*mpiexec -n 4 python"
+SRUN_REFUSAL = (r"SLURM_PROCID=1: MPI sees a job of 1 rank, but SLURM_STEP_NUM_TASKS=2 .*"
+                r"srun --mpi=pmi2 \(--mpi=pmix only where .*COMM_SELF")
+
+
+@pytest.mark.parametrize("rule, environ, refusal", [
+    # torchrun --nproc_per_node=4: four singletons
+    ("refuse_lone_process_of_a_larger_job", {"WORLD_SIZE": "4", "RANK": "2"}, TORCHRUN_REFUSAL),
+    ("refuse_lone_process_of_a_larger_job", {"WORLD_SIZE": "1", "RANK": "0"}, None),
+    ("refuse_lone_process_of_a_larger_job", {}, None),
+    ("refuse_lone_process_of_a_larger_job", {"WORLD_SIZE": "four"}, None),
+    # srun --mpi=none -n 2
+    ("refuse_lone_task_of_a_slurm_step", {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"},
+     SRUN_REFUSAL),
+    ("refuse_lone_task_of_a_slurm_step", {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"},
+     None),
+    # python run from the batch script
+    ("refuse_lone_task_of_a_slurm_step", {"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, None),
+    ("refuse_lone_task_of_a_slurm_step", {}, None),
+    ("refuse_lone_task_of_a_slurm_step", {"SLURM_STEP_NUM_TASKS": "two"}, None),
 ])
-def test_a_lone_mpi_process_of_a_torchrun_job_is_refused(environ, refused):
+def test_a_lone_mpi_process_of_a_larger_launch_is_refused(rule, environ, refusal):
+    """torchrun's and srun's processes that MPI sees as jobs of one rank are refused, naming
+    the variables and the launch to use; other environments, and MPI's own larger jobs, pass."""
     from bagua_mpi.exceptions import MisuseError
-    if refused:
-        with pytest.raises(MisuseError, match=r"MPI sees a job of 1 rank, but WORLD_SIZE=4 .*"
-                                              r"RANK=2.*mpiexec -n 4 python"):
-            topology.refuse_lone_process_of_a_larger_job(1, environ)
+    refuse = getattr(topology, rule)
+    if refusal is not None:
+        with pytest.raises(MisuseError, match=refusal):
+            refuse(1, environ)
     else:
-        topology.refuse_lone_process_of_a_larger_job(1, environ)
-    topology.refuse_lone_process_of_a_larger_job(4, environ)  # MPI's own job of 4: fine
+        refuse(1, environ)
+    refuse(4, environ)  # MPI's own job of 4: fine
 
 
-def test_init_under_torchrun_alone_fails_and_comm_self_is_a_choice():
-    """A process started by torchrun (WORLD_SIZE=4) is a one-rank MPI job: init raises,
-    leaving nothing initialized; init(comm=MPI.COMM_SELF) runs it alone on purpose."""
+@pytest.mark.parametrize("launcher, environ, refusal", [
+    ("torchrun", {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"},
+     "bagua_mpi.init(): MPI sees a job of 1 rank, but WORLD_SIZE=4"),
+    ("srun without --mpi", {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+                            "SLURM_NTASKS": "2"},
+     "bagua_mpi.init() on Slurm task SLURM_PROCID=1: MPI sees a job of 1 rank, but "
+     "SLURM_STEP_NUM_TASKS=2"),
+])
+def test_init_as_a_lone_process_of_a_larger_job_fails_and_comm_self_is_a_choice(
+        launcher, environ, refusal):
+    """A process that a launcher started as one of several (torchrun's WORLD_SIZE, a srun
+    step of several tasks without a working --mpi plugin) but that MPI sees as a job of one
+    rank: init raises, leaving nothing initialized; init(comm=MPI.COMM_SELF) runs it alone
+    on purpose."""
     import subprocess
     import sys
     code = ("import bagua_mpi as bm\nfrom mpi4py import MPI\n"
             "try:\n    bm.init()\nexcept bm.MisuseError as e:\n"
-            "    print('refused', bm.is_initialized(), str(e)[:40])\n"
+            "    print('refused', bm.is_initialized(), str(e))\n"
             "bm.init(MPI.COMM_SELF)\nprint('alone', bm.size())\n")
-    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["refused False bagua_mpi.init(): MPI sees a job of 1 ra",
-                                        "alone 1"], proc.stdout
-
-
-@pytest.mark.parametrize("environ,refused", [
-    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, True),  # srun --mpi=none -n 2
-    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, False),
-    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, False),  # python run from the batch script
-    ({}, False),
-    ({"SLURM_STEP_NUM_TASKS": "two"}, False),
-])
-def test_a_lone_mpi_process_of_a_srun_step_is_refused(environ, refused):
-    from bagua_mpi.exceptions import MisuseError
-    if refused:
-        with pytest.raises(MisuseError, match=r"SLURM_PROCID=1: MPI sees a job of 1 rank, but "
-                                              r"SLURM_STEP_NUM_TASKS=2 .*srun --mpi=pmi2 "
-                                              r"\(--mpi=pmix only where .*COMM_SELF"):
-            topology.refuse_lone_task_of_a_slurm_step(1, environ)
-    else:
-        topology.refuse_lone_task_of_a_slurm_step(1, environ)
-    topology.refuse_lone_task_of_a_slurm_step(2, environ)  # MPI's own job of 2: fine
-
-
-def test_init_as_a_lone_task_of_a_srun_step_fails_and_comm_self_is_a_choice():
-    """A task of a srun step of 2 that MPI sees as a job of one rank (srun without a working
-    --mpi plugin): init raises, leaving nothing initialized; init(comm=MPI.COMM_SELF) runs
-    it alone on purpose."""
-    import subprocess
-    import sys
-    code = ("import bagua_mpi as bm\nfrom mpi4py import MPI\n"
-            "try:\n    bm.init()\nexcept bm.MisuseError as e:\n"
-            "    print('refused', bm.is_initialized(), str(e)[:57])\n"
-            "bm.init(MPI.COMM_SELF)\nprint('alone', bm.size())\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env.update(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1", SLURM_NTASKS="2")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
-        "refused False bagua_mpi.init() on Slurm task SLURM_PROCID=1: MPI sees a",
-        "alone 1"], proc.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORLD_SIZE", "RANK",
+                                                                     "SLURM_"))}
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, **environ},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (launcher, proc.stderr)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"refused False {refusal}") and lines[1:] == ["alone 1"], \
+        (launcher, proc.stdout)
 
 
 def test_cuda_awareness_override(monkeypatch):
